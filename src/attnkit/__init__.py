@@ -1,0 +1,22 @@
+"""attnkit: attention mechanisms done right.
+
+The book's layers (*Dive into Deep Learning*), one mask convention (``True`` = may attend; rows with nothing
+to attend to give zeros, never NaN), fast backends, and pictures of what a model attends to.
+"""
+
+from attnkit.dispatch import available_backends
+from attnkit.functional import AttentionOutput, additive_attention, scaled_dot_product_attention
+from attnkit.masks import causal_mask, masked_softmax, sequence_mask
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionOutput",
+    "__version__",
+    "additive_attention",
+    "available_backends",
+    "causal_mask",
+    "masked_softmax",
+    "scaled_dot_product_attention",
+    "sequence_mask",
+]

@@ -1,0 +1,74 @@
+"""The reference backend: the specification, written as plainly as the math.
+
+For each batch element and head, with ``allowed[i, j]`` the combined mask (valid_lens AND is_causal AND the
+boolean attn_mask AND finite float bias) and ``bias[i, j]`` the float attn_mask (0 when absent)::
+
+    dot-product:  s[i, j] = scale * (q[i] . k[j]) + bias[i, j]
+    additive:     s[i, j] = w_v . tanh(q[i] + k[j]) + bias[i, j]
+
+    a[i, j] = exp(s[i, j]) / sum_{j' allowed} exp(s[i, j'])    for allowed j, else 0
+              (a row with no allowed key is all zeros, so its output is zero)
+    out[i]  = sum_j dropout(a)[i, j] * v[j]
+
+Query head ``h`` uses key/value head ``h // (H / Hkv)``. Computed in float32 for float16/bfloat16 inputs (in
+float64 for float64), returned in the input dtype; ``weights`` are ``a`` before dropout. Holds the whole
+``(B, H, Lq, Lk)`` scores (and ``(B, H, Lq, Lk, D)`` features for additive scoring): use it for weights and
+for checking, not for long sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnkit.backends.common import additive_scores, repeat_kv
+from attnkit.masks import Mask, compute_dtype, softmax_with_mask
+
+NAME = "reference"
+
+# B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim, Dv value head dim
+
+
+def available() -> list[str]:
+    return []
+
+
+def why_not(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask,
+    *,
+    w_v: Tensor | None,
+    scale: float,
+    dropout_p: float,
+    need_weights: bool,
+) -> list[str]:
+    return []
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask,
+    *,
+    w_v: Tensor | None,
+    scale: float,
+    dropout_p: float,
+    need_weights: bool,
+) -> tuple[Tensor, Tensor | None]:
+    H = q.shape[1]
+    dtype = compute_dtype(q.dtype)
+    qf = q.to(dtype)  # (B, H, Lq, D)
+    kf = repeat_kv(k, H).to(dtype)  # (B, H, Lk, D)
+    vf = repeat_kv(v, H).to(dtype)  # (B, H, Lk, Dv)
+    if w_v is None:
+        scores = (qf @ kf.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
+    else:
+        scores, _ = additive_scores(qf, kf, w_v.to(dtype))  # (B, H, Lq, Lk)
+    allowed, bias = mask.full(dtype)
+    weights = softmax_with_mask(scores, allowed, bias)  # (B, H, Lq, Lk)
+    dropped = torch.nn.functional.dropout(weights, dropout_p) if dropout_p > 0 else weights
+    out = dropped @ vf  # (B, H, Lq, Dv)
+    return out.to(q.dtype), (weights.to(q.dtype) if need_weights else None)

@@ -1,0 +1,234 @@
+"""Functional attention: validate, then dispatch.
+
+``q`` may be ``(B, H, Lq, D)`` or ``(B, Lq, D)`` (one head; outputs then drop the head axis too), ``k``
+``(B, Hkv, Lk, D)`` and ``v`` ``(B, Hkv, Lk, Dv)`` with ``Hkv`` dividing ``H`` (grouped-query attention: query
+head ``h`` uses key/value head ``h // (H / Hkv)``). Masks follow :mod:`attnkit.masks`: ``True`` = may attend,
+a row with nothing to attend to gives zeros. Inputs are never modified.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from attnkit import dispatch
+from attnkit.masks import Mask
+
+__all__ = ["AttentionOutput", "additive_attention", "scaled_dot_product_attention"]
+
+# B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head (or hidden) dim, Dv value head dim
+
+
+class AttentionOutput(NamedTuple):
+    """``output``: ``(B, H, Lq, Dv)`` (or ``(B, Lq, Dv)``); ``weights``: ``(B, H, Lq, Lk)`` (or ``(B, Lq, Lk)``),
+    the probabilities before dropout, or ``None`` unless ``need_weights=True``."""
+
+    output: Tensor
+    weights: Tensor | None
+
+
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    valid_lens: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+    backend: str = "auto",
+) -> AttentionOutput:
+    """``softmax(q k^T * scale + bias, masked) v``.
+
+    Args:
+        q: ``(B, H, Lq, D)`` or ``(B, Lq, D)``.
+        k: ``(B, Hkv, Lk, D)`` or ``(B, Lk, D)``, same number of dims as ``q``.
+        v: ``(B, Hkv, Lk, Dv)`` or ``(B, Lk, Dv)``.
+        valid_lens: ``(B,)`` or ``(B, Lq)`` whole numbers in ``[0, Lk]``.
+        attn_mask: boolean (``True`` = may attend) or float (added to the scores), broadcastable to
+            ``(B, H, Lq, Lk)`` (to ``(B, Lq, Lk)`` for 3-dim inputs).
+        is_causal: query ``i`` sees key ``j`` when ``j <= i + Lk - Lq``.
+        scale: multiplies the scores; ``1 / sqrt(D)`` when ``None``.
+        dropout_p: dropout on the weights (always applied when > 0; layers pass 0 in eval mode).
+        need_weights: also return the weights (runs the reference backend).
+        backend: ``"auto"``, ``"reference"``, ``"sdpa"`` or ``"chunked"``.
+
+    Returns:
+        :class:`AttentionOutput` ``(output, weights)``.
+
+    Raises:
+        ValueError, TypeError: naming the argument, with the shapes, for inputs that do not fit together.
+
+    Example:
+        >>> q, k, v = torch.ones(2, 1, 4), torch.ones(2, 3, 4), torch.arange(24.0).reshape(2, 3, 4)
+        >>> out, w = scaled_dot_product_attention(q, k, v, valid_lens=torch.tensor([1, 2]), need_weights=True)
+        >>> out
+        tensor([[[ 0.,  1.,  2.,  3.]],
+        <BLANKLINE>
+                [[14., 15., 16., 17.]]])
+        >>> w
+        tensor([[[1.0000, 0.0000, 0.0000]],
+        <BLANKLINE>
+                [[0.5000, 0.5000, 0.0000]]])
+    """
+    three_d = check_qkv(q, k, v)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return _attend(q, k, v, None, three_d, valid_lens, attn_mask, is_causal, scale, dropout_p, need_weights, backend)
+
+
+def additive_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    w_v: Tensor,
+    *,
+    valid_lens: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+    backend: str = "auto",
+) -> AttentionOutput:
+    """Additive (Bahdanau) attention on already projected queries and keys: ``s[i, j] = w_v . tanh(q[i] + k[j])``.
+
+    Args:
+        q: ``(B, Lq, h)`` or ``(B, H, Lq, h)``, the projected queries ``W_q q``.
+        k: ``(B, Lk, h)`` or ``(B, Hkv, Lk, h)``, the projected keys ``W_k k``.
+        v: ``(B, Lk, Dv)`` or ``(B, Hkv, Lk, Dv)``.
+        w_v: ``(h,)``.
+        valid_lens, attn_mask, is_causal, dropout_p, need_weights, backend: as in
+            :func:`scaled_dot_product_attention`.
+
+    Returns:
+        :class:`AttentionOutput` ``(output, weights)``.
+
+    Example:
+        >>> q, k, v = torch.zeros(1, 1, 8), torch.ones(1, 4, 8), torch.arange(4.0).reshape(1, 4, 1)
+        >>> additive_attention(q, k, v, torch.ones(8), valid_lens=torch.tensor([2])).output
+        tensor([[[0.5000]]])
+    """
+    three_d = check_qkv(q, k, v)
+    if not isinstance(w_v, Tensor):
+        raise TypeError(f"w_v must be a tensor of shape (h,) = ({q.shape[-1]},), got {type(w_v).__name__}")
+    if tuple(w_v.shape) != (q.shape[-1],):
+        raise ValueError(
+            f"w_v must have shape (h,) = ({q.shape[-1]},) to match the hidden size of q and k, "
+            f"got {tuple(w_v.shape)}: q {tuple(q.shape)}, w_v {tuple(w_v.shape)}"
+        )
+    _check_same_kind(("q", q), ("w_v", w_v))
+    return _attend(q, k, v, w_v, three_d, valid_lens, attn_mask, is_causal, 1.0, dropout_p, need_weights, backend)
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] = ("q", "k", "v")) -> bool:
+    """Check that queries, keys and values fit together; return True for 3-dim (head-less) inputs.
+
+    Raises:
+        TypeError: a non-tensor, a non-floating dtype, or mixed dtypes.
+        ValueError: mixed devices, wrong number of dims, batch sizes, feature sizes, key/value lengths or head
+            counts that do not fit, or no keys.
+    """
+    nq, nk, nv = names
+    for name, t in zip(names, (q, k, v), strict=True):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got dtype {t.dtype}")
+    _check_same_kind((nq, q), (nk, k), (nv, v))
+    shapes = f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}, {nv} {tuple(v.shape)}"
+    if q.dim() not in (3, 4):
+        raise ValueError(f"{nq} must be (B, H, Lq, D) or (B, Lq, D), got {q.dim()} dims: {shapes}")
+    if k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(f"{nq}, {nk} and {nv} must have the same number of dims: {shapes}")
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(
+            f"batch sizes differ: {nq} has {q.shape[0]}, {nk} has {k.shape[0]}, {nv} has {v.shape[0]}: {shapes}"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"{nk} has {k.shape[-2]} positions but {nv} has {v.shape[-2]}: {nk} {tuple(k.shape)}, {nv} {tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"{nq} and {nk} must have the same feature size, got {q.shape[-1]} and {k.shape[-1]}: "
+            f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}"
+        )
+    if k.shape[-2] == 0:
+        raise ValueError(f"{nk} must have at least one position: {shapes}")
+    if q.dim() == 4:
+        H, Hkv = q.shape[1], k.shape[1]
+        if v.shape[1] != Hkv:
+            raise ValueError(f"{nk} has {Hkv} heads but {nv} has {v.shape[1]}: {shapes}")
+        if Hkv == 0 or H % Hkv:
+            raise ValueError(f"the {H} heads of {nq} must be a multiple of the {Hkv} heads of {nk} and {nv}: {shapes}")
+    return q.dim() == 3
+
+
+def _check_same_kind(*named: tuple[str, Tensor]) -> None:
+    (n0, t0), rest = named[0], named[1:]
+    for name, t in rest:
+        if t.dtype != t0.dtype:
+            raise TypeError(f"{n0} and {name} must have the same dtype, got {t0.dtype} and {t.dtype}")
+        if t.device != t0.device:
+            raise ValueError(f"{n0} and {name} must be on the same device, got {t0.device} and {t.device}")
+
+
+def _attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    w_v: Tensor | None,
+    three_d: bool,
+    valid_lens: Tensor | None,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    scale: float,
+    dropout_p: float,
+    need_weights: bool,
+    backend: str,
+) -> AttentionOutput:
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if three_d:
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L, D)
+    B, H, Lq, _ = q.shape
+    mask = Mask.build(
+        batch=B,
+        heads=H,
+        num_queries=Lq,
+        num_keys=k.shape[2],
+        valid_lens=valid_lens,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        mask_dims=3 if three_d else 4,
+        device=q.device,
+    )
+    k, v = _zero_dead_keys(k, v, mask)
+    chosen = dispatch.choose(
+        backend, q, k, v, mask, w_v=w_v, scale=scale, dropout_p=dropout_p, need_weights=need_weights
+    )
+    out, weights = chosen.attention(
+        q, k, v, mask, w_v=w_v, scale=scale, dropout_p=dropout_p, need_weights=need_weights
+    )  # (B, H, Lq, Dv), (B, H, Lq, Lk) or None
+    if three_d:
+        out = out.squeeze(1)  # (B, Lq, Dv)
+        weights = None if weights is None else weights.squeeze(1)  # (B, Lq, Lk)
+    return AttentionOutput(out, weights)
+
+
+def _zero_dead_keys(k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, Tensor]:
+    """Zero the keys and values no query may see (padding), so that whatever they hold, NaN included, never
+    reaches the output or the gradients. Returns new tensors; the inputs are left as they were."""
+    live = mask.live_keys()  # (B|1, H|1, Lk, 1) or None
+    if live is None or bool(live.all()):
+        return k, v
+    Hkv = k.shape[1]
+    if live.shape[1] not in (1, Hkv):
+        # a per-query-head mask with grouped key/value heads: a key/value head is live if any of its group is
+        live = live.unflatten(1, (Hkv, -1)).any(dim=2)  # (B|1, Hkv, Lk, 1)
+    zero = torch.zeros((), dtype=k.dtype, device=k.device)
+    return torch.where(live, k, zero), torch.where(live, v, zero)

@@ -1,0 +1,373 @@
+"""Masks: who may attend to whom.
+
+One convention everywhere: a boolean ``True`` means *may attend*. Three ways to say it, which may be given
+together and combine (boolean AND; a float mask is a bias added to the scores):
+
+* ``valid_lens``, as in *Dive into Deep Learning*: shape ``(B,)`` lets every query of example ``b`` see its
+  first ``valid_lens[b]`` keys; shape ``(B, Lq)`` gives each query its own length.
+* ``attn_mask``: boolean, broadcastable to ``(B, H, Lq, Lk)``; or floating point, added to the scores (ALiBi,
+  relative positions). ``-inf`` entries in a float mask count as "may not attend".
+* ``is_causal``: query ``i`` sees key ``j`` when ``j <= i + Lk - Lq`` (aligned to the bottom right), so one new
+  query decoded against a cache of keys sees the whole cache::
+
+      Lq = Lk = 4        Lq = 2, Lk = 4       Lq = 4, Lk = 2
+      1 . . .            1 1 1 .              . .   <- no key: zero weights
+      1 1 . .            1 1 1 1              . .
+      1 1 1 .                                 1 .
+      1 1 1 1                                 1 1
+
+A query row with no key to attend to gets all-zero weights and a zero output, never NaN, and never the
+uniform weights over padding that the book's ``-1e6`` fill gives.
+
+The :class:`Mask` keeps these parts apart and builds any block of columns on demand, so the chunked backend
+never holds the whole ``Lq x Lk`` mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["Mask", "causal_mask", "masked_softmax", "sequence_mask"]
+
+# B batch, H heads, Lq/Lk query/key length, blk a block of keys [j0, j1)
+
+
+def sequence_mask(valid_lens: Tensor, num_keys: int) -> Tensor:
+    """Boolean mask of the keys each row may see.
+
+    Args:
+        valid_lens: ``(B,)`` or ``(B, Lq)``, whole numbers (integer or float dtype).
+        num_keys: ``Lk``, the number of key positions.
+
+    Returns:
+        ``(B, Lk)`` or ``(B, Lq, Lk)`` boolean, ``True`` where position ``j < valid_lens``.
+
+    Example:
+        >>> sequence_mask(torch.tensor([1, 3]), 4)
+        tensor([[ True, False, False, False],
+                [ True,  True,  True, False]])
+    """
+    valid_lens = _as_lengths(valid_lens, "valid_lens", num_keys)
+    positions = torch.arange(num_keys, device=valid_lens.device)  # (Lk,)
+    return positions < valid_lens[..., None]  # (B, Lk) or (B, Lq, Lk)
+
+
+def causal_mask(num_queries: int, num_keys: int, device: torch.device | str | None = None) -> Tensor:
+    """Bottom-right aligned causal mask: query ``i`` may see key ``j`` when ``j <= i + Lk - Lq``.
+
+    Returns:
+        ``(Lq, Lk)`` boolean.
+
+    Example:
+        >>> causal_mask(2, 3)
+        tensor([[ True,  True, False],
+                [ True,  True,  True]])
+    """
+    return _causal_block(num_queries, num_keys, 0, num_keys, device)
+
+
+def masked_softmax(
+    scores: Tensor,
+    valid_lens: Tensor | None = None,
+    *,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+) -> Tensor:
+    """Softmax over the last axis of ``scores`` that only looks at the keys each query may attend to.
+
+    The book's function done right: ``scores`` is never written to (the book's ``sequence_mask`` writes into
+    the caller's tensor and fails on a leaf that requires grad); float16/bfloat16 are computed in float32; a
+    row with nothing to attend to gets all-zero weights (not uniform weights over padding, not NaN), and its
+    gradient is zero and finite.
+
+    Args:
+        scores: ``(B, Lq, Lk)`` or ``(B, H, Lq, Lk)`` floating point.
+        valid_lens: ``(B,)`` or ``(B, Lq)`` whole numbers, at most ``Lk``.
+        attn_mask: boolean (``True`` = may attend) or float bias, broadcastable to ``scores``.
+        is_causal: bottom-right aligned causal mask (see the module docstring).
+
+    Returns:
+        Weights with the shape and dtype of ``scores``; each row sums to 1, or is all zero.
+
+    Raises:
+        ValueError, TypeError: for arguments whose shapes or values do not fit ``scores``.
+
+    Example:
+        >>> w = masked_softmax(torch.zeros(2, 1, 4), torch.tensor([2, 0]))
+        >>> w
+        tensor([[[0.5000, 0.5000, 0.0000, 0.0000]],
+        <BLANKLINE>
+                [[0.0000, 0.0000, 0.0000, 0.0000]]])
+    """
+    if not isinstance(scores, Tensor) or not scores.is_floating_point():
+        raise TypeError(f"scores must be a floating point tensor, got {_describe(scores)}")
+    if scores.dim() not in (3, 4):
+        raise ValueError(
+            f"scores must be (B, Lq, Lk) or (B, H, Lq, Lk), got {scores.dim()} dims: {tuple(scores.shape)}"
+        )
+    three_d = scores.dim() == 3
+    s4 = scores.unsqueeze(1) if three_d else scores  # (B, H, Lq, Lk)
+    B, H, Lq, Lk = s4.shape
+    mask = Mask.build(
+        batch=B,
+        heads=H,
+        num_queries=Lq,
+        num_keys=Lk,
+        valid_lens=valid_lens,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        mask_dims=3 if three_d else 4,
+        device=scores.device,
+    )
+    compute = compute_dtype(scores.dtype)
+    allowed, bias = mask.full(compute)
+    weights = softmax_with_mask(s4.to(compute), allowed, bias)  # (B, H, Lq, Lk)
+    weights = weights.to(scores.dtype)
+    return weights.squeeze(1) if three_d else weights
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half precisions, the dtype itself for float32/float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def softmax_with_mask(scores: Tensor, allowed: Tensor | None, bias: Tensor | None) -> Tensor:
+    """Softmax of ``scores + bias`` over the allowed keys; rows with none allowed give zeros.
+
+    Masked scores are filled with ``finfo.min`` (finite, so no ``inf - inf``), then zeroed after the softmax,
+    which also zeroes the rows where nothing was allowed and their gradients.
+    """
+    if bias is not None:
+        scores = scores + bias  # (B, H, Lq, Lk)
+    if allowed is None:
+        return torch.softmax(scores, dim=-1)
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    return torch.softmax(scores, dim=-1).masked_fill(~allowed, 0.0)
+
+
+class Mask:
+    """The combined mask of one attention call, kept as its parts.
+
+    ``block(j0, j1)`` returns the boolean ``allowed`` (``True`` = may attend) and the float ``bias`` for keys
+    ``j0 <= j < j1``, each broadcastable to ``(B, H, Lq, j1 - j0)``, or ``None`` where that part is absent.
+    Build one with :meth:`Mask.build`, which validates every argument.
+    """
+
+    def __init__(
+        self,
+        *,
+        batch: int,
+        heads: int,
+        num_queries: int,
+        num_keys: int,
+        valid_lens: Tensor | None,
+        is_causal: bool,
+        bool_mask: Tensor | None,
+        bias: Tensor | None,
+    ) -> None:
+        self.batch, self.heads = batch, heads
+        self.num_queries, self.num_keys = num_queries, num_keys
+        self.valid_lens = valid_lens  # (B, 1 | Lq, 1) long, or None
+        self.is_causal = is_causal
+        self.bool_mask = bool_mask  # (B|1, H|1, Lq, Lk) bool view, or None
+        self.bias = bias  # (B|1, H|1, Lq, Lk) float view, or None
+        self.bias_has_neg_inf = bias is not None and bool(torch.isneginf(bias).any())
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        batch: int,
+        heads: int,
+        num_queries: int,
+        num_keys: int,
+        valid_lens: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+        mask_dims: int = 4,
+        device: torch.device | None = None,
+    ) -> Mask:
+        """Validate the masking arguments of a call and keep them as parts.
+
+        Args:
+            batch, heads, num_queries, num_keys: ``B, H, Lq, Lk`` of the call.
+            valid_lens: ``(B,)`` or ``(B, Lq)`` whole numbers in ``[0, Lk]``.
+            attn_mask: bool or float, broadcastable to ``(B, Lq, Lk)`` when ``mask_dims == 3`` (inputs without
+                a head axis) or to ``(B, H, Lq, Lk)`` when ``mask_dims == 4``.
+            is_causal: bottom-right aligned causal mask.
+            device: where the call runs; masks elsewhere are an error.
+        """
+        B, H, Lq, Lk = batch, heads, num_queries, num_keys
+        if not isinstance(is_causal, bool):
+            raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+        lens = None
+        if valid_lens is not None:
+            lens = _as_lengths(valid_lens, "valid_lens", Lk)
+            _check_device("valid_lens", lens, device)
+            if lens.shape not in ((B,), (B, Lq)):
+                raise ValueError(
+                    f"valid_lens must have shape (B,) = ({B},) or (B, Lq) = ({B}, {Lq}), got {tuple(lens.shape)}"
+                )
+            lens = lens.view(B, 1, -1, 1)  # (B, 1, 1 | Lq, 1)
+        bool_mask = bias = None
+        if attn_mask is not None:
+            m = _as_4d_mask(attn_mask, B, H, Lq, Lk, mask_dims)
+            _check_device("attn_mask", m, device)
+            m = m.expand(*m.shape[:2], Lq, Lk)  # (B|1, H|1, Lq, Lk), a view: blocks slice it
+            if m.dtype == torch.bool:
+                bool_mask = m
+            else:
+                bias = m
+        return cls(
+            batch=B,
+            heads=H,
+            num_queries=Lq,
+            num_keys=Lk,
+            valid_lens=lens,
+            is_causal=is_causal,
+            bool_mask=bool_mask,
+            bias=bias,
+        )
+
+    @property
+    def is_empty(self) -> bool:
+        """True when every query may attend to every key with no bias."""
+        return (
+            self.valid_lens is None
+            and not (self.is_causal and self.num_keys > 0)
+            and self.bool_mask is None
+            and self.bias is None
+        )
+
+    @property
+    def has_bool_part(self) -> bool:
+        return self.valid_lens is not None or self.is_causal or self.bool_mask is not None or self.bias_has_neg_inf
+
+    def block(self, j0: int, j1: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor | None, Tensor | None]:
+        """``allowed`` and ``bias`` for keys ``[j0, j1)``, each broadcastable to ``(B, H, Lq, j1 - j0)``."""
+        allowed: Tensor | None = None
+        device = self._device()
+        if self.valid_lens is not None:
+            keys = torch.arange(j0, j1, device=device)  # (blk,)
+            allowed = keys < self.valid_lens  # (B, 1, 1 | Lq, blk)
+        if self.is_causal:
+            causal = _causal_block(self.num_queries, self.num_keys, j0, j1, device)  # (Lq, blk)
+            allowed = causal if allowed is None else allowed & causal
+        if self.bool_mask is not None:
+            part = self.bool_mask[..., j0:j1]  # (B|1, H|1, Lq, blk)
+            allowed = part if allowed is None else allowed & part
+        bias = None
+        if self.bias is not None:
+            bias = self.bias[..., j0:j1].to(dtype)  # (B|1, H|1, Lq, blk)
+            if self.bias_has_neg_inf:
+                finite = ~torch.isneginf(bias)
+                allowed = finite if allowed is None else allowed & finite
+        return allowed, bias
+
+    def full(self, dtype: torch.dtype = torch.float32) -> tuple[Tensor | None, Tensor | None]:
+        """``block(0, Lk)``: the whole mask, for the backends that hold ``Lq x Lk`` anyway."""
+        return self.block(0, self.num_keys, dtype)
+
+    def live_keys(self) -> Tensor | None:
+        """Keys that some query may attend to, ``(B|1, H|1, Lk, 1)`` bool; ``None`` when no part removes keys.
+
+        Conservative: a key that any one part removes for every query is dead, whatever the other parts say.
+        Dead keys (padding) are zeroed in ``k`` and ``v`` before attention, so that whatever they hold, NaN
+        included, never reaches the output or the gradients.
+        """
+        live: Tensor | None = None
+        device = self._device()
+        if self.valid_lens is not None:
+            longest = self.valid_lens.amax(dim=2, keepdim=True)  # (B, 1, 1, 1)
+            live = torch.arange(self.num_keys, device=device) < longest  # (B, 1, 1, Lk)
+        if self.bool_mask is not None:
+            part = self.bool_mask.any(dim=-2, keepdim=True)  # (B|1, H|1, 1, Lk)
+            live = part if live is None else live & part
+        if self.bias_has_neg_inf:
+            assert self.bias is not None
+            part = (~torch.isneginf(self.bias)).any(dim=-2, keepdim=True)  # (B|1, H|1, 1, Lk)
+            live = part if live is None else live & part
+        return None if live is None else live.transpose(-1, -2)  # (B|1, H|1, Lk, 1)
+
+    def longest_key_prefix(self) -> int:
+        """How many leading keys can be seen at all: keys past ``max(valid_lens)`` never are."""
+        if self.valid_lens is None:
+            return self.num_keys
+        return int(self.valid_lens.max()) if self.valid_lens.numel() else 0
+
+    def _device(self) -> torch.device | None:
+        for part in (self.valid_lens, self.bool_mask, self.bias):
+            if part is not None:
+                return part.device
+        return None
+
+
+def _causal_block(Lq: int, Lk: int, j0: int, j1: int, device: torch.device | str | None) -> Tensor:
+    rows = torch.arange(Lq, device=device)[:, None]  # (Lq, 1)
+    cols = torch.arange(j0, j1, device=device)[None, :]  # (1, blk)
+    return cols <= rows + (Lk - Lq)  # (Lq, blk)
+
+
+def _as_lengths(valid_lens: Tensor, name: str, num_keys: int) -> Tensor:
+    """Check lengths are whole numbers in ``[0, num_keys]``; return them as int64 (never in place)."""
+    if not isinstance(valid_lens, Tensor):
+        raise TypeError(f"{name} must be a tensor of lengths, got {_describe(valid_lens)}")
+    if valid_lens.dtype == torch.bool or valid_lens.is_complex():
+        raise TypeError(f"{name} must hold whole numbers (integer or float dtype), got dtype {valid_lens.dtype}")
+    if valid_lens.dim() not in (1, 2):
+        raise ValueError(f"{name} must have shape (B,) or (B, Lq), got {tuple(valid_lens.shape)}")
+    if valid_lens.numel() == 0:
+        return valid_lens.long()
+    if valid_lens.is_floating_point():
+        # One reduction (one host sync) for all three checks keeps small calls cheap.
+        whole = valid_lens == valid_lens.round()
+        if not bool(whole.all()):
+            bad = valid_lens[~whole][0].item()
+            raise ValueError(f"{name} must hold whole numbers, got {bad} in {_short(valid_lens)}")
+    lo, hi = valid_lens.aminmax()
+    if lo < 0:
+        raise ValueError(f"{name} must not be negative, got {lo.item()} in {_short(valid_lens)}")
+    if hi > num_keys:
+        raise ValueError(
+            f"{name} may be at most the number of keys ({num_keys}), got {hi.item()} in {_short(valid_lens)}"
+        )
+    return valid_lens.long()
+
+
+def _as_4d_mask(attn_mask: Tensor, B: int, H: int, Lq: int, Lk: int, mask_dims: int) -> Tensor:
+    """A view of ``attn_mask`` with 4 dims, broadcastable to ``(B, H, Lq, Lk)``."""
+    if not isinstance(attn_mask, Tensor):
+        raise TypeError(f"attn_mask must be a tensor, got {_describe(attn_mask)}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(
+            f"attn_mask must be boolean (True = may attend) or floating point (added to the scores), "
+            f"got dtype {attn_mask.dtype}"
+        )
+    target = (B, Lq, Lk) if mask_dims == 3 else (B, H, Lq, Lk)
+    shape = tuple(attn_mask.shape)
+    fits = len(shape) <= len(target) and all(
+        s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False)
+    )
+    if not fits:
+        names = "(B, Lq, Lk)" if mask_dims == 3 else "(B, H, Lq, Lk)"
+        raise ValueError(f"attn_mask of shape {shape} is not broadcastable to {names} = {target}")
+    m = attn_mask.reshape((1,) * (mask_dims - len(shape)) + shape)  # (B|1, [H|1,] Lq|1, Lk|1)
+    return m.unsqueeze(1) if mask_dims == 3 else m  # (B|1, H|1, Lq|1, Lk|1)
+
+
+def _check_device(name: str, t: Tensor, device: torch.device | None) -> None:
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the inputs are on {device}")
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, Tensor):
+        return f"tensor of dtype {x.dtype} and shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def _short(t: Tensor) -> str:
+    values = t.flatten()[:8].tolist()
+    more = ", ..." if t.numel() > 8 else ""
+    return f"{tuple(t.shape)} tensor [{', '.join(str(v) for v in values)}{more}]"
