@@ -1,0 +1,262 @@
+"""Every backend against the float64 math of tests/mathref.py, over awkward sizes and every masking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit.backends import chunked
+from cases import MASKINGS, SHAPES, make_inputs, make_masking
+from mathref import attention as math_attention
+from mathref import max_err
+
+BACKENDS = ("reference", "sdpa", "chunked")
+
+# float32: the output within 1e-5 of float64. Gradients sum up to Lq * H/Hkv terms (904 here), so their
+# float32 error is measured against their size: 3e-5 * max(1, max|grad|). The chunked backward's dk, where the
+# truth is 0 (Lk = 1), is the worst case seen: 1.6e-5.
+OUT_TOL = 1e-5
+GRAD_TOL = 3e-5
+
+
+def _run(backend, q, k, v, kw, grad_out=None, block_size=64):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    with chunked.settings(block_size=block_size):  # several blocks and a partial last one at Lk=203, 257
+        out, _ = attnkit.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
+    if grad_out is None:
+        return out, None
+    grads = torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype))
+    return out, grads
+
+
+@pytest.mark.parametrize(("Lq", "Lk", "D", "group"), SHAPES)
+def test_float32_matches_float64_math(Lq, Lk, D, group):
+    for index, masking in enumerate(MASKINGS):
+        q, k, v, g = make_inputs(Lq, Lk, D, group, seed=1000 * index + Lq + Lk + D + group)
+        kw = make_masking(masking, Lq, Lk, g)
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        truth, _ = math_attention(q64, k64, v64, **kw)
+        grad_out = torch.randn(truth.shape, generator=g, dtype=torch.float64)
+        true_grads = torch.autograd.grad(truth, (q64, k64, v64), grad_out)
+        for backend in BACKENDS:
+            out, grads = _run(backend, q, k, v, kw, grad_out)
+            assert out.dtype == torch.float32
+            where = f"{backend}, {masking}, q {tuple(q.shape)} k {tuple(k.shape)}"
+            assert max_err(out, truth) <= OUT_TOL, where
+            for name, grad, true in zip("qkv", grads, true_grads, strict=True):
+                tol = GRAD_TOL * max(1.0, true.abs().max().item())
+                assert max_err(grad, true) <= tol, f"d{name}: {where}"
+
+
+@pytest.mark.parametrize(("Lq", "Lk"), [(7, 203), (113, 257), (113, 1), (1, 257)])
+@pytest.mark.parametrize("masking", MASKINGS)
+def test_bfloat16_error_at_most_twice_the_math_in_bfloat16(Lq, Lk, masking):
+    q, k, v, g = make_inputs(Lq, Lk, 40, 2, seed=Lq * Lk + len(masking), dtype=torch.bfloat16)
+    kw = make_masking(masking, Lq, Lk, g)
+    truth, _ = math_attention(q, k, v, **kw)  # float64 from the same bfloat16 inputs
+    low, _ = math_attention(q, k, v, dtype=torch.bfloat16, **kw)
+    allowed = 2 * max_err(low.to(torch.bfloat16), truth) + 1e-6
+    for backend in BACKENDS:
+        out, _ = _run(backend, q, k, v, kw)
+        assert out.dtype == torch.bfloat16
+        assert max_err(out, truth) <= allowed, f"{backend}, {masking}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_three_dim_inputs_are_one_head(backend):
+    q, k, v, g = make_inputs(7, 203, 40, 1, seed=3, heads=False)
+    kw = make_masking("valid_lens_2d+bool_mask+float_mask+causal", 7, 203, g, heads=False)
+    truth, _ = math_attention(q.double(), k.double(), v.double(), **kw)
+    out, _ = _run(backend, q, k, v, kw)
+    assert out.shape == (2, 7, 43)
+    assert max_err(out, truth) <= OUT_TOL
+
+
+@pytest.mark.parametrize("Lq", [1, 7, 113])
+def test_additive_matches_float64_math_for_reference_and_chunked(Lq):
+    for index, masking in enumerate(MASKINGS):
+        q, k, v, g = make_inputs(Lq, 203, 16, 1, seed=index, heads=False)
+        w_v = torch.randn(16, generator=g)
+        kw = make_masking(masking, Lq, 203, g, heads=False)
+        leaves64 = [t.double().requires_grad_() for t in (q, k, v, w_v)]
+        truth, true_w = math_attention(*leaves64[:3], w_v=leaves64[3], **kw)
+        grad_out = torch.randn(truth.shape, generator=g, dtype=torch.float64)
+        true_grads = torch.autograd.grad(truth, leaves64, grad_out)
+        for backend in ("reference", "chunked"):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v, w_v)]
+            # a 64 KiB budget makes blocks of 4 keys here: many blocks, a partial last one
+            with chunked.settings(additive_block_bytes=2**16):
+                out, weights = attnkit.additive_attention(
+                    *leaves, backend=backend, need_weights=backend == "reference", **kw
+                )
+            grads = torch.autograd.grad(out, leaves, grad_out.float())
+            where = f"{backend}, {masking}"
+            assert max_err(out, truth) <= OUT_TOL, where
+            if weights is not None:
+                assert max_err(weights, true_w) <= OUT_TOL, where
+            for name, grad, true in zip(("q", "k", "v", "w_v"), grads, true_grads, strict=True):
+                tol = GRAD_TOL * max(1.0, true.abs().max().item())
+                assert max_err(grad, true) <= tol, f"d{name}: {where}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weights_and_output_of_the_reference(backend):
+    q, k, v, g = make_inputs(7, 203, 40, 2, seed=11)
+    kw = make_masking("valid_lens_1d+causal", 7, 203, g)
+    truth, true_w = math_attention(q.double(), k.double(), v.double(), **kw)
+    out, w = attnkit.scaled_dot_product_attention(q, k, v, need_weights=True, **kw)
+    assert w is not None and w.shape == (2, 8, 7, 203)
+    assert max_err(w, true_w) <= OUT_TOL
+    assert max_err(out, truth) <= OUT_TOL
+
+
+def test_gradcheck_reference_and_chunked_in_float64():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 3, 5, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, 6, 5, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 2, 6, 4, generator=g, dtype=torch.float64)
+    bias = torch.randn(1, 4, 3, 6, generator=g, dtype=torch.float64)
+    lens = torch.tensor([[2, 0, 6], [5, 4, 1]])  # a row with no key, and a row with all of them
+    for backend in ("reference", "chunked"):
+        with chunked.settings(block_size=4):
+
+            def dot(q, k, v, backend=backend):
+                return attnkit.scaled_dot_product_attention(
+                    q, k, v, valid_lens=lens, attn_mask=bias, is_causal=True, backend=backend
+                ).output
+
+            assert torch.autograd.gradcheck(dot, [t.clone().requires_grad_() for t in (q, k, v)])
+
+
+def test_gradcheck_additive_reference_and_chunked_in_float64():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 3, 5, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 6, 5, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 6, 4, generator=g, dtype=torch.float64)
+    w_v = torch.randn(5, generator=g, dtype=torch.float64)
+    lens = torch.tensor([4, 0])
+    for backend in ("reference", "chunked"):
+        with chunked.settings(additive_block_bytes=8 * 2 * 3 * 5 * 4):  # blocks of 4 keys
+
+            def additive(q, k, v, w_v, backend=backend):
+                return attnkit.additive_attention(q, k, v, w_v, valid_lens=lens, backend=backend).output
+
+            assert torch.autograd.gradcheck(additive, [t.clone().requires_grad_() for t in (q, k, v, w_v)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["valid_lens", "causal", "bool_mask", "float_mask"])
+def test_fully_masked_rows_are_exactly_zero_and_finite(dtype, backend, how):
+    q, k, v, g = make_inputs(5, 3, 8, 2, seed=5, dtype=dtype)
+    if how == "valid_lens":
+        kw = {"valid_lens": torch.tensor([0, 2])}  # example 0 has no key at all
+        dead = torch.zeros(2, 8, 5, dtype=torch.bool)
+        dead[0] = True
+    elif how == "causal":
+        kw = {"is_causal": True}  # Lq=5 > Lk=3: queries 0 and 1 see no key
+        dead = torch.zeros(2, 8, 5, dtype=torch.bool)
+        dead[:, :, :2] = True
+    else:
+        allowed = torch.rand(2, 8, 5, 3, generator=g) < 0.7
+        allowed[:, :, 1] = False
+        allowed[1, 3, 4] = False
+        dead = ~allowed.any(-1)
+        kw = {"attn_mask": allowed}
+        if how == "float_mask":
+            kw = {"attn_mask": torch.randn(2, 8, 5, 3, generator=g).masked_fill(~allowed, float("-inf"))}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    need = backend == "reference"
+    out, w = attnkit.scaled_dot_product_attention(*leaves, backend=backend, need_weights=need, **kw)
+    out.backward(torch.ones_like(out))
+    assert torch.isfinite(out).all()
+    assert (out[dead] == 0).all()
+    assert (out[~dead] != 0).any()
+    if w is not None:
+        assert (w[dead] == 0).all() and torch.isfinite(w).all()
+    for leaf in leaves:
+        assert torch.isfinite(leaf.grad).all()
+    assert (leaves[0].grad[dead] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lens_dims", [1, 2])
+def test_padding_never_leaks(backend, lens_dims):
+    q, k, v, g = make_inputs(7, 203, 40, 2, seed=7)
+    if lens_dims == 1:
+        lens = torch.tensor([150, 37])
+        longest = lens
+    else:
+        lens = torch.randint(1, 120, (2, 7), generator=g)
+        longest = lens.amax(dim=1)
+    dirty_k, dirty_v = k.clone(), v.clone()
+    for b, n in enumerate(longest.tolist()):
+        dirty_k[b, :, n:] = float("nan")
+        dirty_v[b, :, n:] = float("nan")
+    clean, clean_grads = _run(backend, q, k, v, {"valid_lens": lens}, torch.ones(2, 8, 7, 43))
+    dirty, dirty_grads = _run(backend, q, dirty_k, dirty_v, {"valid_lens": lens}, torch.ones(2, 8, 7, 43))
+    assert torch.isfinite(dirty).all()
+    torch.testing.assert_close(dirty, clean, rtol=0, atol=0)
+    for dirty_grad in dirty_grads:
+        assert torch.isfinite(dirty_grad).all()
+    torch.testing.assert_close(dirty_grads[0], clean_grads[0], rtol=0, atol=0)
+
+
+def test_padding_never_leaks_into_additive_attention():
+    q, k, v, g = make_inputs(7, 203, 16, 1, seed=8, heads=False)
+    w_v = torch.randn(16, generator=g)
+    lens = torch.tensor([150, 37])
+    dirty_k, dirty_v = k.clone(), v.clone()
+    dirty_k[1, 37:] = float("nan")
+    dirty_v[1, 37:] = float("inf")
+    for backend in ("reference", "chunked"):
+        clean = attnkit.additive_attention(q, k, v, w_v, valid_lens=lens, backend=backend).output
+        dirty = attnkit.additive_attention(q, dirty_k, dirty_v, w_v, valid_lens=lens, backend=backend).output
+        torch.testing.assert_close(dirty, clean, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float_mask_adds_to_the_scores(backend):
+    q, k, v, g = make_inputs(7, 9, 8, 1, seed=9)
+    alibi = -torch.arange(9.0).abs().expand(7, 9)  # (Lq, Lk), broadcast over batch and heads
+    truth, _ = math_attention(q.double(), k.double(), v.double(), attn_mask=alibi)
+    out, _ = _run(backend, q, k, v, {"attn_mask": alibi})
+    assert max_err(out, truth) <= OUT_TOL
+
+
+def test_causal_is_aligned_bottom_right_for_decoding():
+    """One new query against a cache of keys sees the whole cache."""
+    q, k, v, _ = make_inputs(1, 203, 8, 1, seed=10)
+    for backend in BACKENDS:
+        causal, _ = _run(backend, q, k, v, {"is_causal": True})
+        plain, _ = _run(backend, q, k, v, {})
+        torch.testing.assert_close(causal, plain)
+
+
+def test_dropout_weights_are_before_dropout():
+    q, k, v, _ = make_inputs(7, 9, 8, 1, seed=12)
+    torch.manual_seed(0)
+    out, w = attnkit.scaled_dot_product_attention(q, k, v, dropout_p=0.5, need_weights=True)
+    plain, w_plain = attnkit.scaled_dot_product_attention(q, k, v, need_weights=True)
+    torch.testing.assert_close(w, w_plain)
+    assert not torch.allclose(out, plain)
+    sdpa_out, _ = attnkit.scaled_dot_product_attention(q, k, v, dropout_p=0.5, backend="sdpa")
+    assert not torch.allclose(sdpa_out, plain)
+
+
+def test_chunked_saves_nothing_of_size_lq_times_lk():
+    """Forward and backward keep O(L) tensors: what autograd saves is never an Lq x Lk matrix."""
+    L, D = 512, 16
+    q, k, v = (torch.randn(1, 2, L, D, requires_grad=True) for _ in range(3))
+    saved = []
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t)
+    with hooks, chunked.settings(block_size=64):
+        out = attnkit.scaled_dot_product_attention(q, k, v, valid_lens=torch.tensor([400]), backend="chunked")
+    out.output.sum().backward()
+    assert saved and max(saved) <= 2 * L * D
+    with hooks:
+        w_v = torch.randn(D, requires_grad=True)
+        out = attnkit.additive_attention(q, k, v, w_v, backend="chunked")
+    out.output.sum().backward()
+    assert max(saved) <= 2 * L * D
