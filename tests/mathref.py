@@ -24,7 +24,7 @@ def allowed_mask(B, H, Lq, Lk, *, valid_lens=None, attn_mask=None, is_causal=Fal
                 allowed[b, :, i, n:] = False
     if is_causal:
         for i in range(Lq):
-            allowed[:, :, i, i + Lk - Lq + 1 :] = False
+            allowed[:, :, i, max(0, i + Lk - Lq + 1) :] = False
     if attn_mask is not None:
         m = attn_mask
         if three_d and m.dim() == 3:

@@ -191,6 +191,12 @@ def _attend(
     need_weights: bool,
     backend: str,
 ) -> AttentionOutput:
+    if not isinstance(need_weights, bool):
+        raise TypeError(f"need_weights must be a bool, got {need_weights!r}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a number, got {scale!r}")
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
+        raise TypeError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if three_d:

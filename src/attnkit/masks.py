@@ -203,13 +203,12 @@ class Mask:
             raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
         lens = None
         if valid_lens is not None:
-            lens = _as_lengths(valid_lens, "valid_lens", Lk)
-            _check_device("valid_lens", lens, device)
-            if lens.shape not in ((B,), (B, Lq)):
+            if isinstance(valid_lens, Tensor) and valid_lens.shape not in ((B,), (B, Lq)):
                 raise ValueError(
-                    f"valid_lens must have shape (B,) = ({B},) or (B, Lq) = ({B}, {Lq}), got {tuple(lens.shape)}"
+                    f"valid_lens must have shape (B,) = ({B},) or (B, Lq) = ({B}, {Lq}), got {tuple(valid_lens.shape)}"
                 )
-            lens = lens.view(B, 1, -1, 1)  # (B, 1, 1 | Lq, 1)
+            lens = _as_lengths(valid_lens, "valid_lens", Lk, device)
+            lens = lens.reshape(B, 1, -1, 1)  # (B, 1, 1 | Lq, 1)
         bool_mask = bias = None
         if attn_mask is not None:
             m = _as_4d_mask(attn_mask, B, H, Lq, Lk, mask_dims)
@@ -309,14 +308,15 @@ def _causal_block(Lq: int, Lk: int, j0: int, j1: int, device: torch.device | str
     return cols <= rows + (Lk - Lq)  # (Lq, blk)
 
 
-def _as_lengths(valid_lens: Tensor, name: str, num_keys: int) -> Tensor:
-    """Check lengths are whole numbers in ``[0, num_keys]``; return them as int64 (never in place)."""
+def _as_lengths(valid_lens: Tensor, name: str, num_keys: int, device: torch.device | None = None) -> Tensor:
+    """Check lengths are whole numbers in ``[0, num_keys]`` on ``device``; return them as int64 (never in place)."""
     if not isinstance(valid_lens, Tensor):
         raise TypeError(f"{name} must be a tensor of lengths, got {_describe(valid_lens)}")
     if valid_lens.dtype == torch.bool or valid_lens.is_complex():
         raise TypeError(f"{name} must hold whole numbers (integer or float dtype), got dtype {valid_lens.dtype}")
     if valid_lens.dim() not in (1, 2):
         raise ValueError(f"{name} must have shape (B,) or (B, Lq), got {tuple(valid_lens.shape)}")
+    _check_device(name, valid_lens, device)
     if valid_lens.numel() == 0:
         return valid_lens.long()
     if valid_lens.is_floating_point():

@@ -1,0 +1,88 @@
+"""Which backend runs: the auto policy, explicit choices, and what runs here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import dispatch
+
+
+def _qkv(B=2, H=4, Lq=5, Lk=6, D=8, heads=True):
+    if heads:
+        return torch.randn(B, H, Lq, D), torch.randn(B, H, Lk, D), torch.randn(B, H, Lk, D)
+    return torch.randn(B, Lq, D), torch.randn(B, Lk, D), torch.randn(B, Lk, D)
+
+
+def test_available_backends_here():
+    assert attnkit.available_backends() == ["reference", "sdpa", "chunked"]
+    assert all(reasons == [] for reasons in dispatch.unavailable_reasons().values())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({}, "sdpa"),
+        ({"valid_lens": torch.tensor([2, 3]), "is_causal": True}, "sdpa"),
+        ({"need_weights": True}, "reference"),
+        ({"dropout_p": 0.1}, "sdpa"),
+    ],
+)
+def test_auto_for_dot_product(kwargs, expected):
+    with dispatch.watch() as ran:
+        attnkit.scaled_dot_product_attention(*_qkv(), **kwargs)
+    assert ran == [expected]
+
+
+def test_auto_for_additive_small_is_reference_and_large_is_chunked():
+    q, k, v = _qkv(heads=False)
+    with dispatch.watch() as ran:
+        attnkit.additive_attention(q, k, v, torch.randn(8))
+    assert ran == ["reference"]
+    q, k, v = _qkv(B=2, Lq=256, Lk=256, D=64, heads=False)  # 2*256*256*64 = 2**23 feature elements
+    with dispatch.watch() as ran:
+        attnkit.additive_attention(q, k, v, torch.randn(64))
+        attnkit.additive_attention(q, k, v, torch.randn(64), dropout_p=0.1)  # chunked has no dropout
+    assert ran == ["chunked", "reference"]
+
+
+def test_explicit_backend_runs_as_named():
+    for name in attnkit.available_backends():
+        with dispatch.watch() as ran:
+            attnkit.scaled_dot_product_attention(*_qkv(), backend=name)
+        assert ran == [name]
+
+
+def test_explicit_backend_never_falls_back_and_lists_every_reason():
+    with pytest.raises(ValueError) as info, dispatch.watch() as ran:
+        attnkit.scaled_dot_product_attention(*_qkv(), backend="chunked", need_weights=True, dropout_p=0.2)
+    message = str(info.value)
+    assert "backend='chunked' cannot run this call" in message
+    assert "chunked: never returns weights (need_weights=True); no dropout (dropout_p=0.2)" in message
+    assert "sdpa: never returns weights (need_weights=True)" in message
+    assert "reference: can run it" in message
+    assert ran == []
+
+
+def test_sdpa_refuses_additive():
+    q, k, v = _qkv(heads=False)
+    with pytest.raises(ValueError, match="sdpa: dot-product scoring only"):
+        attnkit.additive_attention(q, k, v, torch.randn(8), backend="sdpa")
+
+
+def test_chunked_refuses_a_float_mask_that_requires_grad():
+    bias = torch.zeros(5, 6, requires_grad=True)
+    with pytest.raises(ValueError, match="chunked: does not differentiate a float attn_mask"):
+        attnkit.scaled_dot_product_attention(*_qkv(), attn_mask=bias, backend="chunked")
+    with dispatch.watch() as ran:
+        out = attnkit.scaled_dot_product_attention(*_qkv(), attn_mask=bias).output
+    out.sum().backward()
+    assert ran == ["sdpa"] and bias.grad is not None
+
+
+def test_watch_records_nothing_outside_its_block():
+    with dispatch.watch() as ran:
+        pass
+    attnkit.scaled_dot_product_attention(*_qkv())
+    assert ran == []
