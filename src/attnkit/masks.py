@@ -232,16 +232,7 @@ class Mask:
     @property
     def is_empty(self) -> bool:
         """True when every query may attend to every key with no bias."""
-        return (
-            self.valid_lens is None
-            and not (self.is_causal and self.num_keys > 0)
-            and self.bool_mask is None
-            and self.bias is None
-        )
-
-    @property
-    def has_bool_part(self) -> bool:
-        return self.valid_lens is not None or self.is_causal or self.bool_mask is not None or self.bias_has_neg_inf
+        return self.valid_lens is None and not self.is_causal and self.bool_mask is None and self.bias is None
 
     def block(self, j0: int, j1: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor | None, Tensor | None]:
         """``allowed`` and ``bias`` for keys ``[j0, j1)``, each broadcastable to ``(B, H, Lq, j1 - j0)``."""
