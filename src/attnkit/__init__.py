@@ -6,17 +6,22 @@ to attend to give zeros, never NaN), fast backends, and pictures of what a model
 
 from attnkit.dispatch import available_backends
 from attnkit.functional import AttentionOutput, additive_attention, scaled_dot_product_attention
+from attnkit.layers import AdditiveAttention, DotProductAttention, MultiHeadAttention, record_weights
 from attnkit.masks import causal_mask, masked_softmax, sequence_mask
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdditiveAttention",
     "AttentionOutput",
+    "DotProductAttention",
+    "MultiHeadAttention",
     "__version__",
     "additive_attention",
     "available_backends",
     "causal_mask",
     "masked_softmax",
+    "record_weights",
     "scaled_dot_product_attention",
     "sequence_mask",
 ]

@@ -124,8 +124,13 @@ def additive_attention(
     return _attend(q, k, v, w_v, three_d, valid_lens, attn_mask, is_causal, 1.0, dropout_p, need_weights, backend)
 
 
-def check_qkv(q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] = ("q", "k", "v")) -> bool:
+def check_qkv(
+    q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] = ("q", "k", "v"), *, same_features: bool = True
+) -> bool:
     """Check that queries, keys and values fit together; return True for 3-dim (head-less) inputs.
+
+    ``same_features=False`` skips the check that ``q`` and ``k`` have one feature size (layers whose
+    projections bring them to one size).
 
     Raises:
         TypeError: a non-tensor, a non-floating dtype, or mixed dtypes.
@@ -152,7 +157,7 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] = ("q
         raise ValueError(
             f"{nk} has {k.shape[-2]} positions but {nv} has {v.shape[-2]}: {nk} {tuple(k.shape)}, {nv} {tuple(v.shape)}"
         )
-    if q.shape[-1] != k.shape[-1]:
+    if same_features and q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"{nq} and {nk} must have the same feature size, got {q.shape[-1]} and {k.shape[-1]}: "
             f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}"

@@ -1,0 +1,282 @@
+"""The attention code of *Dive into Deep Learning*, as a drop-in replacement.
+
+Swap ``from d2l import torch as d2l`` for ``from attnkit import d2l`` in the attention chapters and the
+notebooks keep working: same names, same signatures (the older explicit-size ones and the newer size-inferring
+ones), same parameter names (``W_q``, ``W_k``, ``W_v``, ``W_o``, ``w_v``, so a book ``state_dict`` loads
+unchanged), and ``.attention_weights`` set after every forward, as in the book. ``DotProductAttention`` also
+keeps ``.scores``, the scaled scores before masking, to print beside the weights.
+
+Where this differs from the book, on purpose:
+
+* A row with nothing to attend to (``valid_lens`` of 0) gets all-zero weights and a zero output. The book
+  fills masked scores with ``-1e6``, which gives such a row uniform weights over the padding.
+* Nothing is written into the caller's tensors: the book's ``sequence_mask`` assigns into ``X`` (and so
+  fails on a leaf tensor that requires grad); here it returns a new tensor.
+* Padding never leaks: values past ``valid_lens`` holding NaN do not reach the output.
+* Mistakes raise a ``ValueError`` that names the argument and shows the shapes, instead of a matmul error.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnkit import functional, masks
+
+__all__ = [
+    "AdditiveAttention",
+    "DotProductAttention",
+    "MultiHeadAttention",
+    "masked_softmax",
+    "sequence_mask",
+    "show_heatmaps",
+    "transpose_output",
+    "transpose_qkv",
+]
+
+# B batch, H heads, Lq/Lk query/key length, d head dim
+
+
+def sequence_mask(X: Tensor, valid_len: Tensor, value: float = 0) -> Tensor:
+    """``X`` with the entries past ``valid_len`` (along axis 1) set to ``value``, as a new tensor.
+
+    Args:
+        X: ``(N, L, ...)`` or ``(N, L)``.
+        valid_len: ``(N,)``.
+
+    Example:
+        >>> sequence_mask(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([1, 2]))
+        tensor([[1, 0, 0],
+                [4, 5, 0]])
+    """
+    keep = masks.sequence_mask(valid_len, X.shape[1])  # (N, L)
+    keep = keep.view(*keep.shape, *([1] * (X.dim() - 2)))  # (N, L, 1, ...)
+    return X.masked_fill(~keep, value)
+
+
+def masked_softmax(X: Tensor, valid_lens: Tensor | None) -> Tensor:
+    """The book's ``masked_softmax(X, valid_lens)``: ``X (B, Lq, Lk)``, ``valid_lens (B,)`` or ``(B, Lq)``.
+
+    Rows with no valid key are all zeros (the book gives them uniform weights); ``X`` is never modified.
+    """
+    return masks.masked_softmax(X, valid_lens)
+
+
+def transpose_qkv(X: Tensor, num_heads: int) -> Tensor:
+    """Split the hidden axis into heads and fold them into the batch: ``(B, L, H*d) -> (B*H, L, d)``.
+
+    Example:
+        >>> transpose_qkv(torch.zeros(2, 3, 8), 2).shape
+        torch.Size([4, 3, 4])
+    """
+    if X.dim() != 3 or X.shape[-1] % num_heads:
+        raise ValueError(
+            f"transpose_qkv: X must be (B, L, num_heads * d) with num_heads={num_heads}, got {tuple(X.shape)}"
+        )
+    X = X.reshape(X.shape[0], X.shape[1], num_heads, -1)  # (B, L, H, d)
+    X = X.permute(0, 2, 1, 3)  # (B, H, L, d)
+    return X.reshape(-1, X.shape[2], X.shape[3])  # (B*H, L, d)
+
+
+def transpose_output(X: Tensor, num_heads: int) -> Tensor:
+    """Undo :func:`transpose_qkv`: ``(B*H, L, d) -> (B, L, H*d)``.
+
+    Example:
+        >>> X = torch.randn(2, 3, 8)
+        >>> torch.equal(transpose_output(transpose_qkv(X, 2), 2), X)
+        True
+    """
+    if X.dim() != 3 or X.shape[0] % num_heads:
+        raise ValueError(
+            f"transpose_output: X must be (B * num_heads, L, d) with num_heads={num_heads}, got {tuple(X.shape)}"
+        )
+    X = X.reshape(-1, num_heads, X.shape[1], X.shape[2])  # (B, H, L, d)
+    X = X.permute(0, 2, 1, 3)  # (B, L, H, d)
+    return X.reshape(X.shape[0], X.shape[1], -1)  # (B, L, H*d)
+
+
+class DotProductAttention(nn.Module):
+    """The book's scaled dot-product attention, ``DotProductAttention(dropout)``.
+
+    ``forward(queries (B, Lq, d), keys (B, Lk, d), values (B, Lk, dv), valid_lens=None) -> (B, Lq, dv)``;
+    sets ``.attention_weights (B, Lq, Lk)`` and ``.scores (B, Lq, Lk)`` (scaled, before masking).
+
+    Example:
+        >>> attention = DotProductAttention(0.5).eval()
+        >>> values = torch.arange(40, dtype=torch.float32).reshape(1, 10, 4).repeat(2, 1, 1)
+        >>> out = attention(torch.ones(2, 1, 2), torch.ones(2, 10, 2), values, torch.tensor([2, 6]))
+        >>> torch.allclose(out, torch.tensor([[[2.0, 3, 4, 5]], [[10, 11, 12, 13]]]))
+        True
+        >>> attention.attention_weights[1, 0, 4:8]
+        tensor([0.1667, 0.1667, 0.0000, 0.0000])
+    """
+
+    def __init__(self, dropout: float, num_heads: int | None = None) -> None:
+        # num_heads: accepted as in the book's newer signature, which does not use it either
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.attention_weights: Tensor | None = None
+        self.scores: Tensor | None = None
+
+    def forward(self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None) -> Tensor:
+        out, weights = functional.scaled_dot_product_attention(
+            queries,
+            keys,
+            values,
+            valid_lens=valid_lens,
+            dropout_p=self.dropout.p if self.training else 0.0,
+            need_weights=True,
+        )
+        with torch.no_grad():
+            self.scores = torch.bmm(queries, keys.transpose(1, 2)) / math.sqrt(queries.shape[-1])  # (B, Lq, Lk)
+        self.attention_weights = weights
+        return out
+
+
+class AdditiveAttention(nn.Module):
+    """The book's additive attention, in both of its forms.
+
+    ``AdditiveAttention(key_size, query_size, num_hiddens, dropout)`` (explicit sizes) or
+    ``AdditiveAttention(num_hiddens, dropout)`` (sizes inferred at the first call).
+    ``forward(queries (B, Lq, query_size), keys (B, Lk, key_size), values (B, Lk, dv), valid_lens)``; sets
+    ``.attention_weights (B, Lq, Lk)``.
+
+    Example:
+        >>> attention = AdditiveAttention(key_size=2, query_size=20, num_hiddens=8, dropout=0.1).eval()
+        >>> values = torch.arange(40, dtype=torch.float32).reshape(1, 10, 4).repeat(2, 1, 1)
+        >>> queries, keys = torch.normal(0, 1, (2, 1, 20)), torch.ones((2, 10, 2))
+        >>> out = attention(queries, keys, values, torch.tensor([2, 6]))
+        >>> torch.allclose(out, torch.tensor([[[2.0, 3, 4, 5]], [[10, 11, 12, 13]]]))
+        True
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+        sizes = _bind(
+            "AdditiveAttention",
+            args,
+            kwargs,
+            explicit=("key_size", "query_size", "num_hiddens", "dropout"),
+            inferred=("num_hiddens", "dropout"),
+        )
+        h = sizes["num_hiddens"]
+        self.W_k = _linear(sizes.get("key_size"), h)
+        self.W_q = _linear(sizes.get("query_size"), h)
+        self.w_v = nn.Linear(h, 1, bias=False)
+        self.dropout = nn.Dropout(sizes["dropout"])
+        self.attention_weights: Tensor | None = None
+
+    def forward(self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None) -> Tensor:
+        functional.check_qkv(queries, keys, values, ("queries", "keys", "values"), same_features=False)
+        out, weights = functional.additive_attention(
+            self.W_q(queries),  # (B, Lq, h)
+            self.W_k(keys),  # (B, Lk, h)
+            values,
+            self.w_v.weight[0],  # (1, h) -> (h,)
+            valid_lens=valid_lens,
+            dropout_p=self.dropout.p if self.training else 0.0,
+            need_weights=True,
+        )
+        self.attention_weights = weights
+        return out
+
+
+class MultiHeadAttention(nn.Module):
+    """The book's multi-head attention, in both of its forms.
+
+    ``MultiHeadAttention(key_size, query_size, value_size, num_hiddens, num_heads, dropout, bias=False)`` or
+    ``MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)`` (sizes inferred at the first call).
+    ``forward(queries, keys, values, valid_lens) -> (B, Lq, num_hiddens)``; the heads are folded into the batch
+    with :func:`transpose_qkv`, as in the book, so ``.attention.attention_weights`` is ``(B*H, Lq, Lk)``.
+
+    Example:
+        >>> attention = MultiHeadAttention(100, 100, 100, 100, 5, 0.5).eval()
+        >>> X, Y = torch.ones((2, 4, 100)), torch.ones((2, 6, 100))
+        >>> attention(X, Y, Y, torch.tensor([3, 2])).shape
+        torch.Size([2, 4, 100])
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+        sizes = _bind(
+            "MultiHeadAttention",
+            args,
+            kwargs,
+            explicit=("key_size", "query_size", "value_size", "num_hiddens", "num_heads", "dropout", "bias"),
+            inferred=("num_hiddens", "num_heads", "dropout", "bias"),
+            defaults={"bias": False},
+        )
+        h, bias = sizes["num_hiddens"], sizes["bias"]
+        if h % sizes["num_heads"]:
+            raise ValueError(f"num_hiddens ({h}) must be a multiple of num_heads ({sizes['num_heads']})")
+        self.num_heads = sizes["num_heads"]
+        self.attention = DotProductAttention(sizes["dropout"])
+        self.W_q = _linear(sizes.get("query_size"), h, bias=bias)
+        self.W_k = _linear(sizes.get("key_size"), h, bias=bias)
+        self.W_v = _linear(sizes.get("value_size"), h, bias=bias)
+        self.W_o = nn.Linear(h, h, bias=bias)
+
+    def forward(self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None) -> Tensor:
+        functional.check_qkv(queries, keys, values, ("queries", "keys", "values"), same_features=False)
+        queries = self.transpose_qkv(self.W_q(queries))  # (B, Lq, h) -> (B*H, Lq, h/H)
+        keys = self.transpose_qkv(self.W_k(keys))  # (B*H, Lk, h/H)
+        values = self.transpose_qkv(self.W_v(values))  # (B*H, Lk, h/H)
+        if valid_lens is not None:
+            valid_lens = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)  # (B*H,) or (B*H, Lq)
+        output = self.attention(queries, keys, values, valid_lens)  # (B*H, Lq, h/H)
+        output_concat = self.transpose_output(output)  # (B, Lq, h)
+        return self.W_o(output_concat)
+
+    def transpose_qkv(self, X: Tensor) -> Tensor:
+        """The book's newer method form of :func:`transpose_qkv`."""
+        return transpose_qkv(X, self.num_heads)
+
+    def transpose_output(self, X: Tensor) -> Tensor:
+        """The book's newer method form of :func:`transpose_output`."""
+        return transpose_output(X, self.num_heads)
+
+
+def show_heatmaps(*args: Any, **kwargs: Any) -> Any:
+    """The book's ``show_heatmaps``; see :func:`attnkit.plot.show_heatmaps` (needs matplotlib)."""
+    from attnkit.plot import show_heatmaps as draw
+
+    return draw(*args, **kwargs)
+
+
+def _linear(in_features: int | None, out_features: int, bias: bool = False) -> nn.Linear:
+    if in_features is None:
+        return nn.LazyLinear(out_features, bias=bias)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def _bind(
+    cls: str,
+    args: tuple,
+    kwargs: dict[str, Any],
+    *,
+    explicit: tuple[str, ...],
+    inferred: tuple[str, ...],
+    defaults: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Bind the book's arguments to its explicit-size signature or to its newer size-inferring one.
+
+    The explicit form is recognised by its extra leading sizes: more arguments than the newer form takes, or
+    any of ``key_size``/``query_size``/``value_size`` by name.
+    """
+    defaults = defaults or {}
+    sizes_named = any(name in kwargs for name in ("key_size", "query_size", "value_size"))
+    names = explicit if sizes_named or len(args) + len(kwargs) > len(inferred) else inferred
+    parameters = [
+        inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=defaults.get(n, inspect.Parameter.empty))
+        for n in names
+    ]
+    try:
+        bound = inspect.Signature(parameters).bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{cls}({', '.join(explicit)}) or {cls}({', '.join(inferred)}): {e}") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)

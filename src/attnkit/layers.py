@@ -1,0 +1,381 @@
+"""Attention layers: DotProductAttention, AdditiveAttention, MultiHeadAttention.
+
+Keyword-friendly modules on top of :mod:`attnkit.functional`. Inputs are batch first, ``(B, L, features)``;
+inside, one layout ``(B, H, L, d)``. Masks follow :mod:`attnkit.masks` (``True`` = may attend).
+
+Weights are kept only when asked, so the fast path stays fast::
+
+    with attnkit.record_weights(model) as rec:
+        model(x)
+    rec["encoder.attention"]            # (B, H, Lq, Lk), pre-dropout, detached
+
+While recording, the differentiable output still comes from the fast backend; the weights are computed
+beside it by the reference backend, under ``torch.no_grad()``: they are for looking at, not for a loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from attnkit.functional import AttentionOutput, additive_attention, check_qkv, scaled_dot_product_attention
+
+__all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention", "WeightRecord", "record_weights"]
+
+# B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, d head dim, h hidden size
+
+
+class WeightRecord(dict):
+    """``rec[name]``: the weights of the last call of the attention module called ``name`` in the model
+    (``""`` for the model itself); ``rec.calls(name)``: those of every call, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._calls: dict[str, list[Tensor]] = {}
+
+    def add(self, name: str, weights: Tensor) -> None:
+        self._calls.setdefault(name, []).append(weights)
+        self[name] = weights
+
+    def calls(self, name: str) -> list[Tensor]:
+        return list(self._calls.get(name, []))
+
+
+@contextlib.contextmanager
+def record_weights(model: nn.Module) -> Iterator[WeightRecord]:
+    """Record the pre-dropout attention weights of every attnkit attention module inside ``model``.
+
+    Args:
+        model: any module; attnkit attention layers inside it (or ``model`` itself) are recorded.
+
+    Yields:
+        A :class:`WeightRecord`, filled as the model runs; keys are module names from ``named_modules()``.
+
+    Example:
+        >>> mha = MultiHeadAttention(8, 2)
+        >>> x = torch.randn(1, 3, 8)
+        >>> with record_weights(mha) as rec:
+        ...     _ = mha(x, x, x, torch.tensor([2]))
+        >>> rec[""].shape, rec[""][0, 0, 0, 2].item()
+        (torch.Size([1, 2, 3, 3]), 0.0)
+    """
+    record = WeightRecord()
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, _Attention)]
+    for name, module in layers:
+        module._recorder = (record, name)
+    try:
+        yield record
+    finally:
+        for _, module in layers:
+            module._recorder = None
+
+
+class Masks(NamedTuple):
+    valid_lens: Tensor | None
+    attn_mask: Tensor | None
+    is_causal: bool
+
+
+class _Attention(nn.Module):
+    """What the attention layers share: the backend, dropout only in training, and recording."""
+
+    def __init__(self, dropout: float, backend: str) -> None:
+        super().__init__()
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.dropout = dropout
+        self.backend = backend
+        self._recorder: tuple[WeightRecord, str] | None = None
+
+    def _dropout_p(self) -> float:
+        return self.dropout if self.training else 0.0
+
+    def _record(self, attend: Callable[..., AttentionOutput], inputs: tuple[Tensor, ...], masks: Masks) -> None:
+        """Compute the weights beside the fast path, detached, with the reference backend."""
+        if self._recorder is None:
+            return
+        record, name = self._recorder
+        with torch.no_grad():
+            weights = attend(*inputs, **masks._asdict(), need_weights=True, backend="reference").weights
+        assert weights is not None  # need_weights=True
+        record.add(name, weights)
+
+
+class DotProductAttention(_Attention):
+    """Scaled dot-product attention, ``softmax(q k^T / sqrt(d)) v``.
+
+    Args:
+        dropout: on the weights, in training mode only.
+        backend: ``"auto"`` or a backend name (see :mod:`attnkit.dispatch`).
+
+    Example:
+        >>> attn = DotProductAttention(0.5).eval()
+        >>> attn(torch.ones(2, 1, 2), torch.ones(2, 10, 2), torch.ones(2, 10, 4), torch.tensor([2, 6])).shape
+        torch.Size([2, 1, 4])
+    """
+
+    def __init__(self, dropout: float = 0.0, *, backend: str = "auto") -> None:
+        super().__init__(dropout, backend)
+
+    def forward(
+        self,
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        valid_lens: Tensor | None = None,
+        *,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+    ) -> Tensor:
+        """Args: queries ``(B, [H,] Lq, d)``, keys ``(B, [Hkv,] Lk, d)``, values ``(B, [Hkv,] Lk, dv)``;
+        valid_lens ``(B,)`` or ``(B, Lq)``. Returns ``(B, [H,] Lq, dv)``."""
+        masks = Masks(valid_lens, attn_mask, is_causal)
+        out = scaled_dot_product_attention(
+            queries, keys, values, **masks._asdict(), dropout_p=self._dropout_p(), backend=self.backend
+        ).output
+        self._record(scaled_dot_product_attention, (queries, keys, values), masks)
+        return out
+
+
+class AdditiveAttention(_Attention):
+    """Additive (Bahdanau) attention: ``s[i, j] = w_v . tanh(W_q q_i + W_k k_j)``.
+
+    Args:
+        num_hiddens: ``h``, the size of the projected queries and keys.
+        dropout: on the weights, in training mode only.
+        query_size, key_size: input feature sizes; inferred at the first call when ``None``.
+        backend: ``"auto"`` (chunked when the ``(B, Lq, Lk, h)`` features would be large) or a name.
+
+    Example:
+        >>> attn = AdditiveAttention(8, query_size=20, key_size=2).eval()
+        >>> attn(torch.ones(2, 1, 20), torch.ones(2, 10, 2), torch.ones(2, 10, 4), torch.tensor([2, 6])).shape
+        torch.Size([2, 1, 4])
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        dropout: float = 0.0,
+        *,
+        query_size: int | None = None,
+        key_size: int | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(dropout, backend)
+        self.num_hiddens = num_hiddens
+        self.W_q = _linear(query_size, num_hiddens, bias=False)
+        self.W_k = _linear(key_size, num_hiddens, bias=False)
+        self.w_v = nn.Linear(num_hiddens, 1, bias=False)
+
+    def forward(
+        self,
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        valid_lens: Tensor | None = None,
+        *,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+    ) -> Tensor:
+        """Args: queries ``(B, Lq, query_size)``, keys ``(B, Lk, key_size)``, values ``(B, Lk, dv)``;
+        valid_lens ``(B,)`` or ``(B, Lq)``. Returns ``(B, Lq, dv)``."""
+        check_qkv(queries, keys, values, ("queries", "keys", "values"), same_features=False)
+        _check_features("queries", queries, self.W_q)
+        _check_features("keys", keys, self.W_k)
+        q = self.W_q(queries)  # (B, Lq, h)
+        k = self.W_k(keys)  # (B, Lk, h)
+        w_v = self.w_v.weight[0]  # (1, h) -> (h,)
+        masks = Masks(valid_lens, attn_mask, is_causal)
+        out = additive_attention(
+            q, k, values, w_v, **masks._asdict(), dropout_p=self._dropout_p(), backend=self.backend
+        ).output  # (B, Lq, dv)
+        self._record(additive_attention, (q, k, values, w_v), masks)
+        return out
+
+
+class MultiHeadAttention(_Attention):
+    """Multi-head attention, with grouped-query attention (``num_kv_heads``) and cross-attention.
+
+    ``W_q, W_k, W_v, W_o`` are named as in the book, so a book ``state_dict`` loads unchanged.
+
+    Args:
+        num_hiddens: output size, ``H * d``.
+        num_heads: ``H``; must divide ``num_hiddens``.
+        dropout: on the weights, in training mode only.
+        query_size, key_size, value_size: input feature sizes; inferred at the first call when ``None``.
+        num_kv_heads: ``Hkv`` key/value heads (``H`` by default; 1 is multi-query attention); must divide ``H``.
+        bias: biases in the four projections.
+        backend: ``"auto"`` or a backend name.
+
+    Raises:
+        ValueError: ``num_hiddens % num_heads != 0`` or ``num_heads % num_kv_heads != 0``.
+
+    Example:
+        >>> mha = MultiHeadAttention(512, 8, dropout=0.1)
+        >>> x = torch.randn(10, 60, 512)
+        >>> mha(x, x, x).shape
+        torch.Size([10, 60, 512])
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        *,
+        query_size: int | None = None,
+        key_size: int | None = None,
+        value_size: int | None = None,
+        num_kv_heads: int | None = None,
+        bias: bool = False,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(dropout, backend)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads < 1 or num_hiddens % num_heads:
+            raise ValueError(f"num_hiddens ({num_hiddens}) must be a multiple of num_heads ({num_heads})")
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_hiddens, self.num_heads, self.num_kv_heads = num_hiddens, num_heads, num_kv_heads
+        self.head_dim = num_hiddens // num_heads
+        kv_hiddens = num_kv_heads * self.head_dim
+        self.bias = bias
+        self.W_q = _linear(query_size, num_hiddens, bias=bias)
+        self.W_k = _linear(key_size, kv_hiddens, bias=bias)
+        self.W_v = _linear(value_size, kv_hiddens, bias=bias)
+        self.W_o = nn.Linear(num_hiddens, num_hiddens, bias=bias)
+
+    def forward(
+        self,
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        valid_lens: Tensor | None = None,
+        *,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+    ) -> Tensor:
+        """Args: queries ``(B, Lq, query_size)``, keys ``(B, Lk, key_size)``, values ``(B, Lk, value_size)``;
+        valid_lens ``(B,)`` or ``(B, Lq)``; attn_mask ``(Lq, Lk)``, ``(B, Lq, Lk)`` or ``(B, H, Lq, Lk)``.
+        Returns ``(B, Lq, num_hiddens)``."""
+        check_qkv(queries, keys, values, ("queries", "keys", "values"), same_features=False)
+        if queries.dim() != 3:
+            raise ValueError(f"queries must be (B, Lq, query_size), got {tuple(queries.shape)}")
+        for name, x, proj in (("queries", queries, self.W_q), ("keys", keys, self.W_k), ("values", values, self.W_v)):
+            _check_features(name, x, proj)
+        B, Lq, _ = queries.shape
+        Lk = keys.shape[1]
+        H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.W_q(queries).view(B, Lq, H, d).transpose(1, 2)  # (B, H, Lq, d)
+        k = self.W_k(keys).view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
+        v = self.W_v(values).view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
+        if attn_mask is not None and attn_mask.dim() == 3:
+            attn_mask = attn_mask.unsqueeze(1)  # (B, Lq, Lk) -> (B, 1, Lq, Lk)
+        masks = Masks(valid_lens, attn_mask, is_causal)
+        out = scaled_dot_product_attention(
+            q, k, v, **masks._asdict(), dropout_p=self._dropout_p(), backend=self.backend
+        ).output  # (B, H, Lq, d)
+        self._record(scaled_dot_product_attention, (q, k, v), masks)
+        out = out.transpose(1, 2).reshape(B, Lq, H * d)  # (B, H, Lq, d) -> (B, Lq, H*d)
+        return self.W_o(out)  # (B, Lq, num_hiddens)
+
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
+        """An equal attnkit module from a ``torch.nn.MultiheadAttention``.
+
+        Packed ``in_proj_weight`` or separate q/k/v weights (``kdim``/``vdim``), with or without biases. attnkit is
+        always batch first: with ``batch_first=False`` torch takes ``(L, B, E)``, attnkit ``(B, L, E)``.
+
+        Masks: torch's ``key_padding_mask`` ``(B, Lk)`` is ``True`` = *ignore*; here ``True`` = *may attend*, so
+        pass ``attn_mask=~key_padding_mask[:, None, None, :]`` (or ``valid_lens`` when the padding is at the
+        end). torch's boolean ``attn_mask`` is also ``True`` = ignore: pass ``~attn_mask``; a float one as is.
+
+        Raises:
+            ValueError: for ``add_bias_kv`` or ``add_zero_attn``, which have no attnkit equivalent.
+        """
+        if m.bias_k is not None or m.add_zero_attn:
+            raise ValueError("from_torch: add_bias_kv and add_zero_attn have no attnkit equivalent")
+        E = m.embed_dim
+        has_bias = m.in_proj_bias is not None
+        new = cls(E, m.num_heads, m.dropout, query_size=E, key_size=m.kdim, value_size=m.vdim, bias=has_bias).to(
+            device=m.out_proj.weight.device, dtype=m.out_proj.weight.dtype
+        )
+        with torch.no_grad():
+            if m.in_proj_weight is not None:
+                w_q, w_k, w_v = m.in_proj_weight.chunk(3)  # (3E, E) -> 3 x (E, E)
+            else:
+                w_q, w_k, w_v = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
+            for proj, w in ((new.W_q, w_q), (new.W_k, w_k), (new.W_v, w_v), (new.W_o, m.out_proj.weight)):
+                proj.weight.copy_(w)
+            if has_bias:
+                for proj, b in zip((new.W_q, new.W_k, new.W_v), m.in_proj_bias.chunk(3), strict=True):
+                    proj.bias.copy_(b)
+                new.W_o.bias.copy_(m.out_proj.bias)
+        return new
+
+    def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
+        """The equal ``torch.nn.MultiheadAttention`` (see :meth:`from_torch` for the masks).
+
+        Raises:
+            ValueError: with ``num_kv_heads != num_heads`` or a query size other than ``num_hiddens``, which
+                torch cannot express, or with sizes not yet inferred.
+        """
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(
+                f"to_torch: torch.nn.MultiheadAttention has no grouped-query attention "
+                f"(num_kv_heads={self.num_kv_heads}, num_heads={self.num_heads})"
+            )
+        projections = (self.W_q, self.W_k, self.W_v)
+        if any(isinstance(p, nn.LazyLinear) and p.has_uninitialized_params() for p in projections):
+            raise ValueError("to_torch: input sizes are not known yet; call the module once or give the sizes")
+        sizes = [p.weight.shape[1] for p in projections]
+        E = self.num_hiddens
+        if sizes[0] != E:
+            raise ValueError(f"to_torch: torch needs query_size == num_hiddens ({E}), got {sizes[0]}")
+        weight = self.W_o.weight
+        m = nn.MultiheadAttention(
+            E,
+            self.num_heads,
+            dropout=self.dropout,
+            bias=self.bias,
+            kdim=sizes[1],
+            vdim=sizes[2],
+            batch_first=batch_first,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        with torch.no_grad():
+            if m.in_proj_weight is not None:
+                m.in_proj_weight.copy_(torch.cat([self.W_q.weight, self.W_k.weight, self.W_v.weight]))  # (3E, E)
+            else:
+                m.q_proj_weight.copy_(self.W_q.weight)
+                m.k_proj_weight.copy_(self.W_k.weight)
+                m.v_proj_weight.copy_(self.W_v.weight)
+            m.out_proj.weight.copy_(self.W_o.weight)
+            if self.bias:
+                m.in_proj_bias.copy_(torch.cat([self.W_q.bias, self.W_k.bias, self.W_v.bias]))  # (3E,)
+                m.out_proj.bias.copy_(self.W_o.bias)
+        return m.train(self.training)
+
+
+def _linear(in_features: int | None, out_features: int, *, bias: bool) -> nn.Linear:
+    """``nn.Linear``, or ``nn.LazyLinear`` (size inferred at the first call) when ``in_features`` is None."""
+    if in_features is None:
+        return nn.LazyLinear(out_features, bias=bias)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def _check_features(name: str, x: Tensor, proj: nn.Linear) -> None:
+    """A wrong input feature size is a ValueError naming the expected size (not a matmul error)."""
+    if isinstance(proj, nn.LazyLinear) and proj.has_uninitialized_params():
+        return
+    expected = proj.weight.shape[1]
+    if x.shape[-1] != expected:
+        raise ValueError(
+            f"{name} must have {expected} features (the size this layer was built or first called with), "
+            f"got {x.shape[-1]}: {name} {tuple(x.shape)}"
+        )
