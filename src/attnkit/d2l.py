@@ -33,7 +33,6 @@ __all__ = [
     "MultiHeadAttention",
     "masked_softmax",
     "sequence_mask",
-    "show_heatmaps",
     "transpose_output",
     "transpose_qkv",
 ]
@@ -238,13 +237,6 @@ class MultiHeadAttention(nn.Module):
     def transpose_output(self, X: Tensor) -> Tensor:
         """The book's newer method form of :func:`transpose_output`."""
         return transpose_output(X, self.num_heads)
-
-
-def show_heatmaps(*args: Any, **kwargs: Any) -> Any:
-    """The book's ``show_heatmaps``; see :func:`attnkit.plot.show_heatmaps` (needs matplotlib)."""
-    from attnkit.plot import show_heatmaps as draw
-
-    return draw(*args, **kwargs)
 
 
 def _linear(in_features: int | None, out_features: int, bias: bool = False) -> nn.Linear:
