@@ -1,0 +1,150 @@
+"""attnkit's modules: shapes, grouped-query attention, masks, dropout, errors, record_weights."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import attnkit
+from attnkit import dispatch
+
+
+def test_modern_self_and_cross_attention_shapes():
+    mha = attnkit.MultiHeadAttention(512, 8, dropout=0.1)
+    q = torch.randn(10, 60, 512)
+    assert mha(q, q, q).shape == (10, 60, 512)
+    kv = torch.randn(10, 75, 512)
+    assert mha(q, kv, kv).shape == (10, 60, 512)
+
+
+def test_different_query_key_value_sizes_are_inferred_at_the_first_call():
+    mha = attnkit.MultiHeadAttention(16, 4)
+    out = mha(torch.randn(2, 3, 5), torch.randn(2, 7, 9), torch.randn(2, 7, 11), torch.tensor([7, 2]))
+    assert out.shape == (2, 3, 16)
+    assert mha.W_q.weight.shape == (16, 5) and mha.W_k.weight.shape == (16, 9) and mha.W_v.weight.shape == (16, 11)
+
+
+def test_grouped_query_attention_equals_repeated_key_value_heads():
+    torch.manual_seed(0)
+    gqa = attnkit.MultiHeadAttention(32, 8, num_kv_heads=2, query_size=32, key_size=32, value_size=32, bias=True)
+    plain = attnkit.MultiHeadAttention(32, 8, query_size=32, key_size=32, value_size=32, bias=True)
+    assert gqa.W_k.weight.shape == (8, 32)  # 2 heads of 4
+    with torch.no_grad():
+        plain.W_q.load_state_dict(gqa.W_q.state_dict())
+        plain.W_o.load_state_dict(gqa.W_o.state_dict())
+        for name in ("W_k", "W_v"):
+            small, big = getattr(gqa, name), getattr(plain, name)
+            big.weight.copy_(small.weight.view(2, 4, 32).repeat_interleave(4, dim=0).reshape(32, 32))
+            big.bias.copy_(small.bias.view(2, 4).repeat_interleave(4, dim=0).reshape(32))
+    x, y = torch.randn(3, 5, 32), torch.randn(3, 9, 32)
+    lens = torch.tensor([9, 4, 1])
+    torch.testing.assert_close(gqa(x, y, y, lens), plain(x, y, y, lens), rtol=0, atol=1e-5)
+    torch.testing.assert_close(gqa(x, x, x, is_causal=True), plain(x, x, x, is_causal=True), rtol=0, atol=1e-5)
+    mqa = attnkit.MultiHeadAttention(32, 8, num_kv_heads=1)
+    assert mqa(x, y, y).shape == (3, 5, 32)
+
+
+def test_attn_mask_of_two_three_and_four_dims():
+    torch.manual_seed(1)
+    mha = attnkit.MultiHeadAttention(16, 4).eval()
+    x, y = torch.randn(2, 3, 16), torch.randn(2, 5, 16)
+    allowed = torch.rand(2, 4, 3, 5) < 0.6
+    per_head = mha(x, y, y, attn_mask=allowed)
+    shared = allowed[:, :1].expand(2, 4, 3, 5)
+    torch.testing.assert_close(mha(x, y, y, attn_mask=allowed[:, 0]), mha(x, y, y, attn_mask=shared))
+    torch.testing.assert_close(mha(x, y, y, attn_mask=allowed[0, 0]), mha(x, y, y, attn_mask=allowed[:1, :1]))
+    assert not torch.allclose(per_head, mha(x, y, y, attn_mask=shared))
+
+
+def test_dropout_acts_only_in_training_mode():
+    torch.manual_seed(2)
+    mha = attnkit.MultiHeadAttention(16, 4, dropout=0.5)
+    x = torch.randn(2, 6, 16)
+    mha.eval()
+    torch.testing.assert_close(mha(x, x, x), mha(x, x, x), rtol=0, atol=0)
+    mha.train()
+    assert not torch.allclose(mha(x, x, x), mha(x, x, x))
+
+
+def test_construction_errors():
+    with pytest.raises(ValueError, match=re.escape("num_hiddens (100) must be a multiple of num_heads (8)")):
+        attnkit.MultiHeadAttention(100, 8)
+    with pytest.raises(ValueError, match=re.escape("num_heads (8) must be a multiple of num_kv_heads (3)")):
+        attnkit.MultiHeadAttention(64, 8, num_kv_heads=3)
+    with pytest.raises(ValueError, match=re.escape("dropout must be in [0, 1), got 1.5")):
+        attnkit.DotProductAttention(1.5)
+
+
+def test_wrong_input_feature_size_names_the_expected_size():
+    mha = attnkit.MultiHeadAttention(16, 4, query_size=16, key_size=12, value_size=12)
+    x = torch.randn(2, 3, 16)
+    with pytest.raises(ValueError, match=re.escape("keys must have 12 features") + ".*got 16: keys \\(2, 3, 16\\)"):
+        mha(x, x, x)
+    mha = attnkit.MultiHeadAttention(16, 4)
+    mha(x, x, x)  # sizes inferred: 16
+    with pytest.raises(ValueError, match=re.escape("queries must have 16 features")):
+        mha(torch.randn(2, 3, 8), x, x)
+    additive = attnkit.AdditiveAttention(8, query_size=4, key_size=4)
+    with pytest.raises(ValueError, match=re.escape("queries must have 4 features")):
+        additive(torch.randn(2, 3, 5), torch.randn(2, 3, 4), torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match=re.escape("keys has 3 positions but values has 4")):
+        attnkit.MultiHeadAttention(16, 4)(x, x, torch.randn(2, 4, 16))
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = attnkit.MultiHeadAttention(16, 4)
+        self.decoder = nn.ModuleDict({"cross": attnkit.AdditiveAttention(8), "dot": attnkit.DotProductAttention()})
+
+    def forward(self, x, y, lens):
+        h = self.encoder(x, x, x, lens)
+        h = self.decoder["cross"](h, y, y)
+        return self.decoder["dot"](h, h, h, is_causal=True)
+
+
+def test_record_weights_equal_the_reference_backend_and_leave_no_state():
+    torch.manual_seed(3)
+    model = _Model().eval()
+    x, y, lens = torch.randn(2, 5, 16), torch.randn(2, 7, 16), torch.tensor([5, 3])
+    before = model(x, y, lens)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with attnkit.record_weights(model) as rec, dispatch.watch() as ran:
+        during = model(x, y, lens)
+    assert set(rec) == {"encoder", "decoder.cross", "decoder.dot"}
+    # the output still comes from the fast backend; the weights are computed beside it
+    assert ran == ["sdpa", "reference", "reference", "reference", "sdpa", "reference"]
+    assert during.requires_grad and not any(w.requires_grad for w in rec.values())
+    torch.testing.assert_close(during, before, rtol=0, atol=0)
+
+    enc = model.encoder
+    q = enc.W_q(x).view(2, 5, 4, 4).transpose(1, 2)
+    k = enc.W_k(x).view(2, 5, 4, 4).transpose(1, 2)
+    v = enc.W_v(x).view(2, 5, 4, 4).transpose(1, 2)
+    expected = attnkit.scaled_dot_product_attention(q, k, v, valid_lens=lens, need_weights=True, backend="reference")
+    assert rec["encoder"].shape == (2, 4, 5, 5)
+    torch.testing.assert_close(rec["encoder"], expected.weights)
+    assert (rec["encoder"][1, :, :, 3:] == 0).all()
+    assert rec["decoder.cross"].shape == (2, 5, 7) and rec["decoder.dot"].shape == (2, 5, 5)
+
+    for module in model.modules():
+        assert getattr(module, "_recorder", None) is None
+        assert not module._forward_hooks and not module._forward_pre_hooks
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    with dispatch.watch() as ran:
+        model(x, y, lens)
+    assert ran == ["sdpa", "reference", "sdpa"]  # small additive attention runs on the reference anyway
+
+
+def test_record_weights_keeps_every_call():
+    attn = attnkit.DotProductAttention()
+    x = torch.randn(1, 3, 4)
+    with attnkit.record_weights(attn) as rec:
+        attn(x, x, x)
+        attn(x[:, :2], x, x)
+    assert [w.shape for w in rec.calls("")] == [(1, 3, 3), (1, 2, 3)]
+    assert rec[""].shape == (1, 2, 3)
+
