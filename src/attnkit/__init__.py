@@ -8,6 +8,7 @@ from attnkit.dispatch import available_backends
 from attnkit.functional import AttentionOutput, additive_attention, scaled_dot_product_attention
 from attnkit.layers import AdditiveAttention, DotProductAttention, MultiHeadAttention, record_weights
 from attnkit.masks import causal_mask, masked_softmax, sequence_mask
+from attnkit.trace import trace_shapes
 
 __version__ = "0.1.0"
 
@@ -24,4 +25,5 @@ __all__ = [
     "record_weights",
     "scaled_dot_product_attention",
     "sequence_mask",
+    "trace_shapes",
 ]

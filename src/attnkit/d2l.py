@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnkit import functional, masks
+from attnkit import functional, masks, trace
 
 __all__ = [
     "AdditiveAttention",
@@ -76,9 +76,12 @@ def transpose_qkv(X: Tensor, num_heads: int) -> Tensor:
         raise ValueError(
             f"transpose_qkv: X must be (B, L, num_heads * d) with num_heads={num_heads}, got {tuple(X.shape)}"
         )
-    X = X.reshape(X.shape[0], X.shape[1], num_heads, -1)  # (B, L, H, d)
-    X = X.permute(0, 2, 1, 3)  # (B, H, L, d)
-    return X.reshape(-1, X.shape[2], X.shape[3])  # (B*H, L, d)
+    out = X.reshape(X.shape[0], X.shape[1], num_heads, -1)  # (B, L, H, d)
+    out = out.permute(0, 2, 1, 3)  # (B, H, L, d)
+    out = out.reshape(-1, out.shape[2], out.shape[3])  # (B*H, L, d)
+    if trace.ACTIVE is not None:
+        trace.ACTIVE.add("transpose_qkv", [X], out, "(B, L, H*d) -> (B*H, L, d)")
+    return out
 
 
 def transpose_output(X: Tensor, num_heads: int) -> Tensor:
@@ -93,9 +96,12 @@ def transpose_output(X: Tensor, num_heads: int) -> Tensor:
         raise ValueError(
             f"transpose_output: X must be (B * num_heads, L, d) with num_heads={num_heads}, got {tuple(X.shape)}"
         )
-    X = X.reshape(-1, num_heads, X.shape[1], X.shape[2])  # (B, H, L, d)
-    X = X.permute(0, 2, 1, 3)  # (B, L, H, d)
-    return X.reshape(X.shape[0], X.shape[1], -1)  # (B, L, H*d)
+    out = X.reshape(-1, num_heads, X.shape[1], X.shape[2])  # (B, H, L, d)
+    out = out.permute(0, 2, 1, 3)  # (B, L, H, d)
+    out = out.reshape(out.shape[0], out.shape[1], -1)  # (B, L, H*d)
+    if trace.ACTIVE is not None:
+        trace.ACTIVE.add("transpose_output", [X], out, "(B*H, L, d) -> (B, L, H*d)")
+    return out
 
 
 class DotProductAttention(nn.Module):
@@ -113,6 +119,8 @@ class DotProductAttention(nn.Module):
         >>> attention.attention_weights[1, 0, 4:8]
         tensor([0.1667, 0.1667, 0.0000, 0.0000])
     """
+
+    _attnkit_traced = True  # attnkit.trace names this module and attributes its steps to it
 
     def __init__(self, dropout: float, num_heads: int | None = None) -> None:
         # num_heads: accepted as in the book's newer signature, which does not use it either
@@ -152,6 +160,8 @@ class AdditiveAttention(nn.Module):
         >>> torch.allclose(out, torch.tensor([[[2.0, 3, 4, 5]], [[10, 11, 12, 13]]]))
         True
     """
+
+    _attnkit_traced = True  # attnkit.trace names this module and attributes its steps to it
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
@@ -199,6 +209,8 @@ class MultiHeadAttention(nn.Module):
         torch.Size([2, 4, 100])
     """
 
+    _attnkit_traced = True  # attnkit.trace names this module and attributes its steps to it
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
         sizes = _bind(
@@ -225,7 +237,11 @@ class MultiHeadAttention(nn.Module):
         keys = self.transpose_qkv(self.W_k(keys))  # (B*H, Lk, h/H)
         values = self.transpose_qkv(self.W_v(values))  # (B*H, Lk, h/H)
         if valid_lens is not None:
-            valid_lens = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)  # (B*H,) or (B*H, Lq)
+            repeated = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)  # (B*H,) or (B*H, Lq)
+            if trace.ACTIVE is not None:
+                note = f"{trace.short(valid_lens)} -> {trace.short(repeated, limit=24)}"
+                trace.ACTIVE.add("repeat valid_lens", [valid_lens], repeated, note)
+            valid_lens = repeated
         output = self.attention(queries, keys, values, valid_lens)  # (B*H, Lq, h/H)
         output_concat = self.transpose_output(output)  # (B, Lq, h)
         return self.W_o(output_concat)

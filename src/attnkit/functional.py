@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attnkit import dispatch
+from attnkit import dispatch, trace
 from attnkit.masks import Mask
 
 __all__ = ["AttentionOutput", "additive_attention", "scaled_dot_product_attention"]
@@ -228,7 +228,39 @@ def _attend(
     if three_d:
         out = out.squeeze(1)  # (B, Lq, Dv)
         weights = None if weights is None else weights.squeeze(1)  # (B, Lq, Lk)
+    if trace.ACTIVE is not None:
+        _trace_steps(trace.ACTIVE, q, k, v, w_v, three_d, out, chosen.NAME, valid_lens, attn_mask, is_causal)
     return AttentionOutput(out, weights)
+
+
+_HOW = {"sdpa": "fused kernel, scores never materialised", "chunked": "blocks of keys, online softmax"}
+
+
+def _trace_steps(
+    tracer: trace.Trace,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    w_v: Tensor | None,
+    three_d: bool,
+    out: Tensor,
+    backend: str,
+    valid_lens: Tensor | None,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+) -> None:
+    """The logical steps of one call, in the caller's layout, whichever backend ran."""
+    if three_d:
+        q, k, v = q.squeeze(1), k.squeeze(1), v.squeeze(1)  # (B, L, D)
+    scores = (*q.shape[:-1], k.shape[-2])  # (B, [H,] Lq, Lk)
+    if w_v is None:
+        tracer.add("scores", [q, k], scores, "q @ k^T * scale")
+    else:
+        tracer.add("scores", [q, k], scores, f"w_v . tanh(q + k), via features {(*scores, q.shape[-1])}")
+    tracer.add("mask", [scores], scores, trace.describe_masks(valid_lens, attn_mask, is_causal))
+    tracer.add("softmax", [scores], scores, "over keys; rows with no key -> 0")
+    how = _HOW.get(backend)
+    tracer.add("weighted sum", [scores, v], out, f"weights @ v; backend {backend}" + (f" ({how})" if how else ""))
 
 
 def _zero_dead_keys(k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, Tensor]:

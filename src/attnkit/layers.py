@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from attnkit import trace
 from attnkit.functional import AttentionOutput, additive_attention, check_qkv, scaled_dot_product_attention
 
 __all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention", "WeightRecord", "record_weights"]
@@ -83,6 +84,8 @@ class Masks(NamedTuple):
 class _Attention(nn.Module):
     """What the attention layers share: the backend, dropout only in training, and recording."""
 
+    _attnkit_traced = True  # attnkit.trace names this module and attributes its steps to it
+
     def __init__(self, dropout: float, backend: str) -> None:
         super().__init__()
         if not 0.0 <= dropout < 1.0:
@@ -99,7 +102,7 @@ class _Attention(nn.Module):
         if self._recorder is None:
             return
         record, name = self._recorder
-        with torch.no_grad():
+        with torch.no_grad(), trace.paused():
             weights = attend(*inputs, **masks._asdict(), need_weights=True, backend="reference").weights
         assert weights is not None  # need_weights=True
         record.add(name, weights)
@@ -270,9 +273,14 @@ class MultiHeadAttention(_Attention):
         B, Lq, _ = queries.shape
         Lk = keys.shape[1]
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.W_q(queries).view(B, Lq, H, d).transpose(1, 2)  # (B, H, Lq, d)
-        k = self.W_k(keys).view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
-        v = self.W_v(values).view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
+        q_flat, k_flat, v_flat = self.W_q(queries), self.W_k(keys), self.W_v(values)  # (B, L, H*d), (B, L, Hkv*d)
+        q = q_flat.view(B, Lq, H, d).transpose(1, 2)  # (B, H, Lq, d)
+        k = k_flat.view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
+        v = v_flat.view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
+        tracer = trace.ACTIVE
+        if tracer is not None:
+            for name, flat, split in (("queries", q_flat, q), ("keys", k_flat, k), ("values", v_flat, v)):
+                tracer.add("split heads", [flat], split, f"{name}: (B, L, H*d) -> (B, H, L, d)")
         if attn_mask is not None and attn_mask.dim() == 3:
             attn_mask = attn_mask.unsqueeze(1)  # (B, Lq, Lk) -> (B, 1, Lq, Lk)
         masks = Masks(valid_lens, attn_mask, is_causal)
@@ -280,8 +288,10 @@ class MultiHeadAttention(_Attention):
             q, k, v, **masks._asdict(), dropout_p=self._dropout_p(), backend=self.backend
         ).output  # (B, H, Lq, d)
         self._record(scaled_dot_product_attention, (q, k, v), masks)
-        out = out.transpose(1, 2).reshape(B, Lq, H * d)  # (B, H, Lq, d) -> (B, Lq, H*d)
-        return self.W_o(out)  # (B, Lq, num_hiddens)
+        merged = out.transpose(1, 2).reshape(B, Lq, H * d)  # (B, H, Lq, d) -> (B, Lq, H*d)
+        if tracer is not None:
+            tracer.add("merge heads", [out], merged, "(B, H, Lq, d) -> (B, Lq, H*d)")
+        return self.W_o(merged)  # (B, Lq, num_hiddens)
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
