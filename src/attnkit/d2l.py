@@ -33,6 +33,7 @@ __all__ = [
     "MultiHeadAttention",
     "masked_softmax",
     "sequence_mask",
+    "show_heatmaps",
     "transpose_output",
     "transpose_qkv",
 ]
@@ -253,6 +254,22 @@ class MultiHeadAttention(nn.Module):
     def transpose_output(self, X: Tensor) -> Tensor:
         """The book's newer method form of :func:`transpose_output`."""
         return transpose_output(X, self.num_heads)
+
+
+def show_heatmaps(
+    matrices: Any,
+    xlabel: str,
+    ylabel: str,
+    titles: Any = None,
+    figsize: tuple[float, float] = (2.5, 2.5),
+    cmap: str = "Reds",
+    path: Any = None,
+) -> Any:
+    """The book's ``show_heatmaps(matrices, xlabel, ylabel, titles=None, figsize=(2.5, 2.5), cmap='Reds')``, with
+    ``path`` to save; see :func:`attnkit.plot.show_heatmaps` (needs matplotlib: ``pip install attnkit[plot]``)."""
+    from attnkit.plot import show_heatmaps as draw
+
+    return draw(matrices, xlabel, ylabel, titles=titles, figsize=figsize, cmap=cmap, path=path)
 
 
 def _linear(in_features: int | None, out_features: int, bias: bool = False) -> nn.Linear:

@@ -325,7 +325,7 @@ class MultiHeadAttention(_Attention):
                 for proj, b in zip((new.W_q, new.W_k, new.W_v), m.in_proj_bias.chunk(3), strict=True):
                     proj.bias.copy_(b)
                 new.W_o.bias.copy_(m.out_proj.bias)
-        return new
+        return new.train(m.training)
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
         """The equal ``torch.nn.MultiheadAttention`` (see :meth:`from_torch` for the masks).
