@@ -135,8 +135,7 @@ def plot_attention(
         squeeze=False,
         layout="constrained",
     )
-    colours = plt.get_cmap(cmap).copy()
-    colours.set_bad("#d9d9d9")
+    colours = plt.get_cmap(cmap).with_extremes(bad="#d9d9d9")  # padding
     image = None
     for ax, h in zip(axes[0], chosen, strict=True):
         panel = w[h]
