@@ -147,4 +147,3 @@ def test_record_weights_keeps_every_call():
         attn(x[:, :2], x, x)
     assert [w.shape for w in rec.calls("")] == [(1, 3, 3), (1, 2, 3)]
     assert rec[""].shape == (1, 2, 3)
-

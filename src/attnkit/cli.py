@@ -4,6 +4,7 @@
     attnkit trace {dot,additive,multihead} [...]  the shape trace of a freshly built layer
     attnkit heatmap WEIGHTS_FILE --out FILE        draw weights saved with torch.save or numpy.save
     attnkit demo [--out DIR] [--seed N] [--quick]  the book's examples, then train two models and draw them
+    attnkit bench [--quick] [--json F] [--compare F] [--plot F]   attnkit against torch and the book
 
 A user mistake prints one line, ``attnkit: error: ...``, and exits with status 2; never a traceback.
 """
@@ -89,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="attnkit-demo", help="folder for the pictures (default: ./attnkit-demo)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--quick", action="store_true", help="a smaller version, for tests")
+    b = commands.add_parser("bench", help="attnkit against torch.nn.MultiheadAttention and the book, one table")
+    b.add_argument("--quick", action="store_true", help="a reduced grid (under a minute)")
+    b.add_argument("--json", metavar="FILE", help="save the results")
+    b.add_argument("--compare", metavar="FILE", help="show the change against results saved with --json")
+    b.add_argument("--plot", metavar="FILE", help="a PNG of time and memory against L")
+    b.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     return parser
 
 
@@ -101,7 +108,7 @@ def cmd_info(args: argparse.Namespace) -> None:
         ("torch", torch.__version__),
         ("python", platform.python_version()),
         ("threads", str(torch.get_num_threads())),
-        ("cuda", torch.version.cuda if torch.cuda.is_available() else "not available"),
+        ("cuda", str(torch.version.cuda) if torch.cuda.is_available() else "not available"),
     ]
     for name, reasons in dispatch.unavailable_reasons().items():
         rows.append((f"backend {name}", "runs here" if not reasons else "no: " + "; ".join(reasons)))
@@ -254,7 +261,66 @@ def _progress(label: str) -> Iterator[Callable[[dict], None]]:
 
         def update(p: dict) -> None:
             acc = "-" if p["accuracy"] is None else f"{p['accuracy']:.1%}"
-            bar.update(task, completed=p["step"], total=p["total"], loss=f"{p['loss']:.3f}", acc=acc)
+            total = p["step"] if p.get("done") else p["total"]  # stopping early fills the bar
+            bar.update(task, completed=p["step"], total=total, loss=f"{p['loss']:.3f}", acc=acc)
+
+        yield update
+
+
+# --------------------------------------------------------------------------------------------------- bench
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from attnkit import bench
+
+    compare = None
+    if args.compare:
+        try:
+            compare = bench.load_json(args.compare)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise UsageError(
+                f"{args.compare}: cannot read saved results ({type(e).__name__}: {_first_line(e)})"
+            ) from None
+    for option in (args.json, args.plot):
+        if option:
+            _writable_parent(Path(option))
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise UsageError(f"--plot {args.plot}: the file must end in .png")
+    with _bench_progress() as on_row:
+        report = bench.run(quick=args.quick, memory=not args.no_memory, on_row=on_row)
+    header, rows = bench.table(report, compare)
+    _table(rows, header, title=None)
+    print(
+        f"float32 matmul {report.matmul_gflops:.0f} GFLOP/s, {report.threads} threads, torch {report.torch_version},"
+        f" {report.seconds:.0f} s"
+    )
+    if args.json:
+        bench.save_json(report, args.json)
+        print(args.json)
+    if args.plot:
+        bench.plot_report(report, args.plot)
+        print(args.plot)
+
+
+def _writable_parent(path: Path) -> None:
+    if not path.parent.is_dir():
+        raise UsageError(f"{path}: folder {str(path.parent)!r} does not exist")
+
+
+@contextmanager
+def _bench_progress() -> Iterator[Callable[[int, int, Any], None]]:
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        yield lambda i, n, row: print(f"  [{i + 1}/{n}] {row.kind} L={row.L} {row.mode} {row.mask} {row.contender}")
+        return
+    columns = (TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=True) as bar:
+        task = bar.add_task("benchmark", total=None)
+
+        def update(i: int, n: int, row: Any) -> None:
+            label = f"{row.kind} B={row.B} L={row.L} {row.mode} {row.mask} {row.contender}"
+            bar.update(task, completed=i, total=n, description=label)
 
         yield update
 
@@ -296,6 +362,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
     "trace": cmd_trace,
     "heatmap": cmd_heatmap,
     "demo": cmd_demo,
+    "bench": cmd_bench,
 }
 
 

@@ -1,0 +1,441 @@
+"""``attnkit bench``: attnkit against ``torch.nn.MultiheadAttention`` and the book's formulas, same weights.
+
+Timing uses ``torch.utils.benchmark`` (warm-up, the process's thread count, adaptive repeats; the median is
+reported). Peak memory is measured per configuration in a fresh subprocess, as the increase of the peak
+resident set size over the process's size after building the inputs (``ru_maxrss``; Linux).
+
+Contenders, on the same shapes with the same weights:
+
+* ``attnkit``: :class:`attnkit.MultiHeadAttention`, ``backend="auto"``, and each backend by name;
+* ``attnkit+weights``: the same inside :func:`attnkit.record_weights` (weights kept for every call);
+* ``torch``: ``torch.nn.MultiheadAttention(batch_first=True)`` with ``need_weights=False``, and
+  ``torch+weights`` with ``need_weights=True`` (``average_attn_weights=False``);
+* ``book``: the book's formulas written out here: ``transpose_qkv``, ``bmm`` scores, the ``-1e6`` masked
+  softmax (causal as the book's decoder does it: 2-D ``valid_lens`` ``1..L``).
+
+Masks: ``none``; ``valid_lens`` with lengths uniform in ``[L/4, L]`` (torch: ``key_padding_mask``); ``causal``.
+Modes: ``infer`` (forward under ``torch.inference_mode()``) and ``train`` (forward and backward).
+GFLOP/s count the dense work: ``8 B L h^2`` for the four projections and ``4 B L^2 h`` for the scores and the
+weighted sum, three times that for forward and backward; ``peak`` compares them with this machine's float32
+matmul rate, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils import benchmark
+
+import attnkit
+
+# B batch, L sequence length, h num_hiddens, H heads, d head dim
+
+HIDDENS, HEADS = 512, 8
+FULL_GRID = [(8, 128), (8, 512), (8, 2048), (1, 8192)]
+QUICK_GRID = [(2, 128)]
+MASKS = ("none", "valid_lens", "causal")
+QUICK_MASKS = ("none", "valid_lens")
+MODES = ("infer", "train")
+BACKENDS = ("sdpa", "chunked", "reference")
+# The reference backend and the book hold (B, H, L, L) several times over; not at L=8192.
+MATERIALISING = ("attnkit:reference", "attnkit+weights", "torch+weights", "book")
+ADDITIVE_FULL = {"B": 8, "L": 1024, "h": 128}
+ADDITIVE_QUICK = {"B": 2, "L": 128, "h": 32}
+
+
+@dataclass
+class Row:
+    """One measured configuration."""
+
+    kind: str  # "mha", "additive", "overhead"
+    B: int
+    L: int
+    mode: str
+    mask: str
+    contender: str
+    seconds: float | None = None
+    peak_bytes: int | None = None
+    gflops: float | None = None
+    note: str = ""
+
+    def key(self) -> str:
+        return f"{self.kind}|{self.B}|{self.L}|{self.mode}|{self.mask}|{self.contender}"
+
+
+@dataclass
+class Report:
+    rows: list[Row] = field(default_factory=list)
+    matmul_gflops: float = 0.0
+    threads: int = 0
+    torch_version: str = ""
+    seconds: float = 0.0
+
+    def find(self, **match: Any) -> Row | None:
+        for r in self.rows:
+            if all(getattr(r, k) == v for k, v in match.items()):
+                return r
+        return None
+
+
+# ------------------------------------------------------------------------------------------ the book's MHA
+
+
+def book_masked_softmax(X: Tensor, valid_lens: Tensor | None) -> Tensor:
+    """The book's masked softmax (with its ``-1e6`` fill), not writing into ``X``."""
+    if valid_lens is None:
+        return F.softmax(X, dim=-1)
+    shape = X.shape
+    lens = torch.repeat_interleave(valid_lens, shape[1]) if valid_lens.dim() == 1 else valid_lens.reshape(-1)
+    X = X.reshape(-1, shape[-1])  # (B*H*Lq, Lk)
+    mask = torch.arange(shape[-1], device=X.device)[None, :] < lens[:, None]
+    return F.softmax(X.masked_fill(~mask, -1e6).reshape(shape), dim=-1)
+
+
+class BookMHA(nn.Module):
+    """The book's multi-head attention: ``transpose_qkv``, ``bmm`` scores, masked softmax, ``bmm``."""
+
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__()
+        self.num_heads = heads
+        self.W_q, self.W_k, self.W_v, self.W_o = (nn.Linear(h, h, bias=False) for _ in range(4))
+
+    def _split(self, X: Tensor) -> Tensor:
+        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, -1).permute(0, 2, 1, 3)  # (B, H, L, d)
+        return X.reshape(-1, X.shape[2], X.shape[3])  # (B*H, L, d)
+
+    def forward(self, x: Tensor, valid_lens: Tensor | None) -> Tensor:
+        q, k, v = self._split(self.W_q(x)), self._split(self.W_k(x)), self._split(self.W_v(x))
+        if valid_lens is not None:
+            valid_lens = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)
+        scores = torch.bmm(q, k.transpose(1, 2)) / math.sqrt(q.shape[-1])  # (B*H, L, L)
+        out = torch.bmm(book_masked_softmax(scores, valid_lens), v)  # (B*H, L, d)
+        out = out.reshape(-1, self.num_heads, out.shape[1], out.shape[2]).permute(0, 2, 1, 3)  # (B, L, H, d)
+        return self.W_o(out.reshape(out.shape[0], out.shape[1], -1))  # (B, L, h)
+
+
+def book_additive(q: Tensor, k: Tensor, v: Tensor, w_v: Tensor, valid_lens: Tensor | None) -> Tensor:
+    """The book's additive attention on projected ``q (B, Lq, h)``, ``k (B, Lk, h)``: broadcast, tanh, ``w_v``."""
+    features = torch.tanh(q.unsqueeze(2) + k.unsqueeze(1))  # (B, Lq, Lk, h)
+    scores = (features @ w_v).squeeze(-1)  # (B, Lq, Lk)
+    return torch.bmm(book_masked_softmax(scores, valid_lens), v)  # (B, Lq, dv)
+
+
+# ---------------------------------------------------------------------------------------------- the calls
+
+
+def _lengths(B: int, L: int, seed: int = 0) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(max(1, L // 4), L + 1, (B,), generator=g)
+
+
+def make_call(kind: str, B: int, L: int, mode: str, mask: str, contender: str) -> Callable[[], None]:
+    """A function that runs one configuration once (forward, or forward and backward)."""
+    torch.manual_seed(0)
+    if kind == "overhead":
+        B, L, h, heads = 2, 4, 100, 5
+    elif kind == "additive":
+        spec = ADDITIVE_FULL if L == ADDITIVE_FULL["L"] else ADDITIVE_QUICK
+        h = spec["h"]
+    else:
+        h, heads = HIDDENS, HEADS
+    train = mode == "train"
+    lens = _lengths(B, L) if mask == "valid_lens" else None
+
+    if kind == "additive":
+        q, k = torch.randn(B, L, h, requires_grad=train), torch.randn(B, L, h, requires_grad=train)
+        v, w_v = torch.randn(B, L, h, requires_grad=train), torch.randn(h, requires_grad=train)
+        if contender == "book":
+            run = lambda: book_additive(q, k, v, w_v[:, None], lens)  # noqa: E731
+        else:
+            backend = contender.partition(":")[2] or "auto"
+            run = lambda: attnkit.additive_attention(q, k, v, w_v, valid_lens=lens, backend=backend).output  # noqa: E731
+        return _wrap(run, train)
+
+    x = torch.randn(B, L, h, requires_grad=train)
+    ours = attnkit.MultiHeadAttention(h, heads, query_size=h, key_size=h, value_size=h)
+    if contender.startswith("torch"):
+        m = ours.to_torch(batch_first=True)
+        kpm = None if lens is None else torch.arange(L)[None, :] >= lens[:, None]  # (B, L), True = ignore
+        causal = nn.Transformer.generate_square_subsequent_mask(L) if mask == "causal" else None
+        need = contender == "torch+weights"
+
+        def run() -> Tensor:
+            out, _ = m(
+                x,
+                x,
+                x,
+                key_padding_mask=kpm,
+                attn_mask=causal,
+                is_causal=causal is not None,
+                need_weights=need,
+                average_attn_weights=False,
+            )
+            return out
+
+        return _wrap(run, train)
+    if contender == "book":
+        book = BookMHA(h, heads)
+        book.load_state_dict(ours.state_dict())
+        book_lens = lens
+        if mask == "causal":
+            book_lens = torch.arange(1, L + 1).repeat(B, 1)  # (B, L): the book decoder's causal mask
+        return _wrap(lambda: book(x, book_lens), train)
+    ours.backend = contender.partition(":")[2] or "auto"
+    causal_flag = mask == "causal"
+    if contender == "attnkit+weights":
+
+        def run() -> Tensor:
+            with attnkit.record_weights(ours):
+                return ours(x, x, x, lens, is_causal=causal_flag)
+
+        return _wrap(run, train)
+    return _wrap(lambda: ours(x, x, x, lens, is_causal=causal_flag), train)
+
+
+def _wrap(run: Callable[[], Tensor], train: bool) -> Callable[[], None]:
+    if train:
+
+        def step() -> None:
+            run().sum().backward()
+
+        return step
+
+    def infer() -> None:
+        with torch.inference_mode():
+            run()
+
+    return infer
+
+
+def flops(kind: str, B: int, L: int, mode: str) -> float:
+    if kind != "mha":
+        return 0.0
+    h = HIDDENS
+    forward = 8 * B * L * h * h + 4 * B * L * L * h
+    return forward * (3 if mode == "train" else 1)
+
+
+def matmul_gflops(n: int = 2048) -> float:
+    """This machine's float32 matmul rate (GFLOP/s), the yardstick for ``peak``."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    t = benchmark.Timer("a @ b", globals={"a": a, "b": b}, num_threads=torch.get_num_threads())
+    return 2 * n**3 / t.blocked_autorange(min_run_time=1.0).median / 1e9
+
+
+def time_call(call: Callable[[], None], min_run_time: float) -> float:
+    timer = benchmark.Timer("call()", globals={"call": call}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median
+
+
+# ------------------------------------------------------------------------------------------------ memory
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure_memory(row: Row) -> int | None:
+    """Peak memory of one call of ``row``'s configuration, in a fresh subprocess; None if it failed."""
+    spec = json.dumps([row.kind, row.B, row.L, row.mode, row.mask, row.contender])
+    child = subprocess.run(
+        [sys.executable, "-m", "attnkit.bench", "--memory-child", spec],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    if child.returncode != 0:
+        return None
+    return int(child.stdout.strip().splitlines()[-1])
+
+
+def _memory_child(spec: str) -> None:
+    kind, B, L, mode, mask, contender = json.loads(spec)
+    call = make_call(kind, B, L, mode, mask, contender)
+    before = _rss()
+    call()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(max(0, peak - before))
+
+
+# -------------------------------------------------------------------------------------------------- grid
+
+
+def contenders(kind: str, L: int, quick: bool = False) -> list[str]:
+    if kind == "additive":
+        return ["attnkit", "book"] if quick else ["attnkit", "attnkit:chunked", "book"]
+    if kind == "overhead":
+        return ["attnkit", "book"]
+    if quick:
+        return ["attnkit", "torch", "book"]
+    names = ["attnkit", *(f"attnkit:{b}" for b in BACKENDS), "attnkit+weights", "torch", "torch+weights", "book"]
+    if L > 2048:
+        names = [n for n in names if n not in MATERIALISING]
+    return names
+
+
+def plan(quick: bool) -> list[Row]:
+    """The grid: every (B, L) x mode x mask x contender, then additive attention and the tiny-input overhead."""
+    rows = []
+    for B, L in QUICK_GRID if quick else FULL_GRID:
+        for mode in MODES:
+            for mask in QUICK_MASKS if quick else MASKS:
+                for c in contenders("mha", L, quick):
+                    rows.append(Row("mha", B, L, mode, mask, c))
+    spec = ADDITIVE_QUICK if quick else ADDITIVE_FULL
+    for c in contenders("additive", spec["L"], quick):
+        rows.append(Row("additive", spec["B"], spec["L"], "train", "none", c))
+    for c in contenders("overhead", 4):
+        rows.append(Row("overhead", 2, 4, "infer", "none", c))
+    return rows
+
+
+def run(quick: bool, memory: bool, on_row: Callable[[int, int, Row], None] | None = None) -> Report:
+    start = time.perf_counter()
+    report = Report(threads=torch.get_num_threads(), torch_version=torch.__version__)
+    report.matmul_gflops = matmul_gflops(512 if quick else 2048)
+    rows = plan(quick)
+    min_run_time = 0.05 if quick else 0.5
+    for i, row in enumerate(rows):
+        if on_row is not None:
+            on_row(i, len(rows), row)
+        try:
+            row.seconds = time_call(make_call(row.kind, row.B, row.L, row.mode, row.mask, row.contender), min_run_time)
+        except (RuntimeError, ValueError) as e:
+            row.note = f"failed: {type(e).__name__}"
+            continue
+        fl = flops(row.kind, row.B, row.L, row.mode)
+        row.gflops = fl / row.seconds / 1e9 if fl else None
+        if memory:
+            row.peak_bytes = measure_memory(row)
+        report.rows.append(row)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+# ------------------------------------------------------------------------------------------------ output
+
+
+def _ratio(report: Report, row: Row, contender: str) -> str:
+    peer = report.find(kind=row.kind, B=row.B, L=row.L, mode=row.mode, mask=row.mask, contender=contender)
+    if peer is None or not peer.seconds or not row.seconds:
+        return ""
+    return f"{row.seconds / peer.seconds:.2f}x"
+
+
+def table(report: Report, compare: Report | None = None) -> tuple[list[str], list[list[str]]]:
+    header = [
+        "what",
+        "B",
+        "L",
+        "mode",
+        "mask",
+        "contender",
+        "time ms",
+        "x torch",
+        "x book",
+        "GFLOP/s",
+        "peak",
+        "memory",
+    ]
+    if compare is not None:
+        header.append("vs saved")
+    rows = []
+    for r in report.rows:
+        cells = [
+            r.kind,
+            str(r.B),
+            str(r.L),
+            r.mode,
+            r.mask,
+            r.contender,
+            f"{r.seconds * 1e3:.3g}" if r.seconds else r.note,
+            _ratio(report, r, "torch") if r.kind == "mha" else "",
+            _ratio(report, r, "book"),
+            f"{r.gflops:.0f}" if r.gflops else "",
+            f"{r.gflops / report.matmul_gflops:.0%}" if r.gflops and report.matmul_gflops else "",
+            _bytes(r.peak_bytes),
+        ]
+        if compare is not None:
+            old = next((o for o in compare.rows if o.key() == r.key()), None)
+            cells.append(f"{r.seconds / old.seconds:.2f}x" if old and old.seconds and r.seconds else "")
+        rows.append(cells)
+    return header, rows
+
+
+def markdown(report: Report, compare: Report | None = None) -> str:
+    header, rows = table(report, compare)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines.append("")
+    lines.append(
+        f"float32 matmul: {report.matmul_gflops:.0f} GFLOP/s; {report.threads} threads; torch {report.torch_version};"
+        f" {report.seconds:.0f} s"
+    )
+    return "\n".join(lines)
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return ""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def save_json(report: Report, path: str) -> None:
+    data = {**asdict(report), "rows": [asdict(r) for r in report.rows]}
+    tmp = f"{path}.part"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def load_json(path: str) -> Report:
+    with open(path) as f:
+        data = json.load(f)
+    rows = [Row(**r) for r in data.pop("rows")]
+    return Report(rows=rows, **data)
+
+
+def plot_report(report: Report, path: str) -> None:
+    from attnkit import plot
+
+    plt = plot._pyplot()
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
+    chosen = [r for r in report.rows if r.kind == "mha" and r.mode == "train" and r.mask == "none" and r.B == 8]
+    for contender in dict.fromkeys(r.contender for r in chosen):
+        rs = sorted((r for r in chosen if r.contender == contender), key=lambda r: r.L)
+        ax_t.plot([r.L for r in rs], [r.seconds for r in rs], marker="o", label=contender)
+        ax_m.plot([r.L for r in rs if r.peak_bytes], [r.peak_bytes / 2**20 for r in rs if r.peak_bytes], marker="o")
+    for ax, label in ((ax_t, "seconds (forward + backward)"), (ax_m, "peak memory, MiB")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("L")
+        ax.set_ylabel(label)
+    ax_t.legend(fontsize=7)
+    fig.suptitle(f"MultiHeadAttention, B=8, h={HIDDENS}, {HEADS} heads, float32")
+    plot.save_figure(fig, path)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m attnkit.bench --memory-child SPEC``: one configuration's peak memory, for :func:`measure_memory`."""
+    parser = argparse.ArgumentParser(prog="python -m attnkit.bench")
+    parser.add_argument("--memory-child", required=True)
+    _memory_child(parser.parse_args(argv).memory_child)
+
+
+if __name__ == "__main__":
+    main()

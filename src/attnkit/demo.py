@@ -1,0 +1,541 @@
+"""The training part of ``attnkit demo``: learn to reverse digit sequences, then look at where the model attends.
+
+The task: a source of 3 to 10 digits (3 to 6 in quick mode), padded at the end to the longest in its batch,
+becomes the same digits in reverse order followed by ``<eos>``. Output position ``t`` is the source digit at
+position ``len - 1 - t``, so the right alignment is known in advance: the cross-attention weights of a model
+that has learnt the task lie on the anti-diagonal of the ``len x len`` block, and they are exactly zero on the
+padding columns (keys past ``valid_lens``, which attnkit never attends to)::
+
+                 source  3  9  8  <pad>
+    output  8            .  .  *    0
+            9            .  *  .    0
+            3            *  .  .    0
+
+Two encoder-decoder models, trained with teacher forcing on fresh batches, evaluated by greedy decoding:
+
+* ``"additive"``: a bidirectional GRU encoder and a GRU decoder with Bahdanau attention
+  (:class:`~attnkit.layers.AdditiveAttention`; queries = decoder states, keys = values = encoder outputs,
+  ``valid_lens`` = source lengths), in Luong's layout: the decoder GRU reads the whole teacher-forced input in
+  one call, then one attention call serves every target position.
+* ``"multihead"``: a small pre-LayerNorm Transformer with learned positions, built from
+  :class:`~attnkit.layers.MultiHeadAttention`: encoder self-attention with ``valid_lens``, causal decoder
+  self-attention, cross-attention with ``valid_lens`` = source lengths.
+
+The held-out set comes from its own seed, and no held-out sequence is ever drawn for training. Accuracy is
+exact-sequence accuracy on it: every digit and the ``<eos>`` right. Training stops as soon as a check reaches
+the target, at ``max_steps``, or at the time limit. The same seed gives the same numbers (on one machine, with
+the same number of threads): the weights and the data come from it, and there is no dropout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnkit.layers import AdditiveAttention, MultiHeadAttention, record_weights
+
+__all__ = ["KINDS", "DemoResult", "draw", "replay_book_examples", "train"]
+
+# B batch, S source length (padded), T target length (S + 1: reversed digits, <eos>, padding),
+# E embedding size, h hidden size, d model size, H heads, V vocabulary size
+
+PAD, BOS, EOS = 10, 11, 12  # tokens 0..9 are the digits themselves
+LABELS = [str(digit) for digit in range(10)] + ["<pad>", "<bos>", "<eos>"]
+VOCAB = len(LABELS)
+KINDS = ("additive", "multihead")
+
+
+@dataclass
+class DemoResult:
+    """What :func:`train` reports.
+
+    Attributes:
+        kind: ``"additive"`` or ``"multihead"``.
+        accuracy: held-out exact-sequence accuracy of greedy decoding at the end, 0..1.
+        seconds: training wall time, held-out checks included.
+        steps: optimiser steps taken.
+        losses: ``(step, training loss)`` at each logged step.
+        accuracies: ``(step, held-out accuracy)`` at each check.
+        example: one held-out sequence shorter than the padded held-out batch: ``"source"`` and
+            ``"prediction"`` (digits, no padding or ``<eos>``), ``"weights"`` (cross-attention weights of
+            teacher-forced decoding of the right output: ``(1, T, S)`` for ``"additive"``, ``(H, T, S)`` from the
+            last decoder layer for ``"multihead"``; ``S`` counts the padding, ``T`` the digits and ``<eos>``),
+            ``"source_labels"`` (``S`` strings, ``"<pad>"`` included) and ``"target_labels"`` (``T`` strings).
+    """
+
+    kind: str
+    accuracy: float
+    seconds: float
+    steps: int
+    losses: list[tuple[int, float]]
+    accuracies: list[tuple[int, float]]
+    example: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Setup:
+    min_len: int
+    max_len: int
+    target: float  # held-out exact-sequence accuracy at which training stops
+    max_steps: int
+    batch_size: int
+    log_every: int
+    eval_every: int  # a multiple of log_every, so that every check is logged
+    num_heldout: int
+
+
+_SETUPS = {
+    False: _Setup(
+        min_len=3,
+        max_len=10,
+        target=0.99,
+        max_steps=3000,
+        batch_size=128,
+        log_every=10,
+        eval_every=50,
+        num_heldout=1000,
+    ),
+    True: _Setup(
+        min_len=3, max_len=6, target=0.90, max_steps=1000, batch_size=128, log_every=5, eval_every=10, num_heldout=500
+    ),
+}
+
+# Adam, from sweeps over seeds 0-5: full 3e-3 (vs 5e-3, 1e-2) and 1e-3 (vs 2e-3, 4e-3); quick 1e-2 and 3e-3,
+# which take 40-60 steps to the quick target instead of 50-75
+_LEARNING_RATES = {
+    ("additive", False): 3e-3,
+    ("additive", True): 1e-2,
+    ("multihead", False): 1e-3,
+    ("multihead", True): 3e-3,
+}
+
+_HELDOUT_SEED_OFFSET = 1_000_003  # the held-out set's generator is seeded with seed + this
+
+
+def train(
+    kind: str,
+    *,
+    seed: int = 0,
+    quick: bool = False,
+    on_progress: Callable[[dict], None] | None = None,
+    time_limit: float = 120.0,
+) -> DemoResult:
+    """Train one model to reverse digit sequences until it gets the held-out set right, or time runs out.
+
+    Args:
+        kind: ``"additive"`` or ``"multihead"`` (see the module docstring).
+        seed: seeds the weights, the training batches and the held-out set; the same seed gives the same
+            numbers. The caller's global random state and thread count are left as they were.
+        quick: 3 to 6 digits instead of 3 to 10, and a 90% target instead of 99%: a second or so, for the tests.
+        on_progress: called at every logged step with ``{"step", "total", "loss", "accuracy", "elapsed", "done"}``:
+            ``total`` is the most steps training may take, ``accuracy`` the last held-out accuracy (``None``
+            before the first check), ``elapsed`` seconds since training began, ``done`` true at the last call.
+        time_limit: seconds after which training stops at the next step, whatever the accuracy.
+
+    Returns:
+        A :class:`DemoResult`.
+
+    Raises:
+        ValueError: an unknown ``kind``, or a ``time_limit`` that is not positive.
+
+    Example:
+        >>> result = train("additive", quick=True)
+        >>> result.accuracy >= 0.9, result.example["weights"].shape, result.example["source_labels"][-1]
+        (True, torch.Size([1, 6, 6]), '<pad>')
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if not time_limit > 0:
+        raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit}")
+    threads = torch.get_num_threads()
+    # One thread: these models are too small to gain from more, and with two threads on two cores one other busy
+    # process made each step about 17 times slower (spinning OpenMP workers); one thread also gives the same
+    # numbers on machines with different core counts.
+    torch.set_num_threads(1)
+    try:
+        return _train(kind, seed, _SETUPS[quick], _LEARNING_RATES[kind, quick], on_progress, time_limit)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(
+    kind: str,
+    seed: int,
+    setup: _Setup,
+    learning_rate: float,
+    on_progress: Callable[[dict], None] | None,
+    time_limit: float,
+) -> DemoResult:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # the initial weights
+        model = _AdditiveSeq2Seq() if kind == "additive" else _TransformerSeq2Seq(max_positions=setup.max_len + 1)
+    heldout_src, heldout_lens = _draw(
+        torch.Generator().manual_seed(seed + _HELDOUT_SEED_OFFSET), setup.num_heldout, setup
+    )
+    train_gen = torch.Generator().manual_seed(seed)
+    exclude = _keys(heldout_src, heldout_lens)  # (num_heldout,)
+    optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
+    losses: list[tuple[int, float]] = []
+    accuracies: list[tuple[int, float]] = []
+    start = time.perf_counter()
+    step, done = 0, False
+    while not done:
+        model.train()
+        src, lens = _draw(train_gen, setup.batch_size, setup, exclude)  # (B, S), (B,)
+        tgt_in, tgt_out = _targets(src, lens)  # (B, T) each
+        logits = model(src, lens, tgt_in)  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        step += 1
+        done = step == setup.max_steps or time.perf_counter() - start > time_limit
+        if step % setup.eval_every == 0 or done:
+            accuracies.append((step, _teacher_forced_accuracy(model, heldout_src, heldout_lens)))
+            done = done or accuracies[-1][1] >= setup.target
+        if step % setup.log_every == 0 or done:
+            losses.append((step, loss.item()))
+            if on_progress is not None:
+                on_progress(
+                    {
+                        "step": step,
+                        "total": setup.max_steps,
+                        "loss": losses[-1][1],
+                        "accuracy": accuracies[-1][1] if accuracies else None,
+                        "elapsed": time.perf_counter() - start,
+                        "done": done,
+                    }
+                )
+    seconds = time.perf_counter() - start
+    accuracy = _greedy_accuracy(model, heldout_src, heldout_lens)
+    example = _example(model, heldout_src, heldout_lens, (setup.min_len + setup.max_len + 1) // 2)
+    return DemoResult(kind, accuracy, seconds, step, losses, accuracies, example)
+
+
+# Data -------------------------------------------------------------------------------------------------------
+
+
+def _draw(gen: torch.Generator, n: int, setup: _Setup, exclude: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``n`` random sources of ``min_len..max_len`` digits, padded to the longest, none of them in ``exclude``.
+
+    Returns:
+        ``src`` ``(n, S)`` tokens and ``lens`` ``(n,)``.
+    """
+    lens = torch.randint(setup.min_len, setup.max_len + 1, (n,), generator=gen)  # (n,)
+    digits = torch.randint(0, 10, (n, setup.max_len), generator=gen)  # (n, max_len)
+    if exclude is not None:
+        redraw = torch.isin(_keys(digits, lens), exclude)  # (n,)
+        while bool(redraw.any()):
+            digits[redraw] = torch.randint(0, 10, (int(redraw.sum()), setup.max_len), generator=gen)
+            redraw = torch.isin(_keys(digits, lens), exclude)
+    S = int(lens.max())
+    padding = torch.arange(S) >= lens[:, None]  # (n, S)
+    return digits[:, :S].masked_fill(padding, PAD), lens  # (n, S), (n,)
+
+
+def _keys(src: Tensor, lens: Tensor) -> Tensor:
+    """One whole number per sequence (its digits read in base 10, times 16, plus its length), to compare sets."""
+    S = src.shape[1]
+    digits = src.masked_fill(torch.arange(S) >= lens[:, None], 0)  # (B, S)
+    return (digits * 10 ** torch.arange(S)).sum(1) * 16 + lens  # (B,)
+
+
+def _targets(src: Tensor, lens: Tensor) -> tuple[Tensor, Tensor]:
+    """Decoder inputs ``<bos>, reversed digits`` and outputs ``reversed digits, <eos>``, both ``(B, T = S + 1)``
+    and padded with ``<pad>``."""
+    B, S = src.shape
+    positions = torch.arange(S + 1)  # (T,)
+    source_index = lens[:, None] - 1 - positions  # (B, T): output t copies source len - 1 - t
+    reversed_digits = src.gather(1, source_index.clamp(0, S - 1))  # (B, T)
+    after = torch.where(positions == lens[:, None], EOS, PAD)  # (B, T)
+    tgt_out = torch.where(source_index >= 0, reversed_digits, after)  # (B, T)
+    tgt_in = torch.cat([torch.full((B, 1), BOS), tgt_out[:, :-1]], dim=1)  # (B, T)
+    return tgt_in, tgt_out
+
+
+# Models -----------------------------------------------------------------------------------------------------
+
+
+class _Seq2Seq(nn.Module):
+    """What both models provide: ``encode`` the source once, ``decode`` a whole (teacher-forced) prefix."""
+
+    cross_attention_name: str  # in named_modules(): the cross-attention layer whose weights the demo shows
+
+    def encode(self, src: Tensor, lens: Tensor) -> Tensor:
+        """Args: src ``(B, S)``, lens ``(B,)``. Returns the encoder outputs ``(B, S, features)``."""
+        raise NotImplementedError
+
+    def decode(self, memory: Tensor, lens: Tensor, tgt_in: Tensor) -> Tensor:
+        """Args: memory ``(B, S, features)``, lens ``(B,)``, tgt_in ``(B, T)``. Returns logits ``(B, T, V)``."""
+        raise NotImplementedError
+
+    def forward(self, src: Tensor, lens: Tensor, tgt_in: Tensor) -> Tensor:
+        """Args: src ``(B, S)``, lens ``(B,)``, tgt_in ``(B, T)``. Returns logits ``(B, T, V)``."""
+        return self.decode(self.encode(src, lens), lens, tgt_in)
+
+
+class _AdditiveSeq2Seq(_Seq2Seq):
+    """Bidirectional GRU encoder; GRU decoder whose states query :class:`AdditiveAttention` (Luong's layout)."""
+
+    cross_attention_name = "attention"
+
+    def __init__(self, embed_size: int = 32, num_hiddens: int = 64) -> None:
+        super().__init__()
+        h = num_hiddens
+        self.embedding = nn.Embedding(VOCAB, embed_size, padding_idx=PAD)
+        self.encoder = nn.GRU(embed_size, h, batch_first=True, bidirectional=True)
+        self.bridge = nn.Linear(2 * h, h)
+        self.decoder = nn.GRU(embed_size, h, batch_first=True)
+        self.attention = AdditiveAttention(h, query_size=h, key_size=2 * h)
+        self.output = nn.Linear(h + 2 * h, VOCAB)
+
+    def encode(self, src: Tensor, lens: Tensor) -> Tensor:
+        # Packed, so that the backward direction starts at the last digit, not in the padding: its states then
+        # count positions from the end, which is what reversal needs.
+        embedded = self.embedding(src)  # (B, S, E)
+        packed = nn.utils.rnn.pack_padded_sequence(embedded, lens, batch_first=True, enforce_sorted=False)
+        outputs, _ = self.encoder(packed)
+        memory, _ = nn.utils.rnn.pad_packed_sequence(outputs, batch_first=True, total_length=src.shape[1])
+        return memory  # (B, S, 2h): forward direction, then backward
+
+    def decode(self, memory: Tensor, lens: Tensor, tgt_in: Tensor) -> Tensor:
+        h = self.decoder.hidden_size
+        batch = torch.arange(memory.shape[0])  # (B,)
+        # the final state of each direction: the forward one at the last digit, the backward one at the first
+        final = torch.cat([memory[batch, lens - 1, :h], memory[:, 0, h:]], dim=-1)  # (B, 2h)
+        state = torch.tanh(self.bridge(final)).unsqueeze(0)  # (1, B, h)
+        queries, _ = self.decoder(self.embedding(tgt_in), state)  # (B, T, h)
+        context = self.attention(queries, memory, memory, lens)  # (B, T, 2h)
+        return self.output(torch.cat([queries, context], dim=-1))  # (B, T, 3h) -> (B, T, V)
+
+
+class _TransformerSeq2Seq(_Seq2Seq):
+    """A pre-LayerNorm Transformer encoder-decoder with learned positions."""
+
+    def __init__(
+        self,
+        *,
+        max_positions: int,
+        num_hiddens: int = 64,
+        num_heads: int = 4,
+        ffn_hiddens: int = 128,
+        num_layers: int = 2,
+    ) -> None:
+        super().__init__()
+        d = num_hiddens
+        self.cross_attention_name = f"decoder.{num_layers - 1}.cross_attention"
+        self.embedding = nn.Embedding(VOCAB, d, padding_idx=PAD)
+        self.positions = nn.Embedding(max_positions, d)
+        self.encoder = nn.ModuleList(_EncoderBlock(d, num_heads, ffn_hiddens) for _ in range(num_layers))
+        self.decoder = nn.ModuleList(_DecoderBlock(d, num_heads, ffn_hiddens) for _ in range(num_layers))
+        self.encoder_norm = nn.LayerNorm(d)
+        self.decoder_norm = nn.LayerNorm(d)
+        self.output = nn.Linear(d, VOCAB)
+
+    def _embed(self, tokens: Tensor) -> Tensor:
+        return self.embedding(tokens) + self.positions(torch.arange(tokens.shape[1]))  # (B, L) -> (B, L, d)
+
+    def encode(self, src: Tensor, lens: Tensor) -> Tensor:
+        x = self._embed(src)  # (B, S, d)
+        for block in self.encoder:
+            x = block(x, lens)
+        return self.encoder_norm(x)  # (B, S, d)
+
+    def decode(self, memory: Tensor, lens: Tensor, tgt_in: Tensor) -> Tensor:
+        y = self._embed(tgt_in)  # (B, T, d)
+        for block in self.decoder:
+            y = block(y, memory, lens)
+        return self.output(self.decoder_norm(y))  # (B, T, V)
+
+
+class _EncoderBlock(nn.Module):
+    """Pre-LayerNorm: ``x + self-attention(norm(x))`` over the digits, then ``x + ffn(norm(x))``."""
+
+    def __init__(self, d: int, num_heads: int, ffn_hiddens: int) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(d)
+        self.attention = MultiHeadAttention(d, num_heads, query_size=d, key_size=d, value_size=d)
+        self.ffn_norm = nn.LayerNorm(d)
+        self.ffn = nn.Sequential(nn.Linear(d, ffn_hiddens), nn.ReLU(), nn.Linear(ffn_hiddens, d))
+
+    def forward(self, x: Tensor, lens: Tensor) -> Tensor:
+        """Args: x ``(B, S, d)``, lens ``(B,)``. Returns ``(B, S, d)``."""
+        h = self.attention_norm(x)
+        x = x + self.attention(h, h, h, lens)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class _DecoderBlock(nn.Module):
+    """Pre-LayerNorm: causal self-attention, cross-attention to the digits, feed-forward, each residual."""
+
+    def __init__(self, d: int, num_heads: int, ffn_hiddens: int) -> None:
+        super().__init__()
+        self.self_attention_norm = nn.LayerNorm(d)
+        self.self_attention = MultiHeadAttention(d, num_heads, query_size=d, key_size=d, value_size=d)
+        self.cross_attention_norm = nn.LayerNorm(d)
+        self.cross_attention = MultiHeadAttention(d, num_heads, query_size=d, key_size=d, value_size=d)
+        self.ffn_norm = nn.LayerNorm(d)
+        self.ffn = nn.Sequential(nn.Linear(d, ffn_hiddens), nn.ReLU(), nn.Linear(ffn_hiddens, d))
+
+    def forward(self, y: Tensor, memory: Tensor, lens: Tensor) -> Tensor:
+        """Args: y ``(B, T, d)``, memory ``(B, S, d)``, lens ``(B,)`` source lengths. Returns ``(B, T, d)``."""
+        h = self.self_attention_norm(y)
+        y = y + self.self_attention(h, h, h, is_causal=True)
+        y = y + self.cross_attention(self.cross_attention_norm(y), memory, memory, lens)
+        return y + self.ffn(self.ffn_norm(y))
+
+
+# Evaluation -------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _greedy(model: _Seq2Seq, src: Tensor, lens: Tensor, steps: int) -> Tensor:
+    """Greedy decoding of ``steps`` tokens, decoding the whole prefix again at each step. Returns ``(B, steps)``."""
+    model.eval()
+    memory = model.encode(src, lens)
+    tokens = torch.full((src.shape[0], 1), BOS)  # (B, 1)
+    for _ in range(steps):
+        logits = model.decode(memory, lens, tokens)  # (B, t, V)
+        tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)  # (B, t + 1)
+    return tokens[:, 1:]  # (B, steps)
+
+
+def _greedy_accuracy(model: _Seq2Seq, src: Tensor, lens: Tensor) -> float:
+    """Exact-sequence accuracy of greedy decoding: every digit and the ``<eos>`` right (decoding stops at the
+    first ``<eos>``, so what follows it is never read)."""
+    _, tgt_out = _targets(src, lens)  # (B, T)
+    return _exact(_greedy(model, src, lens, tgt_out.shape[1]), tgt_out)
+
+
+@torch.no_grad()
+def _teacher_forced_accuracy(model: _Seq2Seq, src: Tensor, lens: Tensor) -> float:
+    """The number :func:`_greedy_accuracy` gives (but for rounding on near ties), from one decoder call instead of
+    one per output position.
+
+    Greedy decoding gets a sequence right exactly when, given the right prefix, every token it would choose next
+    is right: by induction, its own prefix is then always the right one.
+    """
+    model.eval()
+    tgt_in, tgt_out = _targets(src, lens)  # (B, T) each
+    return _exact(model(src, lens, tgt_in).argmax(-1), tgt_out)
+
+
+def _exact(predicted: Tensor, tgt_out: Tensor) -> float:
+    """The fraction of rows of ``predicted`` ``(B, T)`` equal to ``tgt_out`` ``(B, T)`` up to its ``<eos>``."""
+    scored = tgt_out != PAD  # (B, T)
+    return float(((predicted == tgt_out) | ~scored).all(dim=1).float().mean())
+
+
+def _example(model: _Seq2Seq, src: Tensor, lens: Tensor, length: int) -> dict[str, Any]:
+    """The first held-out sequence of ``length`` digits, kept padded as in the held-out batch: its greedy
+    prediction, and the cross-attention weights of teacher-forced decoding of the right output."""
+    i = int((lens == length).nonzero()[0])
+    src, lens = src[i : i + 1], lens[i : i + 1]  # (1, S), (1,)
+    predicted = _greedy(model, src, lens, length + 1)[0].tolist()  # T = length + 1 tokens
+    prediction = predicted[: predicted.index(EOS)] if EOS in predicted else predicted
+    tgt_in, tgt_out = _targets(src, lens)  # (1, S + 1) each
+    tgt_in, tgt_out = tgt_in[:, : length + 1], tgt_out[:, : length + 1]  # (1, T): no padding after <eos>
+    with torch.no_grad(), record_weights(model) as record:
+        model.eval()(src, lens, tgt_in)
+    weights = record[model.cross_attention_name]  # (1, T, S) additive, (1, H, T, S) multihead
+    return {
+        "source": src[0, :length].tolist(),
+        "prediction": prediction,
+        "weights": weights[0] if weights.dim() == 4 else weights,  # (1, T, S) or (H, T, S)
+        "source_labels": [LABELS[token] for token in src[0].tolist()],
+        "target_labels": [LABELS[token] for token in tgt_out[0].tolist()],
+    }
+
+
+# What `attnkit demo` shows ----------------------------------------------------------------------------------
+
+
+def replay_book_examples(echo: Callable[[str], None], seed: int = 0) -> None:
+    """Run the examples of the book's attention chapters with :mod:`attnkit.d2l` and ``echo`` what they give."""
+    from attnkit import d2l
+    from attnkit.trace import trace_shapes
+
+    with torch.random.fork_rng(devices=[]), _print_options(precision=4, sci_mode=False):
+        torch.manual_seed(seed)
+        echo("The book's examples, with attnkit.d2l")
+        echo("\nmasked_softmax(torch.rand(2, 2, 4), torch.tensor([2, 3])): zeros past each length")
+        echo(str(d2l.masked_softmax(torch.rand(2, 2, 4), torch.tensor([2, 3]))))
+        echo("\nmasked_softmax(torch.rand(2, 2, 4), torch.tensor([[1, 3], [2, 4]])): one length per query")
+        echo(str(d2l.masked_softmax(torch.rand(2, 2, 4), torch.tensor([[1, 3], [2, 4]]))))
+        echo("\nmasked_softmax(torch.rand(2, 2, 4), torch.tensor([0, 4])): a row with nothing to attend to is zero")
+        echo(str(d2l.masked_softmax(torch.rand(2, 2, 4), torch.tensor([0, 4]))))
+
+        keys = torch.ones((2, 10, 2))
+        values = torch.arange(40, dtype=torch.float32).reshape(1, 10, 4).repeat(2, 1, 1)
+        lens = torch.tensor([2, 6])
+        additive = d2l.AdditiveAttention(key_size=2, query_size=20, num_hiddens=8, dropout=0.1).eval()
+        with torch.no_grad():
+            out = additive(torch.normal(0, 1, (2, 1, 20)), keys, values, lens)
+        echo("\nAdditiveAttention(key_size=2, query_size=20, num_hiddens=8, dropout=0.1), valid_lens [2, 6]:")
+        echo(str(out))
+        echo("attention_weights:\n" + str(additive.attention_weights))
+        dot = d2l.DotProductAttention(dropout=0.5).eval()
+        with torch.no_grad():
+            out = dot(torch.normal(0, 1, (2, 1, 2)), keys, values, lens)
+        echo("\nDotProductAttention(dropout=0.5), same keys, values and valid_lens:")
+        echo(str(out))
+
+        mha = d2l.MultiHeadAttention(100, 100, 100, 100, 5, 0.5).eval()
+        X, Y = torch.ones((2, 4, 100)), torch.ones((2, 6, 100))
+        with torch.no_grad(), trace_shapes() as steps:
+            out = mha(X, Y, Y, torch.tensor([3, 2]))
+        echo(f"\nMultiHeadAttention(100, 100, 100, 100, 5, 0.5) on (2, 4, 100) and (2, 6, 100) -> {tuple(out.shape)}:")
+        echo(str(steps))
+
+
+def draw(results: dict[str, DemoResult], out_dir: Path) -> list[Path]:
+    """Heatmaps of what each model attends to, and the loss curves, written into ``out_dir``. Returns the paths."""
+    from attnkit import plot
+
+    paths = []
+    for kind, result in results.items():
+        ex = result.example
+        source = "".join(str(d) for d in ex["source"])
+        title = f"{kind}: {source} -> {''.join(str(d) for d in ex['prediction'])}"
+        path = out_dir / f"{kind}-attention.png"
+        plot.plot_attention(
+            ex["weights"],
+            query_labels=ex["target_labels"],
+            key_labels=ex["source_labels"],
+            path=path,
+            title=title,
+            xlabel="source",
+            ylabel="output",
+        )
+        paths.append(path)
+
+    plt = plot._pyplot()
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.2), layout="constrained")
+    for kind, result in results.items():
+        ax_loss.plot([s for s, _ in result.losses], [loss for _, loss in result.losses], label=kind)
+        ax_acc.plot([s for s, _ in result.accuracies], [a for _, a in result.accuracies], marker=".", label=kind)
+    ax_loss.set(xlabel="step", ylabel="training loss", yscale="log", title="loss")
+    ax_acc.set(xlabel="step", ylabel="exact-sequence accuracy", ylim=(0, 1.01), title="held-out accuracy")
+    ax_acc.legend()
+    path = out_dir / "training.png"
+    plot.save_figure(fig, path)
+    paths.append(path)
+    return paths
+
+
+@contextlib.contextmanager
+def _print_options(**options: Any) -> Iterator[None]:
+    """Print tensors with ``options`` inside; back to PyTorch's defaults after (the demo runs as a command)."""
+    torch.set_printoptions(**options)
+    try:
+        yield
+    finally:
+        torch.set_printoptions(profile="default")

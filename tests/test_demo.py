@@ -1,0 +1,73 @@
+"""The demo: it learns reversal, attends along the anti-diagonal, repeats itself, and draws its pictures."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import matplotlib.image
+import pytest
+import torch
+
+from attnkit import demo
+
+
+@pytest.fixture(scope="module")
+def quick_results():
+    return {kind: demo.train(kind, seed=0, quick=True) for kind in demo.KINDS}
+
+
+@pytest.mark.parametrize("kind", demo.KINDS)
+def test_quick_training_reaches_its_target_and_attends_along_the_anti_diagonal(quick_results, kind):
+    result = quick_results[kind]
+    assert result.accuracy >= 0.90
+    ex = result.example
+    weights = ex["weights"]  # (H, T, S)
+    n = len(ex["source"])
+    assert weights.shape[1:] == (n + 1, len(ex["source_labels"])) and len(ex["source_labels"]) > n
+    assert ex["source_labels"][n:] == ["<pad>"] * (len(ex["source_labels"]) - n)
+    assert (weights[..., n:] == 0).all()  # padding: exactly zero
+    # output t copies source n - 1 - t: where the weights (averaged over heads) peak
+    peaks = weights.mean(0)[:n].argmax(-1)
+    assert (peaks == torch.arange(n - 1, -1, -1)).float().mean() >= 0.8
+
+
+def test_same_seed_same_numbers(quick_results):
+    again = demo.train("multihead", seed=0, quick=True)
+    first = quick_results["multihead"]
+    assert again.losses == first.losses and again.accuracies == first.accuracies and again.steps == first.steps
+    assert torch.equal(again.example["weights"], first.example["weights"])
+
+
+def test_progress_is_reported_and_threads_are_restored():
+    threads = torch.get_num_threads()
+    seen = []
+    result = demo.train("additive", seed=1, quick=True, on_progress=seen.append)
+    assert torch.get_num_threads() == threads
+    assert seen[-1]["done"] and seen[-1]["step"] == result.steps
+    assert all(not p["done"] for p in seen[:-1])
+    assert {"step", "total", "loss", "accuracy", "elapsed", "done"} <= set(seen[0])
+
+
+def test_demo_command_quick(tmp_path):
+    out = tmp_path / "pictures"
+    result = subprocess.run(
+        [sys.executable, "-m", "attnkit", "demo", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "masked_softmax(torch.rand(2, 2, 4), torch.tensor([2, 3]))" in text
+    assert "transpose_qkv" in text and "[3, 2] -> [3, 3, 3, 3, 3, 2, 2, 2, 2, 2]" in text
+    for kind in demo.KINDS:
+        line = next(line for line in text.splitlines() if line.startswith(f"{kind}: "))
+        assert float(line.split("%")[0].split()[-1]) >= 90.0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["additive-attention.png", "multihead-attention.png", "training.png"]
+    for name in names:
+        assert str(out / name) in text
+        image = matplotlib.image.imread(out / name)
+        assert image.shape[0] > 200 and image.shape[1] > 300 and image[..., :3].std() > 0.05
