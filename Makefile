@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/attnkit info
+	$(BIN)/attnkit demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -30,6 +30,9 @@ lint: $(STAMP)
 
 memory: $(STAMP)
 	$(BIN)/python benchmarks/memory.py
+
+bench: $(STAMP)
+	$(BIN)/attnkit bench --json bench.json --plot bench.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache src/*.egg-info

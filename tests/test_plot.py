@@ -60,3 +60,13 @@ def test_bad_paths_and_shapes_raise_clear_errors(tmp_path):
         plot.plot_attention(w, key_labels=["a", "b"])
     with pytest.raises(ValueError, match=r"matrices must be \(rows, cols, Lq, Lk\)"):
         plot.show_heatmaps(torch.ones(1, 1, 1, 2, 2), "x", "y")
+
+
+def test_written_files_get_the_usual_permissions(tmp_path):
+    import os
+
+    path = tmp_path / "w.png"
+    plot.plot_attention(torch.softmax(torch.randn(3, 4), -1), path=path)
+    reference = tmp_path / "plain"
+    reference.write_text("")
+    assert os.stat(path).st_mode & 0o777 == os.stat(reference).st_mode & 0o777

@@ -171,6 +171,7 @@ def save_figure(fig: Any, path: str | os.PathLike[str], *, dpi: int = 100) -> Pa
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format=fmt, dpi=dpi)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; a plain open() would not
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -178,6 +179,12 @@ def save_figure(fig: Any, path: str | os.PathLike[str], *, dpi: int = 100) -> Pa
     finally:
         _pyplot().close(fig)
     return target
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _as_array(x: Any, name: str) -> np.ndarray:
