@@ -115,8 +115,9 @@ def test_record_weights_equal_the_reference_backend_and_leave_no_state():
     with attnkit.record_weights(model) as rec, dispatch.watch() as ran:
         during = model(x, y, lens)
     assert set(rec) == {"encoder", "decoder.cross", "decoder.dot"}
-    # the output still comes from the fast backend; the weights are computed beside it
-    assert ran == ["sdpa", "reference", "reference", "reference", "sdpa", "reference"]
+    # the output still comes from the fast backend (small additive attention runs on the reference anyway);
+    # the weights are computed beside it, by the reference math, without an output
+    assert ran == ["sdpa", "reference", "sdpa"]
     assert during.requires_grad and not any(w.requires_grad for w in rec.values())
     torch.testing.assert_close(during, before, rtol=0, atol=0)
 

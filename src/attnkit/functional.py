@@ -14,9 +14,10 @@ import torch
 from torch import Tensor
 
 from attnkit import dispatch, trace
+from attnkit.backends import reference
 from attnkit.masks import Mask
 
-__all__ = ["AttentionOutput", "additive_attention", "scaled_dot_product_attention"]
+__all__ = ["AttentionOutput", "additive_attention", "attention_weights", "scaled_dot_product_attention"]
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head (or hidden) dim, Dv value head dim
 
@@ -124,6 +125,43 @@ def additive_attention(
     return _attend(q, k, v, w_v, three_d, valid_lens, attn_mask, is_causal, 1.0, dropout_p, need_weights, backend)
 
 
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    *,
+    w_v: Tensor | None = None,
+    valid_lens: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """The attention weights alone, without the output: what :func:`attnkit.record_weights` keeps.
+
+    Dot-product scoring, or additive scoring when ``w_v`` is given; the other arguments and the shapes are those of
+    :func:`scaled_dot_product_attention`. Computed by the reference math; cheaper than ``need_weights=True``,
+    which also computes the output.
+
+    Returns:
+        ``(B, H, Lq, Lk)`` (``(B, Lq, Lk)`` for 3-dim inputs), in ``q.dtype``.
+
+    Example:
+        >>> attention_weights(torch.ones(1, 2, 4), torch.ones(1, 3, 4), valid_lens=torch.tensor([2]))
+        tensor([[[0.5000, 0.5000, 0.0000],
+                 [0.5000, 0.5000, 0.0000]]])
+    """
+    three_d = check_qkv(q, k, k, ("q", "k", "k"))
+    if w_v is not None:
+        _check_same_kind(("q", q), ("w_v", w_v))
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if three_d:
+        q, k = q.unsqueeze(1), k.unsqueeze(1)  # (B, 1, L, D)
+    mask = _build_mask(q, k, valid_lens, attn_mask, is_causal, three_d)
+    k, _ = _zero_dead_keys(k, k, mask)
+    weights = reference.attention_weights(q, k, mask, w_v=w_v, scale=scale).to(q.dtype)  # (B, H, Lq, Lk)
+    return weights.squeeze(1) if three_d else weights
+
+
 def check_qkv(
     q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] = ("q", "k", "v"), *, same_features: bool = True
 ) -> bool:
@@ -206,18 +244,7 @@ def _attend(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if three_d:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L, D)
-    B, H, Lq, _ = q.shape
-    mask = Mask.build(
-        batch=B,
-        heads=H,
-        num_queries=Lq,
-        num_keys=k.shape[2],
-        valid_lens=valid_lens,
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        mask_dims=3 if three_d else 4,
-        device=q.device,
-    )
+    mask = _build_mask(q, k, valid_lens, attn_mask, is_causal, three_d)
     k, v = _zero_dead_keys(k, v, mask)
     chosen = dispatch.choose(
         backend, q, k, v, mask, w_v=w_v, scale=scale, dropout_p=dropout_p, need_weights=need_weights
@@ -261,6 +288,23 @@ def _trace_steps(
     tracer.add("softmax", [scores], scores, "over keys; rows with no key -> 0")
     how = _HOW.get(backend)
     tracer.add("weighted sum", [scores, v], out, f"weights @ v; backend {backend}" + (f" ({how})" if how else ""))
+
+
+def _build_mask(
+    q: Tensor, k: Tensor, valid_lens: Tensor | None, attn_mask: Tensor | None, is_causal: bool, three_d: bool
+) -> Mask:
+    B, H, Lq, _ = q.shape
+    return Mask.build(
+        batch=B,
+        heads=H,
+        num_queries=Lq,
+        num_keys=k.shape[2],
+        valid_lens=valid_lens,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        mask_dims=3 if three_d else 4,
+        device=q.device,
+    )
 
 
 def _zero_dead_keys(k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, Tensor]:

@@ -16,14 +16,14 @@ beside it by the reference backend, under ``torch.no_grad()``: they are for look
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from attnkit import trace
-from attnkit.functional import AttentionOutput, additive_attention, check_qkv, scaled_dot_product_attention
+from attnkit.functional import additive_attention, attention_weights, check_qkv, scaled_dot_product_attention
 
 __all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention", "WeightRecord", "record_weights"]
 
@@ -97,14 +97,13 @@ class _Attention(nn.Module):
     def _dropout_p(self) -> float:
         return self.dropout if self.training else 0.0
 
-    def _record(self, attend: Callable[..., AttentionOutput], inputs: tuple[Tensor, ...], masks: Masks) -> None:
-        """Compute the weights beside the fast path, detached, with the reference backend."""
+    def _record(self, q: Tensor, k: Tensor, masks: Masks, w_v: Tensor | None = None) -> None:
+        """Compute the weights beside the fast path: detached, without the output (see the module docstring)."""
         if self._recorder is None:
             return
         record, name = self._recorder
         with torch.no_grad(), trace.paused():
-            weights = attend(*inputs, **masks._asdict(), need_weights=True, backend="reference").weights
-        assert weights is not None  # need_weights=True
+            weights = attention_weights(q, k, w_v=w_v, **masks._asdict())
         record.add(name, weights)
 
 
@@ -140,7 +139,7 @@ class DotProductAttention(_Attention):
         out = scaled_dot_product_attention(
             queries, keys, values, **masks._asdict(), dropout_p=self._dropout_p(), backend=self.backend
         ).output
-        self._record(scaled_dot_product_attention, (queries, keys, values), masks)
+        self._record(queries, keys, masks)
         return out
 
 
@@ -196,7 +195,7 @@ class AdditiveAttention(_Attention):
         out = additive_attention(
             q, k, values, w_v, **masks._asdict(), dropout_p=self._dropout_p(), backend=self.backend
         ).output  # (B, Lq, dv)
-        self._record(additive_attention, (q, k, values, w_v), masks)
+        self._record(q, k, masks, w_v)
         return out
 
 
@@ -287,7 +286,7 @@ class MultiHeadAttention(_Attention):
         out = scaled_dot_product_attention(
             q, k, v, **masks._asdict(), dropout_p=self._dropout_p(), backend=self.backend
         ).output  # (B, H, Lq, d)
-        self._record(scaled_dot_product_attention, (q, k, v), masks)
+        self._record(q, k, masks)
         merged = out.transpose(1, 2).reshape(B, Lq, H * d)  # (B, H, Lq, d) -> (B, Lq, H*d)
         if tracer is not None:
             tracer.add("merge heads", [out], merged, "(B, H, Lq, d) -> (B, Lq, H*d)")

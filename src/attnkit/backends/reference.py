@@ -60,15 +60,31 @@ def attention(
 ) -> tuple[Tensor, Tensor | None]:
     H = q.shape[1]
     dtype = compute_dtype(q.dtype)
+    weights = attention_weights(q, k, mask, w_v=w_v, scale=scale)  # (B, H, Lq, Lk) in `dtype`
+    dropped = torch.nn.functional.dropout(weights, dropout_p) if dropout_p > 0 else weights
+    out = dropped @ repeat_kv(v, H).to(dtype)  # (B, H, Lq, Dv)
+    return out.to(q.dtype), (weights.to(q.dtype) if need_weights else None)
+
+
+def attention_weights(q: Tensor, k: Tensor, mask: Mask, *, w_v: Tensor | None, scale: float) -> Tensor:
+    """The weights ``a`` alone (no output), ``(B, H, Lq, Lk)`` in the compute dtype: what recording needs.
+
+    Without autograd, the scores are written once (scale folded into the matmul) and the softmax runs in place.
+    """
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    dtype = compute_dtype(q.dtype)
     qf = q.to(dtype)  # (B, H, Lq, D)
     kf = repeat_kv(k, H).to(dtype)  # (B, H, Lk, D)
-    vf = repeat_kv(v, H).to(dtype)  # (B, H, Lk, Dv)
-    if w_v is None:
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, w_v, mask.bias))
+    if w_v is not None:
+        scores, _ = additive_scores(qf, kf, w_v.to(dtype))  # (B, H, Lq, Lk)
+    elif grad:
         scores = (qf @ kf.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
     else:
-        scores, _ = additive_scores(qf, kf, w_v.to(dtype))  # (B, H, Lq, Lk)
+        q3, k3 = qf.reshape(B * H, Lq, D), kf.reshape(B * H, Lk, D)  # (B*H, L, D)
+        scores = torch.empty(B * H, Lq, Lk, dtype=dtype, device=q.device)
+        torch.baddbmm(scores, q3, k3.transpose(1, 2), beta=0, alpha=scale, out=scores)  # (B*H, Lq, Lk)
+        scores = scores.view(B, H, Lq, Lk)
     allowed, bias = mask.full(dtype)
-    weights = softmax_with_mask(scores, allowed, bias)  # (B, H, Lq, Lk)
-    dropped = torch.nn.functional.dropout(weights, dropout_p) if dropout_p > 0 else weights
-    out = dropped @ vf  # (B, H, Lq, Dv)
-    return out.to(q.dtype), (weights.to(q.dtype) if need_weights else None)
+    return softmax_with_mask(scores, allowed, bias, inplace=not grad)  # (B, H, Lq, Lk)
