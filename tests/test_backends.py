@@ -260,3 +260,20 @@ def test_chunked_saves_nothing_of_size_lq_times_lk():
         out = attnkit.additive_attention(q, k, v, w_v, backend="chunked")
     out.output.sum().backward()
     assert max(saved) <= 2 * L * D
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_batches_run_by_length_and_match_the_math(causal):
+    """1-D valid_lens alone (or with causal self-attention): sdpa runs one call per length on the real keys."""
+    q, k, v, g = make_inputs(57, 57, 16, 2, seed=13)
+    q, k, v = torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v])  # B = 4
+    kw = {"valid_lens": torch.tensor([57, 20, 0, 20]), "is_causal": causal}
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    truth, _ = math_attention(q64, k64, v64, **kw)
+    grad_out = torch.randn(truth.shape, generator=g, dtype=torch.float64)
+    true_grads = torch.autograd.grad(truth, (q64, k64, v64), grad_out)
+    out, grads = _run("sdpa", q, k, v, kw, grad_out)
+    assert max_err(out, truth) <= OUT_TOL
+    assert (out[2] == 0).all()
+    for grad, true in zip(grads, true_grads, strict=True):
+        assert max_err(grad, true) <= GRAD_TOL * max(1.0, true.abs().max().item())

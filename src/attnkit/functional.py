@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
 from torch import Tensor
 
 from attnkit import dispatch, trace
@@ -157,7 +156,6 @@ def attention_weights(
     if three_d:
         q, k = q.unsqueeze(1), k.unsqueeze(1)  # (B, 1, L, D)
     mask = _build_mask(q, k, valid_lens, attn_mask, is_causal, three_d)
-    k, _ = _zero_dead_keys(k, k, mask)
     weights = reference.attention_weights(q, k, mask, w_v=w_v, scale=scale).to(q.dtype)  # (B, H, Lq, Lk)
     return weights.squeeze(1) if three_d else weights
 
@@ -245,7 +243,6 @@ def _attend(
     if three_d:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L, D)
     mask = _build_mask(q, k, valid_lens, attn_mask, is_causal, three_d)
-    k, v = _zero_dead_keys(k, v, mask)
     chosen = dispatch.choose(
         backend, q, k, v, mask, w_v=w_v, scale=scale, dropout_p=dropout_p, need_weights=need_weights
     )
@@ -305,17 +302,3 @@ def _build_mask(
         mask_dims=3 if three_d else 4,
         device=q.device,
     )
-
-
-def _zero_dead_keys(k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, Tensor]:
-    """Zero the keys and values no query may see (padding), so that whatever they hold, NaN included, never
-    reaches the output or the gradients. Returns new tensors; the inputs are left as they were."""
-    live = mask.live_keys()  # (B|1, H|1, Lk, 1) or None
-    if live is None or bool(live.all()):
-        return k, v
-    Hkv = k.shape[1]
-    if live.shape[1] not in (1, Hkv):
-        # a per-query-head mask with grouped key/value heads: a key/value head is live if any of its group is
-        live = live.unflatten(1, (Hkv, -1)).any(dim=2)  # (B|1, Hkv, Lk, 1)
-    zero = torch.zeros((), dtype=k.dtype, device=k.device)
-    return torch.where(live, k, zero), torch.where(live, v, zero)

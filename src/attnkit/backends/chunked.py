@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnkit.backends.common import additive_scores, repeat_kv
+from attnkit.backends.common import additive_scores, repeat_kv, zero_dead_keys
 from attnkit.masks import Mask, compute_dtype
 
 NAME = "chunked"
@@ -105,6 +105,7 @@ def attention(
         block = SETTINGS.block_size
     else:
         block = max(1, SETTINGS.additive_block_bytes // (4 * B * H * max(Lq, 1) * D))
+    k, v = zero_dead_keys(k, v, mask)
     # Repeating key/value heads outside the Function lets autograd sum their gradients back per group.
     kf = repeat_kv(k, H).to(dtype)  # (B, H, Lk, D)
     vf = repeat_kv(v, H).to(dtype)  # (B, H, Lk, Dv)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit.backends.common import additive_scores, repeat_kv
+from attnkit.backends.common import additive_scores, repeat_kv, zero_dead_keys
 from attnkit.masks import Mask, compute_dtype, softmax_with_mask
 
 NAME = "reference"
@@ -60,17 +60,21 @@ def attention(
 ) -> tuple[Tensor, Tensor | None]:
     H = q.shape[1]
     dtype = compute_dtype(q.dtype)
-    weights = attention_weights(q, k, mask, w_v=w_v, scale=scale)  # (B, H, Lq, Lk) in `dtype`
+    k, v = zero_dead_keys(k, v, mask)
+    weights = _weights(q, k, mask, w_v=w_v, scale=scale)  # (B, H, Lq, Lk) in `dtype`
     dropped = torch.nn.functional.dropout(weights, dropout_p) if dropout_p > 0 else weights
     out = dropped @ repeat_kv(v, H).to(dtype)  # (B, H, Lq, Dv)
     return out.to(q.dtype), (weights.to(q.dtype) if need_weights else None)
 
 
 def attention_weights(q: Tensor, k: Tensor, mask: Mask, *, w_v: Tensor | None, scale: float) -> Tensor:
-    """The weights ``a`` alone (no output), ``(B, H, Lq, Lk)`` in the compute dtype: what recording needs.
+    """The weights ``a`` alone (no output), ``(B, H, Lq, Lk)`` in the compute dtype: what recording needs."""
+    k, _ = zero_dead_keys(k, k, mask)
+    return _weights(q, k, mask, w_v=w_v, scale=scale)
 
-    Without autograd, the scores are written once (scale folded into the matmul) and the softmax runs in place.
-    """
+
+def _weights(q: Tensor, k: Tensor, mask: Mask, *, w_v: Tensor | None, scale: float) -> Tensor:
+    """Without autograd, the scores are written once (scale folded into the matmul) and the softmax runs in place."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     dtype = compute_dtype(q.dtype)

@@ -10,15 +10,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.backends.common import repeat_kv
+from attnkit.backends.common import repeat_kv, zero_dead_keys
 from attnkit.masks import Mask
 
 NAME = "sdpa"
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim, Dv value head dim
+
+# Padded batches (1-D valid_lens alone, or with causal self-attention) run one call per run of equal lengths, on
+# the real keys only, once that skips at least 1/8 of the key work: at L=2048 with lengths uniform in [L/4, L] this
+# takes 0.6-0.7x the time of the same batch without padding, where one masked call takes 0.9x (`attnkit bench`).
+GROUP_BELOW = 0.875
 
 # `enable_gqa` arrived in PyTorch 2.5; before it, key/value heads are repeated here.
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -66,6 +72,9 @@ def attention(
         else:
             k, v = repeat_kv(k, H), repeat_kv(v, H)  # (B, H, Lk, D), (B, H, Lk, Dv)
     Lq, Lk = mask.num_queries, mask.num_keys
+    lengths = _key_lengths(mask)
+    if lengths is not None and max(lengths) > 0 and sum(lengths) <= GROUP_BELOW * len(lengths) * Lk:
+        return _by_length(q, k, v, lengths, mask.is_causal, scale, dropout_p, gqa), None
     only_causal = mask.is_causal and mask.valid_lens is None and mask.bool_mask is None and mask.bias is None
     if mask.is_empty or (only_causal and Lq == Lk):
         out = F.scaled_dot_product_attention(
@@ -73,6 +82,7 @@ def attention(
         )  # (B, H, Lq, Dv)
         return out, None
 
+    k, v = zero_dead_keys(k, v, mask)
     allowed, bias = mask.full(q.dtype)  # (B|1, H|1, Lq|1, Lk) each, or None
     live_rows = None
     if allowed is not None:
@@ -93,3 +103,60 @@ def attention(
     if live_rows is not None:
         out = out.masked_fill(~live_rows, 0.0)
     return out, None
+
+
+def _key_lengths(mask: Mask) -> list[int] | None:
+    """Each example's number of keys, when 1-D ``valid_lens`` is the whole mask (or that and causal
+    self-attention); ``None`` otherwise."""
+    if mask.valid_lens is None or mask.valid_lens.shape[2] != 1 or mask.bool_mask is not None or mask.bias is not None:
+        return None
+    if mask.is_causal and mask.num_queries != mask.num_keys:
+        return None
+    return mask.valid_lens.view(-1).tolist()
+
+
+def _by_length(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lengths: list[int],
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    gqa: dict[str, Any],
+) -> Tensor:
+    """Attention over each example's real keys only, one call per run of equal lengths.
+
+    With ``causal`` (self-attention, ``Lq == Lk``), query ``i < n`` sees keys ``j <= i`` (a causal ``n x n`` call)
+    and every query ``i >= n`` sees all ``n`` keys (an unmasked call). Examples with no key give zeros.
+    """
+    H, Lq = q.shape[1], q.shape[2]
+    # Runs of consecutive examples of equal length, in batch order: the backward pass of `split` is one
+    # concatenation, where slicing or gathering examples costs a full-size zeroed gradient each (profiled:
+    # sorting the batch by length spent 20% of the time at L=2048 in index_select, scatter_add and fill).
+    runs: list[list[int]] = []
+    for n in lengths:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    sizes = [count for _, count in runs]
+    parts = []
+    for (n, count), qg, kg, vg in zip(runs, q.split(sizes), k.split(sizes), v.split(sizes), strict=True):
+        kg, vg = kg[:, :, :n], vg[:, :, :n]  # (b, Hkv, n, D), (b, Hkv, n, Dv): the real keys only
+        if n == 0:
+            part = qg.new_zeros(count, H, Lq, vg.shape[-1])  # (b, H, Lq, Dv): nothing to attend to
+        elif causal and n < Lq:
+            first = F.scaled_dot_product_attention(
+                qg[:, :, :n], kg, vg, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa
+            )  # (b, H, n, Dv)
+            rest = F.scaled_dot_product_attention(
+                qg[:, :, n:], kg, vg, dropout_p=dropout_p, scale=scale, **gqa
+            )  # (b, H, Lq - n, Dv)
+            part = torch.cat([first, rest], dim=2)  # (b, H, Lq, Dv)
+        else:
+            part = F.scaled_dot_product_attention(
+                qg, kg, vg, dropout_p=dropout_p, is_causal=causal, scale=scale, **gqa
+            )  # (b, H, Lq, Dv)
+        parts.append(part)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)  # (B, H, Lq, Dv)
