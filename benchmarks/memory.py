@@ -28,7 +28,6 @@ import argparse
 import gc
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -72,8 +71,21 @@ def current_rss() -> int:
 
 
 def peak_rss() -> int:
-    """Peak resident set size of this process so far, in bytes (``ru_maxrss`` is in KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set size of this process since the last :func:`reset_peak`, in bytes (``VmHWM``).
+
+    Not ``getrusage().ru_maxrss``: Linux keeps that across ``execve``, so it would start at the parent's size.
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
+
+
+def reset_peak() -> None:
+    """Set the peak resident set size to the current size (Linux 4.0+)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def measure_one(backend: str, length: int, block_size: int | None) -> dict[str, Any]:
@@ -97,16 +109,14 @@ def measure_one(backend: str, length: int, block_size: int | None) -> dict[str, 
         call(*inputs(WARMUP_LENGTH))  # thread pools, kernels, lazy imports: not part of the measurement
         gc.collect()
         q, k, v, dout = inputs(length)
+        reset_peak()
         baseline = current_rss()
-        peak_before = peak_rss()
         start = time.perf_counter()
         call(q, k, v, dout)
         seconds = time.perf_counter() - start
         peak_after = peak_rss()
     return {
         "peak_bytes": max(0, peak_after - baseline),
-        # When the call set no new peak, its increase is only known to be at most this.
-        "upper_bound_only": peak_after == peak_before,
         "seconds": seconds,
         "baseline_rss_bytes": baseline,
         "threads": torch.get_num_threads(),
@@ -186,7 +196,7 @@ def table(results: list[dict[str, Any]]) -> str:
     rows = []
     for r in results:
         if r["status"] == "ok":
-            peak = ("<= " if r["upper_bound_only"] else "") + format_bytes(r["peak_bytes"])
+            peak = format_bytes(r["peak_bytes"])
             seconds = f"{r['seconds']:.2f}"
         elif r["status"] == "skipped":
             peak = f"skipped (needs ~{r['estimate_bytes'] / 2**30:.0f} GiB)"

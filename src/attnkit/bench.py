@@ -2,7 +2,8 @@
 
 Timing uses ``torch.utils.benchmark`` (warm-up, the process's thread count, adaptive repeats; the median is
 reported). Peak memory is measured per configuration in a fresh subprocess, as the increase of the peak
-resident set size over the process's size after building the inputs (``ru_maxrss``; Linux).
+resident set size over the process's size after building the inputs (``VmHWM``, reset through
+``/proc/self/clear_refs``; Linux).
 
 Contenders, on the same shapes with the same weights:
 
@@ -26,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -50,8 +50,6 @@ MASKS = ("none", "valid_lens", "causal")
 QUICK_MASKS = ("none", "valid_lens")
 MODES = ("infer", "train")
 BACKENDS = ("sdpa", "chunked", "reference")
-# The reference backend and the book hold (B, H, L, L) several times over; not at L=8192.
-MATERIALISING = ("attnkit:reference", "attnkit+weights", "torch+weights", "book")
 ADDITIVE_FULL = {"B": 8, "L": 1024, "h": 128}
 ADDITIVE_QUICK = {"B": 2, "L": 128, "h": 32}
 
@@ -143,6 +141,12 @@ def _lengths(B: int, L: int, seed: int = 0) -> Tensor:
 
 def make_call(kind: str, B: int, L: int, mode: str, mask: str, contender: str) -> Callable[[], None]:
     """A function that runs one configuration once (forward, or forward and backward)."""
+    return _wrap(make_forward(kind, B, L, mask, contender, train=mode == "train"), mode == "train")
+
+
+def make_forward(kind: str, B: int, L: int, mask: str, contender: str, *, train: bool) -> Callable[[], Tensor]:
+    """A function that runs one contender's forward and returns its output; every contender gets the same inputs
+    and the same weights, so their outputs agree (tests check it)."""
     torch.manual_seed(0)
     if kind == "overhead":
         B, L, h, heads = 2, 4, 100, 5
@@ -151,18 +155,15 @@ def make_call(kind: str, B: int, L: int, mode: str, mask: str, contender: str) -
         h = spec["h"]
     else:
         h, heads = HIDDENS, HEADS
-    train = mode == "train"
     lens = _lengths(B, L) if mask == "valid_lens" else None
 
     if kind == "additive":
         q, k = torch.randn(B, L, h, requires_grad=train), torch.randn(B, L, h, requires_grad=train)
         v, w_v = torch.randn(B, L, h, requires_grad=train), torch.randn(h, requires_grad=train)
         if contender == "book":
-            run = lambda: book_additive(q, k, v, w_v[:, None], lens)  # noqa: E731
-        else:
-            backend = contender.partition(":")[2] or "auto"
-            run = lambda: attnkit.additive_attention(q, k, v, w_v, valid_lens=lens, backend=backend).output  # noqa: E731
-        return _wrap(run, train)
+            return lambda: book_additive(q, k, v, w_v[:, None], lens)
+        backend = contender.partition(":")[2] or "auto"
+        return lambda: attnkit.additive_attention(q, k, v, w_v, valid_lens=lens, backend=backend).output
 
     x = torch.randn(B, L, h, requires_grad=train)
     ours = attnkit.MultiHeadAttention(h, heads, query_size=h, key_size=h, value_size=h)
@@ -185,24 +186,24 @@ def make_call(kind: str, B: int, L: int, mode: str, mask: str, contender: str) -
             )
             return out
 
-        return _wrap(run, train)
+        return run
     if contender == "book":
         book = BookMHA(h, heads)
         book.load_state_dict(ours.state_dict())
         book_lens = lens
         if mask == "causal":
             book_lens = torch.arange(1, L + 1).repeat(B, 1)  # (B, L): the book decoder's causal mask
-        return _wrap(lambda: book(x, book_lens), train)
+        return lambda: book(x, book_lens)
     ours.backend = contender.partition(":")[2] or "auto"
     causal_flag = mask == "causal"
     if contender == "attnkit+weights":
 
-        def run() -> Tensor:
+        def recorded() -> Tensor:
             with attnkit.record_weights(ours):
                 return ours(x, x, x, lens, is_causal=causal_flag)
 
-        return _wrap(run, train)
-    return _wrap(lambda: ours(x, x, x, lens, is_causal=causal_flag), train)
+        return recorded
+    return lambda: ours(x, x, x, lens, is_causal=causal_flag)
 
 
 def _wrap(run: Callable[[], Tensor], train: bool) -> Callable[[], None]:
@@ -263,13 +264,27 @@ def measure_memory(row: Row) -> int | None:
     return int(child.stdout.strip().splitlines()[-1])
 
 
+def _peak_rss() -> int:
+    """This process's peak resident set size (``VmHWM``), in bytes.
+
+    Not ``getrusage().ru_maxrss``: Linux keeps that across ``execve``, so a child started by a large parent
+    would report the parent's size.
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
+
+
 def _memory_child(spec: str) -> None:
     kind, B, L, mode, mask, contender = json.loads(spec)
     call = make_call(kind, B, L, mode, mask, contender)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak to the current size: the inputs and weights are not counted
     before = _rss()
     call()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(max(0, peak - before))
+    print(max(0, _peak_rss() - before))
 
 
 # -------------------------------------------------------------------------------------------------- grid
@@ -283,8 +298,8 @@ def contenders(kind: str, L: int, quick: bool = False) -> list[str]:
     if quick:
         return ["attnkit", "torch", "book"]
     names = ["attnkit", *(f"attnkit:{b}" for b in BACKENDS), "attnkit+weights", "torch", "torch+weights", "book"]
-    if L > 2048:
-        names = [n for n in names if n not in MATERIALISING]
+    if L > 2048:  # one long sequence: the linear-memory contenders and the peer
+        names = ["attnkit", "attnkit:chunked", "torch"]
     return names
 
 
@@ -309,7 +324,7 @@ def run(quick: bool, memory: bool, on_row: Callable[[int, int, Row], None] | Non
     report = Report(threads=torch.get_num_threads(), torch_version=torch.__version__)
     report.matmul_gflops = matmul_gflops(512 if quick else 2048)
     rows = plan(quick)
-    min_run_time = 0.05 if quick else 0.5
+    min_run_time = 0.05 if quick else 0.3
     for i, row in enumerate(rows):
         if on_row is not None:
             on_row(i, len(rows), row)
@@ -428,6 +443,85 @@ def plot_report(report: Report, path: str) -> None:
     ax_t.legend(fontsize=7)
     fig.suptitle(f"MultiHeadAttention, B=8, h={HIDDENS}, {HEADS} heads, float32")
     plot.save_figure(fig, path)
+
+
+@dataclass
+class Target:
+    """One of the performance targets, checked against a report."""
+
+    what: str
+    measured: float | None
+    limit: float
+    at_most: bool  # True: measured <= limit; False: measured >= limit
+
+    @property
+    def met(self) -> bool | None:
+        if self.measured is None:
+            return None
+        return self.measured <= self.limit if self.at_most else self.measured >= self.limit
+
+
+def targets(report: Report) -> list[Target]:
+    """The targets of the performance issue, from the rows of one run (ratios of times measured in that run)."""
+
+    def time(**match: Any) -> float | None:
+        row = report.find(**match)
+        return row.seconds if row is not None else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    found: list[Target] = []
+    mha = {"kind": "mha", "B": 8}
+    for L, mode, limit in ((512, "train", 0.95), (2048, "train", 0.80), (2048, "infer", 0.5)):
+        for mask in MASKS:
+            t = ratio(
+                time(**mha, L=L, mode=mode, mask=mask, contender="attnkit"),
+                time(**mha, L=L, mode=mode, mask=mask, contender="torch"),
+            )
+            found.append(Target(f"attnkit / torch, L={L} {mode} {mask}", t, limit, True))
+    for L, limit in ((512, 2.3), (2048, 4.0)):
+        for mask in MASKS:
+            t = ratio(
+                time(**mha, L=L, mode="train", mask=mask, contender="book"),
+                time(**mha, L=L, mode="train", mask=mask, contender="attnkit"),
+            )
+            found.append(Target(f"book / attnkit (speed-up), L={L} train {mask}", t, limit, False))
+    own = time(**mha, L=2048, mode="train", mask="none", contender="attnkit")
+    recorded = time(**mha, L=2048, mode="train", mask="none", contender="attnkit+weights")
+    found.append(Target("attnkit+weights / attnkit, L=2048 train", ratio(recorded, own), 1.5, True))
+    torch_weights = time(**mha, L=2048, mode="train", mask="none", contender="torch+weights")
+    found.append(Target("attnkit+weights / torch+weights, L=2048 train", ratio(recorded, torch_weights), 0.6, True))
+    for mode in MODES:
+        padded = time(**mha, L=2048, mode=mode, mask="valid_lens", contender="attnkit")
+        full = time(**mha, L=2048, mode=mode, mask="none", contender="attnkit")
+        found.append(Target(f"attnkit valid_lens / no mask, L=2048 {mode}", ratio(padded, full), 0.8, True))
+    row = report.find(**mha, L=2048, mode="train", mask="none", contender="attnkit")
+    share = row.gflops / report.matmul_gflops if row is not None and row.gflops and report.matmul_gflops else None
+    found.append(Target("attnkit GFLOP/s / matmul GFLOP/s, L=2048 train", share, 0.65, False))
+    add = {"kind": "additive", "L": ADDITIVE_FULL["L"]}
+    ours, book = report.find(**add, contender="attnkit"), report.find(**add, contender="book")
+    if ours is not None and book is not None:
+        found.append(Target("additive: attnkit / book time", ratio(ours.seconds, book.seconds), 1.0, True))
+        memory = ratio(ours.peak_bytes, book.peak_bytes) if ours.peak_bytes and book.peak_bytes else None
+        found.append(Target("additive: attnkit / book peak memory", memory, 1 / 8, True))
+    found.append(
+        Target(
+            "tiny inputs: attnkit / book forward",
+            ratio(time(kind="overhead", contender="attnkit"), time(kind="overhead", contender="book")),
+            1.3,
+            True,
+        )
+    )
+    return [t for t in found if t.measured is not None]
+
+
+def targets_markdown(report: Report) -> str:
+    lines = ["| target | measured | limit | met |", "|---|---|---|---|"]
+    for t in targets(report):
+        sign = "<=" if t.at_most else ">="
+        lines.append(f"| {t.what} | {t.measured:.2f} | {sign} {t.limit:.2f} | {'yes' if t.met else '**no**'} |")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
