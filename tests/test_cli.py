@@ -79,6 +79,8 @@ def test_heatmap_from_torch_and_numpy_files(tmp_path):
         (("trace", "multihead", "--num-heads", "3"), ["num_hiddens (100) must be a multiple of num_heads (3)"]),
         (("heatmap", "missing.pt", "--out", "x.png"), ["missing.pt: no such file"]),
         (("demo", "--seed", "zero"), ["--seed", "invalid int value"]),
+        (("trace", "multihead", "--queries", "100000000"), ["--queries", "from 1 to 100000"]),
+        (("trace", "dot", "--batch", "99999999999999999999", "--valid-lens", ""), ["--batch", "from 1 to 100000"]),
     ],
 )
 def test_user_mistakes_print_one_line_and_exit_2(args, fragments):
@@ -99,9 +101,25 @@ def test_heatmap_mistakes_with_files(tmp_path):
         attnkit("heatmap", str(tmp_path / "ok.pt"), "--out", str(tmp_path / "nowhere" / "a.png")), "does not exist"
     )
     assert_one_line_error(attnkit("heatmap", str(tmp_path / "ok.pt"), "--out", str(tmp_path / "a.txt")), "extension")
+    torch.save(torch.ones(0, 3), tmp_path / "empty.pt")
+    assert_one_line_error(attnkit("heatmap", str(tmp_path / "empty.pt"), "--out", str(tmp_path / "a.png")), "empty")
+    torch.save(torch.ones(2, 2, dtype=torch.bool), tmp_path / "bool.pt")
+    assert_one_line_error(
+        attnkit("heatmap", str(tmp_path / "bool.pt"), "--out", str(tmp_path / "a.png")), "dtype torch.bool"
+    )
+    assert_one_line_error(
+        attnkit("heatmap", str(tmp_path / "ok.pt"), "--out", str(tmp_path / "ok.pt" / "a.png")), "is not a folder"
+    )
     torch.save(torch.ones(5), tmp_path / "flat.pt")
     assert_one_line_error(attnkit("heatmap", str(tmp_path / "flat.pt"), "--out", str(tmp_path / "a.png")), "2, 3 or 4")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dict.pt", "flat.pt", "junk.pt", "ok.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "bool.pt",
+        "dict.pt",
+        "empty.pt",
+        "flat.pt",
+        "junk.pt",
+        "ok.pt",
+    ]
 
 
 def test_demo_output_folder_that_cannot_be_written(tmp_path):

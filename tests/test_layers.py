@@ -76,6 +76,16 @@ def test_construction_errors():
         attnkit.MultiHeadAttention(64, 8, num_kv_heads=3)
     with pytest.raises(ValueError, match=re.escape("dropout must be in [0, 1), got 1.5")):
         attnkit.DotProductAttention(1.5)
+    with pytest.raises(ValueError, match=re.escape("num_hiddens must be positive, got -32")):
+        attnkit.MultiHeadAttention(-32, 4)
+    with pytest.raises(ValueError, match=re.escape("num_hiddens must be positive, got 0")):
+        attnkit.AdditiveAttention(0)
+    with pytest.raises(TypeError, match=re.escape("num_heads must be a whole number, got 4.0")):
+        attnkit.MultiHeadAttention(32, 4.0)
+    with pytest.raises(TypeError, match=re.escape("num_kv_heads must be a whole number, got 2.0")):
+        attnkit.MultiHeadAttention(32, 4, num_kv_heads=2.0)
+    with pytest.raises(ValueError, match=re.escape("key_size must be positive, got 0")):
+        attnkit.AdditiveAttention(8, key_size=0)
 
 
 def test_wrong_input_feature_size_names_the_expected_size():

@@ -36,13 +36,16 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+LARGEST = 100_000  # sizes the trace command builds tensors of; more is a typo, not a question about shapes
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {value}")
+    if not 1 <= value <= LARGEST:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to {LARGEST}, got {value}")
     return value
 
 
@@ -126,16 +129,18 @@ def cmd_trace(args: argparse.Namespace) -> None:
     lens = torch.tensor(args.valid_lens) if args.valid_lens else None
     q_size = args.query_size or args.num_hiddens
     k_size = args.key_size or q_size
-    generator = torch.Generator().manual_seed(0)
-    queries = torch.randn(args.batch, args.queries, q_size, generator=generator)
-    keys = torch.randn(args.batch, args.keys, k_size, generator=generator)
     extra = {"is_causal": True} if args.causal else {}
     try:  # attnkit's validation of the sizes asked for (heads, valid_lens) is the user's to read, in one line
+        generator = torch.Generator().manual_seed(0)
+        queries = torch.randn(args.batch, args.queries, q_size, generator=generator)
+        keys = torch.randn(args.batch, args.keys, k_size, generator=generator)
         layer = _layer(args, q_size, k_size).eval()
         with torch.no_grad(), attnkit.trace_shapes() as t:
             layer(queries, keys, keys, lens, **extra)
     except (ValueError, TypeError) as e:
         raise UsageError(_first_line(e)) from None
+    except (RuntimeError, MemoryError) as e:  # sizes too large for this machine
+        raise UsageError(f"cannot build a layer and inputs of these sizes here ({type(e).__name__})") from None
     if args.format == "json":
         print(t.to_json())
     elif args.format == "markdown":
@@ -190,15 +195,21 @@ def _load_weights(path: Path) -> torch.Tensor:
         else:
             data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # any reader failure is the file's fault here, said in one line
-        raise UsageError(f"{path}: cannot read weights ({type(e).__name__}: {_first_line(e)})") from None
-    if not isinstance(data, torch.Tensor) or not (data.is_floating_point() or data.dtype == torch.int64):
-        raise UsageError(f"{path}: expected one tensor or array of weights, got {type(data).__name__}")
+        raise UsageError(
+            f"{path}: cannot read weights: not a tensor saved with torch.save or an array saved with numpy.save"
+            f" ({type(e).__name__})"
+        ) from None
+    if not isinstance(data, torch.Tensor):
+        raise UsageError(f"{path}: expected one tensor or array of weights, got a {type(data).__name__}")
+    if not (data.is_floating_point() or data.dtype in (torch.int32, torch.int64)):
+        raise UsageError(f"{path}: weights must be real numbers, got dtype {data.dtype}")
+    if data.numel() == 0:
+        raise UsageError(f"{path}: the weights are empty, shape {tuple(data.shape)}")
     return data.float()
 
 
 def _writable_file(path: Path) -> Path:
-    if not path.parent.is_dir():
-        raise UsageError(f"{path}: folder {str(path.parent)!r} does not exist")
+    _writable_parent(path)
     if not os.access(path.parent, os.W_OK):
         raise UsageError(f"{path}: folder {str(path.parent)!r} cannot be written")
     if path.suffix.lower() not in (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp"):
@@ -311,6 +322,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def _writable_parent(path: Path) -> None:
+    if path.parent.exists() and not path.parent.is_dir():
+        raise UsageError(f"{path}: {str(path.parent)!r} is not a folder")
     if not path.parent.is_dir():
         raise UsageError(f"{path}: folder {str(path.parent)!r} does not exist")
 

@@ -168,6 +168,7 @@ class AdditiveAttention(_Attention):
         backend: str = "auto",
     ) -> None:
         super().__init__(dropout, backend)
+        _check_sizes(num_hiddens=num_hiddens, query_size=query_size, key_size=key_size)
         self.num_hiddens = num_hiddens
         self.W_q = _linear(query_size, num_hiddens, bias=False)
         self.W_k = _linear(key_size, num_hiddens, bias=False)
@@ -238,9 +239,17 @@ class MultiHeadAttention(_Attention):
     ) -> None:
         super().__init__(dropout, backend)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads < 1 or num_hiddens % num_heads:
+        _check_sizes(
+            num_hiddens=num_hiddens,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            query_size=query_size,
+            key_size=key_size,
+            value_size=value_size,
+        )
+        if num_hiddens % num_heads:
             raise ValueError(f"num_hiddens ({num_hiddens}) must be a multiple of num_heads ({num_heads})")
-        if num_kv_heads < 1 or num_heads % num_kv_heads:
+        if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_hiddens, self.num_heads, self.num_kv_heads = num_hiddens, num_heads, num_kv_heads
         self.head_dim = num_hiddens // num_heads
@@ -369,6 +378,17 @@ class MultiHeadAttention(_Attention):
                 m.in_proj_bias.copy_(torch.cat([self.W_q.bias, self.W_k.bias, self.W_v.bias]))  # (3E,)
                 m.out_proj.bias.copy_(self.W_o.bias)
         return m.train(self.training)
+
+
+def _check_sizes(**sizes: int | None) -> None:
+    """Sizes are positive whole numbers (``None``: inferred at the first call)."""
+    for name, value in sizes.items():
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be a whole number, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be positive, got {value}")
 
 
 def _linear(in_features: int | None, out_features: int, *, bias: bool) -> nn.Linear:
