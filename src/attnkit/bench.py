@@ -392,18 +392,6 @@ def table(report: Report, compare: Report | None = None) -> tuple[list[str], lis
     return header, rows
 
 
-def markdown(report: Report, compare: Report | None = None) -> str:
-    header, rows = table(report, compare)
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    lines.append("")
-    lines.append(
-        f"float32 matmul: {report.matmul_gflops:.0f} GFLOP/s; {report.threads} threads; torch {report.torch_version};"
-        f" {report.seconds:.0f} s"
-    )
-    return "\n".join(lines)
-
-
 def _bytes(n: int | None) -> str:
     if n is None:
         return ""
@@ -514,14 +502,6 @@ def targets(report: Report) -> list[Target]:
         )
     )
     return [t for t in found if t.measured is not None]
-
-
-def targets_markdown(report: Report) -> str:
-    lines = ["| target | measured | limit | met |", "|---|---|---|---|"]
-    for t in targets(report):
-        sign = "<=" if t.at_most else ">="
-        lines.append(f"| {t.what} | {t.measured:.2f} | {sign} {t.limit:.2f} | {'yes' if t.met else '**no**'} |")
-    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
