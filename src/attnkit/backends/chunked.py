@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -119,27 +120,9 @@ class _OnlineSoftmax(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx, q: Tensor, k: Tensor, v: Tensor, w_v: Tensor | None, mask: Mask, scale: float, block: int
     ) -> Tensor:
-        B, H, Lq, _ = q.shape
-        Dv = v.shape[-1]
-        lowest = torch.finfo(q.dtype).min
-        m = q.new_full((B, H, Lq), lowest)  # running row max
-        l = q.new_zeros((B, H, Lq))  # running normaliser  # noqa: E741
-        acc = q.new_zeros((B, H, Lq, Dv))  # running unnormalised output
-        for j0, j1 in _blocks(mask.longest_key_prefix(), block):
-            s, _ = _scores(q, k[:, :, j0:j1], w_v, scale)  # (B, H, Lq, blk)
-            allowed, s = _apply_mask(s, mask, j0, j1)
-            m_new = torch.maximum(m, s.amax(dim=-1))  # running row max
-            alpha = torch.exp(m - m_new)  # rescales what was summed so far
-            p = torch.exp(s - m_new[..., None])  # (B, H, Lq, blk)
-            if allowed is not None:
-                p = p.masked_fill(~allowed, 0.0)  # exactly 0, also in rows with nothing allowed yet
-            l = alpha * l + p.sum(dim=-1)  # noqa: E741
-            acc = alpha[..., None] * acc + p @ v[:, :, j0:j1]  # (B, H, Lq, Dv)
-            m = m_new
-        live = l > 0  # (B, H, Lq): rows with at least one key
-        out = torch.where(live[..., None], acc / l.clamp_min(torch.finfo(l.dtype).tiny)[..., None], 0.0)
-        # log-sum-exp per row; 0 for dead rows keeps exp(s - lse) at exactly 0 there in the backward pass.
-        lse = torch.where(live, m + torch.log(l.clamp_min(torch.finfo(l.dtype).tiny)), 0.0)  # (B, H, Lq)
+        state = RunningSoftmax.start(q, v.shape[-1])
+        accumulate(state, q, k, v, w_v, mask, scale, (0, mask.longest_key_prefix()), block)
+        out, lse = state.result()  # (B, H, Lq, Dv), (B, H, Lq)
         ctx.save_for_backward(q, k, v, w_v, out, lse)
         ctx.mask, ctx.scale, ctx.block = mask, scale, block
         return out
@@ -150,36 +133,130 @@ class _OnlineSoftmax(torch.autograd.Function):
         mask: Mask = ctx.mask
         dout = dout.to(out.dtype)
         delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
-        dq = torch.zeros_like(q)
-        dk = torch.zeros_like(k)
-        dv = torch.zeros_like(v)
-        dw = None if w_v is None else torch.zeros_like(w_v)
-        for j0, j1 in _blocks(mask.longest_key_prefix(), ctx.block):
-            kb, vb = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, H, blk, D), (B, H, blk, Dv)
-            s, features = _scores(q, kb, w_v, ctx.scale)  # (B, H, Lq, blk)
-            allowed, s = _apply_mask(s, mask, j0, j1)
-            p = torch.exp(s - lse[..., None])  # (B, H, Lq, blk): the softmax weights again
-            if allowed is not None:
-                p = p.masked_fill(~allowed, 0.0)
-            dv[:, :, j0:j1] = p.transpose(-2, -1) @ dout  # (B, H, blk, Dv)
-            dp = dout @ vb.transpose(-2, -1)  # (B, H, Lq, blk)
-            ds = p.mul_(dp.sub_(delta[..., None]))  # (B, H, Lq, blk): gradient of the scores
-            if w_v is None:
-                dq += (ds @ kb) * ctx.scale  # (B, H, Lq, D)
-                dk[:, :, j0:j1] = (ds.transpose(-2, -1) @ q) * ctx.scale  # (B, H, blk, D)
-            else:
-                assert features is not None and dw is not None
-                dw += torch.einsum("bhij,bhijd->d", ds, features)
-                # d tanh = 1 - tanh^2, in place on the features slice to hold one slice only
-                dpre = features.mul_(features).neg_().add_(1.0).mul_(ds[..., None]).mul_(w_v)  # (B,H,Lq,blk,D)
-                dq += dpre.sum(dim=-2)  # (B, H, Lq, D)
-                dk[:, :, j0:j1] = dpre.sum(dim=-3)  # (B, H, blk, D)
-        return dq, dk, dv, dw, None, None, None
+        grads = Grads(torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), _zeros_or_none(w_v))
+        cols = (0, mask.longest_key_prefix())
+        accumulate_grads(grads, q, k, v, w_v, mask, ctx.scale, cols, ctx.block, lse, dout, delta)
+        return grads.dq, grads.dk, grads.dv, grads.dw, None, None, None
 
 
-def _blocks(n: int, block: int) -> Iterator[tuple[int, int]]:
-    for j0 in range(0, n, block):
-        yield j0, min(j0 + block, n)
+class BlockMask(Protocol):
+    """What :func:`accumulate` needs of a mask: ``allowed`` and ``bias`` for the keys ``[j0, j1)``, each
+    broadcastable to ``(B, H, Lq, j1 - j0)`` or ``None`` (:meth:`attnkit.masks.Mask.block`)."""
+
+    def block(self, j0: int, j1: int, dtype: torch.dtype = ...) -> tuple[Tensor | None, Tensor | None]: ...
+
+
+class RunningSoftmax(NamedTuple):
+    """The state of an online softmax over the rows of ``q``, updated in place block after block."""
+
+    m: Tensor  # (B, H, Lq) running row max
+    l: Tensor  # (B, H, Lq) running normaliser  # noqa: E741
+    acc: Tensor  # (B, H, Lq, Dv) running unnormalised output
+
+    @classmethod
+    def start(cls, q: Tensor, dv: int) -> RunningSoftmax:
+        B, H, Lq, _ = q.shape
+        return cls(
+            q.new_full((B, H, Lq), torch.finfo(q.dtype).min), q.new_zeros((B, H, Lq)), q.new_zeros((B, H, Lq, dv))
+        )
+
+    def rows(self, r0: int, r1: int) -> RunningSoftmax:
+        """A view of rows ``[r0, r1)``; updating it updates this state."""
+        return RunningSoftmax(self.m[:, :, r0:r1], self.l[:, :, r0:r1], self.acc[:, :, r0:r1])
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        """The output ``(B, H, Lq, Dv)`` and the row log-sum-exp ``(B, H, Lq)``; both 0 in rows with no key."""
+        live = self.l > 0  # (B, H, Lq): rows with at least one key
+        l = self.l.clamp_min(torch.finfo(self.l.dtype).tiny)  # noqa: E741
+        out = torch.where(live[..., None], self.acc / l[..., None], 0.0)  # (B, H, Lq, Dv)
+        # 0 for dead rows keeps exp(s - lse) at exactly 0 there in the backward pass.
+        lse = torch.where(live, self.m + torch.log(l), 0.0)  # (B, H, Lq)
+        return out, lse
+
+
+class Grads(NamedTuple):
+    """Gradient accumulators for :func:`accumulate_grads`, added to in place."""
+
+    dq: Tensor  # (B, H, Lq, D)
+    dk: Tensor  # (B, H, Lk, D)
+    dv: Tensor  # (B, H, Lk, Dv)
+    dw: Tensor | None  # (D,) for additive scoring
+
+
+def accumulate(
+    state: RunningSoftmax,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    w_v: Tensor | None,
+    mask: BlockMask,
+    scale: float,
+    cols: tuple[int, int],
+    block: int,
+) -> None:
+    """Fold the keys ``cols = (j0, j1)`` of ``k, v`` into ``state``, ``block`` keys at a time."""
+    for j0, j1 in _blocks(cols, block):
+        s, _ = _scores(q, k[:, :, j0:j1], w_v, scale)  # (B, H, Lq, blk)
+        allowed, s = _apply_mask(s, mask, j0, j1)
+        m_new = torch.maximum(state.m, s.amax(dim=-1))  # running row max
+        alpha = torch.exp(state.m - m_new)  # rescales what was summed so far
+        p = torch.exp(s - m_new[..., None])  # (B, H, Lq, blk)
+        if allowed is not None:
+            p = p.masked_fill_(~allowed, 0.0)  # exactly 0, also in rows with nothing allowed yet
+        state.l.mul_(alpha).add_(p.sum(dim=-1))  # running normaliser
+        state.acc.mul_(alpha[..., None]).add_(p @ v[:, :, j0:j1])  # running unnormalised output
+        state.m.copy_(m_new)
+
+
+def accumulate_grads(
+    grads: Grads,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    w_v: Tensor | None,
+    mask: BlockMask,
+    scale: float,
+    cols: tuple[int, int],
+    block: int,
+    lse: Tensor,
+    dout: Tensor,
+    delta: Tensor,
+) -> None:
+    """Add the gradients through the keys ``cols`` to ``grads``, recomputing each block's weights from ``lse``.
+
+    ``lse`` ``(B, H, Lq)`` is the row log-sum-exp over *all* keys, ``delta = (dout * out).sum(-1)``.
+    """
+    dq, dk, dv, dw = grads
+    for j0, j1 in _blocks(cols, block):
+        kb, vb = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, H, blk, D), (B, H, blk, Dv)
+        s, features = _scores(q, kb, w_v, scale)  # (B, H, Lq, blk)
+        allowed, s = _apply_mask(s, mask, j0, j1)
+        p = torch.exp(s - lse[..., None])  # (B, H, Lq, blk): the softmax weights again
+        if allowed is not None:
+            p = p.masked_fill_(~allowed, 0.0)
+        dv[:, :, j0:j1] += p.transpose(-2, -1) @ dout  # (B, H, blk, Dv)
+        dp = dout @ vb.transpose(-2, -1)  # (B, H, Lq, blk)
+        ds = p.mul_(dp.sub_(delta[..., None]))  # (B, H, Lq, blk): gradient of the scores
+        if w_v is None:
+            dq += (ds @ kb) * scale  # (B, H, Lq, D)
+            dk[:, :, j0:j1] += (ds.transpose(-2, -1) @ q) * scale  # (B, H, blk, D)
+        else:
+            assert features is not None and dw is not None
+            dw += torch.einsum("bhij,bhijd->d", ds, features)
+            # d tanh = 1 - tanh^2, in place on the features slice to hold one slice only
+            dpre = features.mul_(features).neg_().add_(1.0).mul_(ds[..., None]).mul_(w_v)  # (B,H,Lq,blk,D)
+            dq += dpre.sum(dim=-2)  # (B, H, Lq, D)
+            dk[:, :, j0:j1] += dpre.sum(dim=-3)  # (B, H, blk, D)
+
+
+def _zeros_or_none(t: Tensor | None) -> Tensor | None:
+    return None if t is None else torch.zeros_like(t)
+
+
+def _blocks(cols: tuple[int, int], block: int) -> Iterator[tuple[int, int]]:
+    start, stop = cols
+    for j0 in range(start, stop, block):
+        yield j0, min(j0 + block, stop)
 
 
 def _scores(q: Tensor, k_blk: Tensor, w_v: Tensor | None, scale: float) -> tuple[Tensor, Tensor | None]:
@@ -189,7 +266,7 @@ def _scores(q: Tensor, k_blk: Tensor, w_v: Tensor | None, scale: float) -> tuple
     return additive_scores(q, k_blk, w_v)  # (B, H, Lq, blk), (B, H, Lq, blk, D)
 
 
-def _apply_mask(s: Tensor, mask: Mask, j0: int, j1: int) -> tuple[Tensor | None, Tensor]:
+def _apply_mask(s: Tensor, mask: BlockMask, j0: int, j1: int) -> tuple[Tensor | None, Tensor]:
     """Add the bias and fill disallowed scores with the finite ``finfo.min`` (no ``inf - inf`` later)."""
     allowed, bias = mask.block(j0, j1, s.dtype)
     if bias is not None:
