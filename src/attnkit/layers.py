@@ -292,14 +292,18 @@ class MultiHeadAttention(_Attention):
         if attn_mask is not None and attn_mask.dim() == 3:
             attn_mask = attn_mask.unsqueeze(1)  # (B, Lq, Lk) -> (B, 1, Lq, Lk)
         masks = Masks(valid_lens, attn_mask, is_causal)
-        out = scaled_dot_product_attention(
-            q, k, v, **masks._asdict(), dropout_p=self._dropout_p(), backend=self.backend
-        ).output  # (B, H, Lq, d)
+        out = self._attend(q, k, v, masks)  # (B, H, Lq, d)
         self._record(q, k, masks)
         merged = out.transpose(1, 2).reshape(B, Lq, H * d)  # (B, H, Lq, d) -> (B, Lq, H*d)
         if tracer is not None:
             tracer.add("merge heads", [out], merged, "(B, H, Lq, d) -> (B, Lq, H*d)")
         return self.W_o(merged)  # (B, Lq, num_hiddens)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, masks: Masks) -> Tensor:
+        """Attention on the split heads: ``(B, H, Lq, d)``, ``(B, Hkv, Lk, d)`` twice -> ``(B, H, Lq, d)``."""
+        return scaled_dot_product_attention(
+            q, k, v, **masks._asdict(), dropout_p=self._dropout_p(), backend=self.backend
+        ).output
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:

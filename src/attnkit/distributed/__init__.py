@@ -1,0 +1,28 @@
+"""Attention over a sequence split across processes: ring attention on ``torch.distributed``.
+
+Not imported by ``import attnkit``::
+
+    from attnkit.distributed import ring_attention, shard_sequence, gather_sequence
+
+* :func:`ring_attention` ``(q, k, v, ...)``: each rank passes its shard ``(B, H, L_r, D)``, gets its shard of
+  the exact output; differentiable, the backward pass runs the same ring.
+* :func:`shard_sequence`, :func:`gather_sequence`: cut a sequence into the ranks' shards and put it back, in the
+  ``"contiguous"`` or ``"zigzag"`` layout (:mod:`attnkit.distributed.sequence`).
+* :class:`RingMultiHeadAttention`: the module form.
+* :class:`RingError`: another rank failed, died or stayed silent past the timeout.
+"""
+
+from attnkit.distributed.comm import DEFAULT_TIMEOUT, RingError
+from attnkit.distributed.layers import RingMultiHeadAttention
+from attnkit.distributed.ring import ring_attention
+from attnkit.distributed.sequence import LAYOUTS, gather_sequence, shard_sequence
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "LAYOUTS",
+    "RingError",
+    "RingMultiHeadAttention",
+    "gather_sequence",
+    "ring_attention",
+    "shard_sequence",
+]

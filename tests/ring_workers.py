@@ -1,0 +1,204 @@
+"""What each rank runs in tests/test_distributed.py (imported by the spawned processes, so torch and attnkit only).
+
+Every rank builds the same whole-sequence inputs from a seed, runs single-process attention on them, then runs
+ring attention on its shard, and reports how far its shard of the output and gradients is from the
+single-process shard.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import attnkit
+from attnkit.backends import chunked
+from attnkit.distributed import RingMultiHeadAttention, gather_sequence, ring, ring_attention, shard_sequence
+
+# B batch, H heads, Hkv key/value heads, Lq/Lk whole lengths, D/Dv head dims
+
+
+@dataclass(frozen=True)
+class Case:
+    Lq: int
+    Lk: int | None = None  # None: self-attention, Lk = Lq
+    masking: str = "none"  # none, causal, valid_lens, causal+valid_lens
+    layout: str = "contiguous"
+    H: int = 2
+    Hkv: int = 2
+    dtype: torch.dtype = torch.float32
+
+    def __str__(self) -> str:
+        kv = "" if self.Hkv == self.H else f" Hkv={self.Hkv}"
+        lk = "" if self.Lk is None else f" Lk={self.Lk}"
+        return f"Lq={self.Lq}{lk} {self.masking} {self.layout}{kv} {self.dtype}".replace("torch.", "")
+
+
+def everything(rank: int, world_size: int, cases: list[Case]) -> dict:
+    """One launch of the processes for all the checks that need a healthy group (launching costs seconds)."""
+    return {
+        "cases": check_against_single_process(rank, world_size, cases),
+        "sends": {layout: count_sends(rank, world_size, layout) for layout in ("contiguous", "zigzag")},
+        "module": {
+            layout: module_against_single_process(rank, world_size, layout) for layout in ("contiguous", "zigzag")
+        },
+    }
+
+
+def check_against_single_process(rank: int, world_size: int, cases: list[Case]) -> list[tuple[str, str, float, bool]]:
+    """For each case and each of output, dq, dk, dv: (case, name, max |ring - single|, within tolerance)."""
+    rows = []
+    with chunked.settings(block_size=3):  # several key blocks inside each ring block, and a partial last one
+        for i, case in enumerate(cases):
+            rows += _check_case(case, seed=i, world_size=world_size)
+    return rows
+
+
+def _check_case(case: Case, seed: int, world_size: int) -> list[tuple[str, str, float, bool]]:
+    B, D, Dv = 2, 5, 3
+    Lq, Lk = case.Lq, case.Lk or case.Lq
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, case.H, Lq, D, generator=g, dtype=case.dtype)
+    k = torch.randn(B, case.Hkv, Lk, D, generator=g, dtype=case.dtype)
+    v = torch.randn(B, case.Hkv, Lk, Dv, generator=g, dtype=case.dtype)
+    dout = torch.randn(B, case.H, Lq, Dv, generator=g, dtype=case.dtype)
+    valid_lens = torch.tensor([Lk - 2, max(1, Lk // 3)]) if "valid_lens" in case.masking else None
+    is_causal = "causal" in case.masking
+
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = attnkit.scaled_dot_product_attention(*full, valid_lens=valid_lens, is_causal=is_causal).output
+    want_grads = torch.autograd.grad(want, full, dout)
+
+    def shard(t: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(t, layout=case.layout)
+
+    mine = [shard(t).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*mine, valid_lens=valid_lens, is_causal=is_causal, layout=case.layout, timeout=30)
+    grads = torch.autograd.grad(out, mine, shard(dout))
+
+    atol, rtol = (2e-6, 1e-5) if case.dtype == torch.float32 else (1e-12, 1e-10)
+    rows = []
+    for name, got, expected in zip(("output", "dq", "dk", "dv"), (out, *grads), (want, *want_grads), strict=True):
+        expected = shard(expected)
+        err = (got - expected).abs().max().item()
+        rows.append((str(case), name, err, torch.allclose(got, expected, atol=atol, rtol=rtol)))
+    # and back: gather_sequence undoes shard_sequence
+    whole = gather_sequence(out.detach(), layout=case.layout, timeout=30)
+    rows.append((str(case), "gather_sequence", (whole - want.detach()).abs().max().item(), whole.shape == want.shape))
+    return rows
+
+
+def count_sends(rank: int, world_size: int, layout: str) -> dict[str, int]:
+    """Point-to-point sends of this rank during one forward and one backward, counted at torch.distributed."""
+    counted = {"forward": 0, "backward": 0}
+    phase = ["forward"]
+    real = dist.batch_isend_irecv
+
+    def counting(ops: list) -> list:
+        counted[phase[0]] += sum(op.op is dist.isend for op in ops)
+        return real(ops)
+
+    dist.batch_isend_irecv = counting
+    try:
+        L = 4 * world_size + 1
+        q, k, v = (shard_sequence(torch.randn(2, 2, L, 4), layout=layout).requires_grad_() for _ in range(3))
+        out = ring_attention(q, k, v, is_causal=True, layout=layout, timeout=30)
+        phase[0] = "backward"
+        out.sum().backward()
+    finally:
+        dist.batch_isend_irecv = real
+    return counted
+
+
+def die_or_hang_mid_run(rank: int, world_size: int, how: str, timeout: float) -> None:
+    """Three training steps (forward and backward); rank 1 dies (``how="die"``) or stops answering
+    (``how="hang"``) at the second ring step of the second forward. The others must raise, not wait."""
+    calls = [0]
+    if rank == 1:
+        real = ring._forward_block
+
+        def fail_mid_forward(state, q, kv, src, plan):  # noqa: ANN001
+            calls[0] += 1
+            if calls[0] == world_size + 2:
+                if how == "hang":
+                    time.sleep(3 * timeout)  # silent well past the others' timeout, then gone
+                os._exit(3)
+            real(state, q, kv, src, plan)
+
+        ring._forward_block = fail_mid_forward
+    L = 6 * world_size
+    q, k, v = (torch.randn(1, 2, L // world_size, 4, requires_grad=True) for _ in range(3))
+    for _ in range(3):
+        ring_attention(q, k, v, timeout=timeout, is_causal=True).sum().backward()
+
+
+def mismatches(rank: int, world_size: int, whats: list[str]) -> list[tuple[str, str, str]]:
+    """Each of ``whats`` in turn (a ValueError on every rank leaves the group in step for the next):
+    ``(what, error type, first line of the message)``, or ``(what, "", "")`` when nothing was raised."""
+    seen = []
+    for what in whats:
+        try:
+            mismatched(rank, world_size, what)
+            seen.append((what, "", ""))
+        except Exception as e:  # noqa: BLE001 - reported
+            seen.append((what, type(e).__name__, str(e).splitlines()[0]))
+    return seen
+
+
+def mismatched(rank: int, world_size: int, what: str) -> None:
+    """Rank 2 passes something that does not fit the others (or its own other inputs)."""
+    B, H, Lr, D = 2, 2, 4, 4
+    shapes = {"q": (B, H, Lr, D), "k": (B, H, Lr, D), "v": (B, H, Lr, D)}
+    dtype = torch.float32
+    kwargs: dict = {}
+    if rank == 2:
+        if what == "head dim":
+            shapes = {name: (B, H, Lr, D + 1) for name in shapes}
+        elif what == "own inputs":
+            shapes["v"] = (B, H, Lr - 1, D)
+        elif what == "length":
+            shapes = {name: (B, H, Lr + 2, D) for name in shapes}
+        elif what == "dtype":
+            dtype = torch.float64
+        elif what == "is_causal":
+            kwargs["is_causal"] = True
+        elif what == "valid_lens":
+            kwargs["valid_lens"] = torch.tensor([3, 4])
+    if what == "valid_lens" and rank != 2:
+        kwargs["valid_lens"] = torch.tensor([3, 5])
+    q, k, v = (torch.randn(shapes[name], dtype=dtype) for name in ("q", "k", "v"))
+    ring_attention(q, k, v, timeout=30, **kwargs)
+
+
+def module_against_single_process(rank: int, world_size: int, layout: str) -> list[tuple[str, float, bool]]:
+    """RingMultiHeadAttention on shards vs MultiHeadAttention on the whole sequence: output, input gradient and
+    parameter gradients (summed over ranks, as data-parallel training would)."""
+    torch.manual_seed(0)
+    single = attnkit.MultiHeadAttention(12, 3, num_kv_heads=1, bias=True, query_size=6, key_size=6, value_size=6)
+    model = RingMultiHeadAttention(
+        12, 3, num_kv_heads=1, bias=True, query_size=6, key_size=6, value_size=6, layout=layout
+    )
+    model.load_state_dict(single.state_dict())
+    x = torch.randn(2, 4 * world_size + 3, 6)
+    valid_lens = torch.tensor([x.shape[1] - 1, 5])
+    dout = torch.randn(2, x.shape[1], 12)
+
+    xs = x.clone().requires_grad_()
+    want = single(xs, xs, xs, valid_lens, is_causal=True)
+    want.backward(dout)
+
+    xr = shard_sequence(x, layout=layout, dim=1).requires_grad_()
+    out = model(xr, xr, xr, valid_lens, is_causal=True)
+    out.backward(shard_sequence(dout, layout=layout, dim=1))
+    rows = [
+        ("output", out, shard_sequence(want, layout=layout, dim=1)),
+        ("dx", xr.grad, shard_sequence(xs.grad, layout=layout, dim=1)),
+    ]
+    for (name, p), p_single in zip(model.named_parameters(), single.parameters(), strict=True):
+        total = p.grad.clone()
+        dist.all_reduce(total)
+        rows.append((name, total, p_single.grad))
+    return [(name, (a - b).abs().max().item(), torch.allclose(a, b, atol=2e-6, rtol=1e-5)) for name, a, b in rows]

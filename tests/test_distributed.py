@@ -1,0 +1,172 @@
+"""Ring attention on real processes (gloo on CPU): exactness against single-process attention, the number of
+sends, balanced causal work, failures that must not hang, and disagreements that must be named."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import ring_workers as w
+from attnkit.distributed import sequence
+from attnkit.distributed.ring import _Plan, _span
+from ranks import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+MASKINGS = ("none", "causal", "valid_lens", "causal+valid_lens")
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def _cases(world_size: int) -> list[w.Case]:
+    cases = [
+        w.Case(Lq=L, masking=m, layout=lay)
+        for L in (4 * world_size, 4 * world_size + 3)  # divisible by W (and 2W for zig-zag), and not
+        for m in MASKINGS
+        for lay in LAYOUTS
+    ]
+    return cases + [
+        w.Case(Lq=3 * world_size + 1, H=4, Hkv=2, masking="causal+valid_lens", layout="zigzag"),  # grouped heads
+        w.Case(Lq=2 * world_size + 1, Lk=5 * world_size, masking="causal", layout="zigzag"),  # Lq < Lk, bottom right
+        w.Case(Lq=5 * world_size, Lk=3 * world_size + 2, masking="causal+valid_lens"),  # Lq > Lk: dead rows
+        w.Case(Lq=world_size, masking="causal", layout="zigzag"),  # L = W: one position per rank
+        w.Case(Lq=4 * world_size + 1, masking="causal+valid_lens", layout="zigzag", dtype=torch.float64),
+    ]
+
+
+def _ok(outcomes: list) -> list:
+    errors = [f"rank {o.rank}: {o.error[1]}" for o in outcomes if o.error]
+    assert not errors, "\n".join(errors)
+    assert all(o.finished for o in outcomes), [o.rank for o in outcomes if not o.finished]
+    return [o.value for o in outcomes]
+
+
+@functools.cache
+def _healthy_run(world_size: int) -> list[dict]:
+    """Every rank's report from one launch of ``world_size`` processes (tests below read parts of it)."""
+    return _ok(run_ranks(w.everything, world_size, _cases(world_size), deadline=300))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_output_and_gradients_equal_single_process(world_size):
+    """float32: atol 2e-6, rtol 1e-5 (float64: 1e-12, 1e-10), every masking, both layouts, L divisible or not;
+    and gather_sequence(ring output) is the whole single-process output."""
+    per_rank = [report["cases"] for report in _healthy_run(world_size)]
+    bad = [(rank, *row) for rank, rows in enumerate(per_rank) for row in rows if not row[3]]
+    assert not bad, bad
+    assert all(len(rows) == 5 * len(_cases(world_size)) for rows in per_rank)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_one_send_per_step(world_size):
+    """W - 1 sends per rank per forward, counted at torch.distributed; the backward sends the blocks again
+    (W - 1) and the gradients that travel with them (W, the last one home)."""
+    backward = 0 if world_size == 1 else 2 * world_size - 1
+    for report in _healthy_run(world_size):
+        for layout in LAYOUTS:
+            assert report["sends"][layout] == {"forward": world_size - 1, "backward": backward}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_module_equals_multi_head_attention(world_size, layout):
+    """RingMultiHeadAttention on shards == MultiHeadAttention on the whole sequence (GQA, bias, causal,
+    valid_lens): output, input gradient, and parameter gradients summed over ranks."""
+    per_rank = [report["module"][layout] for report in _healthy_run(world_size)]
+    bad = [(rank, *row) for rank, rows in enumerate(per_rank) for row in rows if not row[2]]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("how", ["die", "hang"])
+def test_a_failed_rank_does_not_hang_the_others(how):
+    """Rank 1 of 4 dies (or stops answering) in the middle of the second of three training steps: every other
+    rank raises RingError naming the step it was waiting in, within the 3 s timeout, instead of waiting forever."""
+    timeout = 3.0
+    outcomes = run_ranks(w.die_or_hang_mid_run, 4, how, timeout, deadline=60)
+    assert not outcomes[1].finished  # died without a word
+    for o in outcomes[:1] + outcomes[2:]:
+        assert o.finished and o.error is not None, o
+        kind, message = o.error
+        assert kind == "RingError", message
+        assert message.startswith("ring_attention") and "step" in message, message
+        print(o.rank, f"{o.seconds:.2f} s", message.splitlines()[0])
+        assert o.seconds < timeout + 2.0, (o.seconds, message)
+
+
+MISMATCHES = {
+    "head dim": "disagree on the head dim",
+    "dtype": "disagree on the dtype",
+    "is_causal": "disagree on is_causal",
+    "valid_lens": "disagree on valid_lens",
+    "length": "the contiguous split of 14 positions over 3 ranks gives it 5",
+    "own inputs": "rejected its inputs",
+}
+
+
+@functools.cache
+def _mismatch_run() -> list[dict[str, tuple[str, str]]]:
+    outcomes = _ok(run_ranks(w.mismatches, 3, list(MISMATCHES), deadline=120))
+    return [{what: (kind, message) for what, kind, message in seen} for seen in outcomes]
+
+
+@pytest.mark.parametrize("what", [m for m in MISMATCHES if m != "own inputs"])
+def test_mismatch_is_a_value_error_on_every_rank(what):
+    """Rank 2 differs: every rank raises ValueError naming rank 2 (for lengths: every rank's count)."""
+    for rank, seen in enumerate(_mismatch_run()):
+        kind, message = seen[what]
+        assert kind == "ValueError", (rank, kind, message)
+        assert MISMATCHES[what] in message, (rank, message)
+        assert "rank 2" in message or "ranks hold [4, 4, 6]" in message, (rank, message)
+    if what == "head dim":
+        shapes = "rank 2 has q (2, 2, 4, 5), k (2, 2, 4, 5), v (2, 2, 4, 5), rank 0 has q (2, 2, 4, 4)"
+        assert shapes in _mismatch_run()[0][what][1]
+
+
+def test_own_bad_inputs_raise_there_and_the_others_hear_of_it():
+    seen = [s["own inputs"] for s in _mismatch_run()]
+    assert all(kind == "ValueError" for kind, _ in seen), seen
+    assert "k has 4 positions but v has 3" in seen[2][1]
+    assert all("rank 2 rejected its inputs" in message for _, message in seen[:2]), seen
+
+
+# --- without processes ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("length", "world_size"), [(8, 2), (7, 3), (5, 4), (4, 4), (103, 4)])
+def test_segments_cover_the_sequence_once(layout, length, world_size):
+    ranges = sequence.segments(length, world_size, layout)
+    held = torch.cat([sequence.positions(r) for r in ranges])
+    assert sorted(held.tolist()) == list(range(length))
+    sizes = [len(sequence.positions(r)) for r in ranges]
+    assert max(sizes) - min(sizes) <= (1 if layout == "contiguous" else 2)
+
+
+def test_segments_reject_fewer_positions_than_ranks_and_unknown_layouts():
+    with pytest.raises(ValueError, match="a sequence of 3 positions cannot be split over 4 ranks"):
+        sequence.segments(3, 4, "zigzag")
+    with pytest.raises(ValueError, match=r"layout must be one of \('contiguous', 'zigzag'\), got 'ring'"):
+        sequence.segments(8, 2, "ring")
+
+
+def _scored_pairs(layout: str, L: int, W: int) -> list[int]:
+    """(query, key) pairs each rank scores over a causal forward, from the spans ring attention computes."""
+    ranges = sequence.segments(L, W, layout)
+    totals = []
+    for rank in range(W):
+        plan = _Plan(SimpleNamespace(rank=rank, size=W), ranges, ranges, 0, True, None, L, 1.0, 64)  # type: ignore[arg-type]
+        spans = [_span(plan, src) for src in range(W)]
+        totals.append(sum((r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in filter(None, spans)))
+    return totals
+
+
+def test_zigzag_balances_causal_work():
+    """Zig-zag: every rank scores the same number of pairs (within 5%); contiguous: the last rank 4x the first
+    (whole blocks below the diagonal, a whole diagonal block each)."""
+    zigzag = _scored_pairs("zigzag", 4096, 4)
+    contiguous = _scored_pairs("contiguous", 4096, 4)
+    assert max(zigzag) / min(zigzag) < 1.05, zigzag
+    assert max(contiguous) / min(contiguous) > 3.5, contiguous
+    assert sum(zigzag) == sum(contiguous) == 0.625 * 4096**2  # of L^2 pairs: blocks wholly masked are skipped
