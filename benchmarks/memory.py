@@ -5,10 +5,10 @@ with ``B=1, H=8, D=64``, float32, ``Lq = Lk = L``, and ``q, k, v`` requiring gra
 
 How: every (backend, L) runs in a fresh subprocess (``--one BACKEND L``), so that no allocator cache or earlier
 peak is carried over. The child runs a small warm-up call (one-time initialisation is not counted), creates the
-inputs and the output gradient, reads its resident set size from ``/proc/self/statm``, makes the call, and
-reports the increase of its peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``) over that baseline. This works on
-a CPU-only machine (Linux), where there is no ``torch.cuda.max_memory_allocated``. The time is one run of
-forward and backward.
+inputs and the output gradient, makes the call, and reports how far its peak resident set size rose above the
+size before the call (:func:`attnkit.bench.peak_memory`: ``VmHWM`` after a reset through
+``/proc/self/clear_refs``). This works on a CPU-only machine (Linux), where there is no
+``torch.cuda.max_memory_allocated``. The time is one run of forward and backward.
 
 A configuration is skipped, not run, when its memory estimate exceeds ``--budget-gib``: for ``reference``,
 three copies of the ``(B, H, L, L)`` float32 scores/weights; for every backend, the peak measured at the
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -63,37 +62,13 @@ def format_bytes(n: float) -> str:
 # ---------------------------------------------------------------------------------------------- child process
 
 
-def current_rss() -> int:
-    """Resident set size of this process now, in bytes (Linux)."""
-    with open("/proc/self/statm") as f:
-        resident_pages = int(f.read().split()[1])
-    return resident_pages * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss() -> int:
-    """Peak resident set size of this process since the last :func:`reset_peak`, in bytes (``VmHWM``).
-
-    Not ``getrusage().ru_maxrss``: Linux keeps that across ``execve``, so it would start at the parent's size.
-    """
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("no VmHWM in /proc/self/status")
-
-
-def reset_peak() -> None:
-    """Set the peak resident set size to the current size (Linux 4.0+)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def measure_one(backend: str, length: int, block_size: int | None) -> dict[str, Any]:
     """Forward and backward of one call in this process; the peak RSS increase and the time it took."""
     import torch
 
     import attnkit
     from attnkit.backends import chunked
+    from attnkit.bench import peak_memory
 
     def inputs(n: int) -> tuple[torch.Tensor, ...]:
         q, k, v = (torch.randn(B, H, n, D, requires_grad=True) for _ in range(3))  # (B, H, L, D) each
@@ -109,16 +84,12 @@ def measure_one(backend: str, length: int, block_size: int | None) -> dict[str, 
         call(*inputs(WARMUP_LENGTH))  # thread pools, kernels, lazy imports: not part of the measurement
         gc.collect()
         q, k, v, dout = inputs(length)
-        reset_peak()
-        baseline = current_rss()
         start = time.perf_counter()
-        call(q, k, v, dout)
+        peak = peak_memory(lambda: call(q, k, v, dout))
         seconds = time.perf_counter() - start
-        peak_after = peak_rss()
     return {
-        "peak_bytes": max(0, peak_after - baseline),
+        "peak_bytes": peak,
         "seconds": seconds,
-        "baseline_rss_bytes": baseline,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }

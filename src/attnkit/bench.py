@@ -244,11 +244,6 @@ def time_call(call: Callable[[], None], min_run_time: float) -> float:
 # ------------------------------------------------------------------------------------------------ memory
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def measure_memory(row: Row) -> int | None:
     """Peak memory of one call of ``row``'s configuration, in a fresh subprocess; None if it failed."""
     spec = json.dumps([row.kind, row.B, row.L, row.mode, row.mask, row.contender])
@@ -264,27 +259,34 @@ def measure_memory(row: Row) -> int | None:
     return int(child.stdout.strip().splitlines()[-1])
 
 
-def _peak_rss() -> int:
-    """This process's peak resident set size (``VmHWM``), in bytes.
+def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:
+    """How many bytes the peak memory rose above its level at the start while ``fn()`` ran.
 
-    Not ``getrusage().ru_maxrss``: Linux keeps that across ``execve``, so a child started by a large parent
-    would report the parent's size.
+    On CUDA, the peak of ``torch.cuda.memory_allocated``. On the CPU, the process's peak resident set size
+    (``VmHWM``, reset to the current size through ``/proc/self/clear_refs``; Linux): not
+    ``getrusage().ru_maxrss``, which Linux keeps across ``execve``, so a child started by a large parent would
+    report the parent's size.
     """
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - before)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak is now the current size: what exists before fn() is not counted
+    with open("/proc/self/statm") as f:
+        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    fn()
     with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("no VmHWM in /proc/self/status")
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return max(0, peak - before)
 
 
 def _memory_child(spec: str) -> None:
     kind, B, L, mode, mask, contender = json.loads(spec)
-    call = make_call(kind, B, L, mode, mask, contender)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak to the current size: the inputs and weights are not counted
-    before = _rss()
-    call()
-    print(max(0, _peak_rss() - before))
+    print(peak_memory(make_call(kind, B, L, mode, mask, contender)))
 
 
 # -------------------------------------------------------------------------------------------------- grid
