@@ -200,7 +200,7 @@ def accumulate(
         allowed, s = _apply_mask(s, mask, j0, j1)
         m_new = torch.maximum(state.m, s.amax(dim=-1))  # running row max
         alpha = torch.exp(state.m - m_new)  # rescales what was summed so far
-        p = torch.exp(s - m_new[..., None])  # (B, H, Lq, blk)
+        p = s.sub_(m_new[..., None]).exp_()  # (B, H, Lq, blk), in the scores' memory
         if allowed is not None:
             p = p.masked_fill_(~allowed, 0.0)  # exactly 0, also in rows with nothing allowed yet
         state.l.mul_(alpha).add_(p.sum(dim=-1))  # running normaliser
@@ -231,7 +231,7 @@ def accumulate_grads(
         kb, vb = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, H, blk, D), (B, H, blk, Dv)
         s, features = _scores(q, kb, w_v, scale)  # (B, H, Lq, blk)
         allowed, s = _apply_mask(s, mask, j0, j1)
-        p = torch.exp(s - lse[..., None])  # (B, H, Lq, blk): the softmax weights again
+        p = s.sub_(lse[..., None]).exp_()  # (B, H, Lq, blk): the softmax weights again, in the scores' memory
         if allowed is not None:
             p = p.masked_fill_(~allowed, 0.0)
         dv[:, :, j0:j1] += p.transpose(-2, -1) @ dout  # (B, H, blk, Dv)
