@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-all lint bench memory clean
+.PHONY: venv demo test test-all lint bench memory ring clean
 
 venv: $(STAMP)
 
@@ -24,12 +24,15 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''
 
 lint: $(STAMP)
-	$(BIN)/ruff format --check src tests benchmarks
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
 
 memory: $(STAMP)
 	$(BIN)/python benchmarks/memory.py
+
+ring: $(STAMP)
+	$(BIN)/torchrun --nproc-per-node 4 examples/ring_attention.py
 
 bench: $(STAMP)
 	$(BIN)/attnkit bench --json bench.json --plot bench.png

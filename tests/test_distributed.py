@@ -33,6 +33,7 @@ def _cases(world_size: int) -> list[w.Case]:
         w.Case(Lq=5 * world_size, Lk=3 * world_size + 2, masking="causal+valid_lens"),  # Lq > Lk: dead rows
         w.Case(Lq=world_size, masking="causal", layout="zigzag"),  # L = W: one position per rank
         w.Case(Lq=4 * world_size + 1, masking="causal+valid_lens", layout="zigzag", dtype=torch.float64),
+        w.Case(Lq=4 * world_size + 1, masking="causal+valid_lens", layout="zigzag", dtype=torch.bfloat16),
     ]
 
 
@@ -102,6 +103,7 @@ MISMATCHES = {
     "valid_lens": "disagree on valid_lens",
     "length": "the contiguous split of 14 positions over 3 ranks gives it 5",
     "own inputs": "rejected its inputs",
+    "valid_lens too long": "valid_lens may be at most the number of keys (12), got 13",
 }
 
 
@@ -111,7 +113,7 @@ def _mismatch_run() -> list[dict[str, tuple[str, str]]]:
     return [{what: (kind, message) for what, kind, message in seen} for seen in outcomes]
 
 
-@pytest.mark.parametrize("what", [m for m in MISMATCHES if m != "own inputs"])
+@pytest.mark.parametrize("what", [m for m in MISMATCHES if m not in ("own inputs", "valid_lens too long")])
 def test_mismatch_is_a_value_error_on_every_rank(what):
     """Rank 2 differs: every rank raises ValueError naming rank 2 (for lengths: every rank's count)."""
     for rank, seen in enumerate(_mismatch_run()):
@@ -122,6 +124,11 @@ def test_mismatch_is_a_value_error_on_every_rank(what):
     if what == "head dim":
         shapes = "rank 2 has q (2, 2, 4, 5), k (2, 2, 4, 5), v (2, 2, 4, 5), rank 0 has q (2, 2, 4, 4)"
         assert shapes in _mismatch_run()[0][what][1]
+
+
+def test_valid_lens_past_the_whole_sequence_is_a_value_error_on_every_rank():
+    seen = [s["valid_lens too long"] for s in _mismatch_run()]
+    assert all(kind == "ValueError" and MISMATCHES["valid_lens too long"] in m for kind, m in seen), seen
 
 
 def test_own_bad_inputs_raise_there_and_the_others_hear_of_it():

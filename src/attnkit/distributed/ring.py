@@ -307,9 +307,9 @@ class _RingAttention(torch.autograd.Function):
             part = kv.new_zeros(kv.shape, dtype=out.dtype)  # (B, Hkv, Lb, D + Dv): this rank's share of dk, dv
             _backward_block(dq, part, qf, kv, src, plan, lse, dout, delta)
             if pending is not None:  # what the previous ranks summed for this block so far
-                works, _, summed = pending
-                comm.wait(works, ring.timeout, _gradient_step(plan, step - 1))
-                part += summed
+                comm.wait(pending[0], ring.timeout, _gradient_step(plan, step - 1))
+                part += pending[2]
+                pending = None  # the buffers sent and received: free before the next is made
             if ring.size == 1:
                 pending = ([], part, part)
             else:
