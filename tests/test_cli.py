@@ -32,6 +32,8 @@ def test_info_names_versions_and_backends():
     assert result.returncode == 0, result.stderr
     for word in ("attnkit", "torch", "python", "threads", "backend reference", "backend sdpa", "backend chunked"):
         assert word in result.stdout
+    ring = [line for line in result.stdout.splitlines() if line.startswith("ring attention")]
+    assert len(ring) == 1 and "over gloo" in ring[0], result.stdout  # every CPU build of torch has gloo
 
 
 def test_trace_multihead_book_view_as_json():

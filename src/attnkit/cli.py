@@ -115,7 +115,18 @@ def cmd_info(args: argparse.Namespace) -> None:
     ]
     for name, reasons in dispatch.unavailable_reasons().items():
         rows.append((f"backend {name}", "runs here" if not reasons else "no: " + "; ".join(reasons)))
+    rows.append(("ring attention", _ring_transports()))
     _table(rows, ("", ""), title=None)
+
+
+def _ring_transports() -> str:
+    """Which torch.distributed transports attnkit.distributed.ring_attention can use here."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return "no: this torch was built without torch.distributed"
+    found = [name for name, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available())) if ok]
+    return "over " + ", ".join(found) if found else "no: neither gloo nor nccl in this torch"
 
 
 # --------------------------------------------------------------------------------------------------- trace
