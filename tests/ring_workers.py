@@ -163,6 +163,10 @@ def mismatches(rank: int, world_size: int, whats: list[str]) -> list[tuple[str, 
 
 def mismatched(rank: int, world_size: int, what: str) -> None:
     """Rank 2 passes something that does not fit the others (or its own other inputs)."""
+    if what == "gather_sequence shapes":
+        gather_sequence(torch.zeros(2, 3, 4 if rank == 2 else 5), dim=1, timeout=30)
+    if what == "gather_sequence lengths":  # 3 + 3 + 5 is not how 11 positions split over 3 ranks
+        gather_sequence(torch.zeros(2, 5 if rank == 2 else 3, 5), dim=1, timeout=30)
     B, H, Lr, D = 2, 2, 4, 4
     shapes = {"q": (B, H, Lr, D), "k": (B, H, Lr, D), "v": (B, H, Lr, D)}
     dtype = torch.float32

@@ -104,6 +104,8 @@ MISMATCHES = {
     "length": "the contiguous split of 14 positions over 3 ranks gives it 5",
     "own inputs": "rejected its inputs",
     "valid_lens too long": "valid_lens may be at most the number of keys (12), got 13",
+    "gather_sequence shapes": "hold shards that differ apart from the sequence axis",
+    "gather_sequence lengths": "ranks hold [3, 3, 5] positions, but the contiguous split of 11 positions",
 }
 
 
@@ -115,12 +117,13 @@ def _mismatch_run() -> list[dict[str, tuple[str, str]]]:
 
 @pytest.mark.parametrize("what", [m for m in MISMATCHES if m not in ("own inputs", "valid_lens too long")])
 def test_mismatch_is_a_value_error_on_every_rank(what):
-    """Rank 2 differs: every rank raises ValueError naming rank 2 (for lengths: every rank's count)."""
+    """Rank 2 differs: every rank raises ValueError naming rank 2 (for lengths: every rank's count); for
+    ring_attention and for gather_sequence."""
     for rank, seen in enumerate(_mismatch_run()):
         kind, message = seen[what]
         assert kind == "ValueError", (rank, kind, message)
         assert MISMATCHES[what] in message, (rank, message)
-        assert "rank 2" in message or "ranks hold [4, 4, 6]" in message, (rank, message)
+        assert "rank 2" in message or "ranks 2 and" in message or "ranks hold [" in message, (rank, message)
     if what == "head dim":
         shapes = "rank 2 has q (2, 2, 4, 5), k (2, 2, 4, 5), v (2, 2, 4, 5), rank 0 has q (2, 2, 4, 4)"
         assert shapes in _mismatch_run()[0][what][1]

@@ -36,7 +36,7 @@ from attnkit.backends.common import repeat_kv
 from attnkit.distributed import comm
 from attnkit.distributed.sequence import LAYOUTS, check_layout, positions, segments
 from attnkit.functional import check_qkv
-from attnkit.masks import _as_lengths, compute_dtype
+from attnkit.masks import _as_lengths, _short, compute_dtype
 
 __all__ = ["ring_attention"]
 
@@ -172,7 +172,7 @@ def _agree(
             if other[field] != mine[field]:
                 raise ValueError(
                     f"ring_attention: rank {r} and rank {ring.rank} disagree on {what}: "
-                    f"rank {r} has {_show(field, other)}, rank {ring.rank} has {_show(field, mine)}"
+                    f"rank {r} has {_show(field, other)}, rank {ring.rank} has {_show(field, mine, valid_lens)}"
                 )
     num_queries = sum(t["Lq_r"] for t in theirs)
     num_keys = sum(t["Lk_r"] for t in theirs)
@@ -254,8 +254,9 @@ def _describe(
     }
 
 
-def _show(field: str, f: dict[str, int]) -> str:
-    """One rank's value of ``field``, as the user would write it."""
+def _show(field: str, f: dict[str, int], valid_lens: Tensor | None = None) -> str:
+    """One rank's value of ``field``, as the user would write it (only a digest of another rank's
+    ``valid_lens`` travels: this rank's own are shown when given)."""
     if field in ("B", "H", "Hkv", "D", "Dv"):
         return f"q {(f['B'], f['H'], f['Lq_r'], f['D'])}, k {(f['B'], f['Hkv'], f['Lk_r'], f['D'])}, v " + str(
             (f["B"], f["Hkv"], f["Lk_r"], f["Dv"])
@@ -268,7 +269,9 @@ def _show(field: str, f: dict[str, int]) -> str:
         return repr(_from_bits(f["scale"]))
     if field == "is_causal" or field == "grad":
         return str(bool(f[field]))
-    return "no valid_lens" if f["lens"] == 0 else f"valid_lens with digest {f['lens']}"
+    if f["lens"] == 0:
+        return "no valid_lens"
+    return "other values" if valid_lens is None else _short(valid_lens)
 
 
 def _to_bits(x: float) -> int:
