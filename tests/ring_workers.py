@@ -39,13 +39,25 @@ class Case:
 
 def everything(rank: int, world_size: int, cases: list[Case]) -> dict:
     """One launch of the processes for all the checks that need a healthy group (launching costs seconds)."""
-    return {
+    report = {
         "cases": check_against_single_process(rank, world_size, cases),
         "sends": {layout: count_sends(rank, world_size, layout) for layout in ("contiguous", "zigzag")},
         "module": {
             layout: module_against_single_process(rank, world_size, layout) for layout in ("contiguous", "zigzag")
         },
+        "subgroup": in_a_subgroup(rank, world_size) if world_size > 2 else [],
     }
+    dist.barrier()  # rank 0 hosts the store the others still use: it leaves last
+    return report
+
+
+def in_a_subgroup(rank: int, world_size: int) -> list[tuple[str, str, float, bool]]:
+    """Ring attention among ranks 1..W-1 only (a process group that is not the default one); rank 0 stays out."""
+    group = dist.new_group(list(range(1, world_size)))  # every rank takes part in making it
+    if rank == 0:
+        return []
+    with chunked.settings(block_size=3):
+        return _check_case(Case(Lq=5 * world_size + 2, masking="causal+valid_lens", layout="zigzag"), 0, group)
 
 
 def check_against_single_process(rank: int, world_size: int, cases: list[Case]) -> list[tuple[str, str, float, bool]]:
@@ -53,11 +65,11 @@ def check_against_single_process(rank: int, world_size: int, cases: list[Case]) 
     rows = []
     with chunked.settings(block_size=3):  # several key blocks inside each ring block, and a partial last one
         for i, case in enumerate(cases):
-            rows += _check_case(case, seed=i, world_size=world_size)
+            rows += _check_case(case, seed=i)
     return rows
 
 
-def _check_case(case: Case, seed: int, world_size: int) -> list[tuple[str, str, float, bool]]:
+def _check_case(case: Case, seed: int, group: object | None = None) -> list[tuple[str, str, float, bool]]:
     B, D, Dv = 2, 5, 3
     Lq, Lk = case.Lq, case.Lk or case.Lq
     g = torch.Generator().manual_seed(seed)
@@ -74,10 +86,10 @@ def _check_case(case: Case, seed: int, world_size: int) -> list[tuple[str, str, 
     truths = (None,) * 4
 
     def shard(t: torch.Tensor) -> torch.Tensor:
-        return shard_sequence(t, layout=case.layout)
+        return shard_sequence(t, layout=case.layout, group=group)
 
     mine = [shard(t).requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*mine, valid_lens=valid_lens, is_causal=is_causal, layout=case.layout, timeout=30)
+    out = ring_attention(*mine, valid_lens=valid_lens, is_causal=is_causal, layout=case.layout, timeout=30, group=group)
     grads = torch.autograd.grad(out, mine, shard(dout))
 
     if case.dtype == torch.bfloat16:
@@ -99,7 +111,7 @@ def _check_case(case: Case, seed: int, world_size: int) -> list[tuple[str, str, 
             ok = torch.allclose(got, expected, atol=atol, rtol=rtol)
         rows.append((str(case), name, err, ok))
     # and back: gather_sequence undoes shard_sequence
-    whole = gather_sequence(out.detach(), layout=case.layout, timeout=30)
+    whole = gather_sequence(out.detach(), layout=case.layout, timeout=30, group=group)
     rows.append((str(case), "gather_sequence", (whole - want.detach()).abs().max().item(), whole.shape == want.shape))
     return rows
 
@@ -158,6 +170,7 @@ def mismatches(rank: int, world_size: int, whats: list[str]) -> list[tuple[str, 
             seen.append((what, "", ""))
         except Exception as e:  # noqa: BLE001 - reported
             seen.append((what, type(e).__name__, str(e).splitlines()[0]))
+    dist.barrier()  # rank 0 hosts the store: it leaves last
     return seen
 
 

@@ -4,6 +4,7 @@ sends, balanced causal work, failures that must not hang, and disagreements that
 from __future__ import annotations
 
 import functools
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -34,7 +35,27 @@ def _cases(world_size: int) -> list[w.Case]:
         w.Case(Lq=world_size, masking="causal", layout="zigzag"),  # L = W: one position per rank
         w.Case(Lq=4 * world_size + 1, masking="causal+valid_lens", layout="zigzag", dtype=torch.float64),
         w.Case(Lq=4 * world_size + 1, masking="causal+valid_lens", layout="zigzag", dtype=torch.bfloat16),
+        *_random_cases(world_size),
     ]
+
+
+def _random_cases(world_size: int, n: int = 12) -> list[w.Case]:
+    """Sizes and options drawn from a seed (the same cases on every rank and every run)."""
+    rng = random.Random(world_size)
+    cases = []
+    for _ in range(n):
+        Hkv = rng.choice([1, 2])
+        cases.append(
+            w.Case(
+                Lq=rng.randint(world_size, 6 * world_size + 5),
+                Lk=rng.choice([None, rng.randint(world_size, 6 * world_size + 5)]),
+                masking=rng.choice(MASKINGS),
+                layout=rng.choice(LAYOUTS),
+                H=Hkv * rng.choice([1, 2]),
+                Hkv=Hkv,
+            )
+        )
+    return cases
 
 
 def _ok(outcomes: list) -> list:
@@ -58,6 +79,15 @@ def test_output_and_gradients_equal_single_process(world_size):
     bad = [(rank, *row) for rank, rows in enumerate(per_rank) for row in rows if not row[3]]
     assert not bad, bad
     assert all(len(rows) == 5 * len(_cases(world_size)) for rows in per_rank)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_a_process_group_other_than_the_default(world_size):
+    """Ranks 1..W-1 in their own group (peers are found by global rank); rank 0 stays out."""
+    per_rank = [report["subgroup"] for report in _healthy_run(world_size)]
+    assert per_rank[0] == [] and all(len(rows) == 5 for rows in per_rank[1:]), per_rank
+    bad = [(rank, *row) for rank, rows in enumerate(per_rank) for row in rows if not row[3]]
+    assert not bad, bad
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
