@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ring_workers as w
 from attnkit.distributed import sequence
@@ -210,3 +212,36 @@ def test_zigzag_balances_causal_work():
     assert max(zigzag) / min(zigzag) < 1.05, zigzag
     assert max(contiguous) / min(contiguous) > 3.5, contiguous
     assert sum(zigzag) == sum(contiguous) == 0.625 * 4096**2  # of L^2 pairs: blocks wholly masked are skipped
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    world_size=st.integers(1, 5),
+    data=st.data(),
+    layout=st.sampled_from(LAYOUTS),
+    is_causal=st.booleans(),
+)
+def test_spans_hold_every_allowed_pair_and_no_more_rows_or_columns(world_size, data, layout, is_causal):
+    """The rows and columns ring attention scores on each step: every pair the masks allow lies inside,
+    and the first and last row and column each hold one (no block is scored that need not be)."""
+    Lq = data.draw(st.integers(world_size, 40), label="Lq")
+    Lk = data.draw(st.integers(world_size, 40), label="Lk")
+    key_limit = data.draw(st.integers(0, Lk), label="max valid_lens")
+    q_ranges, k_ranges = sequence.segments(Lq, world_size, layout), sequence.segments(Lk, world_size, layout)
+    for rank in range(world_size):
+        ring = SimpleNamespace(rank=rank, size=world_size)
+        plan = _Plan(ring, q_ranges, k_ranges, Lk - Lq, is_causal, None, key_limit, 1.0, 4)  # type: ignore[arg-type]
+        queries = sequence.positions(q_ranges[rank])[:, None]  # (Lq_r, 1)
+        for src in range(world_size):
+            keys = sequence.positions(k_ranges[src])[None, :]  # (1, Lk_src)
+            allowed = (keys < key_limit) & ((keys <= queries + Lk - Lq) | (not is_causal))  # (Lq_r, Lk_src)
+            span = _span(plan, src)
+            if span is None:
+                assert not allowed.any()
+                continue
+            (r0, r1), (c0, c1) = span
+            inside = torch.zeros_like(allowed)
+            inside[r0:r1, c0:c1] = True
+            assert not (allowed & ~inside).any(), (rank, src, span)
+            assert allowed[r0].any() and allowed[r1 - 1].any(), (rank, src, span)
+            assert allowed[:, c0].any() and allowed[:, c1 - 1].any(), (rank, src, span)
