@@ -77,7 +77,11 @@ def _check_case(case: Case, seed: int, group: object | None = None) -> list[tupl
     k = torch.randn(B, case.Hkv, Lk, D, generator=g, dtype=case.dtype)
     v = torch.randn(B, case.Hkv, Lk, Dv, generator=g, dtype=case.dtype)
     dout = torch.randn(B, case.H, Lq, Dv, generator=g, dtype=case.dtype)
-    valid_lens = torch.tensor([Lk - 2, max(1, Lk // 3)]) if "valid_lens" in case.masking else None
+    valid_lens = None
+    if "valid_lens" in case.masking:
+        valid_lens = torch.tensor([0, Lk // 2] if "empty" in case.masking else [Lk - 2, max(1, Lk // 3)])
+        for b, n in enumerate(valid_lens.tolist()):  # padding holds NaN: it must never reach a result
+            k[b, :, n:] = v[b, :, n:] = float("nan")
     is_causal = "causal" in case.masking
 
     full = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -89,8 +93,12 @@ def _check_case(case: Case, seed: int, group: object | None = None) -> list[tupl
         return shard_sequence(t, layout=case.layout, group=group)
 
     mine = [shard(t).requires_grad_() for t in (q, k, v)]
+    before = [(t.clone(), t._version) for t in mine]
     out = ring_attention(*mine, valid_lens=valid_lens, is_causal=is_causal, layout=case.layout, timeout=30, group=group)
     grads = torch.autograd.grad(out, mine, shard(dout))
+    untouched = all(
+        t._version == n and torch.equal(t.nan_to_num(), c.nan_to_num()) for t, (c, n) in zip(mine, before, strict=True)
+    )
 
     if case.dtype == torch.bfloat16:
         # Against the float64 truth: at most twice the error of single-process attention in bfloat16.
@@ -111,8 +119,10 @@ def _check_case(case: Case, seed: int, group: object | None = None) -> list[tupl
             ok = torch.allclose(got, expected, atol=atol, rtol=rtol)
         rows.append((str(case), name, err, ok))
     # and back: gather_sequence undoes shard_sequence
+    rows.append((str(case), "inputs unchanged", 0.0, untouched))
     whole = gather_sequence(out.detach(), layout=case.layout, timeout=30, group=group)
-    rows.append((str(case), "gather_sequence", (whole - want.detach()).abs().max().item(), whole.shape == want.shape))
+    back = torch.equal(shard(whole), out.detach()) and whole.shape == want.shape
+    rows.append((str(case), "gather_sequence", (whole - want).abs().max().item(), back and rows[0][3]))
     return rows
 
 
@@ -142,7 +152,13 @@ def die_or_hang_mid_run(rank: int, world_size: int, how: str, timeout: float) ->
     """Three training steps (forward and backward); rank 1 dies (``how="die"``) or stops answering
     (``how="hang"``) at the second ring step of the second forward. The others must raise, not wait."""
     calls = [0]
-    if rank == 1:
+    if rank == 1 and how == "die before backward":
+
+        def die(ctx, dout):  # noqa: ANN001
+            os._exit(3)
+
+        ring._RingAttention.backward = staticmethod(die)
+    elif rank == 1:
         real = ring._forward_block
 
         def fail_mid_forward(state, q, kv, src, plan):  # noqa: ANN001
@@ -178,6 +194,8 @@ def mismatched(rank: int, world_size: int, what: str) -> None:
     """Rank 2 passes something that does not fit the others (or its own other inputs)."""
     if what == "gather_sequence shapes":
         gather_sequence(torch.zeros(2, 3, 4 if rank == 2 else 5), dim=1, timeout=30)
+    if what == "gather_sequence own arguments":
+        gather_sequence(torch.zeros(2, 3, 5), dim=5 if rank == 2 else 1, timeout=30)
     if what == "gather_sequence lengths":  # 3 + 3 + 5 is not how 11 positions split over 3 ranks
         gather_sequence(torch.zeros(2, 5 if rank == 2 else 3, 5), dim=1, timeout=30)
     B, H, Lr, D = 2, 2, 4, 4

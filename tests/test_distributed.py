@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import random
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -35,6 +36,8 @@ def _cases(world_size: int) -> list[w.Case]:
         w.Case(Lq=2 * world_size + 1, Lk=5 * world_size, masking="causal", layout="zigzag"),  # Lq < Lk, bottom right
         w.Case(Lq=5 * world_size, Lk=3 * world_size + 2, masking="causal+valid_lens"),  # Lq > Lk: dead rows
         w.Case(Lq=world_size, masking="causal", layout="zigzag"),  # L = W: one position per rank
+        w.Case(Lq=3 * world_size + 2, masking="valid_lens+empty"),  # valid_lens [0, Lk // 2]: rows with no key
+        w.Case(Lq=3 * world_size + 2, masking="causal+valid_lens+empty", layout="zigzag"),
         w.Case(Lq=4 * world_size + 1, masking="causal+valid_lens", layout="zigzag", dtype=torch.float64),
         w.Case(Lq=4 * world_size + 1, masking="causal+valid_lens", layout="zigzag", dtype=torch.bfloat16),
         *_random_cases(world_size),
@@ -80,14 +83,14 @@ def test_output_and_gradients_equal_single_process(world_size):
     per_rank = [report["cases"] for report in _healthy_run(world_size)]
     bad = [(rank, *row) for rank, rows in enumerate(per_rank) for row in rows if not row[3]]
     assert not bad, bad
-    assert all(len(rows) == 5 * len(_cases(world_size)) for rows in per_rank)
+    assert all(len(rows) == 6 * len(_cases(world_size)) for rows in per_rank)
 
 
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_a_process_group_other_than_the_default(world_size):
     """Ranks 1..W-1 in their own group (peers are found by global rank); rank 0 stays out."""
     per_rank = [report["subgroup"] for report in _healthy_run(world_size)]
-    assert per_rank[0] == [] and all(len(rows) == 5 for rows in per_rank[1:]), per_rank
+    assert per_rank[0] == [] and all(len(rows) == 6 for rows in per_rank[1:]), per_rank
     bad = [(rank, *row) for rank, rows in enumerate(per_rank) for row in rows if not row[3]]
     assert not bad, bad
 
@@ -112,10 +115,11 @@ def test_module_equals_multi_head_attention(world_size, layout):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("how", ["die", "hang"])
+@pytest.mark.parametrize("how", ["die", "hang", "die before backward"])
 def test_a_failed_rank_does_not_hang_the_others(how):
-    """Rank 1 of 4 dies (or stops answering) in the middle of the second of three training steps: every other
-    rank raises RingError naming the step it was waiting in, within the 3 s timeout, instead of waiting forever."""
+    """Rank 1 of 4 dies (or stops answering) in the middle of the second of three training steps, or as its
+    first backward pass starts: every other rank raises RingError naming the step it was in, within the 3 s
+    timeout, instead of waiting forever (also when the failure shows as a send or receive is started)."""
     timeout = 3.0
     outcomes = run_ranks(w.die_or_hang_mid_run, 4, how, timeout, deadline=60)
     assert not outcomes[1].finished  # died without a word
@@ -136,8 +140,9 @@ MISMATCHES = {
     "length": "the contiguous split of 14 positions over 3 ranks gives it 5",
     "own inputs": "rejected its inputs",
     "valid_lens too long": "valid_lens may be at most the number of keys (12), got 13",
-    "gather_sequence shapes": "hold shards that differ apart from the sequence axis",
+    "gather_sequence shapes": "hold shards that differ apart from the sequence:",
     "gather_sequence lengths": "ranks hold [3, 3, 5] positions, but the contiguous split of 11 positions",
+    "gather_sequence own arguments": "rejected its inputs",
 }
 
 
@@ -147,7 +152,7 @@ def _mismatch_run() -> list[dict[str, tuple[str, str]]]:
     return [{what: (kind, message) for what, kind, message in seen} for seen in outcomes]
 
 
-@pytest.mark.parametrize("what", [m for m in MISMATCHES if m not in ("own inputs", "valid_lens too long")])
+@pytest.mark.parametrize("what", [m for m in MISMATCHES if "own" not in m and m != "valid_lens too long"])
 def test_mismatch_is_a_value_error_on_every_rank(what):
     """Rank 2 differs: every rank raises ValueError naming rank 2 (for lengths: every rank's count); for
     ring_attention and for gather_sequence."""
@@ -166,10 +171,17 @@ def test_valid_lens_past_the_whole_sequence_is_a_value_error_on_every_rank():
     assert all(kind == "ValueError" and MISMATCHES["valid_lens too long"] in m for kind, m in seen), seen
 
 
-def test_own_bad_inputs_raise_there_and_the_others_hear_of_it():
-    seen = [s["own inputs"] for s in _mismatch_run()]
+@pytest.mark.parametrize(
+    ("what", "own_error"),
+    [
+        ("own inputs", "ring_attention on rank 2: k has 4 positions but v has 3"),
+        ("gather_sequence own arguments", "gather_sequence on rank 2: dim 5 is out of range"),
+    ],
+)
+def test_own_bad_inputs_raise_there_and_the_others_hear_of_it(what, own_error):
+    seen = [s[what] for s in _mismatch_run()]
     assert all(kind == "ValueError" for kind, _ in seen), seen
-    assert "k has 4 positions but v has 3" in seen[2][1]
+    assert own_error in seen[2][1], seen[2]
     assert all("rank 2 rejected its inputs" in message for _, message in seen[:2]), seen
 
 
@@ -193,12 +205,18 @@ def test_segments_reject_fewer_positions_than_ranks_and_unknown_layouts():
         sequence.segments(8, 2, "ring")
 
 
+def _plan(rank: int, world_size: int, q_ranges: list, k_ranges: list, **agreed) -> _Plan:
+    """What ring attention's span computation reads of a plan, without processes."""
+    ring = SimpleNamespace(rank=rank, size=world_size)
+    return _Plan(ring, timedelta(0), q_ranges, k_ranges, valid_lens=None, scale=1.0, block=4, **agreed)  # type: ignore[arg-type]
+
+
 def _scored_pairs(layout: str, L: int, W: int) -> list[int]:
     """(query, key) pairs each rank scores over a causal forward, from the spans ring attention computes."""
     ranges = sequence.segments(L, W, layout)
     totals = []
     for rank in range(W):
-        plan = _Plan(SimpleNamespace(rank=rank, size=W), ranges, ranges, 0, True, None, L, 1.0, 64)  # type: ignore[arg-type]
+        plan = _plan(rank, W, ranges, ranges, offset=0, is_causal=True, key_limit=L)
         spans = [_span(plan, src) for src in range(W)]
         totals.append(sum((r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in filter(None, spans)))
     return totals
@@ -229,8 +247,7 @@ def test_spans_hold_every_allowed_pair_and_no_more_rows_or_columns(world_size, d
     key_limit = data.draw(st.integers(0, Lk), label="max valid_lens")
     q_ranges, k_ranges = sequence.segments(Lq, world_size, layout), sequence.segments(Lk, world_size, layout)
     for rank in range(world_size):
-        ring = SimpleNamespace(rank=rank, size=world_size)
-        plan = _Plan(ring, q_ranges, k_ranges, Lk - Lq, is_causal, None, key_limit, 1.0, 4)  # type: ignore[arg-type]
+        plan = _plan(rank, world_size, q_ranges, k_ranges, offset=Lk - Lq, is_causal=is_causal, key_limit=key_limit)
         queries = sequence.positions(q_ranges[rank])[:, None]  # (Lq_r, 1)
         for src in range(world_size):
             keys = sequence.positions(k_ranges[src])[None, :]  # (1, Lk_src)

@@ -48,7 +48,7 @@ def sequence_mask(valid_lens: Tensor, num_keys: int) -> Tensor:
         tensor([[ True, False, False, False],
                 [ True,  True,  True, False]])
     """
-    valid_lens = _as_lengths(valid_lens, "valid_lens", num_keys)
+    valid_lens = as_lengths(valid_lens, "valid_lens", num_keys)
     positions = torch.arange(num_keys, device=valid_lens.device)  # (Lk,)
     return positions < valid_lens[..., None]  # (B, Lk) or (B, Lq, Lk)
 
@@ -216,7 +216,7 @@ class Mask:
                 raise ValueError(
                     f"valid_lens must have shape (B,) = ({B},) or (B, Lq) = ({B}, {Lq}), got {tuple(valid_lens.shape)}"
                 )
-            lens = _as_lengths(valid_lens, "valid_lens", Lk, device)
+            lens = as_lengths(valid_lens, "valid_lens", Lk, device)
             lens = lens.reshape(B, 1, -1, 1)  # (B, 1, 1 | Lq, 1)
         bool_mask = bias = None
         if attn_mask is not None:
@@ -308,7 +308,7 @@ def _causal_block(Lq: int, Lk: int, j0: int, j1: int, device: torch.device | str
     return cols <= rows + (Lk - Lq)  # (Lq, blk)
 
 
-def _as_lengths(valid_lens: Tensor, name: str, num_keys: int, device: torch.device | None = None) -> Tensor:
+def as_lengths(valid_lens: Tensor, name: str, num_keys: int, device: torch.device | None = None) -> Tensor:
     """Check lengths are whole numbers in ``[0, num_keys]`` on ``device``; return them as int64 (never in place)."""
     if not isinstance(valid_lens, Tensor):
         raise TypeError(f"{name} must be a tensor of lengths, got {_describe(valid_lens)}")
@@ -324,13 +324,13 @@ def _as_lengths(valid_lens: Tensor, name: str, num_keys: int, device: torch.devi
         whole = valid_lens == valid_lens.round()
         if not bool(whole.all()):
             bad = valid_lens[~whole][0].item()
-            raise ValueError(f"{name} must hold whole numbers, got {bad} in {_short(valid_lens)}")
+            raise ValueError(f"{name} must hold whole numbers, got {bad} in {short(valid_lens)}")
     lo, hi = valid_lens.aminmax()
     if lo < 0:
-        raise ValueError(f"{name} must not be negative, got {lo.item()} in {_short(valid_lens)}")
+        raise ValueError(f"{name} must not be negative, got {lo.item()} in {short(valid_lens)}")
     if hi > num_keys:
         raise ValueError(
-            f"{name} may be at most the number of keys ({num_keys}), got {hi.item()} in {_short(valid_lens)}"
+            f"{name} may be at most the number of keys ({num_keys}), got {hi.item()} in {short(valid_lens)}"
         )
     return valid_lens.long()
 
@@ -367,7 +367,7 @@ def _describe(x: object) -> str:
     return type(x).__name__
 
 
-def _short(t: Tensor) -> str:
+def short(t: Tensor) -> str:
     values = t.flatten()[:8].tolist()
     more = ", ..." if t.numel() > 8 else ""
     return f"{tuple(t.shape)} tensor [{', '.join(str(v) for v in values)}{more}]"

@@ -194,7 +194,15 @@ def accumulate(
     cols: tuple[int, int],
     block: int,
 ) -> None:
-    """Fold the keys ``cols = (j0, j1)`` of ``k, v`` into ``state``, ``block`` keys at a time."""
+    """Fold the keys ``cols = (j0, j1)`` of ``k, v`` into ``state``, ``block`` keys at a time.
+
+    Args:
+        state: the running softmax of the rows of ``q``, updated in place.
+        q: ``(B, H, Lq, D)``; k: ``(B, H, Lk, D)``; v: ``(B, H, Lk, Dv)``, in the compute dtype.
+        w_v: ``(D,)`` for additive scoring, ``None`` for dot products (then scaled by ``scale``).
+        mask: ``mask.block(j0, j1)`` says which of these rows may see keys ``[j0, j1)`` of ``k``.
+        cols: the ``[j0, j1)`` range of keys to fold in; block: keys scored at a time.
+    """
     for j0, j1 in _blocks(cols, block):
         s, _ = _scores(q, k[:, :, j0:j1], w_v, scale)  # (B, H, Lq, blk)
         allowed, s = _apply_mask(s, mask, j0, j1)
@@ -224,7 +232,11 @@ def accumulate_grads(
 ) -> None:
     """Add the gradients through the keys ``cols`` to ``grads``, recomputing each block's weights from ``lse``.
 
-    ``lse`` ``(B, H, Lq)`` is the row log-sum-exp over *all* keys, ``delta = (dout * out).sum(-1)``.
+    Args:
+        grads: ``dq (B, H, Lq, D)``, ``dk (B, H, Lk, D)``, ``dv (B, H, Lk, Dv)``, ``dw (D,)``, added to in place.
+        q, k, v, w_v, mask, scale, cols, block: as in :func:`accumulate`.
+        lse: ``(B, H, Lq)``, the row log-sum-exp over *all* keys (from :meth:`RunningSoftmax.result`).
+        dout: ``(B, H, Lq, Dv)``, the gradient of the output; delta: ``(B, H, Lq)``, ``(dout * out).sum(-1)``.
     """
     dq, dk, dv, dw = grads
     for j0, j1 in _blocks(cols, block):

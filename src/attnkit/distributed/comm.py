@@ -7,6 +7,9 @@ separate sends and receives can deadlock there) and which gloo runs as separate 
 
 from __future__ import annotations
 
+import contextlib
+import zlib
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -17,7 +20,8 @@ __all__ = ["DEFAULT_TIMEOUT", "RingError"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
-DTYPES = (
+# dtypes whose names agreement errors can show; any other dtype still gets its own code
+_NAMED_DTYPES = (
     torch.float16,
     torch.bfloat16,
     torch.float32,
@@ -34,7 +38,11 @@ DTYPES = (
 
 
 class RingError(RuntimeError):
-    """Another rank failed, died or did not answer in time; the message names the step that was waiting."""
+    """Another rank failed, died or did not answer in time; the message names the step that was waiting.
+
+    The process group is not usable afterwards: destroy it (``torch.distributed.destroy_process_group()``)
+    and start again, as after any failed collective.
+    """
 
 
 def rank_and_size(group: object | None) -> tuple[int, int]:
@@ -60,48 +68,97 @@ def as_timeout(timeout: float | timedelta | None) -> timedelta:
 
 
 def dtype_code(dtype: torch.dtype) -> int:
-    """A small integer for ``dtype`` that every rank agrees on (``len(DTYPES)`` for any other dtype)."""
-    return DTYPES.index(dtype) if dtype in DTYPES else len(DTYPES)
+    """A number for ``dtype`` that is the same in every process (a checksum of its name)."""
+    return zlib.crc32(str(dtype).encode())
+
+
+def dtype_name(code: int) -> str:
+    """The dtype whose :func:`dtype_code` is ``code``, as text."""
+    return next((str(d) for d in _NAMED_DTYPES if dtype_code(d) == code), "another dtype")
+
+
+@contextlib.contextmanager
+def named_failures(step: str, timeout: timedelta) -> Iterator[None]:
+    """Turn a failure of ``torch.distributed`` inside the block into a :class:`RingError` that names ``step``."""
+    try:
+        yield
+    except RingError:
+        raise
+    except RuntimeError as e:  # gloo: "Connection closed by peer", "Timed out waiting ...", ...
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RingError(f"{step} failed (timeout {timeout.total_seconds():g} s): {cause}") from e
 
 
 def wait(works: list[dist.Work], timeout: timedelta, step: str) -> None:
     """Wait for ``works``; raise :class:`RingError` naming ``step`` when one fails or times out."""
-    for work in works:
-        try:
-            done = work.wait(timeout)
-        except RuntimeError as e:  # gloo: "Connection closed by peer", "Timed out waiting ...", ...
-            cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise RingError(f"{step} failed (timeout {timeout.total_seconds():g} s): {cause}") from e
-        if done is False:
-            raise RingError(f"{step} failed: no answer within the timeout of {timeout.total_seconds():g} s")
+    with named_failures(step, timeout):
+        for work in works:
+            if work.wait(timeout) is False:  # gloo raises on a timeout; a backend that returns False is caught too
+                raise RingError(f"{step} failed: no answer within the timeout of {timeout.total_seconds():g} s")
 
 
 def all_gather(t: Tensor, *, group: object | None, timeout: timedelta, step: str) -> list[Tensor]:
     """Every rank's ``t`` (one shape and dtype on every rank), in rank order."""
     _, world = rank_and_size(group)
     out = [torch.empty_like(t) for _ in range(world)]
-    work = dist.all_gather(out, t.contiguous(), group=group, async_op=True)  # type: ignore[arg-type]
+    with named_failures(step, timeout):
+        work = dist.all_gather(out, t.contiguous(), group=group, async_op=True)  # type: ignore[arg-type]
     wait([work], timeout, step)
     return out
+
+
+def gather_checked(
+    values: list[int] | None,
+    error: Exception | None,
+    *,
+    size: int,
+    who: str,
+    group: object | None,
+    timeout: timedelta,
+    device: torch.device,
+) -> list[list[int]]:
+    """All-gather ``size`` integers from every rank, with a flag for a rank whose own checks failed.
+
+    That rank raises its ``error`` (naming its rank), the others a ``ValueError`` naming that rank: every rank
+    raises at once, none waits for messages that will never come.
+
+    Args:
+        values: this rank's ``size`` integers, or ``None`` when ``error`` is given.
+        error: the ``ValueError``/``TypeError`` of this rank's own checks, or ``None``.
+        who: the function, for the messages and the step name.
+    """
+    rank, _ = rank_and_size(group)
+    row = torch.zeros(1 + size, dtype=torch.long)  # (1 + size,): failed flag, then the values
+    row[0] = error is not None
+    if values is not None:
+        row[1:] = torch.tensor(values, dtype=torch.long)
+    step = f"{who}: agreeing on shapes and options (all-gather of metadata)"
+    rows = all_gather(row.to(device), group=group, timeout=timeout, step=step)  # W x (1 + size,)
+    if error is not None:
+        raise type(error)(f"{who} on rank {rank}: {error}") from error
+    failed = [r for r, other in enumerate(rows) if other[0]]
+    if failed:
+        raise ValueError(f"{who}: rank {failed[0]} rejected its inputs (its error says why); nothing was exchanged")
+    return [[int(x) for x in other[1:].tolist()] for other in rows]
 
 
 class Ring:
     """This rank's neighbours in ``group``: it sends to ``rank + 1`` and receives from ``rank - 1``."""
 
-    def __init__(self, group: object | None, timeout: timedelta) -> None:
+    def __init__(self, group: object | None) -> None:
         self.group = group
-        self.timeout = timeout
         self.rank, self.size = rank_and_size(group)
         self.next = self._global((self.rank + 1) % self.size)
         self.prev = self._global((self.rank - 1) % self.size)
 
-    def start(self, send: Tensor, recv: Tensor, tag: int) -> list[dist.Work]:
+    def start(self, send: Tensor, recv: Tensor, tag: int, *, timeout: timedelta, step: str) -> list[dist.Work]:
         """Send ``send`` to the next rank and receive ``recv`` from the previous one, without waiting."""
         ops = [
             dist.P2POp(dist.isend, send, self.next, self.group, tag),  # type: ignore[arg-type]
             dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),  # type: ignore[arg-type]
         ]
-        return dist.batch_isend_irecv(ops)
+        with named_failures(step, timeout):
+            return dist.batch_isend_irecv(ops)
 
     def _global(self, group_rank: int) -> int:
         if self.group is None:

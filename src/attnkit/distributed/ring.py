@@ -13,7 +13,7 @@ output of :mod:`attnkit.backends.chunked`, in float32 or float64), and meanwhile
 
 The backward pass goes round the same ring: blocks travel again, each rank adds its queries' share of the
 block's gradient to a gradient buffer that travels with the block and arrives home after the last step. No
-rank ever holds more than two key/value blocks and two gradient blocks, and within a block scores are computed
+rank ever holds more than two key/value blocks and three gradient blocks, and within a block scores are computed
 ``chunked.SETTINGS.block_size`` keys at a time, so memory per rank is linear in ``L / W``.
 
 Only (query, key) pairs that the masks allow are scored: with ``is_causal`` and the zig-zag layout every rank
@@ -34,9 +34,9 @@ from attnkit.backends import chunked
 from attnkit.backends.chunked import Grads, RunningSoftmax, accumulate, accumulate_grads
 from attnkit.backends.common import repeat_kv
 from attnkit.distributed import comm
-from attnkit.distributed.sequence import LAYOUTS, check_layout, positions, segments
+from attnkit.distributed.sequence import LAYOUTS, check_layout, length, positions, segments
 from attnkit.functional import check_qkv
-from attnkit.masks import _as_lengths, _short, compute_dtype
+from attnkit.masks import as_lengths, compute_dtype, short
 
 __all__ = ["ring_attention"]
 
@@ -95,8 +95,7 @@ def ring_attention(
             out = ring_attention(q, k, v, is_causal=True, layout="zigzag")  # (B, H, L_r, Dv)
             out_all = gather_sequence(out, layout="zigzag")  # (B, H, L, Dv) on every rank
     """
-    ring = comm.Ring(group, comm.as_timeout(timeout))
-    plan = _agree(ring, q, k, v, valid_lens, is_causal, scale, layout)
+    plan = _agree(comm.Ring(group), q, k, v, valid_lens, is_causal, scale, layout, timeout)
     return _RingAttention.apply(q, k, v, plan)
 
 
@@ -124,6 +123,7 @@ class _Plan:
     """What every rank agreed on, and where this rank's positions are."""
 
     ring: comm.Ring
+    timeout: timedelta  # for every wait on another rank
     q_ranges: list[list[tuple[int, int]]]  # per rank: the [start, stop) query positions it holds
     k_ranges: list[list[tuple[int, int]]]  # per rank: the same for keys and values
     offset: int  # Lk - Lq: query i sees key j <= i + offset when causal
@@ -143,6 +143,7 @@ def _agree(
     is_causal: bool,
     scale: float | None,
     layout: str,
+    timeout: float | timedelta | None,
 ) -> _Plan:
     """Check this rank's inputs, all-gather what each rank holds, and check that the ranks agree.
 
@@ -150,23 +151,24 @@ def _agree(
     instead of the others waiting for blocks that never come.
     """
     error: Exception | None = None
-    mine: dict[str, int] = dict.fromkeys(_FIELDS, 0)
+    mine: dict[str, int] | None = None
+    wait = comm.DEFAULT_TIMEOUT
     try:
+        wait = comm.as_timeout(timeout)
         mine = _describe(q, k, v, valid_lens, is_causal, scale, layout)
     except (TypeError, ValueError) as e:
         error = e
-    header = torch.tensor([error is not None, *(mine[f] for f in _FIELDS)], dtype=torch.long)
-    device = q.device if isinstance(q, Tensor) else torch.device("cpu")
-    step = "ring_attention: agreeing on shapes and options (all-gather of metadata)"
-    headers = comm.all_gather(header.to(device), group=ring.group, timeout=ring.timeout, step=step)
-    if error is not None:
-        raise error
-    failed = [r for r, h in enumerate(headers) if h[0]]
-    if failed:
-        raise ValueError(
-            f"ring_attention: rank {failed[0]} rejected its inputs (its error says why); no block was sent"
-        )
-    theirs = [dict(zip(_FIELDS, (int(x) for x in h[1:].tolist()), strict=True)) for h in headers]
+    rows = comm.gather_checked(
+        None if mine is None else [mine[f] for f in _FIELDS],
+        error,
+        size=len(_FIELDS),
+        who="ring_attention",
+        group=ring.group,
+        timeout=wait,
+        device=q.device if isinstance(q, Tensor) else torch.device("cpu"),
+    )
+    assert mine is not None  # gather_checked raised otherwise
+    theirs = [dict(zip(_FIELDS, row, strict=True)) for row in rows]
     for r, other in enumerate(theirs):
         for field, what in _AGREED.items():
             if other[field] != mine[field]:
@@ -184,7 +186,7 @@ def _agree(
             ("queries", "Lq_r", q_ranges, num_queries),
             ("keys", "Lk_r", k_ranges, num_keys),
         ):
-            expected = sum(b - a for a, b in ranges[r])
+            expected = length(ranges[r])
             if other[n] != expected:
                 raise ValueError(
                     f"ring_attention: rank {r} holds {other[n]} {name}, but the {layout_name} split of {total} "
@@ -194,10 +196,11 @@ def _agree(
     lens = None
     key_limit = num_keys
     if valid_lens is not None:
-        lens = _as_lengths(valid_lens, "valid_lens", num_keys)  # now that Lk is known: at most Lk
+        lens = as_lengths(valid_lens, "valid_lens", num_keys)  # now that Lk is known: at most Lk
         key_limit = int(lens.max()) if lens.numel() else 0
     return _Plan(
         ring=ring,
+        timeout=wait,
         q_ranges=q_ranges,
         k_ranges=k_ranges,
         offset=num_keys - num_queries,
@@ -234,7 +237,7 @@ def _describe(
             raise ValueError(
                 f"ring_attention takes valid_lens of shape (B,) = ({B},), in global positions, got {shape}"
             )
-        lens = _as_lengths(valid_lens, "valid_lens", 2**62, q.device)  # the upper bound is checked once Lk is known
+        lens = as_lengths(valid_lens, "valid_lens", 2**62, q.device)  # the upper bound is checked once Lk is known
         lens_hash = hash(tuple(lens.tolist()))  # the same tensor on every rank: compare a digest, not B values
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return {
@@ -262,7 +265,7 @@ def _show(field: str, f: dict[str, int], valid_lens: Tensor | None = None) -> st
             (f["B"], f["Hkv"], f["Lk_r"], f["Dv"])
         )
     if field == "dtype":
-        return str(comm.DTYPES[f["dtype"]]) if f["dtype"] < len(comm.DTYPES) else "another dtype"
+        return comm.dtype_name(f["dtype"])
     if field == "layout":
         return repr(LAYOUTS[f["layout"]])
     if field == "scale":
@@ -271,7 +274,7 @@ def _show(field: str, f: dict[str, int], valid_lens: Tensor | None = None) -> st
         return str(bool(f[field]))
     if f["lens"] == 0:
         return "no valid_lens"
-    return "other values" if valid_lens is None else _short(valid_lens)
+    return "other values" if valid_lens is None else short(valid_lens)
 
 
 def _to_bits(x: float) -> int:
@@ -310,21 +313,21 @@ class _RingAttention(torch.autograd.Function):
             part = kv.new_zeros(kv.shape, dtype=out.dtype)  # (B, Hkv, Lb, D + Dv): this rank's share of dk, dv
             _backward_block(dq, part, qf, kv, src, plan, lse, dout, delta)
             if pending is not None:  # what the previous ranks summed for this block so far
-                comm.wait(pending[0], ring.timeout, _gradient_step(plan, step - 1))
+                comm.wait(pending[0], plan.timeout, _gradient_step(plan, step - 1))
                 part += pending[2]
                 pending = None  # the buffers sent and received: free before the next is made
             if ring.size == 1:
                 pending = ([], part, part)
             else:
-                incoming = kv.new_empty(
-                    (*kv.shape[:2], _length(plan.k_ranges[(src - 1) % ring.size]), kv.shape[3]), dtype=out.dtype
-                )
-                pending = (ring.start(part, incoming, _DKV), part, incoming)
+                incoming = _block_buffer(plan, kv, (src - 1) % ring.size, out.dtype)  # (B, Hkv, Lb', D + Dv)
+                sending = ring.start(part, incoming, _DKV, timeout=plan.timeout, step=_gradient_step(plan, step))
+                pending = (sending, part, incoming)
         assert pending is not None
-        works, _, mine = pending  # the gradient of this rank's own block, home after the last step
-        comm.wait(works, ring.timeout, _gradient_step(plan, ring.size - 1))
+        works, _, mine = pending  # (B, Hkv, Lk_r, D + Dv): the gradient of this rank's own block, home at last
+        comm.wait(works, plan.timeout, _gradient_step(plan, ring.size - 1))
         D = k.shape[-1]
-        return dq.to(q.dtype), mine[..., :D].to(k.dtype), mine[..., D:].to(v.dtype), None
+        dk, dv = mine[..., :D], mine[..., D:]  # (B, Hkv, Lk_r, D), (B, Hkv, Lk_r, Dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 def _around(plan: _Plan, kv: Tensor, phase: str) -> Iterator[tuple[int, int, Tensor]]:
@@ -335,16 +338,16 @@ def _around(plan: _Plan, kv: Tensor, phase: str) -> Iterator[tuple[int, int, Ten
     for step in range(W):
         src = (ring.rank - step) % W  # whose block this is
         works: list = []
+        where = (
+            f"ring_attention {phase}, step {step + 1} of {W - 1}: sending rank {src}'s keys and values to rank "
+            f"{(ring.rank + 1) % W}, receiving rank {(src - 1) % W}'s from rank {(ring.rank - 1) % W}"
+        )
         if step < W - 1:
-            nxt = kv.new_empty((*kv.shape[:2], _length(plan.k_ranges[(src - 1) % W]), kv.shape[3]))  # (B,Hkv,Lb,D+Dv)
-            works = ring.start(kv, nxt, _KV)
+            nxt = _block_buffer(plan, kv, (src - 1) % W, kv.dtype)  # (B, Hkv, Lb', D + Dv)
+            works = ring.start(kv, nxt, _KV, timeout=plan.timeout, step=where)
         yield step, src, kv
         if works:
-            where = (
-                f"sending rank {src}'s keys and values to rank {(ring.rank + 1) % W}, "
-                f"receiving rank {(src - 1) % W}'s from rank {(ring.rank - 1) % W}"
-            )
-            comm.wait(works, ring.timeout, f"ring_attention {phase}, step {step + 1} of {W - 1}: {where}")
+            comm.wait(works, plan.timeout, where)
             kv = nxt
 
 
@@ -471,5 +474,7 @@ class _StepMask:
         return allowed, None
 
 
-def _length(ranges: list[tuple[int, int]]) -> int:
-    return sum(b - a for a, b in ranges)
+def _block_buffer(plan: _Plan, like: Tensor, src: int, dtype: torch.dtype) -> Tensor:
+    """An empty ``(B, Hkv, Lk_src, D + Dv)`` tensor to receive rank ``src``'s block (or its gradient) into."""
+    B, Hkv, _, features = like.shape
+    return like.new_empty((B, Hkv, length(plan.k_ranges[src]), features), dtype=dtype)  # (B, Hkv, Lk_src, D + Dv)

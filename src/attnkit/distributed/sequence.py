@@ -28,10 +28,11 @@ from torch import Tensor
 
 from attnkit.distributed import comm
 
-__all__ = ["LAYOUTS", "gather_sequence", "positions", "segments", "shard_sequence"]
+__all__ = ["LAYOUTS", "gather_sequence", "length", "positions", "segments", "shard_sequence"]
 
 LAYOUTS = ("contiguous", "zigzag")
 _MAX_DIMS = 16
+_META = 4 + _MAX_DIMS  # what gather_sequence all-gathers: layout, ndim, axis, dtype, then the shape
 
 # W world size, L sequence length, L_r the positions rank r holds
 
@@ -56,6 +57,11 @@ def segments(length: int, world_size: int, layout: str) -> list[list[tuple[int, 
         return [[piece] for piece in _pieces(length, world_size)]
     chunks = _pieces(length, 2 * world_size)
     return [[chunks[r], chunks[2 * world_size - 1 - r]] for r in range(world_size)]
+
+
+def length(ranges: list[tuple[int, int]]) -> int:
+    """How many positions a rank holds, ``L_r``, from its :func:`segments`."""
+    return sum(b - a for a, b in ranges)
 
 
 def positions(ranges: list[tuple[int, int]], device: torch.device | str | None = None) -> Tensor:
@@ -101,71 +107,86 @@ def gather_sequence(
         timeout: seconds (or a ``timedelta``) to wait for the other ranks; :data:`comm.DEFAULT_TIMEOUT` when ``None``.
 
     Returns:
-        The whole sequence, ``L = sum(L_r)`` positions along ``dim``.
+        The whole sequence, ``L = sum(L_r)`` positions along ``dim``: a new tensor, outside autograd (no
+        gradient flows back to ``x``).
 
     Raises:
-        ValueError: shapes that differ across ranks other than along ``dim``, or shards that are not the split
-            ``layout`` gives.
+        ValueError, TypeError: on every rank, when the shards differ across ranks other than in length (dims,
+            dtype, layout), are not the split ``layout`` gives, or a rank's own arguments are wrong.
         RingError: a rank failed or did not answer within ``timeout``.
     """
-    check_layout(layout)
     rank, world = comm.rank_and_size(group)
-    dim = _axis(x, dim)
-    wait = comm.as_timeout(timeout)
-    shape = list(x.shape)
-    if x.dim() > _MAX_DIMS:
-        raise ValueError(f"gather_sequence takes at most {_MAX_DIMS} dims, got {tuple(x.shape)}")
-    meta = torch.zeros(3 + _MAX_DIMS, dtype=torch.long)  # ndim, axis, dtype, then the shape
-    meta[:3] = torch.tensor([x.dim(), dim, comm.dtype_code(x.dtype)])
-    meta[3 : 3 + x.dim()] = torch.tensor(shape)
-    metas = comm.all_gather(meta.to(x.device), group=group, timeout=wait, step="gather_sequence: agreeing on shapes")
+    error: Exception | None = None
+    meta: list[int] | None = None
+    wait = comm.DEFAULT_TIMEOUT
+    try:  # this rank's own checks; every rank learns of a failure in the all-gather below
+        wait = comm.as_timeout(timeout)
+        check_layout(layout)
+        dim = _axis(x, dim)
+        if x.dim() > _MAX_DIMS:
+            raise ValueError(f"gather_sequence takes at most {_MAX_DIMS} dims, got {tuple(x.shape)}")
+        meta = [LAYOUTS.index(layout), x.dim(), dim, comm.dtype_code(x.dtype), *x.shape]
+        meta += [0] * (_META - len(meta))
+    except (TypeError, ValueError) as e:
+        error = e
+    device = x.device if isinstance(x, Tensor) else torch.device("cpu")
+    metas = comm.gather_checked(
+        meta, error, size=_META, who="gather_sequence", group=group, timeout=wait, device=device
+    )
     mine = _other_dims(metas[rank])
     for r, other in enumerate(metas):
         if _other_dims(other) != mine:
             raise ValueError(
-                f"gather_sequence: ranks {rank} and {r} hold shards that differ apart from the sequence axis: "
-                f"rank {rank} has {tuple(x.shape)} {x.dtype} (dim {dim}), "
-                f"rank {r} has {_shape(other)} {comm.DTYPES[int(other[2])]} (dim {int(other[1])})"
+                f"gather_sequence: ranks {rank} and {r} hold shards that differ apart from the sequence: "
+                f"rank {rank} has {_describe(metas[rank])}, rank {r} has {_describe(other)}"
             )
     counts = [_shape(m)[dim] for m in metas]
-    expected = [sum(b - a for a, b in ranges) for ranges in segments(sum(counts), world, layout)]
+    ranges = segments(sum(counts), world, layout)
+    expected = [length(r) for r in ranges]
     if counts != expected:
         raise ValueError(
             f"gather_sequence: ranks hold {counts} positions, but the {layout} split of {sum(counts)} positions "
             f"over {world} ranks is {expected}"
         )
-    longest = max(counts)
-    padded = torch.zeros((*shape[:dim], longest, *shape[dim + 1 :]), dtype=x.dtype, device=x.device)
+    shape = list(x.shape)
+    padded = x.new_zeros((*shape[:dim], max(counts), *shape[dim + 1 :]))  # (..., max L_r, ...)
     padded.narrow(dim, 0, counts[rank]).copy_(x)  # all_gather needs one shape on every rank
-    shards = comm.all_gather(padded, group=group, timeout=wait, step="gather_sequence: shards")
+    shards = comm.all_gather(
+        padded, group=group, timeout=wait, step="gather_sequence: shards"
+    )  # W x (..., max L_r, ...)
     whole = x.new_empty((*shape[:dim], sum(counts), *shape[dim + 1 :]))  # (..., L, ...)
-    for shard, ranges in zip(shards, segments(sum(counts), world, layout), strict=True):
+    for shard, held in zip(shards, ranges, strict=True):
         at = 0
-        for a, b in ranges:
+        for a, b in held:
             whole.narrow(dim, a, b - a).copy_(shard.narrow(dim, at, b - a))
             at += b - a
     return whole
 
 
-def _pieces(length: int, parts: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of ``parts`` pieces as :func:`torch.tensor_split` cuts them: the first are longer."""
-    size, extra = divmod(length, parts)
+def _pieces(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of ``parts`` pieces of ``n`` as :func:`torch.tensor_split` cuts them: the first are longer."""
+    size, extra = divmod(n, parts)
     bounds = [0]
     for i in range(parts):
         bounds.append(bounds[-1] + size + (i < extra))
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def _shape(meta: Tensor) -> tuple[int, ...]:
-    ndim = int(meta[0])
-    return tuple(int(n) for n in meta[3 : 3 + ndim].tolist())
+def _shape(meta: list[int]) -> tuple[int, ...]:
+    return tuple(meta[4 : 4 + meta[1]])
 
 
-def _other_dims(meta: Tensor) -> tuple[int, ...]:
-    """What must agree across ranks: the number of dims, the axis, the dtype and every size but the length."""
-    shape, axis = list(_shape(meta)), int(meta[1])
-    shape[axis] = -1
-    return (len(shape), axis, int(meta[2]), *shape)
+def _other_dims(meta: list[int]) -> tuple[int, ...]:
+    """What must agree across ranks: the layout, the number of dims, the axis, the dtype and every size but
+    the sequence length."""
+    shape = list(_shape(meta))
+    shape[meta[2]] = -1
+    return (*meta[:4], *shape)
+
+
+def _describe(meta: list[int]) -> str:
+    layout, ndim, dim, dtype = meta[:4]
+    return f"{_shape(meta)} {comm.dtype_name(dtype)} (dim {dim}, layout {LAYOUTS[layout]!r})"
 
 
 def _axis(x: Tensor, dim: int) -> int:
