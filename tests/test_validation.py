@@ -62,6 +62,7 @@ SHAPE_CASES = {
     "q2": ((3, D), (5, D), (5, D), ["q must be (B, H, Lq, D) or (B, Lq, D)", "got 2 dims"]),
     "q5": ((2, 1, 4, 3, D), (2, 1, 2, 5, D), (2, 1, 2, 5, D), ["q must be (B, H, Lq, D) or (B, Lq, D)", "5 dims"]),
     "zero_keys": ((2, 3, D), (2, 0, D), (2, 0, D), ["k must have at least one position"]),
+    "zero_features": ((2, 3, 0), (2, 5, 0), (2, 5, 4), ["q must have at least one feature (D >= 1)"]),
 }
 
 

@@ -171,7 +171,7 @@ def check_qkv(
     Raises:
         TypeError: a non-tensor, a non-floating dtype, or mixed dtypes.
         ValueError: mixed devices, wrong number of dims, batch sizes, feature sizes, key/value lengths or head
-            counts that do not fit, or no keys.
+            counts that do not fit, no keys, or queries without features.
     """
     nq, nk, nv = names
     for name, t in zip(names, (q, k, v), strict=True):
@@ -200,6 +200,8 @@ def check_qkv(
         )
     if k.shape[-2] == 0:
         raise ValueError(f"{nk} must have at least one position: {shapes}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"{nq} must have at least one feature (D >= 1): {shapes}")
     if q.dim() == 4:
         H, Hkv = q.shape[1], k.shape[1]
         if v.shape[1] != Hkv:
