@@ -16,7 +16,14 @@ import torch.distributed as dist
 
 import attnkit
 from attnkit.backends import chunked
-from attnkit.distributed import RingMultiHeadAttention, gather_sequence, ring, ring_attention, shard_sequence
+from attnkit.distributed import (
+    RingMultiHeadAttention,
+    gather_sequence,
+    ring,
+    ring_attention,
+    shard_sequence,
+    sum_gradients,
+)
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk whole lengths, D/Dv head dims
 
@@ -46,6 +53,7 @@ def everything(rank: int, world_size: int, cases: list[Case]) -> dict:
             layout: module_against_single_process(rank, world_size, layout) for layout in ("contiguous", "zigzag")
         },
         "subgroup": in_a_subgroup(rank, world_size) if world_size > 2 else [],
+        "training": train_together(rank, world_size),
     }
     dist.barrier()  # rank 0 hosts the store the others still use: it leaves last
     return report
@@ -196,6 +204,14 @@ def mismatched(rank: int, world_size: int, what: str) -> None:
         gather_sequence(torch.zeros(2, 3, 4 if rank == 2 else 5), dim=1, timeout=30)
     if what == "gather_sequence own arguments":
         gather_sequence(torch.zeros(2, 3, 5), dim=5 if rank == 2 else 1, timeout=30)
+    if what == "attn_mask on one rank":
+        layer = RingMultiHeadAttention(4, 2, query_size=4, key_size=4, value_size=4)
+        x = torch.randn(2, 3, 4)
+        layer(x, x, x, attn_mask=torch.ones(3, 9, dtype=torch.bool) if rank == 2 else None)
+    if what == "sum_gradients":
+        layer = torch.nn.Linear(2, 2, bias=rank != 2)
+        layer(torch.randn(3, 2)).sum().backward()
+        sum_gradients(layer, timeout=30)
     if what == "gather_sequence lengths":  # 3 + 3 + 5 is not how 11 positions split over 3 ranks
         gather_sequence(torch.zeros(2, 5 if rank == 2 else 3, 5), dim=1, timeout=30)
     B, H, Lr, D = 2, 2, 4, 4
@@ -247,8 +263,30 @@ def module_against_single_process(rank: int, world_size: int, layout: str) -> li
         ("output", out, shard_sequence(want, layout=layout, dim=1)),
         ("dx", xr.grad, shard_sequence(xs.grad, layout=layout, dim=1)),
     ]
+    sum_gradients(model, timeout=30)
     for (name, p), p_single in zip(model.named_parameters(), single.parameters(), strict=True):
-        total = p.grad.clone()
-        dist.all_reduce(total)
-        rows.append((name, total, p_single.grad))
+        rows.append((f"summed {name}.grad", p.grad, p_single.grad))
     return [(name, (a - b).abs().max().item(), torch.allclose(a, b, atol=2e-6, rtol=1e-5)) for name, a, b in rows]
+
+
+def train_together(rank: int, world_size: int) -> list[tuple[str, float, bool]]:
+    """Five Adam steps of RingMultiHeadAttention with sum_gradients == five steps on the whole sequence."""
+    torch.manual_seed(1)
+    single = attnkit.MultiHeadAttention(8, 2, query_size=4, key_size=4, value_size=4)
+    model = RingMultiHeadAttention(8, 2, query_size=4, key_size=4, value_size=4, layout="zigzag")
+    model.load_state_dict(single.state_dict())
+    x, target = torch.randn(2, 3 * world_size + 1, 4), torch.randn(2, 3 * world_size + 1, 8)
+    x_r, target_r = (shard_sequence(t, layout="zigzag", dim=1) for t in (x, target))
+    opt_single, opt = torch.optim.Adam(single.parameters(), lr=0.1), torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(5):
+        opt_single.zero_grad()
+        ((single(x, x, x, is_causal=True) - target) ** 2).sum().backward()
+        opt_single.step()
+        opt.zero_grad()
+        ((model(x_r, x_r, x_r, is_causal=True) - target_r) ** 2).sum().backward()  # this rank's share of the loss
+        sum_gradients(model, timeout=30)
+        opt.step()
+    return [
+        (name, (a - b).abs().max().item(), torch.allclose(a, b, atol=1e-5, rtol=1e-4))
+        for (name, a), b in zip(model.named_parameters(), single.parameters(), strict=True)
+    ]

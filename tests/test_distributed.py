@@ -115,6 +115,14 @@ def test_module_equals_multi_head_attention(world_size, layout):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_training_with_summed_gradients_equals_training_on_the_whole_sequence(world_size):
+    """Five Adam steps: RingMultiHeadAttention + sum_gradients on every rank == MultiHeadAttention on one."""
+    per_rank = [report["training"] for report in _healthy_run(world_size)]
+    bad = [(rank, *row) for rank, rows in enumerate(per_rank) for row in rows if not row[2]]
+    assert not bad, bad
+
+
 @pytest.mark.parametrize("how", ["die", "hang", "die before backward"])
 def test_a_failed_rank_does_not_hang_the_others(how):
     """Rank 1 of 4 dies (or stops answering) in the middle of the second of three training steps, or as its
@@ -143,6 +151,8 @@ MISMATCHES = {
     "gather_sequence shapes": "hold shards that differ apart from the sequence:",
     "gather_sequence lengths": "ranks hold [3, 3, 5] positions, but the contiguous split of 11 positions",
     "gather_sequence own arguments": "rejected its inputs",
+    "attn_mask on one rank": "rejected its inputs",
+    "sum_gradients": "hold different gradients",
 }
 
 
@@ -152,7 +162,9 @@ def _mismatch_run() -> list[dict[str, tuple[str, str]]]:
     return [{what: (kind, message) for what, kind, message in seen} for seen in outcomes]
 
 
-@pytest.mark.parametrize("what", [m for m in MISMATCHES if "own" not in m and m != "valid_lens too long"])
+@pytest.mark.parametrize(
+    "what", [m for m in MISMATCHES if MISMATCHES[m] != "rejected its inputs" and "too long" not in m]
+)
 def test_mismatch_is_a_value_error_on_every_rank(what):
     """Rank 2 differs: every rank raises ValueError naming rank 2 (for lengths: every rank's count); for
     ring_attention and for gather_sequence."""
@@ -176,6 +188,7 @@ def test_valid_lens_past_the_whole_sequence_is_a_value_error_on_every_rank():
     [
         ("own inputs", "ring_attention on rank 2: k has 4 positions but v has 3"),
         ("gather_sequence own arguments", "gather_sequence on rank 2: dim 5 is out of range"),
+        ("attn_mask on one rank", "ring_attention on rank 2: RingMultiHeadAttention takes valid_lens (B,) and"),
     ],
 )
 def test_own_bad_inputs_raise_there_and_the_others_hear_of_it(what, own_error):

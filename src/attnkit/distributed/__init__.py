@@ -8,12 +8,13 @@ Not imported by ``import attnkit``::
   the exact output; differentiable, the backward pass runs the same ring.
 * :func:`shard_sequence`, :func:`gather_sequence`: cut a sequence into the ranks' shards and put it back, in the
   ``"contiguous"`` or ``"zigzag"`` layout (:mod:`attnkit.distributed.sequence`).
-* :class:`RingMultiHeadAttention`: the module form.
+* :class:`RingMultiHeadAttention`: the module form; :func:`sum_gradients` sums its parameter gradients over the
+  ranks after ``backward()`` (each rank's cover its own positions only).
 * :class:`RingError`: another rank failed, died or stayed silent past the timeout.
 """
 
 from attnkit.distributed.comm import DEFAULT_TIMEOUT, RingError
-from attnkit.distributed.layers import RingMultiHeadAttention
+from attnkit.distributed.layers import RingMultiHeadAttention, sum_gradients
 from attnkit.distributed.ring import ring_attention
 from attnkit.distributed.sequence import LAYOUTS, gather_sequence, shard_sequence
 
@@ -25,4 +26,5 @@ __all__ = [
     "gather_sequence",
     "ring_attention",
     "shard_sequence",
+    "sum_gradients",
 ]

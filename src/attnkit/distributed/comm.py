@@ -89,12 +89,14 @@ def named_failures(step: str, timeout: timedelta) -> Iterator[None]:
         raise RingError(f"{step} failed (timeout {timeout.total_seconds():g} s): {cause}") from e
 
 
-def wait(works: list[dist.Work], timeout: timedelta, step: str) -> None:
-    """Wait for ``works``; raise :class:`RingError` naming ``step`` when one fails or times out."""
-    with named_failures(step, timeout):
-        for work in works:
+def wait(works: list[dist.Work], timeout: timedelta, step: str, parts: tuple[str, ...] = ()) -> None:
+    """Wait for ``works``; raise :class:`RingError` naming ``step`` (and the one of ``parts``, one per work, that
+    failed) when one fails or times out."""
+    for i, work in enumerate(works):
+        which = f"{step} ({parts[i]})" if len(parts) == len(works) else step
+        with named_failures(which, timeout):
             if work.wait(timeout) is False:  # gloo raises on a timeout; a backend that returns False is caught too
-                raise RingError(f"{step} failed: no answer within the timeout of {timeout.total_seconds():g} s")
+                raise RingError(f"{which} failed: no answer within the timeout of {timeout.total_seconds():g} s")
 
 
 def all_gather(t: Tensor, *, group: object | None, timeout: timedelta, step: str) -> list[Tensor]:
@@ -124,7 +126,7 @@ def gather_checked(
 
     Args:
         values: this rank's ``size`` integers, or ``None`` when ``error`` is given.
-        error: the ``ValueError``/``TypeError`` of this rank's own checks, or ``None``.
+        error: what this rank's own checks raised, or ``None``.
         who: the function, for the messages and the step name.
     """
     rank, _ = rank_and_size(group)
@@ -134,8 +136,10 @@ def gather_checked(
         row[1:] = torch.tensor(values, dtype=torch.long)
     step = f"{who}: agreeing on shapes and options (all-gather of metadata)"
     rows = all_gather(row.to(device), group=group, timeout=timeout, step=step)  # W x (1 + size,)
-    if error is not None:
+    if isinstance(error, (ValueError, TypeError)):
         raise type(error)(f"{who} on rank {rank}: {error}") from error
+    if error is not None:
+        raise error
     failed = [r for r, other in enumerate(rows) if other[0]]
     if failed:
         raise ValueError(f"{who}: rank {failed[0]} rejected its inputs (its error says why); nothing was exchanged")
@@ -152,13 +156,18 @@ class Ring:
         self.prev = self._global((self.rank - 1) % self.size)
 
     def start(self, send: Tensor, recv: Tensor, tag: int, *, timeout: timedelta, step: str) -> list[dist.Work]:
-        """Send ``send`` to the next rank and receive ``recv`` from the previous one, without waiting."""
+        """Send ``send`` to the next rank and receive ``recv`` from the previous one, without waiting; the works
+        are in the order of :meth:`parts`."""
         ops = [
             dist.P2POp(dist.isend, send, self.next, self.group, tag),  # type: ignore[arg-type]
             dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),  # type: ignore[arg-type]
         ]
         with named_failures(step, timeout):
             return dist.batch_isend_irecv(ops)
+
+    def parts(self) -> tuple[str, str]:
+        """What each work of :meth:`start` is, for errors: the rank whose connection failed is named."""
+        return f"the send to rank {(self.rank + 1) % self.size}", f"the receive from rank {(self.rank - 1) % self.size}"
 
     def _global(self, group_rank: int) -> int:
         if self.group is None:

@@ -3,15 +3,19 @@ whose attention runs over the ring (:func:`attnkit.distributed.ring_attention`).
 
 from __future__ import annotations
 
+import zlib
 from datetime import timedelta
 
-from torch import Tensor
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
 
-from attnkit.distributed.ring import ring_attention
+from attnkit.distributed import comm
+from attnkit.distributed.ring import _ring_attention
 from attnkit.distributed.sequence import check_layout
 from attnkit.layers import Masks, MultiHeadAttention
 
-__all__ = ["RingMultiHeadAttention"]
+__all__ = ["RingMultiHeadAttention", "sum_gradients"]
 
 # B batch, H heads, Hkv key/value heads, L_r positions of this rank, d head dim
 
@@ -35,9 +39,13 @@ class RingMultiHeadAttention(MultiHeadAttention):
     Masks: ``valid_lens`` ``(B,)`` in global positions and ``is_causal``; ``attn_mask`` is refused, and so is
     :func:`attnkit.record_weights` (the weights span the whole sequence, which no rank holds).
 
+    Training: start every rank from the same parameters (one seed, or a broadcast), and after ``backward()``
+    call :func:`sum_gradients`: each rank's parameter gradients cover its own positions only.
+
     Example:
         On each rank: ``RingMultiHeadAttention(64, 4, layout="zigzag")(x_r, x_r, x_r, is_causal=True)``
-        with ``x_r = shard_sequence(x, layout="zigzag", dim=1)``.
+        with ``x_r = shard_sequence(x, layout="zigzag", dim=1)``; then ``loss.backward()``,
+        ``sum_gradients(model)``, ``optimizer.step()``.
     """
 
     def __init__(
@@ -70,23 +78,58 @@ class RingMultiHeadAttention(MultiHeadAttention):
         self.group, self.layout, self.timeout = group, layout, timeout
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, masks: Masks) -> Tensor:
+        refused = None  # refused after the ranks agree, so that a rank alone in its mistake stops the others too
         if masks.attn_mask is not None:
-            raise ValueError(
+            refused = (
                 "RingMultiHeadAttention takes valid_lens (B,) and is_causal, not attn_mask "
                 f"(got attn_mask of shape {tuple(masks.attn_mask.shape)})"
             )
-        if self._recorder is not None:
-            raise ValueError(
+        elif self._recorder is not None:
+            refused = (
                 f"record_weights cannot record {self._recorder[1] or 'the model'!r}: the weights of "
                 "RingMultiHeadAttention span the whole sequence, which no rank holds"
             )
-        return ring_attention(
-            q,
-            k,
-            v,
-            group=self.group,
-            valid_lens=masks.valid_lens,
-            is_causal=masks.is_causal,
-            layout=self.layout,
-            timeout=self.timeout,
+        elif self._dropout_p() > 0:
+            refused = f"RingMultiHeadAttention has no dropout on the weights, got dropout={self.dropout}"
+        return _ring_attention(
+            q, k, v, self.group, masks.valid_lens, masks.is_causal, None, self.layout, self.timeout, refused=refused
         )  # (B, H, L_r, d)
+
+
+def sum_gradients(module: nn.Module, *, group: object | None = None, timeout: float | timedelta | None = None) -> None:
+    """Sum the parameter gradients of ``module`` over the ranks of ``group``, in place.
+
+    With the sequence split across ranks, each rank's backward pass gives the gradient of its own positions'
+    share of the loss; the gradient of the whole sequence is their sum. Call this after ``backward()`` and
+    before the optimizer step, so that every rank takes the same step and the parameters stay equal.
+
+    Args:
+        module: every parameter with a ``.grad`` takes part; the ranks must agree on which those are.
+        group: a ``torch.distributed`` process group; the default group when ``None``.
+        timeout: seconds (or a ``timedelta``) to wait for the other ranks.
+
+    Raises:
+        ValueError: on every rank, when the ranks' gradients differ in number, sizes or dtypes.
+        RingError: a rank failed or did not answer within ``timeout``.
+
+    Example:
+        ``loss.backward(); sum_gradients(model); optimizer.step()`` on every rank.
+    """
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    rank, _ = comm.rank_and_size(group)
+    wait = comm.as_timeout(timeout)
+    digest = zlib.crc32(repr([(tuple(g.shape), str(g.dtype)) for g in grads]).encode())  # the same in every process
+    device = grads[0].device if grads else torch.device("cpu")
+    rows = comm.gather_checked(
+        [len(grads), digest], None, size=2, who="sum_gradients", group=group, timeout=wait, device=device
+    )
+    for r, row in enumerate(rows):
+        if row != rows[rank]:
+            raise ValueError(
+                f"sum_gradients: rank {r} and rank {rank} hold different gradients: rank {r} has {row[0]} "
+                f"parameters with gradients, rank {rank} has {len(grads)} (or their shapes or dtypes differ)"
+            )
+    step = "sum_gradients: all-reduce of the parameter gradients"
+    with comm.named_failures(step, wait):
+        works = [dist.all_reduce(g, group=group, async_op=True) for g in grads]  # type: ignore[arg-type]
+    comm.wait(works, wait, step)

@@ -95,7 +95,25 @@ def ring_attention(
             out = ring_attention(q, k, v, is_causal=True, layout="zigzag")  # (B, H, L_r, Dv)
             out_all = gather_sequence(out, layout="zigzag")  # (B, H, L, Dv) on every rank
     """
-    plan = _agree(comm.Ring(group), q, k, v, valid_lens, is_causal, scale, layout, timeout)
+    return _ring_attention(q, k, v, group, valid_lens, is_causal, scale, layout, timeout, refused=None)
+
+
+def _ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: object | None,
+    valid_lens: Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    layout: str,
+    timeout: float | timedelta | None,
+    *,
+    refused: str | None,
+) -> Tensor:
+    """:func:`ring_attention`; ``refused`` is a caller's reason to refuse this rank's call, raised as a
+    ``ValueError`` there once every rank has heard of it (as for inputs that do not fit)."""
+    plan = _agree(comm.Ring(group), q, k, v, valid_lens, is_causal, scale, layout, timeout, refused)
     return _RingAttention.apply(q, k, v, plan)
 
 
@@ -144,6 +162,7 @@ def _agree(
     scale: float | None,
     layout: str,
     timeout: float | timedelta | None,
+    refused: str | None,
 ) -> _Plan:
     """Check this rank's inputs, all-gather what each rank holds, and check that the ranks agree.
 
@@ -155,8 +174,10 @@ def _agree(
     wait = comm.DEFAULT_TIMEOUT
     try:
         wait = comm.as_timeout(timeout)
+        if refused is not None:
+            raise ValueError(refused)
         mine = _describe(q, k, v, valid_lens, is_causal, scale, layout)
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it; gather_checked raises it here
         error = e
     rows = comm.gather_checked(
         None if mine is None else [mine[f] for f in _FIELDS],
@@ -313,7 +334,7 @@ class _RingAttention(torch.autograd.Function):
             part = kv.new_zeros(kv.shape, dtype=out.dtype)  # (B, Hkv, Lb, D + Dv): this rank's share of dk, dv
             _backward_block(dq, part, qf, kv, src, plan, lse, dout, delta)
             if pending is not None:  # what the previous ranks summed for this block so far
-                comm.wait(pending[0], plan.timeout, _gradient_step(plan, step - 1))
+                comm.wait(pending[0], plan.timeout, _gradient_step(plan, step - 1), ring.parts())
                 part += pending[2]
                 pending = None  # the buffers sent and received: free before the next is made
             if ring.size == 1:
@@ -324,7 +345,7 @@ class _RingAttention(torch.autograd.Function):
                 pending = (sending, part, incoming)
         assert pending is not None
         works, _, mine = pending  # (B, Hkv, Lk_r, D + Dv): the gradient of this rank's own block, home at last
-        comm.wait(works, plan.timeout, _gradient_step(plan, ring.size - 1))
+        comm.wait(works, plan.timeout, _gradient_step(plan, ring.size - 1), ring.parts())
         D = k.shape[-1]
         dk, dv = mine[..., :D], mine[..., D:]  # (B, Hkv, Lk_r, D), (B, Hkv, Lk_r, Dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
@@ -347,7 +368,7 @@ def _around(plan: _Plan, kv: Tensor, phase: str) -> Iterator[tuple[int, int, Ten
             works = ring.start(kv, nxt, _KV, timeout=plan.timeout, step=where)
         yield step, src, kv
         if works:
-            comm.wait(works, plan.timeout, where)
+            comm.wait(works, plan.timeout, where, ring.parts())
             kv = nxt
 
 

@@ -127,7 +127,7 @@ def gather_sequence(
             raise ValueError(f"gather_sequence takes at most {_MAX_DIMS} dims, got {tuple(x.shape)}")
         meta = [LAYOUTS.index(layout), x.dim(), dim, comm.dtype_code(x.dtype), *x.shape]
         meta += [0] * (_META - len(meta))
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it; gather_checked raises it here
         error = e
     device = x.device if isinstance(x, Tensor) else torch.device("cpu")
     metas = comm.gather_checked(
