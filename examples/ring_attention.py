@@ -8,7 +8,9 @@ runs ring attention forward and backward on its shard and measures how far its p
 its inputs already took (``attnkit.bench.peak_memory``: CUDA's peak allocation, or the process's peak resident
 set size on the CPU). The output and gradients are gathered (``gather_sequence``), rank 0 compares them with
 ``attnkit.scaled_dot_product_attention`` on the whole sequence, and prints the largest errors and every rank's
-peak memory. Exit status 1 when an error is past float32's tolerance (atol 2e-6, rtol 1e-5).
+peak memory. Exit status 1 when an error is past ``2e-6 + 1e-5 * max|single process|`` (float32; the two sum in
+different orders, and a gradient of a key that many queries see sums many terms), 2 for a mistake in the
+arguments.
 
 gloo on the CPU, NCCL when CUDA is there (one GPU per rank, ``LOCAL_RANK``).
 """
@@ -33,18 +35,47 @@ from attnkit.distributed import LAYOUTS, gather_sequence, ring_attention, shard_
 ATOL, RTOL = 2e-6, 1e-5
 
 
+def whole_number(low: int):  # noqa: ANN201 - an argparse type
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--length", type=int, default=8192, help="whole sequence length L (need not divide by W)")
+    p.add_argument("--batch", type=whole_number(1), default=1)
+    p.add_argument("--heads", type=whole_number(1), default=8)
+    p.add_argument("--head-dim", type=whole_number(1), default=64)
+    p.add_argument("--length", type=whole_number(1), default=8192, help="whole sequence length L, at least W")
     p.add_argument("--layout", choices=LAYOUTS, default="zigzag")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--valid-len", type=int, default=None, help="keys past this position are padding")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for another")
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+    p.add_argument("--valid-len", type=whole_number(0), default=None, help="keys past this position are padding")
+    p.add_argument("--timeout", type=seconds, default=120.0, help="seconds any rank waits for another")
+    p.add_argument("--seed", type=whole_number(0), default=0)
+    args = p.parse_args()
+    if args.valid_len is not None and args.valid_len > args.length:
+        p.error(f"--valid-len may be at most --length ({args.length}), got {args.valid_len}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun; every rank checks, so none waits alone
+    if args.length < world:
+        p.error(f"--length ({args.length}) must be at least the number of processes ({world})")
+    return args
 
 
 def whole_inputs(args: argparse.Namespace) -> list[torch.Tensor]:
@@ -108,10 +139,11 @@ def main() -> int:
         for name, got, expected in zip(
             ("output", "dq", "dk", "dv"), gathered, (want, q_all.grad, k_all.grad, v_all.grad), strict=True
         ):
-            err = (got - expected).abs().max().item()
-            ok = torch.allclose(got, expected, atol=ATOL, rtol=RTOL)
+            err, scale = (got - expected).abs().max().item(), expected.abs().max().item()
+            ok = err <= ATOL + RTOL * scale
             status |= not ok
-            print(f"  max |ring - single process| {name:6s} {err:.2e}  {'ok' if ok else 'TOO LARGE'}")
+            verdict = "ok" if ok else "TOO LARGE"
+            print(f"  max |ring - single process| {name:6s} {err:.2e}  (max |single process| {scale:.2e})  {verdict}")
         print("  peak memory: how far it rose above the inputs during forward + backward")
         print("  rank  positions  peak memory  seconds")
         for r, (positions, peak_bytes, secs) in enumerate(reports):

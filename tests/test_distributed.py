@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import functools
 import random
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -275,3 +278,31 @@ def test_spans_hold_every_allowed_pair_and_no_more_rows_or_columns(world_size, d
             assert not (allowed & ~inside).any(), (rank, src, span)
             assert allowed[r0].any() and allowed[r1 - 1].any(), (rank, src, span)
             assert allowed[:, c0].any() and allowed[:, c1 - 1].any(), (rank, src, span)
+
+
+# --- the example ---------------------------------------------------------------------------------------------
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ring_attention.py"
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(EXAMPLE), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+
+
+def test_example_checks_against_one_process_and_reports_memory():
+    result = _torchrun("--length", "67", "--heads", "2", "--head-dim", "8", "--valid-len", "50", "--timeout", "60")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("  ok") == 4, result.stdout  # output, dq, dk, dv
+    rows = [r for r in (line.split() for line in result.stdout.splitlines()) if len(r) == 5 and r[3] == "MiB"]
+    # zig-zag: 67 positions in 4 chunks of 17, 17, 17, 16; rank 0 holds the first and last, rank 1 the middle two
+    assert [(r[0], r[1]) for r in rows] == [("0", "33"), ("1", "34")], result.stdout
+    assert all(float(r[2]) > 0 for r in rows), result.stdout
+
+
+def test_example_mistake_is_one_line_and_exit_2():
+    result = _torchrun("--length", "1")
+    errors = {line for line in result.stderr.splitlines() if "error:" in line}
+    assert errors == {"ring_attention.py: error: --length (1) must be at least the number of processes (2)"}, errors
+    assert 'Traceback (most recent call last):\n  File "' + str(EXAMPLE) not in result.stderr
