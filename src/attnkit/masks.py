@@ -264,6 +264,11 @@ class Mask:
                 allowed = finite if allowed is None else allowed & finite
         return allowed, bias
 
+    def first_row(self, j0: int) -> int:
+        """The first query row that may see key ``j0`` or any later key: rows above it see none (causal); 0
+        unless causal. Lets blocked backends skip what the causal mask hides."""
+        return max(0, j0 - (self.num_keys - self.num_queries)) if self.is_causal else 0
+
     def full(self, dtype: torch.dtype = torch.float32) -> tuple[Tensor | None, Tensor | None]:
         """``block(0, Lk)``: the whole mask, for the backends that hold ``Lq x Lk`` anyway."""
         return self.block(0, self.num_keys, dtype)

@@ -140,10 +140,13 @@ class _OnlineSoftmax(torch.autograd.Function):
 
 
 class BlockMask(Protocol):
-    """What :func:`accumulate` needs of a mask: ``allowed`` and ``bias`` for the keys ``[j0, j1)``, each
-    broadcastable to ``(B, H, Lq, j1 - j0)`` or ``None`` (:meth:`attnkit.masks.Mask.block`)."""
+    """What :func:`accumulate` needs of a mask (:class:`attnkit.masks.Mask` is one): ``allowed`` and ``bias``
+    for the keys ``[j0, j1)``, each broadcastable to ``(B, H, Lq, j1 - j0)`` or ``None``; and the first row that
+    may see key ``j0`` or any later one (0 unless causal)."""
 
     def block(self, j0: int, j1: int, dtype: torch.dtype = ...) -> tuple[Tensor | None, Tensor | None]: ...
+
+    def first_row(self, j0: int) -> int: ...
 
 
 class RunningSoftmax(NamedTuple):
@@ -203,17 +206,22 @@ def accumulate(
         mask: ``mask.block(j0, j1)`` says which of these rows may see keys ``[j0, j1)`` of ``k``.
         cols: the ``[j0, j1)`` range of keys to fold in; block: keys scored at a time.
     """
+    Lq = q.shape[2]
     for j0, j1 in _blocks(cols, block):
-        s, _ = _scores(q, k[:, :, j0:j1], w_v, scale)  # (B, H, Lq, blk)
-        allowed, s = _apply_mask(s, mask, j0, j1)
-        m_new = torch.maximum(state.m, s.amax(dim=-1))  # running row max
-        alpha = torch.exp(state.m - m_new)  # rescales what was summed so far
-        p = s.sub_(m_new[..., None]).exp_()  # (B, H, Lq, blk), in the scores' memory
+        r0 = mask.first_row(j0)  # rows above it see none of these keys (causal): not scored
+        if r0 >= Lq:
+            continue
+        rows = state.rows(r0, Lq)  # (B, H, Lq', ...) views, Lq' = Lq - r0
+        s, _ = _scores(q[:, :, r0:], k[:, :, j0:j1], w_v, scale)  # (B, H, Lq', blk)
+        allowed, s = _apply_mask(s, mask, j0, j1, r0)
+        m_new = torch.maximum(rows.m, s.amax(dim=-1))  # running row max
+        alpha = torch.exp(rows.m - m_new)  # rescales what was summed so far
+        p = s.sub_(m_new[..., None]).exp_()  # (B, H, Lq', blk), in the scores' memory
         if allowed is not None:
             p = p.masked_fill_(~allowed, 0.0)  # exactly 0, also in rows with nothing allowed yet
-        state.l.mul_(alpha).add_(p.sum(dim=-1))  # running normaliser
-        state.acc.mul_(alpha[..., None]).add_(p @ v[:, :, j0:j1])  # running unnormalised output
-        state.m.copy_(m_new)
+        rows.l.mul_(alpha).add_(p.sum(dim=-1))  # running normaliser
+        rows.acc.mul_(alpha[..., None]).add_(p @ v[:, :, j0:j1])  # running unnormalised output
+        rows.m.copy_(m_new)
 
 
 def accumulate_grads(
@@ -238,27 +246,36 @@ def accumulate_grads(
         lse: ``(B, H, Lq)``, the row log-sum-exp over *all* keys (from :meth:`RunningSoftmax.result`).
         dout: ``(B, H, Lq, Dv)``, the gradient of the output; delta: ``(B, H, Lq)``, ``(dout * out).sum(-1)``.
     """
-    dq, dk, dv, dw = grads
+    Lq = q.shape[2]
     for j0, j1 in _blocks(cols, block):
+        r0 = mask.first_row(j0)  # rows above it see none of these keys (causal): no gradient through them
+        if r0 >= Lq:
+            continue
+        qr, dq_r, dout_r = q[:, :, r0:], grads.dq[:, :, r0:], dout[:, :, r0:]  # (B, H, Lq', D|Dv)
         kb, vb = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, H, blk, D), (B, H, blk, Dv)
-        s, features = _scores(q, kb, w_v, scale)  # (B, H, Lq, blk)
-        allowed, s = _apply_mask(s, mask, j0, j1)
-        p = s.sub_(lse[..., None]).exp_()  # (B, H, Lq, blk): the softmax weights again, in the scores' memory
+        s, features = _scores(qr, kb, w_v, scale)  # (B, H, Lq', blk)
+        allowed, s = _apply_mask(s, mask, j0, j1, r0)
+        p = s.sub_(lse[:, :, r0:, None]).exp_()  # (B, H, Lq', blk): the softmax weights again, in the scores' memory
         if allowed is not None:
             p = p.masked_fill_(~allowed, 0.0)
-        dv[:, :, j0:j1] += p.transpose(-2, -1) @ dout  # (B, H, blk, Dv)
-        dp = dout @ vb.transpose(-2, -1)  # (B, H, Lq, blk)
-        ds = p.mul_(dp.sub_(delta[..., None]))  # (B, H, Lq, blk): gradient of the scores
+        grads.dv[:, :, j0:j1] += p.transpose(-2, -1) @ dout_r  # (B, H, blk, Dv)
+        dp = dout_r @ vb.transpose(-2, -1)  # (B, H, Lq', blk)
+        ds = p.mul_(dp.sub_(delta[:, :, r0:, None]))  # (B, H, Lq', blk): gradient of the scores
         if w_v is None:
-            dq += (ds @ kb) * scale  # (B, H, Lq, D)
-            dk[:, :, j0:j1] += (ds.transpose(-2, -1) @ q) * scale  # (B, H, blk, D)
+            dq_r += (ds @ kb) * scale  # (B, H, Lq', D)
+            grads.dk[:, :, j0:j1] += (ds.transpose(-2, -1) @ qr) * scale  # (B, H, blk, D)
         else:
-            assert features is not None and dw is not None
-            dw += torch.einsum("bhij,bhijd->d", ds, features)
+            assert features is not None and grads.dw is not None
+            grads.dw.add_(torch.einsum("bhij,bhijd->d", ds, features))
             # d tanh = 1 - tanh^2, in place on the features slice to hold one slice only
-            dpre = features.mul_(features).neg_().add_(1.0).mul_(ds[..., None]).mul_(w_v)  # (B,H,Lq,blk,D)
-            dq += dpre.sum(dim=-2)  # (B, H, Lq, D)
-            dk[:, :, j0:j1] += dpre.sum(dim=-3)  # (B, H, blk, D)
+            dpre = features.mul_(features).neg_().add_(1.0).mul_(ds[..., None]).mul_(w_v)  # (B,H,Lq',blk,D)
+            dq_r += dpre.sum(dim=-2)  # (B, H, Lq', D)
+            grads.dk[:, :, j0:j1] += dpre.sum(dim=-3)  # (B, H, blk, D)
+
+
+def _from_row(part: Tensor | None, r0: int) -> Tensor | None:
+    """The rows from ``r0`` on of a mask part broadcastable to ``(B, H, Lq, blk)`` (a row axis of 1 broadcasts)."""
+    return part if part is None or r0 == 0 or part.shape[-2] == 1 else part[..., r0:, :]
 
 
 def _zeros_or_none(t: Tensor | None) -> Tensor | None:
@@ -278,9 +295,10 @@ def _scores(q: Tensor, k_blk: Tensor, w_v: Tensor | None, scale: float) -> tuple
     return additive_scores(q, k_blk, w_v)  # (B, H, Lq, blk), (B, H, Lq, blk, D)
 
 
-def _apply_mask(s: Tensor, mask: BlockMask, j0: int, j1: int) -> tuple[Tensor | None, Tensor]:
-    """Add the bias and fill disallowed scores with the finite ``finfo.min`` (no ``inf - inf`` later)."""
-    allowed, bias = mask.block(j0, j1, s.dtype)
+def _apply_mask(s: Tensor, mask: BlockMask, j0: int, j1: int, r0: int) -> tuple[Tensor | None, Tensor]:
+    """Add the bias and fill disallowed scores with the finite ``finfo.min`` (no ``inf - inf`` later); ``s``
+    holds the rows from ``r0`` on."""
+    allowed, bias = (_from_row(part, r0) for part in mask.block(j0, j1, s.dtype))
     if bias is not None:
         s = s.add_(bias)
     if allowed is not None:

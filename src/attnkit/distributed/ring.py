@@ -485,6 +485,14 @@ class _StepMask:
         self.queries = positions(plan.q_ranges[plan.ring.rank], device)[r0:r1, None]  # (Lq', 1)
         self.keys = positions(plan.k_ranges[src], device)[c0:c1]  # (Lb',)
         self.is_causal, self.offset = plan.is_causal, plan.offset
+        # on the host, to find first rows without waiting for the device; positions ascend in both layouts
+        self.host_queries = positions(plan.q_ranges[plan.ring.rank])[r0:r1]  # (Lq',)
+        self.host_keys = positions(plan.k_ranges[src])[c0:c1]  # (Lb',)
+
+    def first_row(self, j0: int) -> int:
+        if not self.is_causal:
+            return 0
+        return int(torch.searchsorted(self.host_queries, int(self.host_keys[j0]) - self.offset))
 
     def block(self, j0: int, j1: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor | None, Tensor | None]:
         keys = self.keys[j0:j1]  # (blk,)
