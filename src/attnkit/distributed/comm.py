@@ -102,7 +102,7 @@ def wait(works: list[dist.Work], timeout: timedelta, step: str, parts: tuple[str
 def all_gather(t: Tensor, *, group: object | None, timeout: timedelta, step: str) -> list[Tensor]:
     """Every rank's ``t`` (one shape and dtype on every rank), in rank order."""
     _, world = rank_and_size(group)
-    out = [torch.empty_like(t) for _ in range(world)]
+    out = [torch.empty_like(t) for _ in range(world)]  # W x t.shape
     with named_failures(step, timeout):
         work = dist.all_gather(out, t.contiguous(), group=group, async_op=True)  # type: ignore[arg-type]
     wait([work], timeout, step)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from attnkit.distributed import comm
-from attnkit.distributed.ring import _ring_attention
+from attnkit.distributed.ring import _agree, _RingAttention
 from attnkit.distributed.sequence import check_layout
 from attnkit.layers import Masks, MultiHeadAttention
 
@@ -91,9 +91,11 @@ class RingMultiHeadAttention(MultiHeadAttention):
             )
         elif self._dropout_p() > 0:
             refused = f"RingMultiHeadAttention has no dropout on the weights, got dropout={self.dropout}"
-        return _ring_attention(
-            q, k, v, self.group, masks.valid_lens, masks.is_causal, None, self.layout, self.timeout, refused=refused
-        )  # (B, H, L_r, d)
+        ring = comm.Ring(self.group)
+        plan = _agree(
+            ring, q, k, v, masks.valid_lens, masks.is_causal, None, self.layout, self.timeout, refused=refused
+        )
+        return _RingAttention.apply(q, k, v, plan)  # (B, H, L_r, d)
 
 
 def sum_gradients(module: nn.Module, *, group: object | None = None, timeout: float | timedelta | None = None) -> None:

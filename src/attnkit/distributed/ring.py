@@ -95,25 +95,7 @@ def ring_attention(
             out = ring_attention(q, k, v, is_causal=True, layout="zigzag")  # (B, H, L_r, Dv)
             out_all = gather_sequence(out, layout="zigzag")  # (B, H, L, Dv) on every rank
     """
-    return _ring_attention(q, k, v, group, valid_lens, is_causal, scale, layout, timeout, refused=None)
-
-
-def _ring_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    group: object | None,
-    valid_lens: Tensor | None,
-    is_causal: bool,
-    scale: float | None,
-    layout: str,
-    timeout: float | timedelta | None,
-    *,
-    refused: str | None,
-) -> Tensor:
-    """:func:`ring_attention`; ``refused`` is a caller's reason to refuse this rank's call, raised as a
-    ``ValueError`` there once every rank has heard of it (as for inputs that do not fit)."""
-    plan = _agree(comm.Ring(group), q, k, v, valid_lens, is_causal, scale, layout, timeout, refused)
+    plan = _agree(comm.Ring(group), q, k, v, valid_lens, is_causal, scale, layout, timeout, refused=None)
     return _RingAttention.apply(q, k, v, plan)
 
 
@@ -162,12 +144,14 @@ def _agree(
     scale: float | None,
     layout: str,
     timeout: float | timedelta | None,
+    *,
     refused: str | None,
 ) -> _Plan:
     """Check this rank's inputs, all-gather what each rank holds, and check that the ranks agree.
 
     A rank whose own inputs are wrong still joins the all-gather (flagged), so that every rank raises at once
-    instead of the others waiting for blocks that never come.
+    instead of the others waiting for blocks that never come. ``refused`` is a caller's reason to refuse this
+    rank's call (:class:`RingMultiHeadAttention`'s), raised as a ``ValueError`` in the same way.
     """
     error: Exception | None = None
     mine: dict[str, int] | None = None
