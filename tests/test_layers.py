@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import gc
 import re
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 from torch import nn
 
 import attnkit
-from attnkit import dispatch
+from attnkit import d2l, dispatch, layers
 
 
 def test_modern_self_and_cross_attention_shapes():
@@ -158,3 +160,109 @@ def test_record_weights_keeps_every_call():
         attn(x[:, :2], x, x)
     assert [w.shape for w in rec.calls("")] == [(1, 3, 3), (1, 2, 3)]
     assert rec[""].shape == (1, 2, 3)
+
+
+def test_nested_records_of_the_same_model_both_see_the_inner_calls():
+    attn = attnkit.DotProductAttention()
+    x = torch.randn(1, 3, 4)
+    with attnkit.record_weights(attn) as outer:
+        attn(x, x, x)
+        with attnkit.record_weights(attn) as inner:
+            attn(x[:, :2], x, x)
+        attn(x[:, :1], x, x)  # the outer record goes on after the inner one closes
+    attn(x, x, x)
+    assert [w.shape[1] for w in outer.calls("")] == [3, 2, 1]
+    assert [w.shape[1] for w in inner.calls("")] == [2]
+
+
+def test_parent_and_child_records_open_together_both_record():
+    torch.manual_seed(0)
+    model = _Model().eval()
+    x, y, lens = torch.randn(2, 5, 16), torch.randn(2, 7, 16), torch.tensor([5, 3])
+    with attnkit.record_weights(model) as whole, attnkit.record_weights(model.decoder) as part:
+        model(x, y, lens)
+    assert set(whole) == {"encoder", "decoder.cross", "decoder.dot"} and set(part) == {"cross", "dot"}
+    torch.testing.assert_close(whole["decoder.dot"], part["dot"], rtol=0, atol=0)
+
+
+def test_records_closed_out_of_order_each_see_the_calls_made_while_open():
+    attn = attnkit.DotProductAttention()
+    x = torch.randn(1, 3, 4)
+    first_cm, second_cm = attnkit.record_weights(attn), attnkit.record_weights(attn)
+    first, second = first_cm.__enter__(), second_cm.__enter__()
+    attn(x, x, x)
+    first_cm.__exit__(None, None, None)  # closed before the record opened after it
+    attn(x[:, :2], x, x)
+    second_cm.__exit__(None, None, None)
+    attn(x, x, x)
+    assert [w.shape[1] for w in first.calls("")] == [3]
+    assert [w.shape[1] for w in second.calls("")] == [3, 2]
+
+
+def _records_reachable_from(obj: object) -> list[layers.WeightRecord]:
+    """The WeightRecords reachable from ``obj`` through modules, dicts, lists, tuples and sets."""
+    found, seen, todo = [], set(), [obj]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, layers.WeightRecord):
+            found.append(o)
+        elif isinstance(o, (nn.Module, dict, list, tuple, set)):
+            todo.extend(gc.get_referents(o))
+    return found
+
+
+def test_a_deepcopy_made_inside_a_record_block_carries_no_recording():
+    torch.manual_seed(0)
+    model = _Model().eval()
+    x, y, lens = torch.randn(2, 5, 16), torch.randn(2, 7, 16), torch.tensor([5, 3])
+    with attnkit.record_weights(model) as rec:
+        model(x, y, lens)
+        twin = copy.deepcopy(model)
+        twin(x, y, lens)  # another model: not the one being recorded
+    assert {name: len(rec.calls(name)) for name in rec} == {"encoder": 1, "decoder.cross": 1, "decoder.dot": 1}
+    twin(x, y, lens)
+    assert _records_reachable_from(twin) == []
+    with attnkit.record_weights(twin) as twin_rec:  # the twin records as any model does, once per call
+        twin(x, y, lens)
+    assert {name: len(twin_rec.calls(name)) for name in twin_rec} == {
+        "encoder": 1,
+        "decoder.cross": 1,
+        "decoder.dot": 1,
+    }
+    torch.testing.assert_close(twin_rec["encoder"], rec["encoder"], rtol=0, atol=0)
+
+
+def test_record_weights_records_the_books_modules_without_computing_them_again():
+    torch.manual_seed(0)
+    model = nn.ModuleDict(
+        {
+            "mha": d2l.MultiHeadAttention(100, 100, 100, 100, 5, 0.5),
+            "additive": d2l.AdditiveAttention(2, 20, 8, 0.1),
+            "dot": d2l.DotProductAttention(0.5),
+        }
+    ).eval()
+    X, Y, lens = torch.randn(2, 4, 100), torch.randn(2, 6, 100), torch.tensor([3, 2])
+    q, k, v = torch.randn(2, 1, 20), torch.randn(2, 10, 2), torch.randn(2, 10, 4)
+    with attnkit.record_weights(model) as rec, dispatch.watch() as ran:
+        model["mha"](X, Y, Y, lens)
+        model["additive"](q, k, v, torch.tensor([2, 6]))
+        model["dot"](X, Y, Y, lens)
+    assert ran == ["reference"] * 3  # one call each: the book's modules compute their weights, the record keeps them
+    assert set(rec) == {"mha", "mha.attention", "additive", "dot"}
+    mha = model["mha"]
+    # the book's layout inside (heads folded into the batch), attnkit's (B, H, Lq, Lk) for the layer itself
+    assert rec["mha.attention"].shape == (10, 4, 6) and rec["mha"].shape == (2, 5, 4, 6)
+    torch.testing.assert_close(rec["mha"], mha.attention.attention_weights.reshape(2, 5, 4, 6), rtol=0, atol=0)
+    assert (rec["mha"][0, :, :, 3:] == 0).all() and (rec["mha"][1, :, :, 2:] == 0).all()
+    owners = {"mha": mha.attention, "mha.attention": mha.attention, "additive": model["additive"], "dot": model["dot"]}
+    for name, owner in owners.items():  # the same memory: kept, not computed again
+        assert rec[name].data_ptr() == owner.attention_weights.data_ptr()
+    torch.testing.assert_close(rec["additive"], model["additive"].attention_weights, rtol=0, atol=0)
+    torch.testing.assert_close(rec["dot"], model["dot"].attention_weights, rtol=0, atol=0)
+    assert not any(w.requires_grad for w in rec.values())
+    with attnkit.record_weights(mha) as alone:  # recorded on its own: named ""
+        mha(X, Y, Y, lens)
+    assert set(alone) == {"", "attention"} and alone[""].shape == (2, 5, 4, 6)

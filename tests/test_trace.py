@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -85,17 +86,60 @@ def test_modules_are_named_from_the_model_and_recording_adds_no_steps():
     assert len(_find(t, "scores")) == 1 and rec["encoder"].shape == (1, 2, 3, 3)
 
 
-def test_nothing_is_left_behind_and_traces_do_not_nest():
+def _global_hooks():
     from torch.nn.modules import module as torch_module
 
-    hooks = (len(torch_module._global_forward_pre_hooks), len(torch_module._global_forward_hooks))
-    with attnkit.trace_shapes(), pytest.raises(RuntimeError, match="already open"), attnkit.trace_shapes():
-        pass
-    assert trace.ACTIVE is None
-    assert (len(torch_module._global_forward_pre_hooks), len(torch_module._global_forward_hooks)) == hooks
+    return len(torch_module._global_forward_pre_hooks), len(torch_module._global_forward_hooks)
+
+
+def test_nothing_is_left_behind_even_after_an_exception():
+    hooks = _global_hooks()
+    with pytest.raises(KeyError), attnkit.trace_shapes():
+        raise KeyError("inside")
+    assert trace.active() is None
+    assert _global_hooks() == hooks
     mha = attnkit.MultiHeadAttention(8, 2)
     x = torch.ones(1, 3, 8)
     with attnkit.trace_shapes() as t:
         pass
     mha(x, x, x)
     assert t.steps == []
+
+
+def test_nested_traces_each_see_every_step_made_while_they_are_open():
+    model = nn.ModuleDict({"encoder": attnkit.MultiHeadAttention(100, 5)}).eval()
+    with attnkit.trace_shapes() as alone:
+        model["encoder"](X, Y, Y, LENS)
+    per_call = len(alone.steps)
+    hooks = _global_hooks()
+    with attnkit.trace_shapes() as outer:
+        model["encoder"](X, Y, Y, LENS)
+        with attnkit.trace_shapes(model) as inner:
+            model["encoder"](X, Y, Y, LENS)
+            with trace.paused():  # hidden from both
+                model["encoder"](X, Y, Y, LENS)
+        assert trace.active() is outer
+        model["encoder"](X, Y, Y, LENS)
+    assert trace.active() is None and _global_hooks() == hooks
+    assert len(outer.steps) == 3 * per_call and len(inner.steps) == per_call
+    # each names the modules its own way: the inner trace from the model it was given
+    assert {s.module for s in inner.steps} == {"encoder"}
+    assert {s.module for s in outer.steps} == {"MultiHeadAttention"}
+    assert [s.step for s in inner.steps] == [s.step for s in alone.steps]
+
+
+def test_traces_closed_out_of_order_stop_seeing_steps_when_they_close():
+    mha = attnkit.MultiHeadAttention(100, 5).eval()
+    with attnkit.trace_shapes() as alone:
+        mha(X, Y, Y, LENS)
+    per_call = len(alone.steps)
+    with contextlib.ExitStack() as first_stack:
+        first = first_stack.enter_context(attnkit.trace_shapes())
+        second_cm = attnkit.trace_shapes()
+        second = second_cm.__enter__()
+        mha(X, Y, Y, LENS)
+    mha(X, Y, Y, LENS)  # first is closed; second is still open
+    second_cm.__exit__(None, None, None)
+    mha(X, Y, Y, LENS)
+    assert len(first.steps) == per_call and len(second.steps) == 2 * per_call
+    assert trace.active() is None

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnkit import functional, masks, trace
+from attnkit import functional, layers, masks, trace
 
 __all__ = [
     "AdditiveAttention",
@@ -80,8 +80,9 @@ def transpose_qkv(X: Tensor, num_heads: int) -> Tensor:
     out = X.reshape(X.shape[0], X.shape[1], num_heads, -1)  # (B, L, H, d)
     out = out.permute(0, 2, 1, 3)  # (B, H, L, d)
     out = out.reshape(-1, out.shape[2], out.shape[3])  # (B*H, L, d)
-    if trace.ACTIVE is not None:
-        trace.ACTIVE.add("transpose_qkv", [X], out, "(B, L, H*d) -> (B*H, L, d)")
+    tracer = trace.active()
+    if tracer is not None:
+        tracer.add("transpose_qkv", [X], out, "(B, L, H*d) -> (B*H, L, d)")
     return out
 
 
@@ -100,8 +101,9 @@ def transpose_output(X: Tensor, num_heads: int) -> Tensor:
     out = X.reshape(-1, num_heads, X.shape[1], X.shape[2])  # (B, H, L, d)
     out = out.permute(0, 2, 1, 3)  # (B, L, H, d)
     out = out.reshape(out.shape[0], out.shape[1], -1)  # (B, L, H*d)
-    if trace.ACTIVE is not None:
-        trace.ACTIVE.add("transpose_output", [X], out, "(B*H, L, d) -> (B, L, H*d)")
+    tracer = trace.active()
+    if tracer is not None:
+        tracer.add("transpose_output", [X], out, "(B*H, L, d) -> (B, L, H*d)")
     return out
 
 
@@ -142,6 +144,7 @@ class DotProductAttention(nn.Module):
         with torch.no_grad():
             self.scores = torch.bmm(queries, keys.transpose(1, 2)) / math.sqrt(queries.shape[-1])  # (B, Lq, Lk)
         self.attention_weights = weights
+        layers.report_weights(self, weights)  # for attnkit.record_weights
         return out
 
 
@@ -192,6 +195,7 @@ class AdditiveAttention(nn.Module):
             need_weights=True,
         )
         self.attention_weights = weights
+        layers.report_weights(self, weights)  # for attnkit.record_weights
         return out
 
 
@@ -239,13 +243,21 @@ class MultiHeadAttention(nn.Module):
         values = self.transpose_qkv(self.W_v(values))  # (B*H, Lk, h/H)
         if valid_lens is not None:
             repeated = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)  # (B*H,) or (B*H, Lq)
-            if trace.ACTIVE is not None:
+            tracer = trace.active()
+            if tracer is not None:
                 note = f"{trace.short(valid_lens)} -> {trace.short(repeated, limit=24)}"
-                trace.ACTIVE.add("repeat valid_lens", [valid_lens], repeated, note)
+                tracer.add("repeat valid_lens", [valid_lens], repeated, note)
             valid_lens = repeated
         output = self.attention(queries, keys, values, valid_lens)  # (B*H, Lq, h/H)
+        layers.report_weights(self, self._weights_by_head)  # for attnkit.record_weights, in its layout
         output_concat = self.transpose_output(output)  # (B, Lq, h)
         return self.W_o(output_concat)
+
+    def _weights_by_head(self) -> Tensor:
+        """The weights of the last call in attnkit's layout: ``.attention.attention_weights``, heads unfolded."""
+        weights = self.attention.attention_weights
+        assert weights is not None  # set by the call that just ran
+        return weights.reshape(-1, self.num_heads, *weights.shape[1:])  # (B*H, Lq, Lk) -> (B, H, Lq, Lk)
 
     def transpose_qkv(self, X: Tensor) -> Tensor:
         """The book's newer method form of :func:`transpose_qkv`."""

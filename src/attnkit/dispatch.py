@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from contextvars import ContextVar
 from types import ModuleType
 
 from torch import Tensor
@@ -29,7 +30,8 @@ BACKENDS: dict[str, ModuleType] = {b.NAME: b for b in ALL}
 # 2**22 float32 elements = 16 MiB for one copy of the features; the reference keeps several.
 ADDITIVE_CHUNK_ELEMENTS = 2**22
 
-_watchers: list[list[str]] = []
+# The lists of the watch() blocks open in this thread or task, outermost first.
+_WATCHERS: ContextVar[tuple[list[str], ...]] = ContextVar("attnkit_watchers", default=())
 
 
 def available_backends() -> list[str]:
@@ -51,6 +53,9 @@ def unavailable_reasons() -> dict[str, list[str]]:
 def watch() -> Iterator[list[str]]:
     """Collect the names of the backends that run inside the ``with`` block, in order.
 
+    Only the calls of the thread or asyncio task that opened it are seen. Blocks nest: a call is seen by
+    every block open around it.
+
     Example:
         >>> import torch, attnkit
         >>> with watch() as ran:
@@ -60,11 +65,11 @@ def watch() -> Iterator[list[str]]:
         ['reference']
     """
     seen: list[str] = []
-    _watchers.append(seen)
+    _WATCHERS.set((*_WATCHERS.get(), seen))
     try:
         yield seen
-    finally:
-        _watchers.remove(seen)
+    finally:  # blocks may close in any order (contextlib.ExitStack): remove this one, keep the others
+        _WATCHERS.set(tuple(w for w in _WATCHERS.get() if w is not seen))
 
 
 def choose(
@@ -114,6 +119,6 @@ def _all_reasons(q: Tensor, k: Tensor, v: Tensor, mask: Mask, call: dict) -> str
 
 
 def _ran(backend: ModuleType) -> ModuleType:
-    for seen in _watchers:
+    for seen in _WATCHERS.get():
         seen.append(backend.NAME)
     return backend

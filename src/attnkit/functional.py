@@ -254,8 +254,9 @@ def _attend(
     if three_d:
         out = out.squeeze(1)  # (B, Lq, Dv)
         weights = None if weights is None else weights.squeeze(1)  # (B, Lq, Lk)
-    if trace.ACTIVE is not None:
-        _trace_steps(trace.ACTIVE, q, k, v, w_v, three_d, out, chosen.NAME, valid_lens, attn_mask, is_causal)
+    tracer = trace.active()
+    if tracer is not None:
+        _trace_steps(tracer, q, k, v, w_v, three_d, out, chosen.NAME, valid_lens, attn_mask, is_causal)
     return AttentionOutput(out, weights)
 
 

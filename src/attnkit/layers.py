@@ -11,12 +11,17 @@ Weights are kept only when asked, so the fast path stays fast::
 
 While recording, the differentiable output still comes from the fast backend; the weights are computed
 beside it by the reference backend, under ``torch.no_grad()``: they are for looking at, not for a loss.
+
+A recording belongs to the thread or asyncio task that opened it (the open recordings live in a
+:class:`contextvars.ContextVar`, never on the modules, so ``copy.deepcopy(model)`` copies none of it).
+Recordings nest and overlap: each one sees every call, made while it is open, of the modules it records.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
@@ -46,12 +51,57 @@ class WeightRecord(dict):
         return list(self._calls.get(name, []))
 
 
-@contextlib.contextmanager
-def record_weights(model: nn.Module) -> Iterator[WeightRecord]:
-    """Record the pre-dropout attention weights of every attnkit attention module inside ``model``.
+class _Recording:
+    """One open ``record_weights`` block: the record it fills, and the name of each module it records."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.record = WeightRecord()
+        named = list(model.named_modules())
+        self.names = {id(m): name for name, m in named}
+        # Held while the block is open, so that no module made meanwhile (a deepcopy) can reuse one of these ids.
+        self._modules = [m for _, m in named]
+
+    def close(self) -> None:
+        # A context copied inside the block (an asyncio task) may outlive it: it then records nothing.
+        self.names, self._modules = {}, []
+
+
+# The recordings open in this thread or task, outermost first.
+_RECORDINGS: ContextVar[tuple[_Recording, ...]] = ContextVar("attnkit_recordings", default=())
+
+
+def report_weights(module: nn.Module, weights: Tensor | Callable[[], Tensor] | None) -> None:
+    """Give the attention weights of one call of ``module`` to every recording, open in this thread or task,
+    that records it. Attention modules call this after each forward.
 
     Args:
-        model: any module; attnkit attention layers inside it (or ``model`` itself) are recorded.
+        module: the module that ran.
+        weights: the pre-dropout weights, or a function that computes them, called once, only if recorded;
+            ``None`` (a call without weights) records nothing.
+    """
+    recordings = _RECORDINGS.get()
+    if not recordings or weights is None:  # the cost while nothing records: one lookup
+        return
+    wanted = [(r.record, r.names[id(module)]) for r in recordings if id(module) in r.names]
+    if not wanted:
+        return
+    kept = (weights if isinstance(weights, Tensor) else weights()).detach()
+    for record, name in wanted:
+        record.add(name, kept)
+
+
+@contextlib.contextmanager
+def record_weights(model: nn.Module) -> Iterator[WeightRecord]:
+    """Record the pre-dropout attention weights of every attention module inside ``model``.
+
+    attnkit's layers and those of :mod:`attnkit.d2l` are recorded (a ``d2l.MultiHeadAttention`` in attnkit's
+    layout ``(B, H, Lq, Lk)``, and its inner ``.attention`` in the book's ``(B*H, Lq, Lk)``: one tensor, two
+    views). Only the calls of the thread or asyncio task that opened the block are recorded, and only those of
+    the modules inside ``model`` when it opened (a copy made inside the block is another module). Blocks nest
+    and overlap, on the same model or on a part of it: each records every call made while it is open.
+
+    Args:
+        model: any module; the attention modules inside it (or ``model`` itself) are recorded.
 
     Yields:
         A :class:`WeightRecord`, filled as the model runs; keys are module names from ``named_modules()``.
@@ -64,15 +114,14 @@ def record_weights(model: nn.Module) -> Iterator[WeightRecord]:
         >>> rec[""].shape, rec[""][0, 0, 0, 2].item()
         (torch.Size([1, 2, 3, 3]), 0.0)
     """
-    record = WeightRecord()
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, _Attention)]
-    for name, module in layers:
-        module._recorder = (record, name)
+    recording = _Recording(model)
+    _RECORDINGS.set((*_RECORDINGS.get(), recording))
     try:
-        yield record
+        yield recording.record
     finally:
-        for _, module in layers:
-            module._recorder = None
+        recording.close()
+        # not a reset to the value before: blocks may close in any order (contextlib.ExitStack, generators)
+        _RECORDINGS.set(tuple(r for r in _RECORDINGS.get() if r is not recording))
 
 
 class Masks(NamedTuple):
@@ -92,19 +141,30 @@ class _Attention(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.dropout = dropout
         self.backend = backend
-        self._recorder: tuple[WeightRecord, str] | None = None
+
+    @property
+    def _recorder(self) -> tuple[WeightRecord, str] | None:
+        """``(record, name)`` of the first recording open in this thread or task that records this module, else
+        ``None`` (``RingMultiHeadAttention`` reads it to refuse). Nothing is stored on the module."""
+        for recording in _RECORDINGS.get():
+            name = recording.names.get(id(self))
+            if name is not None:
+                return recording.record, name
+        return None
 
     def _dropout_p(self) -> float:
         return self.dropout if self.training else 0.0
 
     def _record(self, q: Tensor, k: Tensor, masks: Masks, w_v: Tensor | None = None) -> None:
         """Compute the weights beside the fast path: detached, without the output (see the module docstring)."""
-        if self._recorder is None:
+        if not _RECORDINGS.get():  # the cost while nothing records: one lookup
             return
-        record, name = self._recorder
-        with torch.no_grad(), trace.paused():
-            weights = attention_weights(q, k, w_v=w_v, **masks._asdict())
-        record.add(name, weights)
+
+        def weights() -> Tensor:
+            with torch.no_grad(), trace.paused():
+                return attention_weights(q, k, w_v=w_v, **masks._asdict())
+
+        report_weights(self, weights)
 
 
 class DotProductAttention(_Attention):
@@ -285,7 +345,7 @@ class MultiHeadAttention(_Attention):
         q = q_flat.view(B, Lq, H, d).transpose(1, 2)  # (B, H, Lq, d)
         k = k_flat.view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
         v = v_flat.view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
-        tracer = trace.ACTIVE
+        tracer = trace.active()
         if tracer is not None:
             for name, flat, split in (("queries", q_flat, q), ("keys", k_flat, k), ("values", v_flat, v)):
                 tracer.add("split heads", [flat], split, f"{name}: (B, L, H*d) -> (B, H, L, d)")

@@ -12,24 +12,36 @@
 The steps of the attention itself (scores, masking, softmax, weighted sum) are the logical ones, whatever the
 backend: a fused kernel never materialises the scores, and the trace says which backend ran.
 
-While no trace is open this costs one ``is None`` test per step (``benchmarks/trace_overhead.py`` measures
-it); opening one installs PyTorch's global module hooks, which are removed when it closes.
+A trace belongs to the thread or asyncio task that opened it (it lives in a :class:`contextvars.ContextVar`):
+it never sees the steps of other threads. Traces nest: each open trace sees every step made while it is open,
+each naming the modules its own way. While no trace is open a step costs one context-variable lookup,
+``trace.active()`` (``benchmarks/trace_overhead.py`` measures it). PyTorch's module hooks, which name the
+modules, are process-wide: they are installed while at least one trace is open in any thread and do nothing in
+threads without one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Step", "Trace", "trace_shapes"]
+__all__ = ["Step", "Trace", "active", "paused", "trace_shapes"]
 
-ACTIVE: Trace | None = None  # the open trace, if any; steps check this and do nothing when None
+# The innermost trace open in this thread or task; the traces around it are reached through Trace._outer.
+_ACTIVE: ContextVar[Trace | None] = ContextVar("attnkit_trace", default=None)
+
+active = _ACTIVE.get
+"""``active()``: the innermost trace open in this thread or task, or ``None``. Steps call it and do nothing on
+``None``; a step added to it reaches every trace open around it. (It is the context variable's own ``get``, with
+no Python frame of its own: while no trace is open, a step costs this one lookup.)"""
 
 Shape = tuple[int, ...]
 
@@ -52,10 +64,21 @@ class Trace:
     steps: list[Step] = field(default_factory=list)
     _names: dict[int, str] = field(default_factory=dict, repr=False)
     _stack: list[tuple[str, nn.Module]] = field(default_factory=list, repr=False)
+    _outer: Trace | None = field(default=None, repr=False, compare=False)  # open around this one, same context
+    _closed: bool = field(default=False, repr=False, compare=False)  # set when its ``with`` block ends
 
     def add(self, step: str, inputs: Sequence[Tensor | Shape], output: Tensor | Shape, note: str = "") -> None:
-        module = self._stack[-1][0] if self._stack else "(functional)"
-        self.steps.append(Step(module, step, [_shape(x) for x in inputs], _shape(output), note))
+        """Add a step to this trace and to every trace open around it, each attributing it to its own module."""
+        shapes_in, shape_out = [_shape(x) for x in inputs], _shape(output)
+        trace: Trace | None = self
+        while trace is not None:
+            trace._append(step, shapes_in, shape_out, note)
+            trace = trace._outer
+
+    def _append(self, step: str, shapes_in: list[Shape], shape_out: Shape, note: str = "") -> None:
+        if not self._closed:  # a context copied inside the block (an asyncio task) may outlive it
+            module = self._stack[-1][0] if self._stack else "(functional)"
+            self.steps.append(Step(module, step, list(shapes_in), shape_out, note))
 
     def rows(self) -> list[tuple[str, str, str, str, str]]:
         return [
@@ -85,7 +108,7 @@ class Trace:
 
     # --- module bookkeeping, driven by PyTorch's global module hooks while the trace is open -------------
 
-    def _enter(self, module: nn.Module, inputs: Any) -> None:
+    def _enter(self, module: nn.Module) -> None:
         if getattr(module, "_attnkit_traced", False):
             name = self._names.get(id(module))
             if name is None:
@@ -99,7 +122,8 @@ class Trace:
         if self._stack[-1][1] is module:
             self._stack.pop()
         elif isinstance(module, nn.Linear) and inputs and isinstance(output, Tensor):
-            self.add(self._child_name(module).rsplit(".", 1)[-1], [inputs[0]], output)
+            # this trace only: the hooks call _leave on every open trace
+            self._append(self._child_name(module).rsplit(".", 1)[-1], [_shape(inputs[0])], _shape(output))
 
     def _child_name(self, module: nn.Module) -> str:
         parent_name, parent = self._stack[-1]
@@ -109,9 +133,62 @@ class Trace:
         return type(module).__name__
 
 
+def _pre_hook(module: nn.Module, inputs: Any) -> None:
+    trace = _ACTIVE.get()  # None in every thread or task without an open trace
+    while trace is not None:
+        if not trace._closed:
+            trace._enter(module)
+        trace = trace._outer
+
+
+def _post_hook(module: nn.Module, inputs: Any, output: Any) -> None:
+    trace = _ACTIVE.get()
+    while trace is not None:
+        if not trace._closed:
+            trace._leave(module, inputs, output)
+        trace = trace._outer
+
+
+class _GlobalHooks:
+    """PyTorch's global module hooks, installed while at least one trace is open in any thread.
+
+    The hooks are process-wide (PyTorch keeps them in module-level dicts), so this is the one piece of
+    process-wide state: a count of open traces, under a lock. Removing the hooks when the last trace closes
+    keeps PyTorch's hook-free fast path for every module while nothing is traced.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = 0
+        self._handles: list[Any] = []
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._open == 0:
+                self._handles = [
+                    nn.modules.module.register_module_forward_pre_hook(_pre_hook),
+                    nn.modules.module.register_module_forward_hook(_post_hook),
+                ]
+            self._open += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._open -= 1
+            if self._open == 0:
+                for handle in self._handles:
+                    handle.remove()
+                self._handles = []
+
+
+_HOOKS = _GlobalHooks()
+
+
 @contextlib.contextmanager
 def trace_shapes(model: nn.Module | None = None) -> Iterator[Trace]:
     """Record the shape of every step of every attnkit module called inside the ``with`` block.
+
+    The trace sees the calls of the thread or asyncio task that opened it, not those of other threads. Traces
+    nest: an inner trace sees the steps made while it is open, and so does every trace around it.
 
     Args:
         model: optional; when given, modules are named as in ``model.named_modules()``.
@@ -119,32 +196,32 @@ def trace_shapes(model: nn.Module | None = None) -> Iterator[Trace]:
     Yields:
         A :class:`Trace`: ``print(t)``, ``t.to_markdown()``, ``t.to_json()``, or ``t.steps``.
     """
-    global ACTIVE
-    if ACTIVE is not None:
-        raise RuntimeError("trace_shapes() is already open; traces do not nest")
-    trace = Trace()
+    trace = Trace(_outer=_ACTIVE.get())
     if model is not None:
         trace._names = {id(m): name or type(model).__name__ for name, m in model.named_modules()}
-    pre = nn.modules.module.register_module_forward_pre_hook(trace._enter)
-    post = nn.modules.module.register_module_forward_hook(trace._leave)
-    ACTIVE = trace
+    _HOOKS.acquire()
+    _ACTIVE.set(trace)
     try:
         yield trace
     finally:
-        ACTIVE = None
-        pre.remove()
-        post.remove()
+        trace._closed = True
+        if _ACTIVE.get() is trace:  # closed in the order opened (a trace closed out of order is skipped instead)
+            outer = trace._outer
+            while outer is not None and outer._closed:
+                outer = outer._outer
+            _ACTIVE.set(outer)
+        _HOOKS.release()
 
 
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
-    """No steps are recorded inside (for work done beside the traced computation, such as recording weights)."""
-    global ACTIVE
-    saved, ACTIVE = ACTIVE, None
+    """No trace of this thread or task sees the steps made inside (for work done beside the traced computation,
+    such as recording weights). Other threads' traces are not affected."""
+    token = _ACTIVE.set(None)
     try:
         yield
     finally:
-        ACTIVE = saved
+        _ACTIVE.reset(token)
 
 
 def _shape(x: Tensor | Shape) -> Shape:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -28,7 +29,7 @@ NAME = "chunked"
 # B batch, H heads, Lq/Lk query/key length, D head dim, Dv value head dim, blk keys in one block
 
 
-@dataclass
+@dataclass(frozen=True)
 class Settings:
     """``block_size``: keys per block for dot-product scoring. ``additive_block_bytes``: the budget of one
     ``(B, H, Lq, blk, D)`` float32 feature slice, which sets the block for additive scoring."""
@@ -37,31 +38,44 @@ class Settings:
     additive_block_bytes: int = 64 * 2**20
 
 
-SETTINGS = Settings()
+# The settings of this thread or task: those of the innermost settings() block open in it, else the defaults.
+_SETTINGS: ContextVar[Settings] = ContextVar("attnkit_chunked_settings", default=Settings())  # noqa: B039 (frozen)
+
+
+def current_settings() -> Settings:
+    """The settings in force in this thread or task."""
+    return _SETTINGS.get()
+
+
+def __getattr__(name: str) -> Settings:
+    # ``chunked.SETTINGS`` reads current_settings(): it used to be a module global, and callers may still read it.
+    if name == "SETTINGS":
+        return _SETTINGS.get()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @contextlib.contextmanager
 def settings(*, block_size: int | None = None, additive_block_bytes: int | None = None) -> Iterator[Settings]:
-    """Change the block sizes inside a ``with`` block.
+    """Change the block sizes inside a ``with`` block, for the thread or asyncio task that opens it (blocks nest;
+    the settings in force before are back on exit, even after an exception).
 
     Example:
         >>> with settings(block_size=64) as s:
         ...     s.block_size
         64
     """
-    global SETTINGS
-    old = SETTINGS
+    old = _SETTINGS.get()
     new = Settings(
         block_size=old.block_size if block_size is None else block_size,
         additive_block_bytes=old.additive_block_bytes if additive_block_bytes is None else additive_block_bytes,
     )
     if new.block_size < 1 or new.additive_block_bytes < 1:
         raise ValueError(f"block sizes must be positive, got {new}")
-    SETTINGS = new
+    token = _SETTINGS.set(new)
     try:
         yield new
     finally:
-        SETTINGS = old
+        _SETTINGS.reset(token)
 
 
 def available() -> list[str]:
@@ -103,9 +117,9 @@ def attention(
     B, H, Lq, D = q.shape
     dtype = compute_dtype(q.dtype)
     if w_v is None:
-        block = SETTINGS.block_size
+        block = current_settings().block_size
     else:
-        block = max(1, SETTINGS.additive_block_bytes // (4 * B * H * max(Lq, 1) * D))
+        block = max(1, current_settings().additive_block_bytes // (4 * B * H * max(Lq, 1) * D))
     k, v = zero_dead_keys(k, v, mask)
     # Repeating key/value heads outside the Function lets autograd sum their gradients back per group.
     kf = repeat_kv(k, H).to(dtype)  # (B, H, Lk, D)
