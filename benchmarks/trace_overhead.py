@@ -1,6 +1,6 @@
 """What shape tracing costs while no trace is open.
 
-Each traced step checks ``attnkit.trace.ACTIVE is not None``; a ``MultiHeadAttention`` forward makes two such
+Each traced step checks ``attnkit.trace.active() is not None``; a ``MultiHeadAttention`` forward makes two such
 checks (one in the layer, one in the functional call). This measures the cost of those checks against the
 forward of a tiny layer (B=2, L=4, num_hiddens=100, 5 heads), where any overhead would show most, and, for
 comparison, the same forward with a trace open.
@@ -35,7 +35,7 @@ def main() -> None:
 
     closed = benchmark.Timer("forward()", globals={"forward": forward}).blocked_autorange(min_run_time=2)
     opened = benchmark.Timer("traced()", globals={"traced": traced}).blocked_autorange(min_run_time=2)
-    check = benchmark.Timer("trace.ACTIVE is not None", globals={"trace": trace}).blocked_autorange(min_run_time=1)
+    check = benchmark.Timer("trace.active() is not None", globals={"trace": trace}).blocked_autorange(min_run_time=1)
     cost = CHECKS_PER_FORWARD * check.median
     print(f"forward, no trace open:   {closed.median * 1e6:8.1f} us (median)")
     print(f"forward, trace open:      {opened.median * 1e6:8.1f} us")

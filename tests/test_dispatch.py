@@ -15,11 +15,6 @@ def _qkv(B=2, H=4, Lq=5, Lk=6, D=8, heads=True):
     return torch.randn(B, Lq, D), torch.randn(B, Lk, D), torch.randn(B, Lk, D)
 
 
-def test_available_backends_here():
-    assert attnkit.available_backends() == ["reference", "sdpa", "chunked"]
-    assert all(reasons == [] for reasons in dispatch.unavailable_reasons().values())
-
-
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [

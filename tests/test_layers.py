@@ -12,6 +12,7 @@ from torch import nn
 
 import attnkit
 from attnkit import d2l, dispatch, layers
+from mathref import max_err
 
 
 def test_modern_self_and_cross_attention_shapes():
@@ -266,3 +267,76 @@ def test_record_weights_records_the_books_modules_without_computing_them_again()
     with attnkit.record_weights(mha) as alone:  # recorded on its own: named ""
         mha(X, Y, Y, lens)
     assert set(alone) == {"", "attention"} and alone[""].shape == (2, 5, 4, 6)
+
+
+# --- autocast ---------------------------------------------------------------------------------------------------
+
+
+def _autocast_layers():
+    from attnkit import d2l
+
+    return {
+        "DotProductAttention": lambda: attnkit.DotProductAttention(),
+        "AdditiveAttention": lambda: attnkit.AdditiveAttention(16, query_size=12, key_size=10),
+        "AdditiveAttention(inferred)": lambda: attnkit.AdditiveAttention(16),
+        "MultiHeadAttention": lambda: attnkit.MultiHeadAttention(16, 4, query_size=12, key_size=10, value_size=10),
+        "MultiHeadAttention(gqa)": lambda: attnkit.MultiHeadAttention(16, 4, num_kv_heads=2),
+        "d2l.DotProductAttention": lambda: d2l.DotProductAttention(0.0),
+        "d2l.AdditiveAttention": lambda: d2l.AdditiveAttention(10, 12, 16, 0.0),
+        "d2l.AdditiveAttention(inferred)": lambda: d2l.AdditiveAttention(16, 0.0),
+        "d2l.MultiHeadAttention": lambda: d2l.MultiHeadAttention(10, 12, 10, 16, 4, 0.0),
+        "d2l.MultiHeadAttention(inferred)": lambda: d2l.MultiHeadAttention(16, 4, 0.0),
+    }
+
+
+AUTOCAST_DEVICES = [
+    pytest.param("cpu", torch.bfloat16, id="cpu-bfloat16"),
+    pytest.param(
+        "cuda",
+        torch.float16,
+        id="cuda-float16",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("device", "low"), AUTOCAST_DEVICES)
+@pytest.mark.parametrize("name", list(_autocast_layers()))
+def test_every_layer_runs_under_autocast_within_the_low_precision_tolerance(name, device, low):
+    """Under torch.autocast each layer runs (no dtype mismatch between projected queries and raw values), returns the
+    autocast dtype, and its error against float64 is at most twice that of the same layer run wholly in the low
+    precision, forward and backward."""
+    torch.manual_seed(0)
+    layer = _autocast_layers()[name]().to(device)
+    g = torch.Generator().manual_seed(1)
+    dot = name.endswith("DotProductAttention")
+    features = (16, 16, 16) if name.endswith("(inferred)") or name.endswith("(gqa)") else (12, 10, 10)
+    if dot:
+        features = (12, 12, 10)
+    lens = torch.tensor([5, 9], device=device)
+    x = [torch.randn(2, n, f, generator=g).to(device) for n, f in zip((7, 9, 9), features, strict=True)]
+    with torch.no_grad():
+        layer(*x, lens)  # sizes inferred, lazy parameters made
+    grad_out = None
+
+    def run(model, dtype, autocast):
+        nonlocal grad_out
+        inputs = [t.to(dtype).requires_grad_() for t in x]
+        with torch.autocast(device, dtype=low, enabled=autocast):
+            out = model(*inputs, lens)
+        if grad_out is None:
+            grad_out = torch.randn(out.shape, generator=g).to(device)
+        grads = torch.autograd.grad(out, inputs, grad_out.to(out.dtype))
+        return out, grads
+
+    truth, true_grads = run(copy.deepcopy(layer).double(), torch.float64, False)
+    wholly_low, low_grads = run(copy.deepcopy(layer).to(low), low, False)
+    out, grads = run(layer, torch.float32, True)
+    assert out.dtype == low
+    assert torch.isfinite(out).all()
+    assert max_err(out, truth) <= 2 * max_err(wholly_low, truth) + 1e-6
+    for grad, low_grad, true in zip(grads, low_grads, true_grads, strict=True):
+        assert max_err(grad, true) <= 2 * max_err(low_grad, true) + 1e-6

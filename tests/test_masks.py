@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
+import attnkit
 from attnkit import causal_mask, masked_softmax, sequence_mask
+from attnkit.masks import FloatMaskWarning, Mask
 
 
 def test_masked_softmax_book_example_1d_valid_lens():
@@ -94,3 +98,106 @@ def test_causal_mask_is_aligned_bottom_right():
     assert causal_mask(2, 4).tolist() == [[True, True, True, False], [True, True, True, True]]
     assert causal_mask(4, 2).tolist() == [[False, False], [False, False], [True, False], [True, True]]
     assert causal_mask(1, 5).all()
+
+
+# --- the one combined mask: liveness, float-mask rules ---------------------------------------------------------
+
+
+def _dead_example():
+    """The issue's example: key 1 is hidden only by the combination of 2-D valid_lens and causal."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 2, 4, generator=g) for _ in range(3))
+    k[:, :, 1], v[:, :, 1] = float("nan"), float("nan")
+    return q, k, v
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"valid_lens": torch.tensor([[2, 1]]), "is_causal": True},
+        {"attn_mask": torch.tensor([[True, True], [True, False]]), "is_causal": True},
+        {"attn_mask": torch.tensor([[0.0, 0.5], [0.0, float("-inf")]]), "is_causal": True},
+        {"valid_lens": torch.tensor([[2, 1]]), "attn_mask": torch.tensor([[True, False], [True, True]])},
+    ],
+    ids=["2d_valid_lens+causal", "bool+causal", "float_-inf+causal", "2d_valid_lens+bool"],
+)
+def test_a_key_hidden_only_by_a_combination_of_mask_parts_never_leaks(backend, kw):
+    q, k, v = _dead_example()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attnkit.scaled_dot_product_attention(*leaves, backend=backend, **kw).output
+    out.sum().backward()
+    assert torch.isfinite(out).all()
+    for leaf in leaves:
+        assert torch.isfinite(leaf.grad).all()
+    assert (leaves[1].grad[:, :, 1] == 0).all() and (leaves[2].grad[:, :, 1] == 0).all()
+    clean = attnkit.scaled_dot_product_attention(q, k.nan_to_num(0.0), v.nan_to_num(0.0), backend=backend, **kw)
+    torch.testing.assert_close(out, clean.output, rtol=0, atol=0)
+
+
+def test_liveness_comes_from_the_combined_mask():
+    mask = Mask.build(batch=1, heads=1, num_queries=2, num_keys=2, valid_lens=torch.tensor([[2, 1]]), is_causal=True)
+    keys, rows = mask.liveness
+    assert keys.tolist() == [[[True, False]]] and rows is None
+    lens = torch.tensor([[0, 3, 1]])  # row 0 sees nothing
+    keys, rows = Mask.build(batch=1, heads=1, num_queries=3, num_keys=4, valid_lens=lens).liveness
+    assert keys.tolist() == [[[True, True, True, False]]] and rows.tolist() == [[[False, True, True]]]
+    causal_only = Mask.build(batch=1, heads=1, num_queries=4, num_keys=2, is_causal=True)
+    keys, rows = causal_only.liveness
+    assert keys is None and rows.tolist() == [[[False, False, True, True]]]
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+@pytest.mark.parametrize(
+    ("mask_dtype", "input_dtype", "fill"),
+    [
+        (torch.float64, torch.float32, -1e300),
+        (torch.float32, torch.float16, torch.finfo(torch.float32).min),
+        (torch.float32, torch.bfloat16, torch.finfo(torch.float32).min),
+    ],
+)
+def test_a_finite_bias_never_becomes_minus_infinity(backend, mask_dtype, input_dtype, fill):
+    """-inf only where the mask says -inf: a row whose whole bias is one huge finite number is a live row with the
+    weights of no bias at all (softmax is shift-invariant), never NaN, never zeros, in every backend."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 3, 8, generator=g).to(input_dtype) for _ in range(3))
+    bias = torch.zeros(3, 3, dtype=mask_dtype)
+    bias[0] = fill
+    out = attnkit.scaled_dot_product_attention(q, k, v, attn_mask=bias, backend=backend).output
+    assert torch.isfinite(out).all()
+    tol = {"atol": 2 * torch.finfo(input_dtype).eps, "rtol": 2 * torch.finfo(input_dtype).eps}  # a rounding or two
+    plain = attnkit.scaled_dot_product_attention(q, k, v, backend=backend).output
+    torch.testing.assert_close(out, plain, **tol)
+    bias[1, 1] = fill  # one huge bias beside finite ones: that key gets no weight
+    out = attnkit.scaled_dot_product_attention(q, k, v, attn_mask=bias, backend=backend).output
+    hidden = torch.tensor([[True, True, True], [True, False, True], [True, True, True]])
+    torch.testing.assert_close(out, attnkit.scaled_dot_product_attention(q, k, v, attn_mask=hidden).output, **tol)
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_plus_infinity_or_nan_in_a_float_mask_is_a_value_error(backend, bad):
+    q = k = v = torch.randn(1, 1, 2, 4)
+    bias = torch.zeros(2, 2)
+    bias[0, 1] = bad
+    name = "NaN" if bad != bad else r"\+inf"
+    with pytest.raises(ValueError, match=rf"attn_mask holds {name} \(first at index \(0, 1\) of shape \(2, 2\)\)"):
+        attnkit.scaled_dot_product_attention(q, k, v, attn_mask=bias, backend=backend)
+    with pytest.raises(ValueError, match=f"attn_mask holds {name}"):
+        attnkit.masked_softmax(torch.zeros(1, 2, 2), attn_mask=bias)
+
+
+def test_a_float_mask_of_zeros_and_ones_warns_once_naming_the_fix():
+    q = k = v = torch.randn(1, 1, 3, 4)
+    mask01 = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            attnkit.scaled_dot_product_attention(q, k, v, attn_mask=mask01)
+    found = [w for w in caught if issubclass(w.category, FloatMaskWarning)]
+    assert len(found) == 1
+    assert "masks nothing" in str(found[0].message) and "attn_mask.bool()" in str(found[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FloatMaskWarning)
+        for bias in (torch.zeros(3, 3), torch.ones(3, 3), mask01 * 0.5, mask01.masked_fill(mask01 == 0, float("-inf"))):
+            attnkit.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # real biases: no warning

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import attnkit
 from attnkit.backends import chunked
+from mathref import allowed_mask, max_err
 from mathref import attention as math_attention
-from mathref import max_err
 
 BACKENDS = ("reference", "sdpa", "chunked")
 
@@ -32,13 +32,16 @@ def calls(draw):
         kw["valid_lens"] = torch.randint(0, Lk + 1, (B,), generator=g)
     elif lens_kind == "2d":
         kw["valid_lens"] = torch.randint(0, Lk + 1, (B, Lq), generator=g)
-    mask_kind = draw(st.sampled_from(["none", "bool", "float"]))
+    mask_kind = draw(st.sampled_from(["none", "bool", "float", "float_-inf"]))
     if mask_kind != "none":
         shape = draw(st.sampled_from([(Lq, Lk), (B, 1, Lq, Lk), (1, H, 1, Lk), (B, H, Lq, Lk)]))
         if mask_kind == "bool":
             kw["attn_mask"] = torch.rand(shape, generator=g) < draw(st.floats(0.0, 1.0))
         else:
             kw["attn_mask"] = torch.randn(shape, generator=g)
+        if mask_kind == "float_-inf":  # -inf where a query may not attend
+            hidden = torch.rand(shape, generator=g) < draw(st.floats(0.0, 1.0))
+            kw["attn_mask"] = kw["attn_mask"].masked_fill(hidden, float("-inf"))
     kw["is_causal"] = draw(st.booleans())
     block = draw(st.integers(1, 80))
     return q, k, v, kw, block
@@ -55,24 +58,65 @@ def test_all_backends_agree_with_the_math(call):
         assert max_err(out, truth) <= 1e-5, backend
 
 
-@settings(max_examples=60, deadline=None)
-@given(calls())
-def test_padding_content_never_leaks(call):
+def _dead_positions(q, k, kw):
+    """Keys (per key/value head) that no query may see, and query rows that may see no key, under all the mask
+    parts together, from the definitions in mathref: ``(B, Hkv, Lk)`` and ``(B, H, Lq)`` bool."""
+    B, H, Lq, _ = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    allowed = allowed_mask(B, H, Lq, Lk, **kw)  # (B, H, Lq, Lk)
+    dead_keys = ~allowed.any(dim=2).unflatten(1, (Hkv, H // Hkv)).any(dim=2)  # (B, Hkv, Lk)
+    dead_rows = ~allowed.any(dim=3)  # (B, H, Lq)
+    return dead_keys, dead_rows
+
+
+def _poisoned(q, k, v, dead_keys, dead_rows):
+    nan = float("nan")
+    return (
+        q.masked_fill(dead_rows[..., None], nan),
+        k.masked_fill(dead_keys[..., None], nan),
+        v.masked_fill(dead_keys[..., None], nan),
+    )
+
+
+def _forward_backward(fn, tensors, grad_out):
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    return out, grads
+
+
+@settings(max_examples=150, deadline=None)
+@given(calls(), st.booleans())
+def test_nan_where_no_query_may_see_never_leaks(call, additive):
+    """NaN in every key and value no query may see and in every query that may see no key, under any combination
+    of valid_lens, boolean or float (-inf) mask and causal: outputs, weights and all gradients stay finite, equal
+    those of clean inputs exactly, and the poisoned positions get zero gradients, in every backend."""
     q, k, v, kw, block = call
-    lens = kw.get("valid_lens")
-    if lens is None:
-        return
-    longest = lens if lens.dim() == 1 else lens.amax(dim=1)
-    dirty_k, dirty_v = k.clone(), v.clone()
-    for b, n in enumerate(longest.tolist()):
-        dirty_k[b, :, n:] = float("nan")
-        dirty_v[b, :, n:] = float("nan")
-    for backend in BACKENDS:
-        with chunked.settings(block_size=block):
-            clean = attnkit.scaled_dot_product_attention(q, k, v, backend=backend, **kw).output
-            dirty = attnkit.scaled_dot_product_attention(q, dirty_k, dirty_v, backend=backend, **kw).output
-        assert torch.isfinite(dirty).all(), backend
-        torch.testing.assert_close(dirty, clean, rtol=0, atol=0)
+    dead_keys, dead_rows = _dead_positions(q, k, kw)
+    assume(bool(dead_keys.any() or dead_rows.any()))
+    dirty = _poisoned(q, k, v, dead_keys, dead_rows)
+    grad_out = torch.randn(*q.shape[:3], v.shape[-1])
+    w_v = torch.randn(q.shape[-1])
+    for backend in ("reference", "chunked") if additive else BACKENDS:
+
+        def fn(q_, k_, v_, backend=backend):
+            if additive:
+                return attnkit.additive_attention(q_, k_, v_, w_v, backend=backend, **kw).output
+            return attnkit.scaled_dot_product_attention(q_, k_, v_, backend=backend, **kw).output
+
+        with chunked.settings(block_size=block, additive_block_bytes=4 * block * q.numel()):
+            clean_out, clean_grads = _forward_backward(fn, (q, k, v), grad_out)
+            out, grads = _forward_backward(fn, dirty, grad_out)
+        where = f"{backend}, additive={additive}"
+        assert torch.isfinite(out).all(), where
+        torch.testing.assert_close(out, clean_out, rtol=0, atol=0, msg=where)
+        for name, grad, clean, dead in zip("qkv", grads, clean_grads, (dead_rows, dead_keys, dead_keys), strict=True):
+            assert torch.isfinite(grad).all(), f"d{name}: {where}"
+            torch.testing.assert_close(grad, clean, rtol=0, atol=0, msg=f"d{name}: {where}")
+            assert not grad.masked_select(dead[..., None]).any(), f"d{name} at poisoned positions: {where}"
+    weights = attnkit.scaled_dot_product_attention(*dirty, need_weights=True, **kw).weights
+    assert weights is not None and torch.isfinite(weights).all()
+    assert not weights.masked_select(dead_rows[..., None]).any()  # rows with no key: zero weights
 
 
 def _snapshot(tensors):

@@ -409,3 +409,48 @@ def test_options_of_the_wrong_type_name_the_argument(kwargs, match):
     q, k, v = torch.randn(2, 3, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 8)
     with pytest.raises(TypeError, match=re.escape(match)):
         attnkit.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])
+def test_a_scale_that_is_not_finite_is_a_value_error(scale):
+    q, k, v = qkv3()
+    with dispatch.watch() as ran, pytest.raises(ValueError, match=re.escape(f"scale must be finite, got {scale}")):
+        attnkit.scaled_dot_product_attention(q, k, v, scale=scale)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        attnkit.functional.attention_weights(q, k, scale=scale)
+    assert ran == []
+
+
+def test_any_real_number_is_a_scale():
+    np = pytest.importorskip("numpy")
+    q, k, v = qkv3()
+    expected = attnkit.scaled_dot_product_attention(q, k, v, scale=0.5).output
+    for scale in (np.float32(0.5), np.float64(0.5), np.float16(0.5), __import__("fractions").Fraction(1, 2)):
+        out = attnkit.scaled_dot_product_attention(q, k, v, scale=scale).output
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert attnkit.scaled_dot_product_attention(q, k, v, scale=2).output.shape == (B, LQ, D)
+    with pytest.raises(TypeError, match="scale must be a number, got True"):
+        attnkit.scaled_dot_product_attention(q, k, v, scale=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("batch", "queries", "lens_shape"),
+    [(0, 3, (0,)), (0, 3, (0, 3)), (2, 0, (2, 0)), (2, 0, (2,)), (0, 3, None), (2, 0, None)],
+)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_empty_batches_and_query_lengths_give_the_empty_result(backend, batch, queries, lens_shape, is_causal):
+    q = torch.randn(batch, H, queries, D, requires_grad=True)
+    k = torch.randn(batch, HKV, LK, D, requires_grad=True)
+    v = torch.randn(batch, HKV, LK, D + 1, requires_grad=True)
+    lens = None if lens_shape is None else torch.zeros(lens_shape, dtype=torch.long)
+    out = attnkit.scaled_dot_product_attention(q, k, v, valid_lens=lens, is_causal=is_causal, backend=backend).output
+    assert out.shape == (batch, H, queries, D + 1)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and not k.grad.any() and not v.grad.any()
+    if backend == "reference":
+        w = attnkit.scaled_dot_product_attention(q, k, v, valid_lens=lens, need_weights=True).weights
+        assert w.shape == (batch, H, queries, LK)
+    if batch and backend != "sdpa":
+        w_v = torch.randn(D)
+        assert attnkit.additive_attention(q, k, v, w_v, valid_lens=lens, backend=backend).output.shape == out.shape

@@ -113,8 +113,8 @@ def cmd_info(args: argparse.Namespace) -> None:
         ("threads", str(torch.get_num_threads())),
         ("cuda", str(torch.version.cuda) if torch.cuda.is_available() else "not available"),
     ]
-    for name, reasons in dispatch.unavailable_reasons().items():
-        rows.append((f"backend {name}", "runs here" if not reasons else "no: " + "; ".join(reasons)))
+    for name, what in dispatch.describe_backends().items():
+        rows.append((f"backend {name}", what))
     rows.append(("ring attention", _ring_transports()))
     _table(rows, ("", ""), title=None)
 

@@ -35,18 +35,19 @@ _WATCHERS: ContextVar[tuple[list[str], ...]] = ContextVar("attnkit_watchers", de
 
 
 def available_backends() -> list[str]:
-    """Names of the backends that can run on this machine.
+    """Names of attnkit's backends. Each runs wherever PyTorch runs (``torch>=2.4``, any device): what one cannot
+    run is said per call, by its ``why_not``, and a backend named explicitly lists every backend's reasons.
 
     Example:
         >>> available_backends()
         ['reference', 'sdpa', 'chunked']
     """
-    return [name for name, b in BACKENDS.items() if not b.available()]
+    return list(BACKENDS)
 
 
-def unavailable_reasons() -> dict[str, list[str]]:
-    """For each backend, why it cannot run on this machine at all (empty when it can)."""
-    return {name: b.available() for name, b in BACKENDS.items()}
+def describe_backends() -> dict[str, str]:
+    """For each backend, the first line of its module docstring (``attnkit info`` shows them)."""
+    return {name: (b.__doc__ or "").strip().splitlines()[0] for name, b in BACKENDS.items()}
 
 
 @contextlib.contextmanager

@@ -8,8 +8,12 @@ a row with nothing to attend to gives zeros. Inputs are never modified.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import numbers
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
 
 from attnkit import dispatch, trace
@@ -75,6 +79,7 @@ def scaled_dot_product_attention(
         <BLANKLINE>
                 [[0.5000, 0.5000, 0.0000]]])
     """
+    q, k, v = _autocast(q, k, v)
     three_d = check_qkv(q, k, v)
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -112,6 +117,7 @@ def additive_attention(
         >>> additive_attention(q, k, v, torch.ones(8), valid_lens=torch.tensor([2])).output
         tensor([[[0.5000]]])
     """
+    q, k, v, w_v = _autocast(q, k, v, w_v)
     three_d = check_qkv(q, k, v)
     if not isinstance(w_v, Tensor):
         raise TypeError(f"w_v must be a tensor of shape (h,) = ({q.shape[-1]},), got {type(w_v).__name__}")
@@ -148,15 +154,16 @@ def attention_weights(
         tensor([[[0.5000, 0.5000, 0.0000],
                  [0.5000, 0.5000, 0.0000]]])
     """
+    q, k, w_v = _autocast(q, k, w_v)
     three_d = check_qkv(q, k, k, ("q", "k", "k"))
     if w_v is not None:
         _check_same_kind(("q", q), ("w_v", w_v))
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
+    scale = _check_scale(q.shape[-1] ** -0.5 if scale is None else scale)
     if three_d:
         q, k = q.unsqueeze(1), k.unsqueeze(1)  # (B, 1, L, D)
     mask = _build_mask(q, k, valid_lens, attn_mask, is_causal, three_d)
-    weights = reference.attention_weights(q, k, mask, w_v=w_v, scale=scale).to(q.dtype)  # (B, H, Lq, Lk)
+    with _autocast_off(q):
+        weights = reference.attention_weights(q, k, mask, w_v=w_v, scale=scale).to(q.dtype)  # (B, H, Lq, Lk)
     return weights.squeeze(1) if three_d else weights
 
 
@@ -211,6 +218,43 @@ def check_qkv(
     return q.dim() == 3
 
 
+def _check_scale(scale: object) -> float:
+    """Any finite real number (Python or NumPy, any precision) is a scale; ``bool``, NaN and infinities are not."""
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a number, got {scale!r}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value}")
+    return value
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def _autocast(*tensors: Tensor | None) -> tuple:
+    """Under ``torch.autocast``, attention runs in the autocast dtype, as PyTorch's own SDPA does: floating inputs
+    other than float64 are cast to it (so projected queries and raw values, or a float32 ``w_v`` beside bfloat16
+    queries, fit together). Outside autocast the inputs are returned as they are."""
+    first = next((t for t in tensors if isinstance(t, Tensor)), None)
+    if first is None or first.device.type not in _AUTOCAST_DEVICES:
+        return tensors  # not tensors: check_qkv names the argument; a device autocast does not know
+    device = first.device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(
+        t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
+        for t in tensors
+    )
+
+
+def _autocast_off(q: Tensor) -> contextlib.AbstractContextManager:
+    """Backends choose their own compute dtypes (float32 for half precisions): autocast stays out of them."""
+    if q.device.type not in _AUTOCAST_DEVICES:
+        return contextlib.nullcontext()
+    return torch.autocast(q.device.type, enabled=False)
+
+
 def _check_same_kind(*named: tuple[str, Tensor]) -> None:
     (n0, t0), rest = named[0], named[1:]
     for name, t in rest:
@@ -236,10 +280,10 @@ def _attend(
 ) -> AttentionOutput:
     if not isinstance(need_weights, bool):
         raise TypeError(f"need_weights must be a bool, got {need_weights!r}")
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a number, got {scale!r}")
-    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
+    scale = _check_scale(scale)
+    if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
         raise TypeError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if three_d:
@@ -248,9 +292,10 @@ def _attend(
     chosen = dispatch.choose(
         backend, q, k, v, mask, w_v=w_v, scale=scale, dropout_p=dropout_p, need_weights=need_weights
     )
-    out, weights = chosen.attention(
-        q, k, v, mask, w_v=w_v, scale=scale, dropout_p=dropout_p, need_weights=need_weights
-    )  # (B, H, Lq, Dv), (B, H, Lq, Lk) or None
+    with _autocast_off(q):
+        out, weights = chosen.attention(
+            q, k, v, mask, w_v=w_v, scale=scale, dropout_p=dropout_p, need_weights=need_weights
+        )  # (B, H, Lq, Dv), (B, H, Lq, Lk) or None
     if three_d:
         out = out.squeeze(1)  # (B, Lq, Dv)
         weights = None if weights is None else weights.squeeze(1)  # (B, Lq, Lk)
@@ -304,4 +349,5 @@ def _build_mask(
         is_causal=is_causal,
         mask_dims=3 if three_d else 4,
         device=q.device,
+        dtype=q.dtype,
     )

@@ -6,7 +6,14 @@ together and combine (boolean AND; a float mask is a bias added to the scores):
 * ``valid_lens``, as in *Dive into Deep Learning*: shape ``(B,)`` lets every query of example ``b`` see its
   first ``valid_lens[b]`` keys; shape ``(B, Lq)`` gives each query its own length.
 * ``attn_mask``: boolean, broadcastable to ``(B, H, Lq, Lk)``; or floating point, added to the scores (ALiBi,
-  relative positions). ``-inf`` entries in a float mask count as "may not attend".
+  relative positions). In a float mask ``-inf``, and only ``-inf``, means "may not attend": a finite value is a
+  bias, however large. A bias beyond half the finite range of the inputs' dtype (``-1e300`` in a float64 mask
+  with float32 inputs, ``finfo(float32).min`` with float16 inputs) is first shifted, per query row, by that row's
+  largest finite bias (the softmax does not change), then clamped to that range, so it never becomes ``-inf``
+  in a cast or when a score is added to it: a row whose every key carries ``-1e300`` gives the weights it
+  would give with no bias at all. ``+inf`` and NaN in a float mask are a ``ValueError``. A float mask holding
+  only 0 and 1 is almost always a boolean mask in disguise (it masks nothing): it gives a
+  :class:`FloatMaskWarning`.
 * ``is_causal``: query ``i`` sees key ``j`` when ``j <= i + Lk - Lq`` (aligned to the bottom right), so one new
   query decoded against a cache of keys sees the whole cache::
 
@@ -17,7 +24,10 @@ together and combine (boolean AND; a float mask is a bias added to the scores):
       1 1 1 1                                 1 1
 
 A query row with no key to attend to gets all-zero weights and a zero output, never NaN, and never the
-uniform weights over padding that the book's ``-1e6`` fill gives.
+uniform weights over padding that the book's ``-1e6`` fill gives. Which keys some query may see, and which
+queries see some key, come from the one combined mask (:meth:`Mask.liveness`): every backend zeroes the other
+keys, values and queries before it computes, so whatever they hold, NaN included, reaches neither the output
+nor any gradient.
 
 The :class:`Mask` keeps these parts apart and builds any block of columns on demand, so the chunked backend
 never holds the whole ``Lq x Lk`` mask.
@@ -25,12 +35,22 @@ never holds the whole ``Lq x Lk`` mask.
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 from torch import Tensor
 
-__all__ = ["Mask", "causal_mask", "masked_softmax", "sequence_mask"]
+__all__ = ["FloatMaskWarning", "Mask", "causal_mask", "masked_softmax", "sequence_mask"]
 
 # B batch, H heads, Lq/Lk query/key length, blk a block of keys [j0, j1)
+
+# Booleans held at once while the liveness of a general mask is worked out block by block (16 MiB).
+LIVENESS_BLOCK_ELEMENTS = 2**24
+
+
+class FloatMaskWarning(UserWarning):
+    """A float ``attn_mask`` that holds only 0 and 1: it is added to the scores, so it masks nothing."""
 
 
 def sequence_mask(valid_lens: Tensor, num_keys: int) -> Tensor:
@@ -119,6 +139,7 @@ def masked_softmax(
         is_causal=is_causal,
         mask_dims=3 if three_d else 4,
         device=scores.device,
+        dtype=scores.dtype,
     )
     compute = compute_dtype(scores.dtype)
     allowed, bias = mask.full(compute)
@@ -174,14 +195,17 @@ class Mask:
         is_causal: bool,
         bool_mask: Tensor | None,
         bias: Tensor | None,
+        bias_range: tuple[float, float] = (0.0, 0.0),
+        bias_has_neg_inf: bool = False,
     ) -> None:
         self.batch, self.heads = batch, heads
         self.num_queries, self.num_keys = num_queries, num_keys
-        self.valid_lens = valid_lens  # (B, 1 | Lq, 1) long, or None
+        self.valid_lens = valid_lens  # (B, 1, 1 | Lq, 1) long, or None
         self.is_causal = is_causal
         self.bool_mask = bool_mask  # (B|1, H|1, Lq, Lk) bool view, or None
         self.bias = bias  # (B|1, H|1, Lq, Lk) float view, or None
-        self.bias_has_neg_inf = bias is not None and bool(torch.isneginf(bias).any())
+        self.bias_range = bias_range  # smallest and largest finite value of the bias (after any shift)
+        self.bias_has_neg_inf = bias_has_neg_inf
 
     @classmethod
     def build(
@@ -196,6 +220,7 @@ class Mask:
         is_causal: bool = False,
         mask_dims: int = 4,
         device: torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> Mask:
         """Validate the masking arguments of a call and keep them as parts.
 
@@ -203,9 +228,18 @@ class Mask:
             batch, heads, num_queries, num_keys: ``B, H, Lq, Lk`` of the call.
             valid_lens: ``(B,)`` or ``(B, Lq)`` whole numbers in ``[0, Lk]``.
             attn_mask: bool or float, broadcastable to ``(B, Lq, Lk)`` when ``mask_dims == 3`` (inputs without
-                a head axis) or to ``(B, H, Lq, Lk)`` when ``mask_dims == 4``.
+                a head axis) or to ``(B, H, Lq, Lk)`` when ``mask_dims == 4``. A float mask holds finite values
+                or ``-inf``.
             is_causal: bottom-right aligned causal mask.
             device: where the call runs; masks elsewhere are an error.
+            dtype: of the inputs: a float bias beyond half its finite range is shifted per row (see the module
+                docstring).
+
+        Raises:
+            ValueError: ``+inf`` or NaN in a float ``attn_mask``, and shapes or values that do not fit.
+
+        Warns:
+            FloatMaskWarning: a float ``attn_mask`` holding only 0 and 1.
         """
         B, H, Lq, Lk = batch, heads, num_queries, num_keys
         if not isinstance(is_causal, bool):
@@ -217,11 +251,19 @@ class Mask:
                     f"valid_lens must have shape (B,) = ({B},) or (B, Lq) = ({B}, {Lq}), got {tuple(valid_lens.shape)}"
                 )
             lens = as_lengths(valid_lens, "valid_lens", Lk, device)
-            lens = lens.reshape(B, 1, -1, 1)  # (B, 1, 1 | Lq, 1)
+            per_query = lens.shape[1] if lens.dim() == 2 else 1
+            lens = lens.reshape(B, 1, per_query, 1)  # (B, 1, 1 | Lq, 1)
         bool_mask = bias = None
+        bias_range, has_neg_inf = (0.0, 0.0), False
         if attn_mask is not None:
             m = _as_4d_mask(attn_mask, B, H, Lq, Lk, mask_dims)
             _check_device("attn_mask", m, device)
+            if m.dtype != torch.bool:
+                bias_range, has_neg_inf = _check_bias(attn_mask)
+                limit = torch.finfo(dtype).max / 2
+                if bias_range[0] < -limit or bias_range[1] > limit:
+                    m = _shift_rows(m)  # (B|1, H|1, Lq|1, Lk|1), a new tensor: each row's largest finite bias is 0
+                    bias_range = _finite_range(m)
             m = m.expand(*m.shape[:2], Lq, Lk)  # (B|1, H|1, Lq, Lk), a view: blocks slice it
             if m.dtype == torch.bool:
                 bool_mask = m
@@ -236,6 +278,8 @@ class Mask:
             is_causal=is_causal,
             bool_mask=bool_mask,
             bias=bias,
+            bias_range=bias_range,
+            bias_has_neg_inf=has_neg_inf,
         )
 
     @property
@@ -244,7 +288,26 @@ class Mask:
         return self.valid_lens is None and not self.is_causal and self.bool_mask is None and self.bias is None
 
     def block(self, j0: int, j1: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor | None, Tensor | None]:
-        """``allowed`` and ``bias`` for keys ``[j0, j1)``, each broadcastable to ``(B, H, Lq, j1 - j0)``."""
+        """``allowed`` and ``bias`` for keys ``[j0, j1)``, each broadcastable to ``(B, H, Lq, j1 - j0)``.
+
+        The bias is in ``dtype``, its finite values clamped to half the finite range of ``dtype`` so that no
+        finite bias becomes ``-inf`` (in the cast, or when a score is added to it); where the mask says
+        ``-inf``, the bias is ``-inf`` and ``allowed`` is False.
+        """
+        allowed = self.allowed_block(j0, j1)
+        bias = None
+        if self.bias is not None:
+            part = self.bias[..., j0:j1]  # (B|1, H|1, Lq, blk)
+            limit = torch.finfo(dtype).max / 2
+            lo, hi = self.bias_range
+            if lo < -limit or hi > limit:
+                # a new tensor (the caller's mask is never written to); -inf stays -inf
+                part = torch.where(torch.isneginf(part), part, part.clamp(-limit, limit))
+            bias = part.to(dtype)
+        return allowed, bias
+
+    def allowed_block(self, j0: int, j1: int) -> Tensor | None:
+        """``allowed`` alone for keys ``[j0, j1)``, broadcastable to ``(B, H, Lq, j1 - j0)``, or ``None``."""
         allowed: Tensor | None = None
         device = self._device()
         if self.valid_lens is not None:
@@ -256,13 +319,11 @@ class Mask:
         if self.bool_mask is not None:
             part = self.bool_mask[..., j0:j1]  # (B|1, H|1, Lq, blk)
             allowed = part if allowed is None else allowed & part
-        bias = None
-        if self.bias is not None:
-            bias = self.bias[..., j0:j1].to(dtype)  # (B|1, H|1, Lq, blk)
-            if self.bias_has_neg_inf:
-                finite = ~torch.isneginf(bias)
-                allowed = finite if allowed is None else allowed & finite
-        return allowed, bias
+        if self.bias_has_neg_inf:
+            assert self.bias is not None
+            finite = ~torch.isneginf(self.bias[..., j0:j1])  # (B|1, H|1, Lq, blk)
+            allowed = finite if allowed is None else allowed & finite
+        return allowed
 
     def first_row(self, j0: int) -> int:
         """The first query row that may see key ``j0`` or any later key: rows above it see none (causal); 0
@@ -273,26 +334,55 @@ class Mask:
         """``block(0, Lk)``: the whole mask, for the backends that hold ``Lq x Lk`` anyway."""
         return self.block(0, self.num_keys, dtype)
 
-    def live_keys(self) -> Tensor | None:
-        """Keys that some query may attend to, ``(B|1, H|1, Lk, 1)`` bool; ``None`` when no part removes keys.
+    @functools.cached_property
+    def liveness(self) -> tuple[Tensor | None, Tensor | None]:
+        """Which keys some query may see and which queries see some key, from the one combined mask.
 
-        Conservative: a key that any one part removes for every query is dead, whatever the other parts say.
-        Dead keys (padding) are zeroed in ``k`` and ``v`` before attention, so that whatever they hold, NaN
-        included, never reaches the output or the gradients.
+        Returns:
+            ``live_keys`` ``(B|1, H|1, Lk)`` and ``live_rows`` ``(B|1, H|1, Lq)``, bool; each ``None`` when all
+            are live. A key is dead when no query may attend to it under all the parts together (say key 1 with
+            ``valid_lens=[[2, 1]]`` and ``is_causal``: query 0 has it in its length but not in its causal past,
+            query 1 the other way round); a query row is dead when it may attend to no key.
+
+        With only ``valid_lens`` and ``is_causal``, each row sees a prefix of the keys, and both answers come
+        from the prefix lengths in ``O(B * Lq + Lk)``; a boolean or ``-inf`` mask is scanned block by block
+        (at most :data:`LIVENESS_BLOCK_ELEMENTS` booleans at once), as large as the mask it reads.
         """
-        live: Tensor | None = None
+        Lq, Lk = self.num_queries, self.num_keys
         device = self._device()
-        if self.valid_lens is not None:
-            longest = self.valid_lens.amax(dim=2, keepdim=True)  # (B, 1, 1, 1)
-            live = torch.arange(self.num_keys, device=device) < longest  # (B, 1, 1, Lk)
-        if self.bool_mask is not None:
-            part = self.bool_mask.any(dim=-2, keepdim=True)  # (B|1, H|1, 1, Lk)
-            live = part if live is None else live & part
-        if self.bias_has_neg_inf:
-            assert self.bias is not None
-            part = (~torch.isneginf(self.bias)).any(dim=-2, keepdim=True)  # (B|1, H|1, 1, Lk)
-            live = part if live is None else live & part
-        return None if live is None else live.transpose(-1, -2)  # (B|1, H|1, Lk, 1)
+        if self.bool_mask is None and not self.bias_has_neg_inf:
+            n = self._prefix_lengths(device)  # (B|1, 1, Lq|1) keys [0, n) seen by each row, or None
+            if n is None:
+                return None, None
+            rows = (n > 0).expand(*n.shape[:2], Lq)  # (B|1, 1, Lq)
+            keys = torch.arange(Lk, device=device) < n.amax(dim=-1, keepdim=True) if Lq else None  # (B|1, 1, Lk)
+            if keys is None:
+                keys = torch.zeros(n.shape[0], 1, Lk, dtype=torch.bool, device=device)  # (B|1, 1, Lk)
+            return _none_if_all(keys), _none_if_all(rows)
+        lead = torch.broadcast_shapes(
+            *(p.shape[:2] for p in (self.valid_lens, self.bool_mask, self.bias) if p is not None)
+        )
+        keys = torch.zeros(*lead, Lk, dtype=torch.bool, device=device)  # (B|1, H|1, Lk)
+        rows = torch.zeros(*lead, Lq, dtype=torch.bool, device=device)  # (B|1, H|1, Lq)
+        step = max(1, LIVENESS_BLOCK_ELEMENTS // max(1, lead.numel() * Lq))
+        for j0 in range(0, Lk, step):
+            j1 = min(j0 + step, Lk)
+            allowed = self.allowed_block(j0, j1)
+            assert allowed is not None
+            allowed = allowed.expand(*lead, Lq, j1 - j0)  # (B|1, H|1, Lq, blk)
+            keys[..., j0:j1] = allowed.any(dim=-2)
+            rows |= allowed.any(dim=-1)
+        return _none_if_all(keys), _none_if_all(rows)
+
+    def _prefix_lengths(self, device: torch.device | None) -> Tensor | None:
+        """``n``, ``(B|1, 1, Lq|1)`` long: by ``valid_lens`` and ``is_causal`` alone, row ``i`` sees keys
+        ``[0, n[i])``; ``None`` when neither is given."""
+        n = None if self.valid_lens is None else self.valid_lens[..., 0]  # (B, 1, 1 | Lq)
+        if self.is_causal:
+            Lq, Lk = self.num_queries, self.num_keys
+            past = (torch.arange(Lq, device=device) + (Lk - Lq + 1)).clamp(0, Lk)  # (Lq,): keys j <= i + Lk - Lq
+            n = past.view(1, 1, Lq) if n is None else torch.minimum(n, past)  # (B|1, 1, Lq)
+        return n
 
     def longest_key_prefix(self) -> int:
         """How many leading keys can be seen at all: keys past ``max(valid_lens)`` never are."""
@@ -305,6 +395,61 @@ class Mask:
             if part is not None:
                 return part.device
         return None
+
+
+def _none_if_all(live: Tensor) -> Tensor | None:
+    return None if bool(live.all()) else live
+
+
+def _finite_range(bias: Tensor) -> tuple[float, float]:
+    finite = bias.masked_fill(torch.isneginf(bias), 0.0)
+    lo, hi = finite.aminmax()
+    return float(lo), float(hi)
+
+
+def _shift_rows(bias: Tensor) -> Tensor:
+    """``bias`` minus each query row's largest finite value: the softmax is the same, and a row of equal huge
+    biases becomes a row of zeros. Rows of ``-inf`` only are left as they are."""
+    row_max = bias.amax(dim=-1, keepdim=True)  # (..., Lq|1, 1), -inf for rows of -inf only
+    return bias - row_max.masked_fill(torch.isneginf(row_max), 0.0)
+
+
+def _check_bias(attn_mask: Tensor) -> tuple[tuple[float, float], bool]:
+    """Check a float mask once (one pass, one host sync): no NaN, no ``+inf``; warn for 0/1 masks.
+
+    Returns:
+        The smallest and largest finite values, and whether it holds ``-inf``.
+    """
+    if attn_mask.numel() == 0:
+        return (0.0, 0.0), False
+    attn_mask = attn_mask.detach()  # values only: a bias that requires grad keeps it, elsewhere
+    lo_t, hi_t = attn_mask.aminmax()  # NaN anywhere makes both NaN
+    lo, hi = float(lo_t), float(hi_t)
+    if lo != lo or hi != hi:
+        where = tuple(torch.isnan(attn_mask).nonzero()[0].tolist())
+        raise ValueError(
+            f"attn_mask holds NaN (first at index {where} of shape {tuple(attn_mask.shape)}): a float mask holds "
+            f"finite biases, and -inf where a query may not attend (a NaN often comes from -inf * 0)"
+        )
+    if hi == float("inf"):
+        where = tuple(torch.isposinf(attn_mask).nonzero()[0].tolist())
+        raise ValueError(
+            f"attn_mask holds +inf (first at index {where} of shape {tuple(attn_mask.shape)}): +inf has no meaning "
+            f"as a bias; use -inf (or False in a boolean mask) where a query may not attend"
+        )
+    has_neg_inf = lo == float("-inf")
+    if has_neg_inf:
+        lo, hi = _finite_range(attn_mask)
+    if lo == 0.0 and hi == 1.0 and bool(((attn_mask == 0) | (attn_mask == 1)).all()):
+        warnings.warn(
+            f"attn_mask is a float tensor of dtype {attn_mask.dtype} holding only 0 and 1: it is added to the "
+            f"scores as a bias, so it masks nothing. For a mask pass a boolean tensor, True = may attend "
+            f"(attn_mask.bool()); to keep it as a bias, silence this with warnings.filterwarnings('ignore', "
+            f"category=attnkit.masks.FloatMaskWarning)",
+            FloatMaskWarning,
+            stacklevel=2,  # one place inside attnkit: shown once per process under the default filters
+        )
+    return (lo, hi), has_neg_inf
 
 
 def _causal_block(Lq: int, Lk: int, j0: int, j1: int, device: torch.device | str | None) -> Tensor:

@@ -3,7 +3,6 @@
 Every backend module defines::
 
     NAME: str
-    def available() -> list[str]          # why it cannot run on this machine at all ([] = it can)
     def why_not(q, k, v, mask, *, w_v, scale, dropout_p, need_weights) -> list[str]   # [] = it can run this
     def attention(q, k, v, mask, *, w_v, scale, dropout_p, need_weights) -> tuple[Tensor, Tensor | None]
 

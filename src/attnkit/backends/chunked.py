@@ -21,7 +21,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from attnkit.backends.common import additive_scores, repeat_kv, zero_dead_keys
+from attnkit.backends.common import additive_scores, repeat_kv, zero_dead
 from attnkit.masks import Mask, compute_dtype
 
 NAME = "chunked"
@@ -78,10 +78,6 @@ def settings(*, block_size: int | None = None, additive_block_bytes: int | None 
         _SETTINGS.reset(token)
 
 
-def available() -> list[str]:
-    return []
-
-
 def why_not(
     q: Tensor,
     k: Tensor,
@@ -93,7 +89,7 @@ def why_not(
     dropout_p: float,
     need_weights: bool,
 ) -> list[str]:
-    reasons = available()
+    reasons: list[str] = []
     if need_weights:
         reasons.append("never returns weights (need_weights=True)")
     if dropout_p > 0:
@@ -120,7 +116,7 @@ def attention(
         block = current_settings().block_size
     else:
         block = max(1, current_settings().additive_block_bytes // (4 * B * H * max(Lq, 1) * D))
-    k, v = zero_dead_keys(k, v, mask)
+    q, k, v = zero_dead(q, k, v, mask)
     # Repeating key/value heads outside the Function lets autograd sum their gradients back per group.
     kf = repeat_kv(k, H).to(dtype)  # (B, H, Lk, D)
     vf = repeat_kv(v, H).to(dtype)  # (B, H, Lk, Dv)

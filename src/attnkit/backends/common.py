@@ -27,18 +27,23 @@ def additive_scores(q: Tensor, k: Tensor, w_v: Tensor) -> tuple[Tensor, Tensor]:
     return features @ w_v, features  # (B, H, Lq, Lk), (B, H, Lq, Lk, D)
 
 
-def zero_dead_keys(k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, Tensor]:
-    """Zero the keys and values no query may see (padding), so that whatever they hold, NaN included, never
-    reaches the output or the gradients. Returns new tensors; the inputs are left as they were.
+def zero_dead(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, Tensor, Tensor]:
+    """Zero the keys and values no query may see (padding) and the queries that may see no key (empty rows),
+    as the one combined mask says (:meth:`Mask.liveness`), so that whatever they hold, NaN included, reaches
+    neither the output nor any gradient (``0 * NaN`` in ``p @ v`` or ``dS^T Q`` is NaN). Returns new tensors
+    where something is dead; the inputs are left as they were, and the zeroed positions get zero gradients.
 
-    Every backend that reads past ``valid_lens`` calls this first; one that never reads there need not.
+    Every backend calls this before it computes.
     """
-    live = mask.live_keys()  # (B|1, H|1, Lk, 1) or None
-    if live is None or bool(live.all()):
-        return k, v
-    Hkv = k.shape[1]
-    if live.shape[1] not in (1, Hkv):
-        # a per-query-head mask with grouped key/value heads: a key/value head is live if any of its group is
-        live = live.unflatten(1, (Hkv, -1)).any(dim=2)  # (B|1, Hkv, Lk, 1)
-    zero = torch.zeros((), dtype=k.dtype, device=k.device)
-    return torch.where(live, k, zero), torch.where(live, v, zero)
+    live_keys, live_rows = mask.liveness  # (B|1, H|1, Lk), (B|1, H|1, Lq), or None when all are live
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    if live_rows is not None:
+        q = torch.where(live_rows[..., None], q, zero)  # (B, H, Lq, D)
+    if live_keys is not None:
+        Hkv = k.shape[1]
+        if live_keys.shape[1] not in (1, Hkv):
+            # a per-query-head mask with grouped key/value heads: a key/value head is live if any of its group is
+            live_keys = live_keys.unflatten(1, (Hkv, -1)).any(dim=2)  # (B|1, Hkv, Lk)
+        k = torch.where(live_keys[..., None], k, zero)  # (B, Hkv, Lk, D)
+        v = torch.where(live_keys[..., None], v, zero)  # (B, Hkv, Lk, Dv)
+    return q, k, v

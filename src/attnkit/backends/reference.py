@@ -10,6 +10,11 @@ boolean attn_mask AND finite float bias) and ``bias[i, j]`` the float attn_mask 
               (a row with no allowed key is all zeros, so its output is zero)
     out[i]  = sum_j dropout(a)[i, j] * v[j]
 
+Keys that no query may attend to and queries that may attend to no key (under ``allowed``, the whole
+combination) are zeroed first (:func:`~attnkit.backends.common.zero_dead`), so that what they hold, NaN
+included, reaches neither the output nor a gradient: ``0 * NaN`` would. A float bias holds finite values or
+``-inf`` (see :mod:`attnkit.masks` for the values beyond the compute dtype's range).
+
 Query head ``h`` uses key/value head ``h // (H / Hkv)``. Computed in float32 for float16/bfloat16 inputs (in
 float64 for float64), returned in the input dtype; ``weights`` are ``a`` before dropout. Holds the whole
 ``(B, H, Lq, Lk)`` scores (and ``(B, H, Lq, Lk, D)`` features for additive scoring): use it for weights and
@@ -21,16 +26,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit.backends.common import additive_scores, repeat_kv, zero_dead_keys
+from attnkit.backends.common import additive_scores, repeat_kv, zero_dead
 from attnkit.masks import Mask, compute_dtype, softmax_with_mask
 
 NAME = "reference"
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim, Dv value head dim
-
-
-def available() -> list[str]:
-    return []
 
 
 def why_not(
@@ -60,7 +61,7 @@ def attention(
 ) -> tuple[Tensor, Tensor | None]:
     H = q.shape[1]
     dtype = compute_dtype(q.dtype)
-    k, v = zero_dead_keys(k, v, mask)
+    q, k, v = zero_dead(q, k, v, mask)
     weights = _weights(q, k, mask, w_v=w_v, scale=scale)  # (B, H, Lq, Lk) in `dtype`
     dropped = torch.nn.functional.dropout(weights, dropout_p) if dropout_p > 0 else weights
     out = dropped @ repeat_kv(v, H).to(dtype)  # (B, H, Lq, Dv)
@@ -69,7 +70,7 @@ def attention(
 
 def attention_weights(q: Tensor, k: Tensor, mask: Mask, *, w_v: Tensor | None, scale: float) -> Tensor:
     """The weights ``a`` alone (no output), ``(B, H, Lq, Lk)`` in the compute dtype: what recording needs."""
-    k, _ = zero_dead_keys(k, k, mask)
+    q, k, _ = zero_dead(q, k, k, mask)
     return _weights(q, k, mask, w_v=w_v, scale=scale)
 
 

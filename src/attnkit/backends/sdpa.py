@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.backends.common import repeat_kv, zero_dead_keys
+from attnkit.backends.common import repeat_kv, zero_dead
 from attnkit.masks import Mask
 
 NAME = "sdpa"
@@ -30,10 +30,6 @@ GROUP_BELOW = 0.875
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
-def available() -> list[str]:
-    return []
-
-
 def why_not(
     q: Tensor,
     k: Tensor,
@@ -45,7 +41,7 @@ def why_not(
     dropout_p: float,
     need_weights: bool,
 ) -> list[str]:
-    reasons = available()
+    reasons: list[str] = []
     if w_v is not None:
         reasons.append("dot-product scoring only (this call is additive)")
     if need_weights:
@@ -73,7 +69,7 @@ def attention(
             k, v = repeat_kv(k, H), repeat_kv(v, H)  # (B, H, Lk, D), (B, H, Lk, Dv)
     Lq, Lk = mask.num_queries, mask.num_keys
     lengths = _key_lengths(mask)
-    if lengths is not None and max(lengths) > 0 and sum(lengths) <= GROUP_BELOW * len(lengths) * Lk:
+    if lengths and max(lengths) > 0 and sum(lengths) <= GROUP_BELOW * len(lengths) * Lk:
         return _by_length(q, k, v, lengths, mask.is_causal, scale, dropout_p, gqa), None
     only_causal = mask.is_causal and mask.valid_lens is None and mask.bool_mask is None and mask.bias is None
     if mask.is_empty or (only_causal and Lq == Lk):
@@ -82,26 +78,26 @@ def attention(
         )  # (B, H, Lq, Dv)
         return out, None
 
-    k, v = zero_dead_keys(k, v, mask)
+    q, k, v = zero_dead(q, k, v, mask)
     allowed, bias = mask.full(q.dtype)  # (B|1, H|1, Lq|1, Lk) each, or None
-    live_rows = None
-    if allowed is not None:
-        live_rows = allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, Lq|1, 1)
-        if bool(live_rows.all()):
-            live_rows = None
-        else:
-            allowed = allowed | ~live_rows  # dead rows see every (zeroed) key, then are zeroed below
+    _, live_rows = mask.liveness  # (B|1, H|1, Lq) or None when every row sees some key
     if bias is None:
         attn_mask = allowed
     elif allowed is None:
         attn_mask = bias
     else:
         attn_mask = bias.masked_fill(~allowed, float("-inf"))  # (B|1, H|1, Lq, Lk)
+    if live_rows is not None:
+        # Dead rows see every (zeroed) key with no bias inside the kernel, then are zeroed: no version of
+        # PyTorch can turn them into NaN, and neither the mask nor the queries there reach any gradient.
+        assert attn_mask is not None  # a dead row needs a part that hides keys
+        dead = ~live_rows[..., None]  # (B|1, H|1, Lq, 1)
+        attn_mask = attn_mask | dead if attn_mask.dtype == torch.bool else attn_mask.masked_fill(dead, 0.0)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, **gqa
     )  # (B, H, Lq, Dv)
     if live_rows is not None:
-        out = out.masked_fill(~live_rows, 0.0)
+        out = out.masked_fill(~live_rows[..., None], 0.0)
     return out, None
 
 

@@ -14,7 +14,7 @@ output of :mod:`attnkit.backends.chunked`, in float32 or float64), and meanwhile
 The backward pass goes round the same ring: blocks travel again, each rank adds its queries' share of the
 block's gradient to a gradient buffer that travels with the block and arrives home after the last step. No
 rank ever holds more than two key/value blocks and three gradient blocks, and within a block scores are computed
-``chunked.SETTINGS.block_size`` keys at a time, so memory per rank is linear in ``L / W``.
+``chunked.current_settings().block_size`` keys at a time, so memory per rank is linear in ``L / W``.
 
 Only (query, key) pairs that the masks allow are scored: with ``is_causal`` and the zig-zag layout every rank
 scores about the same number of pairs (see :mod:`attnkit.distributed.sequence`).
@@ -213,7 +213,7 @@ def _agree(
         valid_lens=lens,
         key_limit=key_limit,
         scale=_from_bits(mine["scale"]),
-        block=chunked.SETTINGS.block_size,
+        block=chunked.current_settings().block_size,
     )
 
 
