@@ -90,7 +90,11 @@ def _check_case(case: Case, seed: int, group: object | None = None) -> list[tupl
         valid_lens = torch.tensor([0, Lk // 2] if "empty" in case.masking else [Lk - 2, max(1, Lk // 3)])
         for b, n in enumerate(valid_lens.tolist()):  # padding holds NaN: it must never reach a result
             k[b, :, n:] = v[b, :, n:] = float("nan")
+            if n == 0:
+                q[b] = float("nan")  # queries with no key to see: neither may they
     is_causal = "causal" in case.masking
+    if is_causal and Lq > Lk:
+        q[:, :, : Lq - Lk] = float("nan")  # causal queries before the first key see none
 
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     want = attnkit.scaled_dot_product_attention(*full, valid_lens=valid_lens, is_causal=is_causal).output

@@ -296,7 +296,7 @@ def _from_bits(n: int) -> float:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> Tensor:  # type: ignore[override]
-        qf = q.to(compute_dtype(q.dtype))  # (B, H, Lq_r, D)
+        qf = _zero_dead_rows(q.to(compute_dtype(q.dtype)), plan)  # (B, H, Lq_r, D)
         state = RunningSoftmax.start(qf, v.shape[-1])
         for _, src, kv in _around(plan, _pack(k, v, plan), "forward"):
             _forward_block(state, qf, kv, src, plan)
@@ -310,7 +310,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan: _Plan = ctx.plan
         ring = plan.ring
-        qf, dout = q.to(out.dtype), dout.to(out.dtype)  # (B, H, Lq_r, D), (B, H, Lq_r, Dv)
+        qf, dout = _zero_dead_rows(q.to(out.dtype), plan), dout.to(out.dtype)  # (B, H, Lq_r, D), (B, H, Lq_r, Dv)
         delta = (dout * out).sum(dim=-1)  # (B, H, Lq_r): sum_j p_ij dp_ij, the softmax Jacobian's row term
         dq = torch.zeros_like(qf)  # (B, H, Lq_r, D)
         pending: tuple[list, Tensor, Tensor] | None = None  # the gradient exchange under way: works, sent, received
@@ -363,6 +363,21 @@ def _gradient_step(plan: _Plan, step: int) -> str:
         f"rank {(ring.rank - step) % ring.size} to rank {(ring.rank + 1) % ring.size}, receiving those of rank "
         f"{(ring.rank - step - 1) % ring.size} from rank {(ring.rank - 1) % ring.size}"
     )
+
+
+def _zero_dead_rows(q: Tensor, plan: _Plan) -> Tensor:
+    """``q`` with the queries that may see no key zeroed (an example with ``valid_lens`` 0, or a causal query
+    before the first key), so that what they hold, NaN included, never reaches ``dk`` through ``0 * NaN``; their
+    own outputs and gradients are zero anyway."""
+    live: Tensor | None = None
+    if plan.valid_lens is not None:
+        live = (plan.valid_lens > 0).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+    if plan.is_causal and plan.offset < 0:
+        rows = positions(plan.q_ranges[plan.ring.rank], q.device) + plan.offset >= 0  # (Lq_r,)
+        live = rows.view(1, 1, -1, 1) if live is None else live & rows.view(1, 1, -1, 1)  # (B|1, 1, Lq_r, 1)
+    if live is None or bool(live.all()):
+        return q
+    return torch.where(live, q, torch.zeros((), dtype=q.dtype, device=q.device))  # (B, H, Lq_r, D)
 
 
 def _pack(k: Tensor, v: Tensor, plan: _Plan) -> Tensor:
