@@ -201,3 +201,41 @@ def test_a_float_mask_of_zeros_and_ones_warns_once_naming_the_fix():
         warnings.simplefilter("error", FloatMaskWarning)
         for bias in (torch.zeros(3, 3), torch.ones(3, 3), mask01 * 0.5, mask01.masked_fill(mask01 == 0, float("-inf"))):
             attnkit.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # real biases: no warning
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+@pytest.mark.parametrize(
+    ("input_dtype", "offset", "tol"),
+    [
+        (torch.float64, 1e4, 1e-9),
+        (torch.float32, 1e4, 1e-5),
+        (torch.float32, 1e30, 1e-5),
+        (torch.float64, 1e300, 1e-9),
+        (torch.bfloat16, 1e4, 2e-2),
+        (torch.float16, 3e4, 4e-3),
+    ],
+)
+def test_a_large_bias_never_swamps_the_scores_nor_the_gradients(backend, input_dtype, offset, tol):
+    """A bias of b + c on every key a row may see is the bias b (softmax is shift-invariant), outputs and gradients,
+    however large c: the row is shifted by its largest visible bias before the scores are added (float64 mask,
+    so b + c still holds b where the offset leaves it room; else row-constant)."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64).to(input_dtype) for _ in range(3))
+    b = torch.randn(5, 5, generator=g, dtype=torch.float64).round(decimals=2)
+    if offset > 1e12:
+        b = torch.zeros_like(b)  # float64 keeps nothing of b beside 1e30 or 1e300: a row-constant bias
+    hidden = torch.tensor([[True, True, False, True, True]]).expand(5, 5)
+    b = b.masked_fill(~hidden, float("-inf"))
+    lens = torch.tensor([[5, 4, 0, 3, 5], [2, 5, 5, 1, 4]])
+
+    def run(bias):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attnkit.scaled_dot_product_attention(*leaves, attn_mask=bias, valid_lens=lens, backend=backend).output
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        return out, grads
+
+    out, grads = run(b + offset)
+    want, want_grads = run(b)
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+    for grad, want_grad in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(grad, want_grad, atol=4 * tol, rtol=4 * tol)

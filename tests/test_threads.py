@@ -276,3 +276,25 @@ def test_every_block_is_closed_after_an_exception():
     mha(X, Y, Y, LENS)
     assert trace.active() is None and _global_hooks() == hooks
     assert rec == {} and ran == [] and chunked.current_settings() == chunked.Settings()
+
+
+def test_chunked_settings_closed_out_of_order_leave_nothing_behind():
+    outer = chunked.settings(block_size=5)
+    inner = chunked.settings(block_size=7)
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)  # closed first (as contextlib.ExitStack or a generator may)
+    assert chunked.current_settings().block_size == 7
+    inner.__exit__(None, None, None)
+    assert chunked.current_settings() == chunked.Settings()
+
+    def suspended():
+        with chunked.settings(block_size=9):
+            yield
+
+    g = suspended()
+    next(g)
+    with chunked.settings(block_size=3):
+        g.close()  # the generator's block closes inside the caller's
+        assert chunked.current_settings().block_size == 3
+    assert chunked.current_settings() == chunked.Settings()

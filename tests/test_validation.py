@@ -454,3 +454,18 @@ def test_empty_batches_and_query_lengths_give_the_empty_result(backend, batch, q
     if batch and backend != "sdpa":
         w_v = torch.randn(D)
         assert attnkit.additive_attention(q, k, v, w_v, valid_lens=lens, backend=backend).output.shape == out.shape
+
+
+def test_additive_chunked_with_an_empty_batch_gives_the_empty_result():
+    q, k = torch.randn(0, 3, 4, requires_grad=True), torch.randn(0, 5, 4)
+    out = attnkit.additive_attention(q, k, k, torch.randn(4), backend="chunked").output
+    assert out.shape == (0, 3, 4)
+    layer = attnkit.AdditiveAttention(4, query_size=4, key_size=4, backend="chunked")
+    assert layer(q, k, k).shape == (0, 3, 4)
+
+
+def test_a_layer_given_a_mask_that_is_not_a_tensor_names_it():
+    mha = attnkit.MultiHeadAttention(8, 2)
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(TypeError, match="attn_mask must be a tensor, got list"):
+        mha(x, x, x, attn_mask=[[True] * 3] * 3)

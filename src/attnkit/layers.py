@@ -349,7 +349,7 @@ class MultiHeadAttention(_Attention):
         if tracer is not None:
             for name, flat, split in (("queries", q_flat, q), ("keys", k_flat, k), ("values", v_flat, v)):
                 tracer.add("split heads", [flat], split, f"{name}: (B, L, H*d) -> (B, H, L, d)")
-        if attn_mask is not None and attn_mask.dim() == 3:
+        if isinstance(attn_mask, Tensor) and attn_mask.dim() == 3:  # anything else: the mask checks name it
             attn_mask = attn_mask.unsqueeze(1)  # (B, Lq, Lk) -> (B, 1, Lq, Lk)
         masks = Masks(valid_lens, attn_mask, is_causal)
         out = self._attend(q, k, v, masks)  # (B, H, Lq, d)

@@ -7,13 +7,13 @@ together and combine (boolean AND; a float mask is a bias added to the scores):
   first ``valid_lens[b]`` keys; shape ``(B, Lq)`` gives each query its own length.
 * ``attn_mask``: boolean, broadcastable to ``(B, H, Lq, Lk)``; or floating point, added to the scores (ALiBi,
   relative positions). In a float mask ``-inf``, and only ``-inf``, means "may not attend": a finite value is a
-  bias, however large. A bias beyond half the finite range of the inputs' dtype (``-1e300`` in a float64 mask
-  with float32 inputs, ``finfo(float32).min`` with float16 inputs) is first shifted, per query row, by that row's
-  largest finite bias (the softmax does not change), then clamped to that range, so it never becomes ``-inf``
-  in a cast or when a score is added to it: a row whose every key carries ``-1e300`` gives the weights it
-  would give with no bias at all. ``+inf`` and NaN in a float mask are a ``ValueError``. A float mask holding
-  only 0 and 1 is almost always a boolean mask in disguise (it masks nothing): it gives a
-  :class:`FloatMaskWarning`.
+  bias, however large, and never becomes ``-inf`` (in a cast to the inputs' dtype, or when a score is added to
+  it). Where a row's largest visible bias is large (beyond ``BIAS_SHIFT_ABOVE``), the row's bias is shifted by
+  it before anything else (the softmax does not change), so that it cannot swamp the scores: a row whose every
+  key carries ``-1e30`` (or ``1e4`` with bfloat16 inputs) gives the weights of no bias at all, and the
+  gradients agree with them. What remains beyond half the finite range of the dtype is clamped to it.
+  ``+inf`` and NaN in a float mask are a ``ValueError``. A float mask holding only 0 and 1 is almost always a
+  boolean mask in disguise (it masks nothing): it gives a :class:`FloatMaskWarning`.
 * ``is_causal``: query ``i`` sees key ``j`` when ``j <= i + Lk - Lq`` (aligned to the bottom right), so one new
   query decoded against a cache of keys sees the whole cache::
 
@@ -47,6 +47,10 @@ __all__ = ["FloatMaskWarning", "Mask", "causal_mask", "masked_softmax", "sequenc
 
 # Booleans held at once while the liveness of a general mask is worked out block by block (16 MiB).
 LIVENESS_BLOCK_ELEMENTS = 2**24
+
+# A row's largest visible bias beyond this (in magnitude) is subtracted from the row: a score of a few units added
+# to a bias of 1e4 keeps 3 bits in bfloat16, and none beside 1e30 in float32.
+BIAS_SHIFT_ABOVE = 16.0
 
 
 class FloatMaskWarning(UserWarning):
@@ -197,6 +201,7 @@ class Mask:
         bias: Tensor | None,
         bias_range: tuple[float, float] = (0.0, 0.0),
         bias_has_neg_inf: bool = False,
+        bias_shift: Tensor | None = None,
     ) -> None:
         self.batch, self.heads = batch, heads
         self.num_queries, self.num_keys = num_queries, num_keys
@@ -204,8 +209,9 @@ class Mask:
         self.is_causal = is_causal
         self.bool_mask = bool_mask  # (B|1, H|1, Lq, Lk) bool view, or None
         self.bias = bias  # (B|1, H|1, Lq, Lk) float view, or None
-        self.bias_range = bias_range  # smallest and largest finite value of the bias (after any shift)
+        self.bias_range = bias_range  # smallest and largest finite value of the bias
         self.bias_has_neg_inf = bias_has_neg_inf
+        self.bias_shift = bias_shift  # (B|1, H|1, Lq, 1) subtracted from the bias, or None
 
     @classmethod
     def build(
@@ -232,8 +238,7 @@ class Mask:
                 or ``-inf``.
             is_causal: bottom-right aligned causal mask.
             device: where the call runs; masks elsewhere are an error.
-            dtype: of the inputs: a float bias beyond half its finite range is shifted per row (see the module
-                docstring).
+            dtype: of the inputs: a float bias is clamped to half its finite range (see the module docstring).
 
         Raises:
             ValueError: ``+inf`` or NaN in a float ``attn_mask``, and shapes or values that do not fit.
@@ -260,16 +265,12 @@ class Mask:
             _check_device("attn_mask", m, device)
             if m.dtype != torch.bool:
                 bias_range, has_neg_inf = _check_bias(attn_mask)
-                limit = torch.finfo(dtype).max / 2
-                if bias_range[0] < -limit or bias_range[1] > limit:
-                    m = _shift_rows(m)  # (B|1, H|1, Lq|1, Lk|1), a new tensor: each row's largest finite bias is 0
-                    bias_range = _finite_range(m)
             m = m.expand(*m.shape[:2], Lq, Lk)  # (B|1, H|1, Lq, Lk), a view: blocks slice it
             if m.dtype == torch.bool:
                 bool_mask = m
             else:
                 bias = m
-        return cls(
+        mask = cls(
             batch=B,
             heads=H,
             num_queries=Lq,
@@ -281,6 +282,11 @@ class Mask:
             bias_range=bias_range,
             bias_has_neg_inf=has_neg_inf,
         )
+        if max(-bias_range[0], bias_range[1]) > BIAS_SHIFT_ABOVE:
+            shift = mask._visible_row_max()  # (B|1, H|1, Lq, 1)
+            if bool((shift.abs() > BIAS_SHIFT_ABOVE).any()):
+                mask.bias_shift = shift
+        return mask
 
     @property
     def is_empty(self) -> bool:
@@ -290,17 +296,19 @@ class Mask:
     def block(self, j0: int, j1: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor | None, Tensor | None]:
         """``allowed`` and ``bias`` for keys ``[j0, j1)``, each broadcastable to ``(B, H, Lq, j1 - j0)``.
 
-        The bias is in ``dtype``, its finite values clamped to half the finite range of ``dtype`` so that no
-        finite bias becomes ``-inf`` (in the cast, or when a score is added to it); where the mask says
-        ``-inf``, the bias is ``-inf`` and ``allowed`` is False.
+        The bias is in ``dtype``, less its row shift (computed in the mask's own dtype), its finite values clamped
+        to half the finite range of ``dtype`` so that no finite bias becomes ``-inf`` (in the cast, or when a score
+        is added to it); where the mask says ``-inf``, the bias is ``-inf`` and ``allowed`` is False.
         """
         allowed = self.allowed_block(j0, j1)
         bias = None
         if self.bias is not None:
             part = self.bias[..., j0:j1]  # (B|1, H|1, Lq, blk)
+            if self.bias_shift is not None:
+                part = part - self.bias_shift  # (B|1, H|1, Lq, blk); -inf stays -inf
             limit = torch.finfo(dtype).max / 2
             lo, hi = self.bias_range
-            if lo < -limit or hi > limit:
+            if self.bias_shift is not None or lo < -limit or hi > limit:
                 # a new tensor (the caller's mask is never written to); -inf stays -inf
                 part = torch.where(torch.isneginf(part), part, part.clamp(-limit, limit))
             bias = part.to(dtype)
@@ -324,6 +332,24 @@ class Mask:
             finite = ~torch.isneginf(self.bias[..., j0:j1])  # (B|1, H|1, Lq, blk)
             allowed = finite if allowed is None else allowed & finite
         return allowed
+
+    def _visible_row_max(self) -> Tensor:
+        """Each row's largest bias over the keys it may see, ``(B|1, H|1, Lq, 1)`` in the bias's dtype, detached
+        (the softmax does not depend on it, so neither do the gradients); 0 for rows that see none."""
+        assert self.bias is not None
+        bias = self.bias.detach()
+        row_max: Tensor | None = None
+        step = max(1, LIVENESS_BLOCK_ELEMENTS // max(1, bias.shape[0] * bias.shape[1] * self.num_queries))
+        for j0 in range(0, self.num_keys, step):
+            j1 = min(j0 + step, self.num_keys)
+            part = bias[..., j0:j1]  # (B|1, H|1, Lq, blk)
+            allowed = self.allowed_block(j0, j1)
+            if allowed is not None:
+                part = torch.where(allowed, part, float("-inf"))  # (B|1, H|1, Lq, blk)
+            block_max = part.amax(dim=-1, keepdim=True)  # (B|1, H|1, Lq, 1)
+            row_max = block_max if row_max is None else torch.maximum(row_max, block_max)
+        assert row_max is not None
+        return row_max.masked_fill(torch.isneginf(row_max), 0.0)  # (B|1, H|1, Lq, 1)
 
     def first_row(self, j0: int) -> int:
         """The first query row that may see key ``j0`` or any later key: rows above it see none (causal); 0
@@ -402,16 +428,9 @@ def _none_if_all(live: Tensor) -> Tensor | None:
 
 
 def _finite_range(bias: Tensor) -> tuple[float, float]:
-    finite = bias.masked_fill(torch.isneginf(bias), 0.0)
+    finite = bias.detach().masked_fill(torch.isneginf(bias), 0.0)
     lo, hi = finite.aminmax()
     return float(lo), float(hi)
-
-
-def _shift_rows(bias: Tensor) -> Tensor:
-    """``bias`` minus each query row's largest finite value: the softmax is the same, and a row of equal huge
-    biases becomes a row of zeros. Rows of ``-inf`` only are left as they are."""
-    row_max = bias.amax(dim=-1, keepdim=True)  # (..., Lq|1, 1), -inf for rows of -inf only
-    return bias - row_max.masked_fill(torch.isneginf(row_max), 0.0)
 
 
 def _check_bias(attn_mask: Tensor) -> tuple[tuple[float, float], bool]:

@@ -13,6 +13,7 @@ Cannot: return weights, apply dropout, or differentiate a float ``attn_mask``; s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -38,44 +39,49 @@ class Settings:
     additive_block_bytes: int = 64 * 2**20
 
 
-# The settings of this thread or task: those of the innermost settings() block open in it, else the defaults.
-_SETTINGS: ContextVar[Settings] = ContextVar("attnkit_chunked_settings", default=Settings())  # noqa: B039 (frozen)
+# The settings() blocks open in this thread or task, outermost first: each one's overrides, by identity. Blocks may
+# close in any order (contextlib.ExitStack, generators): each removes its own, the others stay in force.
+_OVERRIDES: ContextVar[tuple[dict[str, int], ...]] = ContextVar("attnkit_chunked_settings", default=())
 
 
 def current_settings() -> Settings:
-    """The settings in force in this thread or task."""
-    return _SETTINGS.get()
+    """The settings in force in this thread or task: the defaults, overridden by each open settings() block."""
+    current = Settings()
+    for overrides in _OVERRIDES.get():
+        current = dataclasses.replace(current, **overrides)
+    return current
 
 
 def __getattr__(name: str) -> Settings:
     # ``chunked.SETTINGS`` reads current_settings(): it used to be a module global, and callers may still read it.
     if name == "SETTINGS":
-        return _SETTINGS.get()
+        return current_settings()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @contextlib.contextmanager
 def settings(*, block_size: int | None = None, additive_block_bytes: int | None = None) -> Iterator[Settings]:
-    """Change the block sizes inside a ``with`` block, for the thread or asyncio task that opens it (blocks nest;
-    the settings in force before are back on exit, even after an exception).
+    """Change the block sizes inside a ``with`` block, for the thread or asyncio task that opens it (blocks nest and
+    may close in any order; on exit, even after an exception, this block's changes are gone and the others stay).
 
     Example:
         >>> with settings(block_size=64) as s:
         ...     s.block_size
         64
     """
-    old = _SETTINGS.get()
-    new = Settings(
-        block_size=old.block_size if block_size is None else block_size,
-        additive_block_bytes=old.additive_block_bytes if additive_block_bytes is None else additive_block_bytes,
-    )
-    if new.block_size < 1 or new.additive_block_bytes < 1:
-        raise ValueError(f"block sizes must be positive, got {new}")
-    token = _SETTINGS.set(new)
+    overrides = {
+        name: value
+        for name, value in (("block_size", block_size), ("additive_block_bytes", additive_block_bytes))
+        if value is not None
+    }
+    for name, value in overrides.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+    _OVERRIDES.set((*_OVERRIDES.get(), overrides))
     try:
-        yield new
+        yield current_settings()
     finally:
-        _SETTINGS.reset(token)
+        _OVERRIDES.set(tuple(o for o in _OVERRIDES.get() if o is not overrides))
 
 
 def why_not(
@@ -115,7 +121,7 @@ def attention(
     if w_v is None:
         block = current_settings().block_size
     else:
-        block = max(1, current_settings().additive_block_bytes // (4 * B * H * max(Lq, 1) * D))
+        block = max(1, current_settings().additive_block_bytes // (4 * max(B * H * Lq * D, 1)))
     q, k, v = zero_dead(q, k, v, mask)
     # Repeating key/value heads outside the Function lets autograd sum their gradients back per group.
     kf = repeat_kv(k, H).to(dtype)  # (B, H, Lk, D)
