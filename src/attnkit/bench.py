@@ -24,12 +24,15 @@ matmul rate, measured in the same run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import subprocess
 import sys
 import time
+import types
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -409,10 +412,63 @@ def save_json(report: Report, path: str) -> None:
 
 
 def load_json(path: str) -> Report:
-    with open(path) as f:
-        data = json.load(f)
-    rows = [Row(**r) for r in data.pop("rows")]
-    return Report(rows=rows, **data)
+    """Results saved by :func:`save_json`, checked field by field against :class:`Report` and :class:`Row`.
+
+    Keys that those classes do not have are ignored (a file from a newer attnkit still compares).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: the file is not JSON, or not results saved by :func:`save_json`; the message, one line, says
+            where it differs, e.g. ``expected a JSON object with "rows", a list, got null`` or
+            ``rows[3]["B"] must be int, got "8"``.
+    """
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ValueError(f'expected a JSON object with "rows", a list, got {_json_excerpt(data)}')
+    rows = [Row(**_fields_of(Row, r, f"rows[{i}]")) for i, r in enumerate(data["rows"])]
+    return Report(**{**_fields_of(Report, {k: v for k, v in data.items() if k != "rows"}, "the results"), "rows": rows})
+
+
+def _fields_of(cls: type, data: Any, where: str) -> dict[str, Any]:
+    """The entries of ``data`` that are fields of the dataclass ``cls``, each checked against its annotation."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a JSON object, got {_json_excerpt(data)}")
+    hints = typing.get_type_hints(cls)
+    found = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ValueError(f'{where} has no "{f.name}"')
+            continue
+        value, hint = data[f.name], hints[f.name]
+        if not _is_a(value, hint):
+            name = getattr(hint, "__name__", str(hint))
+            raise ValueError(f'{where}["{f.name}"] must be {name}, got {_json_excerpt(value)}')
+        found[f.name] = value
+    return found
+
+
+def _is_a(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a field's annotation (``int``, ``float``, ``str``, ``X | None``; others pass)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_is_a(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True
+
+
+def _json_excerpt(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def plot_report(report: Report, path: str) -> None:
