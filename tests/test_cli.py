@@ -1,15 +1,19 @@
-"""The `attnkit` command, run as a user would: in a subprocess."""
+"""The `attnkit` command: in-process through `cli.main(argv)`, and end to end in a subprocess as a user runs it."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import matplotlib.image
 import numpy as np
 import pytest
 import torch
+
+from attnkit import bench, cli, demo
 
 
 def attnkit(*args, cwd=None, timeout=120):
@@ -127,3 +131,382 @@ def test_heatmap_mistakes_with_files(tmp_path):
 def test_demo_output_folder_that_cannot_be_written(tmp_path):
     (tmp_path / "a-file").write_text("")
     assert_one_line_error(attnkit("demo", "--quick", "--out", str(tmp_path / "a-file" / "sub")), "cannot write")
+
+
+# In-process: cli.main(argv), its return code, one line on stderr, and nothing left behind -----------------------
+
+ON_LINUX_PROC = os.path.isdir("/proc/self")
+
+
+def main(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line(code, err, *fragments):
+    assert code == 2, err
+    assert err.startswith("attnkit: error: ") and err.count("\n") == 1, err
+    assert len(err) < 400, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test if a command starts its work (training, benchmarking) instead of refusing first."""
+
+    def started(*args, **kwargs):
+        raise AssertionError("the command started its work before checking its arguments")
+
+    for module, name in ((demo, "replay_book_examples"), (demo, "train"), (bench, "run")):
+        monkeypatch.setattr(module, name, started)
+
+
+@pytest.fixture
+def weights_file(tmp_path):
+    path = tmp_path / "w.pt"
+    torch.save(torch.softmax(torch.randn(2, 3, 4), -1), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragments"),
+    [
+        (("trace", "dot", "--valid-lens", "100000000000000000000,2"), ["--valid-lens", "from 0 to 100000"]),
+        (("trace", "dot", "--valid-lens=-1,2"), ["--valid-lens", "from 0 to 100000", "got -1"]),
+        (("trace", "dot", "--valid-lens", "3,,2"), ["--valid-lens", "'3,,2'"]),
+        (("trace", "dot", "--batch", "9" * 5000), ["--batch", "invalid int value", "..."]),
+        (("trace", "dot", "--keys", "-5"), ["--keys", "got -5"]),
+        (("demo", "--seed", str(10**20)), ["--seed", f"from {-(2**63)} to {2**64 - 1}"]),
+        (("demo", "--seed", str(-(2**63) - 1)), ["--seed", f"from {-(2**63)} to {2**64 - 1}"]),
+        (("trace", "additive", "--queries", "10000", "--keys", "10000"), ["additive features", "at most"]),
+        (
+            ("trace", "multihead", "--batch", "1000", "--queries", "1000", "--keys", "1000", "--valid-lens", ""),
+            ["scores"],
+        ),
+    ],
+)
+def test_numbers_out_of_range_are_refused_when_parsed(capsys, no_work, tmp_path, monkeypatch, argv, fragments):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = main(capsys, *argv)
+    assert_one_line(code, err, *fragments)
+    assert list(tmp_path.iterdir()) == []  # the demo made no folder
+
+
+def test_demo_takes_every_seed_torch_takes(capsys, tmp_path, monkeypatch):
+    seeds = []
+    monkeypatch.setattr(demo, "replay_book_examples", lambda echo: None)
+    monkeypatch.setattr(demo, "train", lambda kind, *, seed, **kwargs: seeds.append(seed) or fake_result(kind))
+    for seed in (-(2**63), 2**64 - 1):
+        code, _, err = main(capsys, "demo", "--quick", "--seed", seed, "--out", tmp_path / "out")
+        assert code == 0, err
+    assert seeds == [-(2**63)] * len(demo.KINDS) + [2**64 - 1] * len(demo.KINDS)
+
+
+def fake_result(kind):
+    """A DemoResult as train gives it, without the training: for tests of what the command does around it."""
+    weights = torch.softmax(torch.randn(1, 4, 4), -1)
+    weights[..., 3:] = 0  # the padding column
+    example = {
+        "source": [1, 2, 3],
+        "prediction": [3, 2, 1],
+        "weights": weights,
+        "source_labels": ["1", "2", "3", "<pad>"],
+        "target_labels": ["3", "2", "1", "<eos>"],
+    }
+    return demo.DemoResult(kind, 1.0, 0.1, 10, [(5, 1.0), (10, 0.5)], [(10, 1.0)], example)
+
+
+BAD_OUTPUTS = {  # what --out/--json/--plot name -> a fragment of the one line that refuses it
+    "an existing folder": ("folder", "names a folder"),
+    "a missing folder": ("missing/x", "does not exist"),
+    "a file as folder": ("a-file/x", "is not a folder"),
+    "an empty name": ("", "empty"),
+    "a folder under /proc": ("/proc/x", "cannot write into folder '/proc'"),
+}
+
+
+OUTPUT_OPTIONS = {  # the command line that writes to a name, and the extension it wants
+    "heatmap --out": ("heatmap", "w.pt", "--out", ".png"),
+    "bench --json": ("bench", "--quick", "--json", ".json"),
+    "bench --plot": ("bench", "--quick", "--plot", ".png"),
+}
+
+
+@pytest.mark.parametrize("option", list(OUTPUT_OPTIONS))
+@pytest.mark.parametrize("case", list(BAD_OUTPUTS))
+def test_every_output_file_is_checked_before_any_work(
+    capsys, no_work, tmp_path, monkeypatch, weights_file, option, case
+):
+    if case == "a folder under /proc" and not ON_LINUX_PROC:
+        pytest.skip("no /proc here")
+    monkeypatch.chdir(tmp_path)
+    for folder in ("folder.png", "folder.json"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "a-file").write_text("")
+    before = sorted(tmp_path.rglob("*"))
+    *argv, suffix = OUTPUT_OPTIONS[option]
+    name, fragment = BAD_OUTPUTS[case]
+    code, out, err = main(capsys, *argv, name + suffix if name else "")
+    assert_one_line(code, err, fragment)
+    assert out == "" and sorted(tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (("heatmap", "w.pt", "--out", "DIR"), "--out DIR: names a folder; name a file, such as DIR/out.png"),
+        (("heatmap", "w.pt", "--out", "w.txt"), "the extension must be one of .png"),
+        (("heatmap", "w.pt", "--out", "w.pt"), "the extension must be one of .png"),
+        (("bench", "--json", "run.txt"), "--json run.txt: the extension must be .json"),
+        (("bench", "--plot", "run.svg"), "--plot run.svg: the extension must be .png"),
+    ],
+)
+def test_wrong_extensions_are_refused(capsys, no_work, tmp_path, monkeypatch, weights_file, argv, fragment):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "DIR").mkdir()
+    code, _, err = main(capsys, *argv)
+    assert_one_line(code, err, fragment)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["DIR", "w.pt"]
+
+
+def test_heatmap_of_a_huge_grid_is_refused_at_once_with_the_fix(capsys, tmp_path):
+    torch.save(torch.rand(30, 30, 2, 2), tmp_path / "grid.pt")
+    torch.save(torch.rand(100, 3, 3), tmp_path / "heads.pt")
+    start = time.perf_counter()
+    code, _, err = main(capsys, "heatmap", tmp_path / "grid.pt", "--out", tmp_path / "grid.png")
+    assert_one_line(code, err, "(30, 30, 2, 2)", "900 panels", "w[:8, :8]")
+    code, _, err = main(capsys, "heatmap", tmp_path / "heads.pt", "--out", tmp_path / "heads.png")
+    assert_one_line(code, err, "(100, 3, 3)", "100 panels", "w[:8]")
+    assert time.perf_counter() - start < 30  # before: more than 4 minutes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.pt", "heads.pt"]
+
+
+def test_heatmap_of_long_sequences_draws(capsys, tmp_path):
+    torch.save(torch.softmax(torch.randn(2, 2, 1024, 1024), -1), tmp_path / "long.pt")
+    code, out, err = main(capsys, "heatmap", tmp_path / "long.pt", "--out", tmp_path / "long.png", "--title", "t")
+    assert code == 0, err
+    assert out.strip() == str(tmp_path / "long.png")
+    assert matplotlib.image.imread(tmp_path / "long.png").shape[0] > 200
+
+
+@pytest.mark.parametrize(
+    ("weights", "fragment"),
+    [
+        (torch.full((3, 4), float("nan")), "no finite entry"),
+        (torch.full((2, 2, 3, 4), float("inf")), "no finite entry"),
+    ],
+)
+def test_heatmap_of_weights_with_nothing_finite_is_one_line(capsys, tmp_path, weights, fragment):
+    torch.save(weights, tmp_path / "w.pt")
+    code, _, err = main(capsys, "heatmap", tmp_path / "w.pt", "--out", tmp_path / "w.png")
+    assert_one_line(code, err, fragment)
+    assert [p.name for p in tmp_path.iterdir()] == ["w.pt"]
+
+
+def test_heatmap_draws_weights_with_some_nan(capsys, tmp_path):
+    weights = torch.softmax(torch.randn(2, 3, 4), -1)
+    weights[0, 0, 0] = float("nan")
+    torch.save(weights, tmp_path / "w.pt")
+    code, _, err = main(capsys, "heatmap", tmp_path / "w.pt", "--out", tmp_path / "w.png")
+    assert code == 0, err
+
+
+def test_heatmap_title_that_matplotlib_cannot_typeset_is_one_line(capsys, weights_file):
+    out = weights_file.parent / "w.png"
+    code, _, err = main(capsys, "heatmap", weights_file, "--out", out, "--title", "$\\foo$")
+    assert_one_line(code, err, "cannot draw", "Unknown symbol")
+    assert not out.exists() and [p.name for p in weights_file.parent.iterdir()] == ["w.pt"]
+
+
+def test_heatmap_grid_takes_the_title(capsys, tmp_path):
+    torch.save(torch.softmax(torch.randn(2, 2, 3, 4), -1), tmp_path / "grid.pt")
+    code, _, err = main(
+        capsys, "heatmap", tmp_path / "grid.pt", "--out", tmp_path / "grid.svg", "--title", "layer x head"
+    )
+    assert code == 0, err
+    assert "layer x head" in (tmp_path / "grid.svg").read_text()
+
+
+@pytest.mark.parametrize(
+    ("source", "fragment"),
+    [("folder", "is a folder, not a file"), ("missing.pt", "no such file"), ("/dev/null", "is not a regular file")],
+)
+def test_files_to_read_must_be_regular_files(capsys, no_work, tmp_path, monkeypatch, source, fragment):
+    if source.startswith("/dev/") and not os.path.exists(source):
+        pytest.skip("no /dev/null here")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    code, _, err = main(capsys, "heatmap", source, "--out", "w.png")
+    assert_one_line(code, err, fragment)
+    code, _, err = main(capsys, "bench", "--compare", source)
+    assert_one_line(code, err, fragment)
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        (b"null", 'expected a JSON object with "rows", a list, got null'),
+        (b'"a string"', 'got "a string"'),
+        (b"[1, 2]", "got [1, 2]"),
+        (b'{"rows": 3}', 'got {"rows": 3}'),
+        (b'{"rows": [null]}', "rows[0] must be a JSON object, got null"),
+        (b'{"rows": [{"kind": "mha"}]}', 'rows[0] has no "B"'),
+        (
+            b'{"rows": [{"kind": "mha", "B": "8", "L": 8, "mode": "", "mask": "", "contender": ""}]}',
+            'rows[0]["B"] must be int, got "8"',
+        ),
+        (b'{"rows": [], "threads": "two"}', 'the results["threads"] must be int, got "two"'),
+        (b'{"rows": [], "seconds": null}', 'the results["seconds"] must be float, got null'),
+        (b"{not json", "Expecting property name"),
+        (b"\xff\xfe\x00", "utf-8"),
+    ],
+)
+def test_bench_compare_checks_the_saved_structure(capsys, no_work, tmp_path, content, fragment):
+    saved = tmp_path / "saved.json"
+    saved.write_bytes(content)
+    code, _, err = main(capsys, "bench", "--quick", "--compare", saved)
+    assert_one_line(code, err, f"--compare {saved}: not results saved with `attnkit bench --json`", fragment)
+
+
+def test_bench_compare_reads_what_bench_json_saved(tmp_path):
+    report = bench.Report(rows=[bench.Row("mha", 2, 128, "train", "none", "torch", seconds=0.5)], threads=2)
+    bench.save_json(report, str(tmp_path / "r.json"))
+    data = json.loads((tmp_path / "r.json").read_text())
+    data["added_later"] = 1  # a key from a newer attnkit is ignored
+    data["rows"][0]["also_later"] = "x"
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    assert bench.load_json(str(tmp_path / "r.json")) == report
+
+
+def small_report(**kwargs):
+    rows = [
+        bench.Row("mha", 8, L, "train", "none", contender, seconds=0.5, peak_bytes=2**20)
+        for L in (128, 512)
+        for contender in ("attnkit", "torch")
+    ]
+    return bench.Report(rows=rows, matmul_gflops=100.0, threads=2, torch_version="x", seconds=1.0)
+
+
+def test_bench_writes_its_json_and_picture_whole(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "run", small_report)
+    code, out, err = main(capsys, "bench", "--json", tmp_path / "r.json", "--plot", tmp_path / "r.png")
+    assert code == 0, err
+    assert out.splitlines()[-2:] == [str(tmp_path / "r.json"), str(tmp_path / "r.png")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.png"]
+    assert bench.load_json(str(tmp_path / "r.json")) == small_report()
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def test_bench_that_fails_writing_leaves_no_partial_file(capsys, tmp_path, monkeypatch):
+    def disk_full(report, path):
+        with open(path + ".part", "w") as f:  # as save_json does
+            f.write('{"rows": [')
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bench, "run", small_report)
+    monkeypatch.setattr(bench, "save_json", disk_full)
+    (tmp_path / "r.json").write_text("an earlier run")
+    code, _, err = main(capsys, "bench", "--json", tmp_path / "r.json")
+    assert_one_line(code, err, "r.json: cannot write (No space left on device)")
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    assert (tmp_path / "r.json").read_text() == "an earlier run"
+
+
+def test_demo_makes_no_folder_until_the_pictures_are_drawn(capsys, tmp_path, monkeypatch):
+    out = tmp_path / "new" / "nested" / "pictures"
+    seen = []
+    monkeypatch.setattr(demo, "replay_book_examples", lambda echo: seen.append(out.parent.parent.exists()))
+    monkeypatch.setattr(
+        demo, "train", lambda kind, **kwargs: seen.append(out.parent.parent.exists()) or fake_result(kind)
+    )
+    code, stdout, err = main(capsys, "demo", "--quick", "--out", out)
+    assert code == 0, err
+    assert seen == [False] * (1 + len(demo.KINDS))
+    names = ["additive-attention.png", "multihead-attention.png", "training.png"]
+    assert sorted(p.name for p in out.iterdir()) == names
+    assert all(str(out / name) in stdout for name in names)
+    assert [p.name for p in tmp_path.iterdir()] == ["new"] and [p.name for p in out.parent.iterdir()] == ["pictures"]
+    assert oct(out.stat().st_mode & 0o777) == oct(0o777 & ~_umask())  # not mkdtemp's private 0o700
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def failing_draw(results, folder):
+    (folder / "additive-attention.png").write_bytes(b"\x89PNG half")
+    raise OSError(28, "No space left on device")
+
+
+def test_demo_that_fails_drawing_leaves_no_folder_behind(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(demo, "replay_book_examples", lambda echo: None)
+    monkeypatch.setattr(demo, "train", lambda kind, **kwargs: fake_result(kind))
+    monkeypatch.setattr(demo, "draw", failing_draw)
+    code, _, err = main(capsys, "demo", "--quick", "--out", tmp_path / "new" / "pictures")
+    assert_one_line(code, err, "cannot write the pictures", "No space left on device")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_that_fails_drawing_leaves_an_existing_folder_as_it_was(capsys, tmp_path, monkeypatch):
+    (tmp_path / "training.png").write_bytes(b"an earlier run")
+    monkeypatch.setattr(demo, "replay_book_examples", lambda echo: None)
+    monkeypatch.setattr(demo, "train", lambda kind, **kwargs: fake_result(kind))
+    monkeypatch.setattr(demo, "draw", failing_draw)
+    code, _, err = main(capsys, "demo", "--quick", "--out", tmp_path)
+    assert_one_line(code, err, "cannot write the pictures")
+    assert [p.name for p in tmp_path.iterdir()] == ["training.png"]
+    assert (tmp_path / "training.png").read_bytes() == b"an earlier run"
+
+
+def test_demo_interrupted_while_training_leaves_no_folder(capsys, tmp_path, monkeypatch):
+    def interrupted(kind, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "replay_book_examples", lambda echo: None)
+    monkeypatch.setattr(demo, "train", interrupted)
+    code, _, err = main(capsys, "demo", "--out", tmp_path / "pictures")
+    assert code == 130 and err == "attnkit: interrupted\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "argv", [("heatmap", "w.pt", "--out", "w.png"), ("demo", "--quick"), ("bench", "--plot", "b.png")]
+)
+def test_commands_that_draw_say_what_to_install_without_matplotlib(
+    capsys, no_work, tmp_path, monkeypatch, weights_file, argv
+):
+    monkeypatch.chdir(weights_file.parent)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    code, _, err = main(capsys, *argv)
+    assert_one_line(code, err, "needs matplotlib", "pip install 'attnkit[plot]'")
+    assert [p.name for p in weights_file.parent.iterdir()] == ["w.pt"]
+
+
+# End to end, as the issue reported them: each was a traceback --------------------------------------------------
+
+
+def test_the_reported_tracebacks_are_one_line_errors(tmp_path):
+    torch.save(torch.softmax(torch.randn(3, 4), -1), tmp_path / "w.pt")
+    (tmp_path / "DIR").mkdir()
+    (tmp_path / "null.json").write_text("null")
+    (tmp_path / "string.json").write_text('"results"')
+    torch.save(torch.rand(30, 30, 2, 2), tmp_path / "grid.pt")
+    cases = [
+        (("trace", "dot", "--valid-lens", "100000000000000000000,2"), "--valid-lens"),
+        (("heatmap", "w.pt", "--out", "DIR"), "names a folder"),
+        (("heatmap", "w.pt", "--out", "/proc/a.png"), "cannot write into folder '/proc'"),
+        (("demo", "--quick", "--seed", str(10**20)), "--seed"),
+        (("bench", "--compare", "null.json"), "got null"),
+        (("bench", "--compare", "string.json"), 'got "results"'),
+        (("heatmap", "grid.pt", "--out", "grid.png"), "900 panels"),
+    ]
+    if not ON_LINUX_PROC:
+        cases = [c for c in cases if "/proc/a.png" not in c[0]]
+    for args, fragment in cases:
+        assert_one_line_error(attnkit(*args, cwd=tmp_path), fragment)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["DIR", "grid.pt", "null.json", "string.json", "w.pt"]
+    assert list((tmp_path / "DIR").iterdir()) == []

@@ -71,3 +71,11 @@ def test_demo_command_quick(tmp_path):
         assert str(out / name) in text
         image = matplotlib.image.imread(out / name)
         assert image.shape[0] > 200 and image.shape[1] > 300 and image[..., :3].std() > 0.05
+
+
+def test_the_largest_seed_torch_takes_trains_and_larger_ones_are_refused():
+    result = demo.train("additive", seed=2**64 - 1, quick=True)  # the held-out seed wraps around, as torch's do
+    assert result.accuracy >= 0.9
+    for seed in (2**64, -(2**63) - 1, 10**20, 1.5, True):
+        with pytest.raises(ValueError, match=r"seed must be a whole number from -9223372036854775808 to 1844"):
+            demo.train("additive", seed=seed, quick=True)

@@ -6,18 +6,28 @@
     attnkit demo [--out DIR] [--seed N] [--quick]  the book's examples, then train two models and draw them
     attnkit bench [--quick] [--json F] [--compare F] [--plot F]   attnkit against torch and the book
 
-A user mistake prints one line, ``attnkit: error: ...``, and exits with status 2; never a traceback.
+A user mistake prints one line, ``attnkit: error: ...``, and exits with status 2; never a traceback. Every check
+of the arguments happens before any work starts: numbers are whole numbers in a stated range when they are
+parsed, files to read must be regular files, and every file or folder to write is checked by one helper
+(:func:`_output_file`, :func:`_output_folder`: not a folder where a file is wanted, the right extension, an
+existing folder that a probe file can be written into). Outputs appear whole or not at all: a picture or JSON file
+is written to a temporary file beside it and renamed into place (:func:`_written_whole`, ``plot.save_figure``),
+and the demo's pictures are drawn into a temporary folder, renamed into place (:func:`_filling`), so a failure
+leaves nothing behind that was not there before.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import importlib
 import os
 import platform
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +35,7 @@ import torch
 
 import attnkit
 from attnkit import dispatch
+from attnkit.demo import SEEDS
 
 
 class UsageError(Exception):
@@ -37,27 +48,71 @@ class _Parser(argparse.ArgumentParser):
 
 
 LARGEST = 100_000  # sizes the trace command builds tensors of; more is a typo, not a question about shapes
+TRACE_ELEMENTS = 2**26  # the largest tensor the trace command builds (256 MiB of float32): shapes show at any size
+IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
-    if not 1 <= value <= LARGEST:
-        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to {LARGEST}, got {value}")
-    return value
+def _short(text: str) -> str:
+    """``text`` cut short for an error message when it is long (a pasted number of a thousand digits)."""
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _shown(text: str) -> str:
+    return repr(_short(text))
+
+
+def _whole(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from ``low`` to ``high``, said in one line otherwise."""
+    kind = "a positive whole number" if low == 1 else "a whole number"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # also for more digits than int() reads
+            raise argparse.ArgumentTypeError(
+                f"invalid int value: {_shown(text)}; expected {kind} from {low} to {high}"
+            ) from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected a whole number from {low} to {high}, got {_short(str(value))}")
+        return value
+
+    return parse
+
+
+_positive = _whole(1, LARGEST)
+_length = _whole(0, LARGEST)
 
 
 def _lengths(text: str) -> list[int]:
     if not text.strip():
         return []
+    parts = text.split(",")
+    if len(parts) > LARGEST:
+        raise argparse.ArgumentTypeError(f"expected at most {LARGEST} lengths, got {len(parts)}")
+    lengths = []
+    for part in parts:
+        try:
+            lengths.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected whole numbers separated by commas, like 3,2; got {_shown(text)}"
+            ) from None
+        if not 0 <= lengths[-1] <= LARGEST:
+            raise argparse.ArgumentTypeError(f"each length must be from 0 to {LARGEST}, got {_short(str(lengths[-1]))}")
+    return lengths
+
+
+def _heatmap_description() -> str:
     try:
-        return [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected whole numbers separated by commas, like 3,2; got {text!r}"
-        ) from None
+        from attnkit.plot import MAX_CELLS, MAX_PANELS
+    except ImportError:  # no numpy: the command says what to install when it runs
+        return "Draw attention weights (needs attnkit[plot])."
+    return (
+        "Draw attention weights: (Lq, Lk), or (H, Lq, Lk) with one panel per head, or (rows, cols, Lq, Lk) as a "
+        f"grid. At most {MAX_PANELS} panels (for more, save a selection, e.g. torch.save(w[:8, :8], 'part.pt')); "
+        f"sides longer than {MAX_CELLS} are averaged in bins for display, and the figure's title says so. NaN and "
+        "infinite entries are drawn grey."
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,25 +132,35 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-heads", type=_positive, default=5)
     t.add_argument("--query-size", type=_positive, default=None, help="query features (default: num-hiddens)")
     t.add_argument("--key-size", type=_positive, default=None, help="key/value features (default: query size)")
-    t.add_argument("--valid-lens", type=_lengths, default=[3, 2], help="one per example, like 3,2 ('' for none)")
+    t.add_argument(
+        "--valid-lens", type=_lengths, default=[3, 2], help="one per example, like 3,2 ('' for none), 0 to 100000"
+    )
     t.add_argument("--causal", action="store_true", help="add a causal mask")
     t.add_argument("--book", action="store_true", help="trace the attnkit.d2l class (the book's view)")
     t.add_argument("--format", choices=["text", "markdown", "json"], default="text")
 
-    h = commands.add_parser("heatmap", help="draw attention weights saved with torch.save or numpy.save")
+    h = commands.add_parser(
+        "heatmap",
+        help="draw attention weights saved with torch.save or numpy.save",
+        description=_heatmap_description(),
+    )
     h.add_argument("weights_file", metavar="WEIGHTS_FILE")
-    h.add_argument("--out", required=True, help="image file; the type follows the extension (png, svg, pdf)")
+    h.add_argument("--out", required=True, help="image file; the type follows the extension (png, svg, pdf, ...)")
     h.add_argument("--xlabel", default="keys")
     h.add_argument("--ylabel", default="queries")
     h.add_argument("--title", default=None)
 
     d = commands.add_parser("demo", help="the book's examples, then train two models and draw what they learned")
-    d.add_argument("--out", default="attnkit-demo", help="folder for the pictures (default: ./attnkit-demo)")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument(
+        "--out",
+        default="attnkit-demo",
+        help="folder for the pictures, made when they are drawn (default: ./attnkit-demo)",
+    )
+    d.add_argument("--seed", type=_whole(*SEEDS), default=0, help=f"{SEEDS[0]} to {SEEDS[1]}, as torch.manual_seed")
     d.add_argument("--quick", action="store_true", help="a smaller version, for tests")
     b = commands.add_parser("bench", help="attnkit against torch.nn.MultiheadAttention and the book, one table")
     b.add_argument("--quick", action="store_true", help="a reduced grid (under a minute)")
-    b.add_argument("--json", metavar="FILE", help="save the results")
+    b.add_argument("--json", metavar="FILE", help="save the results (a .json file)")
     b.add_argument("--compare", metavar="FILE", help="show the change against results saved with --json")
     b.add_argument("--plot", metavar="FILE", help="a PNG of time and memory against L")
     b.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
@@ -140,6 +205,7 @@ def cmd_trace(args: argparse.Namespace) -> None:
     lens = torch.tensor(args.valid_lens) if args.valid_lens else None
     q_size = args.query_size or args.num_hiddens
     k_size = args.key_size or q_size
+    _check_trace_sizes(args, q_size, k_size)
     extra = {"is_causal": True} if args.causal else {}
     try:  # attnkit's validation of the sizes asked for (heads, valid_lens) is the user's to read, in one line
         generator = torch.Generator().manual_seed(0)
@@ -159,6 +225,32 @@ def cmd_trace(args: argparse.Namespace) -> None:
     else:
         header = ("module", "step", "shape in", "shape out", "note")
         _table([(r[0], r[1], r[2], "-> " + r[3], r[4]) for r in t.rows()], header, title=None)
+
+
+def _check_trace_sizes(args: argparse.Namespace, q_size: int, k_size: int) -> None:
+    """Refuse sizes whose largest tensor would pass :data:`TRACE_ELEMENTS`, before building anything: each size
+    alone is bounded when parsed, but their product could ask for terabytes."""
+    B, Lq, Lk, h = args.batch, args.queries, args.keys, args.num_hiddens
+    tensors = {
+        "queries": (B, Lq, q_size),
+        "keys": (B, Lk, k_size),
+        "scores": (B, args.num_heads if args.kind == "multihead" else 1, Lq, Lk),
+        "a projection's weight": (h, max(q_size, k_size)),
+        "additive features": (B, Lq, Lk, h) if args.kind == "additive" else (1,),
+    }
+    name, shape = max(tensors.items(), key=lambda item: _numel(item[1]))
+    if _numel(shape) > TRACE_ELEMENTS:
+        raise UsageError(
+            f"these sizes need {name} of shape {shape}, {_numel(shape):,} elements; the trace builds at most "
+            f"{TRACE_ELEMENTS:,}, and smaller sizes show the same shapes"
+        )
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
 
 
 def _layer(args: argparse.Namespace, q_size: int, k_size: int) -> torch.nn.Module:
@@ -182,22 +274,35 @@ def _layer(args: argparse.Namespace, q_size: int, k_size: int) -> torch.nn.Modul
 
 
 def cmd_heatmap(args: argparse.Namespace) -> None:
+    _require("heatmap", "numpy", "matplotlib")
     from attnkit import plot
 
-    weights = _load_weights(Path(args.weights_file))
-    out = _writable_file(Path(args.out))
-    if weights.dim() == 4:
-        plot.show_heatmaps(weights, args.xlabel, args.ylabel, path=out)
-    elif weights.dim() in (2, 3):
-        plot.plot_attention(weights, path=out, title=args.title, xlabel=args.xlabel, ylabel=args.ylabel)
-    else:
-        raise UsageError(f"{args.weights_file}: weights must have 2, 3 or 4 dims, got shape {tuple(weights.shape)}")
+    source = _input_file(args.weights_file, "WEIGHTS_FILE")
+    out = _output_file(args.out, "--out", IMAGE_SUFFIXES)
+    weights = _load_weights(source)
+    shape = tuple(weights.shape)
+    if weights.dim() not in (2, 3, 4):
+        raise UsageError(f"{source}: weights must have 2, 3 or 4 dims, got shape {shape}")
+    panels = _numel(shape[:-2])  # rows * cols, or H, or 1
+    if panels > plot.MAX_PANELS:
+        what = "rows and columns, e.g. w[:8, :8]" if weights.dim() == 4 else "heads, e.g. w[:8]"
+        raise UsageError(
+            f"{source}: weights of shape {shape} would be {panels} panels, more than the {plot.MAX_PANELS} one "
+            f"figure takes: save a selection of {what}"
+        )
+    try:
+        if weights.dim() == 4:
+            plot.show_heatmaps(weights, args.xlabel, args.ylabel, path=out, title=args.title)
+        else:
+            plot.plot_attention(weights, path=out, title=args.title, xlabel=args.xlabel, ylabel=args.ylabel)
+    except ValueError as e:  # no finite entry; a title or label that matplotlib cannot typeset, such as $\foo$
+        raise UsageError(f"{source}: cannot draw these weights: {_one_line(e)}") from None
+    except OSError as e:  # the disk filled up, the folder went away: plot.save_figure left nothing behind
+        raise UsageError(f"--out {out}: cannot write ({e.strerror or _one_line(e)})") from None
     print(out)
 
 
 def _load_weights(path: Path) -> torch.Tensor:
-    if not path.is_file():
-        raise UsageError(f"{path}: no such file")
     try:
         if path.suffix == ".npy":
             import numpy as np
@@ -219,22 +324,14 @@ def _load_weights(path: Path) -> torch.Tensor:
     return data.float()
 
 
-def _writable_file(path: Path) -> Path:
-    _writable_parent(path)
-    if not os.access(path.parent, os.W_OK):
-        raise UsageError(f"{path}: folder {str(path.parent)!r} cannot be written")
-    if path.suffix.lower() not in (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp"):
-        raise UsageError(f"{path}: the extension must name an image type, such as .png, .svg or .pdf")
-    return path
-
-
 # ---------------------------------------------------------------------------------------------------- demo
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
+    _require("demo", "numpy", "matplotlib")  # before training, not when the pictures are drawn
     from attnkit import demo
 
-    out_dir = _writable_dir(Path(args.out))
+    out_dir = _output_folder(args.out, "--out")
     demo.replay_book_examples(print)
     results = {}
     for kind in demo.KINDS:
@@ -244,19 +341,14 @@ def cmd_demo(args: argparse.Namespace) -> None:
         r = results[kind]
         summary = f"{r.accuracy:.1%} exact-sequence accuracy on held-out sequences, {r.steps} steps"
         print(f"{kind}: {summary}, {r.seconds:.1f} s")
-    print("\nPictures:")
-    for path in demo.draw(results, out_dir):
-        print(f"  {path}")
-
-
-def _writable_dir(path: Path) -> Path:
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise UsageError(f"{path}: cannot write to this folder ({e.strerror or e})") from None
-    return path
+        with _filling(out_dir) as staging:
+            names = [path.name for path in demo.draw(results, staging)]
+    except OSError as e:  # the disk filled up, the folder went away: _filling left nothing new behind
+        raise UsageError(f"--out {out_dir}: cannot write the pictures ({e.strerror or _one_line(e)})") from None
+    print("\nPictures:")
+    for name in names:
+        print(f"  {out_dir / name}")
 
 
 @contextmanager
@@ -296,18 +388,18 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from attnkit import bench
 
     compare = None
-    if args.compare:
+    if args.compare is not None:
+        saved = _input_file(args.compare, "--compare")
         try:
-            compare = bench.load_json(args.compare)
-        except (OSError, ValueError, TypeError, KeyError) as e:
+            compare = bench.load_json(str(saved))
+        except (OSError, ValueError) as e:  # ValueError: not JSON, not UTF-8, or not the structure saved
             raise UsageError(
-                f"{args.compare}: cannot read saved results ({type(e).__name__}: {_first_line(e)})"
+                f"--compare {saved}: not results saved with `attnkit bench --json` ({_one_line(e)})"
             ) from None
-    for option in (args.json, args.plot):
-        if option:
-            _writable_parent(Path(option))
-    if args.plot and not args.plot.lower().endswith(".png"):
-        raise UsageError(f"--plot {args.plot}: the file must end in .png")
+    json_out = _output_file(args.json, "--json", (".json",)) if args.json is not None else None
+    plot_out = _output_file(args.plot, "--plot", (".png",)) if args.plot is not None else None
+    if plot_out is not None:
+        _require("bench --plot", "numpy", "matplotlib")
     with _bench_progress() as on_row:
         report = bench.run(quick=args.quick, memory=not args.no_memory, on_row=on_row)
     header, rows = bench.table(report, compare)
@@ -324,19 +416,157 @@ def cmd_bench(args: argparse.Namespace) -> None:
         ]
         print()
         _table(met, ("target", "measured", "limit", "met"), title=None)
-    if args.json:
-        bench.save_json(report, args.json)
-        print(args.json)
-    if args.plot:
-        bench.plot_report(report, args.plot)
-        print(args.plot)
+    for out, write in ((json_out, bench.save_json), (plot_out, bench.plot_report)):
+        if out is not None:
+            try:
+                with _written_whole(out) as part:
+                    write(report, str(part))
+            except OSError as e:
+                raise UsageError(f"{out}: cannot write ({e.strerror or _one_line(e)})") from None
+            print(out)
 
 
-def _writable_parent(path: Path) -> None:
-    if path.parent.exists() and not path.parent.is_dir():
-        raise UsageError(f"{path}: {str(path.parent)!r} is not a folder")
-    if not path.parent.is_dir():
-        raise UsageError(f"{path}: folder {str(path.parent)!r} does not exist")
+# ------------------------------------------------------------------------------------------ files and folders
+
+
+def _require(command: str, *modules: str) -> None:
+    """A one-line error naming the extra to install, before any work, when ``command`` needs a missing module."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise UsageError(f"{command} needs {module}: pip install 'attnkit[plot]'") from None
+
+
+def _input_file(text: str, what: str) -> Path:
+    """A file to read: it must exist and be a regular file (a folder or /dev/zero is a mistake, said at once)."""
+    path = Path(text)
+    try:
+        if not text or not path.exists():
+            raise UsageError(f"{text or repr(text)}: no such file")
+        if path.is_dir():
+            raise UsageError(f"{what} {text}: is a folder, not a file")
+        if not path.is_file():
+            raise UsageError(f"{what} {text}: is not a regular file")
+    except OSError as e:  # a name too long, a folder that cannot be searched
+        raise UsageError(f"{what} {_shown(text)}: cannot be read ({e.strerror or e})") from None
+    return path
+
+
+def _output_file(text: str, what: str, suffixes: Sequence[str]) -> Path:
+    """Check, before any work starts, a file that the command will write (atomically, later).
+
+    The same checks for every output: a name is given; it is not a folder, nor anything but a regular file; its
+    extension is one of ``suffixes``; its folder exists, is a folder, and a probe file can be made in it (which
+    also catches folders such as /proc, where even root cannot make a file). An existing file is replaced.
+    """
+    path = Path(text)
+    try:
+        if not text.strip():
+            raise UsageError(f"{what}: the file name is empty")
+        if path.is_dir() or text.endswith(os.sep):
+            raise UsageError(f"{what} {text}: names a folder; name a file, such as {path / ('out' + suffixes[0])}")
+        if path.exists() and not path.is_file():
+            raise UsageError(f"{what} {text}: exists and is not a regular file")
+        if path.suffix.lower() not in suffixes:
+            kinds = ("one of " if len(suffixes) > 1 else "") + ", ".join(suffixes)
+            raise UsageError(f"{what} {text}: the extension must be {kinds}")
+        _writable_folder(path.parent, f"{what} {text}")
+    except OSError as e:
+        raise UsageError(f"{what} {_shown(text)}: cannot be written ({e.strerror or e})") from None
+    return path
+
+
+def _output_folder(text: str, what: str) -> Path:
+    """Check, before any work starts, a folder that the command will fill: an existing folder that can be written
+    into, or a new one whose nearest existing parent can be. Nothing is made here (see :func:`_filling`)."""
+    path = Path(text)
+    try:
+        if not text.strip():
+            raise UsageError(f"{what}: the folder name is empty")
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"{what} {text}: cannot write there: it is a file, not a folder")
+        nearest = path
+        while not nearest.exists() and nearest != nearest.parent:
+            nearest = nearest.parent
+        if not nearest.is_dir():
+            raise UsageError(f"{what} {text}: cannot write there: {str(nearest)!r} is not a folder")
+        _writable_folder(nearest, f"{what} {text}")
+    except OSError as e:
+        raise UsageError(f"{what} {_shown(text)}: cannot write there ({e.strerror or e})") from None
+    return path
+
+
+def _writable_folder(folder: Path, what: str) -> None:
+    if not folder.exists():
+        raise UsageError(f"{what}: folder {str(folder)!r} does not exist")
+    if not folder.is_dir():
+        raise UsageError(f"{what}: {str(folder)!r} is not a folder")
+    try:  # os.access says yes to root everywhere, /proc included: making a file is the honest test
+        fd, probe = tempfile.mkstemp(prefix=".attnkit-", suffix=".probe", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UsageError(f"{what}: cannot write into folder {str(folder)!r} ({e.strerror or e})") from None
+
+
+@contextmanager
+def _written_whole(path: Path) -> Iterator[Path]:
+    """A fresh name beside ``path`` for a writer to write to; renamed to ``path`` when the block succeeds, and
+    removed when it fails, with anything the writer made from that name (its own ``.part``), so that ``path``
+    appears whole or not at all."""
+    fd, part = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".part{path.suffix}", dir=path.parent)
+    os.close(fd)
+    os.chmod(part, 0o666 & ~_umask())  # mkstemp makes it private; a plain open() would not
+    try:
+        yield Path(part)
+        os.replace(part, path)
+    except BaseException:
+        for leftover in path.parent.glob(glob.escape(Path(part).name) + "*"):
+            with suppress(OSError):
+                leftover.unlink()
+        raise
+
+
+@contextmanager
+def _filling(folder: Path) -> Iterator[Path]:
+    """A fresh temporary folder to write into; when the block succeeds, what it holds moves into ``folder``.
+
+    A missing ``folder`` (and its missing parents) is made only then, and appears whole: the temporary folder,
+    made beside it, is renamed into place. An existing ``folder`` gets the files one by one, each renamed in from
+    a temporary folder inside it. When the block fails, the temporary folder and any parent made here are removed,
+    so a failed run leaves nothing new behind.
+    """
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]  # innermost first
+    made: list[Path] = []
+    try:
+        for parent in reversed(missing[1:]):
+            parent.mkdir()
+            made.append(parent)
+        staging = Path(tempfile.mkdtemp(prefix=".attnkit-", suffix=".part", dir=folder.parent if missing else folder))
+        try:
+            yield staging
+            if missing:
+                os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; mkdir would not
+                os.replace(staging, folder)
+            else:
+                for item in staging.iterdir():
+                    os.replace(item, folder / item.name)
+                staging.rmdir()
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    except BaseException:
+        for parent in reversed(made):  # the innermost first; only folders still empty
+            with suppress(OSError):
+                parent.rmdir()
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @contextmanager
@@ -387,6 +617,12 @@ def _terminal_width() -> int:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else ""
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    """The whole message of ``e`` on one line (matplotlib's start with a blank line), its type when empty."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from attnkit.layers import AdditiveAttention, MultiHeadAttention, record_weights
 
-__all__ = ["KINDS", "DemoResult", "draw", "replay_book_examples", "train"]
+__all__ = ["KINDS", "SEEDS", "DemoResult", "draw", "replay_book_examples", "train"]
 
 # B batch, S source length (padded), T target length (S + 1: reversed digits, <eos>, padding),
 # E embedding size, h hidden size, d model size, H heads, V vocabulary size
@@ -117,7 +117,8 @@ _LEARNING_RATES = {
     ("multihead", True): 3e-3,
 }
 
-_HELDOUT_SEED_OFFSET = 1_000_003  # the held-out set's generator is seeded with seed + this
+_HELDOUT_SEED_OFFSET = 1_000_003  # the held-out set's generator is seeded with seed + this (modulo 2**64)
+SEEDS = (-(2**63), 2**64 - 1)  # the seeds torch.manual_seed accepts; a negative one means seed + 2**64
 
 
 def train(
@@ -133,7 +134,8 @@ def train(
     Args:
         kind: ``"additive"`` or ``"multihead"`` (see the module docstring).
         seed: seeds the weights, the training batches and the held-out set; the same seed gives the same
-            numbers. The caller's global random state and thread count are left as they were.
+            numbers. Any seed ``torch.manual_seed`` takes, from ``-2**63`` to ``2**64 - 1``. The caller's global
+            random state and thread count are left as they were.
         quick: 3 to 6 digits instead of 3 to 10, and a 90% target instead of 99%: a second or so, for the tests.
         on_progress: called at every logged step with ``{"step", "total", "loss", "accuracy", "elapsed", "done"}``:
             ``total`` is the most steps training may take, ``accuracy`` the last held-out accuracy (``None``
@@ -144,7 +146,7 @@ def train(
         A :class:`DemoResult`.
 
     Raises:
-        ValueError: an unknown ``kind``, or a ``time_limit`` that is not positive.
+        ValueError: an unknown ``kind``, a ``seed`` out of range, or a ``time_limit`` that is not positive.
 
     Example:
         >>> result = train("additive", quick=True)
@@ -153,6 +155,8 @@ def train(
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not SEEDS[0] <= seed <= SEEDS[1]:
+        raise ValueError(f"seed must be a whole number from {SEEDS[0]} to {SEEDS[1]}, got {seed!r}")
     if not time_limit > 0:
         raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit}")
     threads = torch.get_num_threads()
@@ -178,7 +182,7 @@ def _train(
         torch.manual_seed(seed)  # the initial weights
         model = _AdditiveSeq2Seq() if kind == "additive" else _TransformerSeq2Seq(max_positions=setup.max_len + 1)
     heldout_src, heldout_lens = _draw(
-        torch.Generator().manual_seed(seed + _HELDOUT_SEED_OFFSET), setup.num_heldout, setup
+        torch.Generator().manual_seed((seed + _HELDOUT_SEED_OFFSET) % 2**64), setup.num_heldout, setup
     )
     train_gen = torch.Generator().manual_seed(seed)
     exclude = _keys(heldout_src, heldout_lens)  # (num_heldout,)
