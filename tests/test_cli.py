@@ -510,3 +510,18 @@ def test_the_reported_tracebacks_are_one_line_errors(tmp_path):
         assert_one_line_error(attnkit(*args, cwd=tmp_path), fragment)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["DIR", "grid.pt", "null.json", "string.json", "w.pt"]
     assert list((tmp_path / "DIR").iterdir()) == []
+
+
+def test_a_reader_that_goes_away_gets_no_traceback():
+    """`attnkit trace multihead --format json | head -0`: the pipe is closed before attnkit writes; it stops quietly
+    (rich's tables exit 1 on their own, plain output exits 141 as a shell reports SIGPIPE)."""
+    import subprocess
+    import sys
+
+    for argv in (["trace", "multihead", "--format", "json"], ["info"]):
+        script = f"import sys; from attnkit.cli import main; sys.exit(main({argv!r}))"
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.close()  # the reader is gone before anything is written
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) in (1, 141), err
+        assert err == "", argv

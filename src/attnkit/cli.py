@@ -639,12 +639,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handlers, not at exit
     except UsageError as e:
         print(f"attnkit: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("attnkit: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`attnkit info | head -1`): not an error of ours, and no traceback. Python would
+        # complain again flushing stdout at exit, so point it at devnull first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     return 0
 
 
