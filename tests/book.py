@@ -2,6 +2,12 @@
 
 Kept as close to the book as possible, including what attnkit does differently on purpose: ``sequence_mask``
 writes into ``X``, masked scores are filled with ``-1e6``.
+
+Both of the book's forms: the older one with explicit input sizes (``nn.Linear``, parameters drawn from the
+random generator when the module is built) and the newer one (the book's 1.0 edition) that infers them
+(``nn.LazyLinear``, parameters drawn at the first call, in the order the layers are called). The book gives the
+newer classes the same names as the older ones; here they are ``LazyAdditiveAttention`` and
+``LazyMultiHeadAttention``, to sit beside them.
 """
 
 # ruff: noqa: SIM108  (kept as the book writes it)
@@ -90,3 +96,64 @@ class MultiHeadAttention(nn.Module):
         output = self.attention(queries, keys, values, valid_lens)
         output_concat = transpose_output(output, self.num_heads)
         return self.W_o(output_concat)
+
+
+# --- the newer, size-inferring forms (the book's 1.0 edition) ------------------------------------------
+
+
+class LazyAdditiveAttention(nn.Module):
+    def __init__(self, num_hiddens, dropout, **kwargs):
+        super().__init__(**kwargs)
+        self.W_k = nn.LazyLinear(num_hiddens, bias=False)
+        self.W_q = nn.LazyLinear(num_hiddens, bias=False)
+        self.w_v = nn.LazyLinear(1, bias=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, queries, keys, values, valid_lens):
+        queries, keys = self.W_q(queries), self.W_k(keys)
+        features = queries.unsqueeze(2) + keys.unsqueeze(1)
+        features = torch.tanh(features)
+        scores = self.w_v(features).squeeze(-1)
+        self.attention_weights = masked_softmax(scores, valid_lens)
+        return torch.bmm(self.dropout(self.attention_weights), values)
+
+
+class LazyMultiHeadAttention(nn.Module):  # the book derives it from d2l.Module, which adds no parameters
+    def __init__(self, num_hiddens, num_heads, dropout, bias=False, **kwargs):
+        super().__init__()
+        self.num_heads = num_heads
+        self.attention = DotProductAttention(dropout)
+        self.W_q = nn.LazyLinear(num_hiddens, bias=bias)
+        self.W_k = nn.LazyLinear(num_hiddens, bias=bias)
+        self.W_v = nn.LazyLinear(num_hiddens, bias=bias)
+        self.W_o = nn.LazyLinear(num_hiddens, bias=bias)
+
+    def forward(self, queries, keys, values, valid_lens):
+        queries = self.transpose_qkv(self.W_q(queries))
+        keys = self.transpose_qkv(self.W_k(keys))
+        values = self.transpose_qkv(self.W_v(values))
+        if valid_lens is not None:
+            valid_lens = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)
+        output = self.attention(queries, keys, values, valid_lens)
+        output_concat = self.transpose_output(output)
+        return self.W_o(output_concat)
+
+    def transpose_qkv(self, X):
+        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, -1)
+        X = X.permute(0, 2, 1, 3)
+        return X.reshape(-1, X.shape[2], X.shape[3])
+
+    def transpose_output(self, X):
+        X = X.reshape(-1, self.num_heads, X.shape[1], X.shape[2])
+        X = X.permute(0, 2, 1, 3)
+        return X.reshape(X.shape[0], X.shape[1], -1)
+
+
+def init_seq2seq(module):
+    """Initialize weights for sequence-to-sequence learning."""
+    if type(module) == nn.Linear:  # noqa: E721  (the book's test: a LazyLinear not yet called is left alone)
+        nn.init.xavier_uniform_(module.weight)
+    if type(module) == nn.GRU:  # noqa: E721
+        for param in module._flat_weights_names:
+            if "weight" in param:
+                nn.init.xavier_uniform_(module._parameters[param])

@@ -7,7 +7,7 @@ import torch
 
 import attnkit
 import book
-from attnkit import d2l
+from attnkit import bench, d2l
 
 VALUES = torch.arange(40, dtype=torch.float32).reshape(1, 10, 4).repeat(2, 1, 1)
 BOOK_OUTPUT = torch.tensor([[[2.0, 3.0, 4.0, 5.0]], [[10.0, 11.0, 12.0, 13.0]]])
@@ -166,3 +166,204 @@ def test_rows_with_no_key_are_zero_and_padding_never_leaks():
     torch.testing.assert_close(out, mha(x, x, x, torch.tensor([3, 2])))
     dot = d2l.DotProductAttention(0.0)
     assert (dot(x, x, x, torch.tensor([0, 3]))[0] == 0).all()
+
+
+# --- the book's initial weights under the book's seed -----------------------------------------------------
+
+# Each form of each class, the book's and attnkit's, with the same arguments (biases where the book allows them)
+BOOK_FORMS = {
+    "additive-explicit": (book.AdditiveAttention, d2l.AdditiveAttention, (2, 20, 8, 0.5)),
+    "additive-inferred": (book.LazyAdditiveAttention, d2l.AdditiveAttention, (8, 0.5)),
+    "multihead-explicit": (book.MultiHeadAttention, d2l.MultiHeadAttention, (2, 20, 4, 16, 4, 0.5, True)),
+    "multihead-inferred": (book.LazyMultiHeadAttention, d2l.MultiHeadAttention, (16, 4, 0.5, True)),
+}
+
+
+def _first_call(cls, args, *, train, init_at_build):
+    """Build under seed 0 and make the first call, as a notebook does; the inputs come from their own generator."""
+    g = torch.Generator().manual_seed(1)
+    queries, keys, values = (
+        torch.randn(2, 5, 20, generator=g),
+        torch.randn(2, 7, 2, generator=g),
+        torch.randn(2, 7, 4, generator=g),
+    )
+    torch.manual_seed(0)
+    module = cls(*args)
+    if init_at_build:
+        module.apply(book.init_seq2seq)  # as the book's encoders and decoders do in __init__
+    module.train(train)
+    out = module(queries, keys, values, torch.tensor([3, 7]))
+    return module, out, torch.get_rng_state()
+
+
+def _assert_same_parameters(ours, theirs):
+    ours_sd, theirs_sd = ours.state_dict(), theirs.state_dict()
+    assert list(ours_sd) == list(theirs_sd)
+    for name, p in theirs_sd.items():
+        assert torch.equal(ours_sd[name], p), name
+
+
+@pytest.mark.parametrize("form", list(BOOK_FORMS))
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("init_at_build", [False, True], ids=["default_init", "init_seq2seq"])
+def test_the_same_seed_gives_the_books_initial_weights(form, train, init_at_build):
+    """Parameters are drawn from the generator in the book's order: built, then (lazy layers) at the first call in
+    call order, with the dropout of a training call in between; init_seq2seq touches the layers the book's does."""
+    theirs_cls, ours_cls, args = BOOK_FORMS[form]
+    theirs, expected, theirs_rng = _first_call(theirs_cls, args, train=train, init_at_build=init_at_build)
+    ours, out, ours_rng = _first_call(ours_cls, args, train=train, init_at_build=init_at_build)
+    _assert_same_parameters(ours, theirs)
+    assert torch.equal(ours_rng, theirs_rng)  # as many draws, so what the notebook does next is the same too
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)  # in training too: the same dropout
+    for module in (theirs, ours):  # once built, every layer is an nn.Linear, in both
+        torch.manual_seed(2)
+        module.apply(book.init_seq2seq)
+    _assert_same_parameters(ours, theirs)
+
+
+# --- mistakes are a ValueError naming the argument, before any work ----------------------------------------
+
+Q, K, V = torch.randn(2, 1, 20), torch.ones(2, 10, 2), torch.ones(2, 10, 4)
+
+
+@pytest.mark.parametrize(
+    ("make", "args", "message"),
+    [
+        (
+            lambda: d2l.AdditiveAttention(2, 20, 8, 0.1),
+            (torch.randn(2, 1, 21), K, V),
+            r"queries must have 20 features .*got 21: queries \(2, 1, 21\)",
+        ),
+        (
+            lambda: d2l.AdditiveAttention(2, 20, 8, 0.1),
+            (Q, torch.ones(2, 10, 3), V),
+            r"keys must have 2 features .*got 3: keys \(2, 10, 3\)",
+        ),
+        (
+            lambda: d2l.AdditiveAttention(8, 0.1),
+            (torch.randn(2, 1, 21), K, V),
+            r"queries must have 20 features .*got 21: queries \(2, 1, 21\)",
+        ),
+        (
+            lambda: d2l.MultiHeadAttention(2, 20, 4, 16, 4, 0.0),
+            (Q, K, torch.ones(2, 10, 5)),
+            r"values must have 4 features .*got 5: values \(2, 10, 5\)",
+        ),
+        (
+            lambda: d2l.MultiHeadAttention(16, 4, 0.0),
+            (Q, torch.ones(2, 10, 3), V),
+            r"keys must have 2 features .*got 3: keys \(2, 10, 3\)",
+        ),
+        (
+            lambda: d2l.DotProductAttention(0.0),
+            (torch.ones(2, 1, 3), K, V),
+            r"queries and keys must have the same feature size, got 3 and 2: queries \(2, 1, 3\), keys \(2, 10, 2\)",
+        ),
+    ],
+    ids=["additive-queries", "additive-keys", "additive-inferred", "multihead-values", "multihead-inferred", "dot"],
+)
+def test_wrong_feature_sizes_are_a_value_error_naming_the_argument(make, args, message):
+    module = make().eval()
+    if isinstance(module, d2l.DotProductAttention):
+        module(Q[..., :2], K, V)
+    else:
+        module(Q, K, V, None)  # the first call builds the lazy layers: later calls must match it
+    with pytest.raises(ValueError, match=message):
+        module(*args, None)
+
+
+def _aten_ops(fn) -> list[str]:
+    """The ATen operators that ``fn()`` runs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events() if e.name.startswith("aten::")]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: d2l.DotProductAttention(0.0),
+        lambda: d2l.AdditiveAttention(8, 0.0),
+        lambda: d2l.MultiHeadAttention(8, 2, 0.0),
+    ],
+    ids=["dot", "additive", "multihead"],
+)
+def test_inputs_with_heads_are_a_value_error_before_any_work(make):
+    """The book's layers take (B, L, features); (B, H, L, d) used to fail inside, after attention had run."""
+    module = make()
+    q4, k4, v4 = torch.ones(2, 3, 4, 8), torch.ones(2, 3, 6, 8), torch.ones(2, 3, 6, 8)
+
+    def call():
+        with pytest.raises(ValueError, match=r"must be 3-dim.*queries \(2, 3, 4, 8\), keys \(2, 3, 6, 8\)"):
+            module(q4, k4, v4, None)
+
+    assert _aten_ops(call) == []
+    if not isinstance(module, d2l.DotProductAttention):
+        assert module.W_q.has_uninitialized_params()  # the failed call did not fix the input size
+
+
+# --- .scores, and the cost of a call -------------------------------------------------------------------------
+
+MATMULS = {"aten::bmm", "aten::baddbmm", "aten::mm", "aten::addmm"}
+
+
+@pytest.mark.parametrize(
+    "lens", [None, torch.tensor([2, 6]), torch.tensor([[1, 10], [3, 4]])], ids=["none", "1d", "2d"]
+)
+def test_a_call_runs_the_books_two_matmuls_and_scores_are_computed_when_read(lens):
+    g = torch.Generator().manual_seed(0)
+    queries, keys = torch.randn(2, 2, 3, generator=g), torch.randn(2, 10, 3, generator=g)
+    attention = d2l.DotProductAttention(0.0)
+    assert attention.scores is None
+    ran = _aten_ops(lambda: attention(queries, keys, VALUES, lens))
+    assert sum(op in MATMULS for op in ran) == 2  # scores and the weighted sum; none for .scores
+    expected = torch.bmm(queries, keys.transpose(1, 2)) / 3**0.5
+    torch.testing.assert_close(attention.scores, expected)
+    assert attention.scores is attention.scores  # computed once
+    attention(2 * queries, keys, VALUES, lens)
+    torch.testing.assert_close(attention.scores, 2 * expected)  # the last call's
+
+
+def test_scores_refuse_queries_modified_in_place_after_the_call():
+    queries, keys = torch.randn(2, 1, 2), torch.ones(2, 10, 2)
+    attention = d2l.DotProductAttention(0.0)
+    attention(queries, keys, VALUES)
+    queries.mul_(2)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        _ = attention.scores
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_padding_holding_nan_or_inf_reaches_neither_the_output_nor_the_gradients(bad):
+    q = torch.randn(3, 4, 6, requires_grad=True)
+    kv = torch.randn(3, 5, 6)
+    kv[0, 2:], kv[2, 4:] = bad, bad  # past valid_lens
+    kv.requires_grad_()
+    lens = torch.tensor([2, 5, 4])
+    attention = d2l.DotProductAttention(0.0)
+    out = attention(q, kv, kv, lens)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
+    assert (kv.grad[0, 2:] == 0).all()
+    clean = kv.detach().nan_to_num(0.0, 0.0, 0.0)
+    torch.testing.assert_close(out, attention(q, clean, clean, lens))
+
+
+def test_the_bench_row_d2l_computes_the_books_attention():
+    """``attnkit bench``'s ``d2l`` row times the drop-in on the ``book`` row's inputs and weights."""
+    for mask in bench.MASKS:
+        expected = bench.make_forward("mha", 2, 16, mask, "book", train=False)()
+        got = bench.make_forward("mha", 2, 16, mask, "d2l", train=False)()
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5, msg=mask)
+
+
+def test_show_heatmaps_returns_nothing_so_a_notebook_shows_the_figure_once(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    path = tmp_path / "weights.png"
+    try:
+        assert d2l.show_heatmaps(torch.rand(1, 2, 3, 4), "Keys", "Queries", path=path) is None
+    finally:
+        plt.close("all")
+    assert path.stat().st_size > 0  # still drawn and saved

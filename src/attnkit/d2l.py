@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from attnkit import functional, layers, masks, trace
 
@@ -111,7 +112,12 @@ class DotProductAttention(nn.Module):
     """The book's scaled dot-product attention, ``DotProductAttention(dropout)``.
 
     ``forward(queries (B, Lq, d), keys (B, Lk, d), values (B, Lk, dv), valid_lens=None) -> (B, Lq, dv)``;
-    sets ``.attention_weights (B, Lq, Lk)`` and ``.scores (B, Lq, Lk)`` (scaled, before masking).
+    sets ``.attention_weights (B, Lq, Lk)``; ``.scores (B, Lq, Lk)`` gives the last call's scaled scores, before
+    masking, computed when first read.
+
+    Raises:
+        ValueError: naming the argument, with the shapes, before any work: inputs that are not 3-dim (the book
+            folds heads into the batch: :func:`transpose_qkv`), or that do not fit together.
 
     Example:
         >>> attention = DotProductAttention(0.5).eval()
@@ -130,9 +136,31 @@ class DotProductAttention(nn.Module):
         super().__init__()
         self.dropout = nn.Dropout(dropout)
         self.attention_weights: Tensor | None = None
-        self.scores: Tensor | None = None
+        # The last call's queries and keys (detached, not copied) and their version counters, for .scores
+        self._scored: tuple[Tensor, Tensor, int, int] | None = None
+        self._scores: Tensor | None = None
+
+    @property
+    def scores(self) -> Tensor | None:
+        """The last call's scores ``queries @ keys^T / sqrt(d)``, before masking, ``(B, Lq, Lk)``; ``None`` before
+        the first call.
+
+        Computed when first read, from the queries and keys that call kept, so a forward does only the book's two
+        matmuls (``attnkit bench``, contender ``d2l``). Raises ``RuntimeError`` if they were modified in place
+        since the call.
+        """
+        if self._scores is None and self._scored is not None:
+            q, k, q_version, k_version = self._scored
+            if (q._version, k._version) != (q_version, k_version):
+                raise RuntimeError(
+                    "scores: the queries or keys of the last call were modified in place since; read .scores "
+                    "before changing them"
+                )
+            self._scores = torch.bmm(q, k.transpose(1, 2)) / math.sqrt(q.shape[-1])  # (B, Lq, Lk)
+        return self._scores
 
     def forward(self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None) -> Tensor:
+        _check_book_inputs(queries, keys, values, same_features=True)
         out, weights = functional.scaled_dot_product_attention(
             queries,
             keys,
@@ -141,8 +169,8 @@ class DotProductAttention(nn.Module):
             dropout_p=self.dropout.p if self.training else 0.0,
             need_weights=True,
         )
-        with torch.no_grad():
-            self.scores = torch.bmm(queries, keys.transpose(1, 2)) / math.sqrt(queries.shape[-1])  # (B, Lq, Lk)
+        q, k = queries.detach(), keys.detach()
+        self._scored, self._scores = (q, k, q._version, k._version), None
         self.attention_weights = weights
         layers.report_weights(self, weights)  # for attnkit.record_weights
         return out
@@ -155,6 +183,14 @@ class AdditiveAttention(nn.Module):
     ``AdditiveAttention(num_hiddens, dropout)`` (sizes inferred at the first call).
     ``forward(queries (B, Lq, query_size), keys (B, Lk, key_size), values (B, Lk, dv), valid_lens)``; sets
     ``.attention_weights (B, Lq, Lk)``.
+
+    Parameters are made as the book makes them, so that the same seed gives the book's initial weights: ``nn.Linear``
+    in the explicit form, drawn when the module is built; ``nn.LazyLinear`` in the inferred form, drawn at the first
+    call in the book's order (``W_q``, ``W_k``, then ``w_v``).
+
+    Raises:
+        ValueError: naming the argument, with the shapes, before any work: inputs that are not 3-dim, that do not
+            fit together, or whose feature size is not the one the layer was built or first called with.
 
     Example:
         >>> attention = AdditiveAttention(key_size=2, query_size=20, num_hiddens=8, dropout=0.1).eval()
@@ -176,18 +212,27 @@ class AdditiveAttention(nn.Module):
             explicit=("key_size", "query_size", "num_hiddens", "dropout"),
             inferred=("num_hiddens", "dropout"),
         )
-        h = sizes["num_hiddens"]
-        self.W_k = _linear(sizes.get("key_size"), h)
-        self.W_q = _linear(sizes.get("query_size"), h)
-        self.w_v = nn.Linear(h, 1, bias=False)
+        h, inferred = sizes["num_hiddens"], "key_size" not in sizes
+        self.W_k = layers._linear(sizes.get("key_size"), h, bias=False)
+        self.W_q = layers._linear(sizes.get("query_size"), h, bias=False)
+        self.w_v = layers._linear(None if inferred else h, 1, bias=False)
         self.dropout = nn.Dropout(sizes["dropout"])
         self.attention_weights: Tensor | None = None
 
     def forward(self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None) -> Tensor:
-        functional.check_qkv(queries, keys, values, ("queries", "keys", "values"), same_features=False)
+        _check_book_inputs(queries, keys, values, same_features=False)
+        layers._check_features("queries", queries, self.W_q)
+        layers._check_features("keys", keys, self.W_k)
+        q = self.W_q(queries)  # (B, Lq, h); the book calls W_q before W_k
+        k = self.W_k(keys)  # (B, Lk, h)
+        if _unbuilt(self.w_v):
+            # The book's lazy w_v draws its weight at its first call, after W_q and W_k: a call on no rows draws
+            # it at that same point, and turns it into an nn.Linear, as the book's becomes.
+            with torch.no_grad(), trace.paused():
+                self.w_v(q.new_empty(0, q.shape[-1]))  # (0, h) -> (0, 1)
         out, weights = functional.additive_attention(
-            self.W_q(queries),  # (B, Lq, h)
-            self.W_k(keys),  # (B, Lk, h)
+            q,
+            k,
             values,
             self.w_v.weight[0],  # (1, h) -> (h,)
             valid_lens=valid_lens,
@@ -206,6 +251,14 @@ class MultiHeadAttention(nn.Module):
     ``MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)`` (sizes inferred at the first call).
     ``forward(queries, keys, values, valid_lens) -> (B, Lq, num_hiddens)``; the heads are folded into the batch
     with :func:`transpose_qkv`, as in the book, so ``.attention.attention_weights`` is ``(B*H, Lq, Lk)``.
+
+    Parameters are made as the book makes them, so that the same seed gives the book's initial weights: four
+    ``nn.Linear`` in the explicit form, drawn when the module is built; four ``nn.LazyLinear`` in the inferred
+    form, drawn at the first call in the order they are called (``W_q``, ``W_k``, ``W_v``, then ``W_o``).
+
+    Raises:
+        ValueError: naming the argument, with the shapes, before any work: inputs that are not 3-dim, that do not
+            fit together, or whose feature size is not the one the layer was built or first called with.
 
     Example:
         >>> attention = MultiHeadAttention(100, 100, 100, 100, 5, 0.5).eval()
@@ -231,13 +284,15 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"num_hiddens ({h}) must be a multiple of num_heads ({sizes['num_heads']})")
         self.num_heads = sizes["num_heads"]
         self.attention = DotProductAttention(sizes["dropout"])
-        self.W_q = _linear(sizes.get("query_size"), h, bias=bias)
-        self.W_k = _linear(sizes.get("key_size"), h, bias=bias)
-        self.W_v = _linear(sizes.get("value_size"), h, bias=bias)
-        self.W_o = nn.Linear(h, h, bias=bias)
+        self.W_q = layers._linear(sizes.get("query_size"), h, bias=bias)
+        self.W_k = layers._linear(sizes.get("key_size"), h, bias=bias)
+        self.W_v = layers._linear(sizes.get("value_size"), h, bias=bias)
+        self.W_o = layers._linear(None if "key_size" not in sizes else h, h, bias=bias)
 
     def forward(self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None) -> Tensor:
-        functional.check_qkv(queries, keys, values, ("queries", "keys", "values"), same_features=False)
+        _check_book_inputs(queries, keys, values, same_features=False)
+        for name, x, proj in (("queries", queries, self.W_q), ("keys", keys, self.W_k), ("values", values, self.W_v)):
+            layers._check_features(name, x, proj)
         queries = self.transpose_qkv(self.W_q(queries))  # (B, Lq, h) -> (B*H, Lq, h/H)
         keys = self.transpose_qkv(self.W_k(keys))  # (B*H, Lk, h/H)
         values = self.transpose_qkv(self.W_v(values))  # (B*H, Lk, h/H)
@@ -276,18 +331,31 @@ def show_heatmaps(
     figsize: tuple[float, float] = (2.5, 2.5),
     cmap: str = "Reds",
     path: Any = None,
-) -> Any:
+) -> None:
     """The book's ``show_heatmaps(matrices, xlabel, ylabel, titles=None, figsize=(2.5, 2.5), cmap='Reds')``, with
-    ``path`` to save; see :func:`attnkit.plot.show_heatmaps` (needs matplotlib: ``pip install attnkit[plot]``)."""
+    ``path`` to save; see :func:`attnkit.plot.show_heatmaps` (needs matplotlib: ``pip install attnkit[plot]``).
+
+    Returns nothing, as the book's does: a notebook shows the figure once (a returned figure, as the cell's value,
+    would be shown a second time). :func:`attnkit.plot.show_heatmaps` returns it.
+    """
     from attnkit.plot import show_heatmaps as draw
 
-    return draw(matrices, xlabel, ylabel, titles=titles, figsize=figsize, cmap=cmap, path=path)
+    draw(matrices, xlabel, ylabel, titles=titles, figsize=figsize, cmap=cmap, path=path)
 
 
-def _linear(in_features: int | None, out_features: int, bias: bool = False) -> nn.Linear:
-    if in_features is None:
-        return nn.LazyLinear(out_features, bias=bias)
-    return nn.Linear(in_features, out_features, bias=bias)
+def _check_book_inputs(queries: Tensor, keys: Tensor, values: Tensor, *, same_features: bool) -> None:
+    """The book's layers take 3-dim ``(B, L, features)`` inputs; a ValueError naming the argument otherwise."""
+    if not functional.check_qkv(queries, keys, values, ("queries", "keys", "values"), same_features=same_features):
+        raise ValueError(
+            "queries, keys and values must be 3-dim, (B, Lq, d), (B, Lk, d) and (B, Lk, dv), as in the book (heads "
+            f"are folded into the batch: transpose_qkv), got queries {tuple(queries.shape)}, keys "
+            f"{tuple(keys.shape)}, values {tuple(values.shape)}"
+        )
+
+
+def _unbuilt(module: nn.Module) -> bool:
+    """A lazy layer whose parameters are not drawn yet."""
+    return isinstance(module, LazyModuleMixin) and module.has_uninitialized_params()
 
 
 def _bind(
