@@ -12,7 +12,9 @@ Contenders, on the same shapes with the same weights:
 * ``torch``: ``torch.nn.MultiheadAttention(batch_first=True)`` with ``need_weights=False``, and
   ``torch+weights`` with ``need_weights=True`` (``average_attn_weights=False``);
 * ``book``: the book's formulas written out here: ``transpose_qkv``, ``bmm`` scores, the ``-1e6`` masked
-  softmax (causal as the book's decoder does it: 2-D ``valid_lens`` ``1..L``).
+  softmax (causal as the book's decoder does it: 2-D ``valid_lens`` ``1..L``);
+* ``d2l``: :class:`attnkit.d2l.MultiHeadAttention`, the drop-in for the book's class, called as ``book`` is
+  (its ``x book``: what swapping the import costs or saves; ``benchmarks/d2l_vs_book.py`` times the two alone).
 
 Masks: ``none``; ``valid_lens`` with lengths uniform in ``[L/4, L]`` (torch: ``key_padding_mask``); ``causal``.
 Modes: ``infer`` (forward under ``torch.inference_mode()``) and ``train`` (forward and backward).
@@ -43,6 +45,7 @@ from torch import Tensor, nn
 from torch.utils import benchmark
 
 import attnkit
+from attnkit import d2l
 
 # B batch, L sequence length, h num_hiddens, H heads, d head dim
 
@@ -190,12 +193,16 @@ def make_forward(kind: str, B: int, L: int, mask: str, contender: str, *, train:
             return out
 
         return run
-    if contender == "book":
-        book = BookMHA(h, heads)
-        book.load_state_dict(ours.state_dict())
+    if contender in ("book", "d2l"):
         book_lens = lens
         if mask == "causal":
             book_lens = torch.arange(1, L + 1).repeat(B, 1)  # (B, L): the book decoder's causal mask
+        if contender == "d2l":
+            drop_in = d2l.MultiHeadAttention(h, h, h, h, heads, 0.0)
+            drop_in.load_state_dict(ours.state_dict())
+            return lambda: drop_in(x, x, x, book_lens)
+        book = BookMHA(h, heads)
+        book.load_state_dict(ours.state_dict())
         return lambda: book(x, book_lens)
     ours.backend = contender.partition(":")[2] or "auto"
     causal_flag = mask == "causal"
@@ -302,7 +309,7 @@ def contenders(kind: str, L: int, quick: bool = False) -> list[str]:
         return ["attnkit", "book"]
     if quick:
         return ["attnkit", "torch", "book"]
-    names = ["attnkit", *(f"attnkit:{b}" for b in BACKENDS), "attnkit+weights", "torch", "torch+weights", "book"]
+    names = ["attnkit", *(f"attnkit:{b}" for b in BACKENDS), "attnkit+weights", "torch", "torch+weights", "book", "d2l"]
     if L > 2048:  # one long sequence: the linear-memory contenders and the peer
         names = ["attnkit", "attnkit:chunked", "torch"]
     return names
