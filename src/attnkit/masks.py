@@ -157,13 +157,25 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def softmax_with_mask(scores: Tensor, allowed: Tensor | None, bias: Tensor | None, *, inplace: bool = False) -> Tensor:
+def softmax_with_mask(
+    scores: Tensor,
+    allowed: Tensor | None,
+    bias: Tensor | None,
+    *,
+    inplace: bool = False,
+    scratch: bool = False,
+    empty_rows: bool = True,
+) -> Tensor:
     """Softmax of ``scores + bias`` over the allowed keys; rows with none allowed give zeros.
 
-    Masked scores are filled with ``finfo.min`` (finite, so no ``inf - inf``), then zeroed after the softmax,
-    which also zeroes the rows where nothing was allowed and their gradients. ``inplace=True`` (when no gradient
-    is needed) reuses the memory of ``scores``: no second ``Lq x Lk`` tensor, which at ``L = 2048`` halves the
-    time of recording weights (``benchmarks``: ``attnkit bench``, ``attnkit+weights``).
+    Masked scores are filled with ``finfo.min`` (finite, so no ``inf - inf``): their ``exp`` is exactly 0 in any row
+    with an allowed key. Rows with none would come out uniform: with ``empty_rows`` (the default, the safe side)
+    the weights are zeroed where not allowed after the softmax, which zeroes those rows and their gradients; a
+    caller that knows no row is empty passes ``empty_rows=False`` and saves that pass and its backward.
+    ``inplace=True`` (when no gradient is needed) reuses the memory of ``scores``: no second ``Lq x Lk`` tensor,
+    which at ``L = 2048`` halves the time of recording weights (``benchmarks``: ``attnkit bench``,
+    ``attnkit+weights``). ``scratch=True``: ``scores`` is the caller's own fresh tensor, which autograd does not
+    keep, so the bias and the fill are written into it even when a gradient is needed.
     """
     if inplace:
         if bias is not None:
@@ -171,13 +183,15 @@ def softmax_with_mask(scores: Tensor, allowed: Tensor | None, bias: Tensor | Non
         if allowed is not None:
             scores.masked_fill_(~allowed, torch.finfo(scores.dtype).min)
         torch.softmax(scores, dim=-1, out=scores)
-        return scores if allowed is None else scores.masked_fill_(~allowed, 0.0)
+        return scores if allowed is None or not empty_rows else scores.masked_fill_(~allowed, 0.0)
     if bias is not None:
-        scores = scores + bias  # (B, H, Lq, Lk)
+        scores = scores.add_(bias) if scratch else scores + bias  # (B, H, Lq, Lk)
     if allowed is None:
         return torch.softmax(scores, dim=-1)
-    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    return torch.softmax(scores, dim=-1).masked_fill(~allowed, 0.0)
+    fill = torch.finfo(scores.dtype).min
+    scores = scores.masked_fill_(~allowed, fill) if scratch else scores.masked_fill(~allowed, fill)
+    weights = torch.softmax(scores, dim=-1)
+    return weights.masked_fill(~allowed, 0.0) if empty_rows else weights
 
 
 class Mask:

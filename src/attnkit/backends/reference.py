@@ -85,11 +85,17 @@ def _weights(q: Tensor, k: Tensor, mask: Mask, *, w_v: Tensor | None, scale: flo
     if w_v is not None:
         scores, _ = additive_scores(qf, kf, w_v.to(dtype))  # (B, H, Lq, Lk)
     elif grad:
-        scores = (qf @ kf.transpose(-2, -1)) * scale  # (B, H, Lq, Lk)
+        scores = qf @ kf.transpose(-2, -1)  # (B, H, Lq, Lk)
+        # In place on the fresh product, as every step up to the softmax: autograd keeps q and k, not it (the
+        # book's code allocates here; d2l.MultiHeadAttention must cost no more: benchmarks/d2l_vs_book.py)
+        scores.mul_(scale)
     else:
         q3, k3 = qf.reshape(B * H, Lq, D), kf.reshape(B * H, Lk, D)  # (B*H, L, D)
         scores = torch.empty(B * H, Lq, Lk, dtype=dtype, device=q.device)
         torch.baddbmm(scores, q3, k3.transpose(1, 2), beta=0, alpha=scale, out=scores)  # (B*H, Lq, Lk)
         scores = scores.view(B, H, Lq, Lk)
     allowed, bias = mask.full(dtype)
-    return softmax_with_mask(scores, allowed, bias, inplace=not grad)  # (B, H, Lq, Lk)
+    empty_rows = mask.liveness[1] is not None  # some query may see no key
+    return softmax_with_mask(
+        scores, allowed, bias, inplace=not grad, scratch=w_v is None, empty_rows=empty_rows
+    )  # (B, H, Lq, Lk)
