@@ -69,3 +69,20 @@ def test_bench_mistakes_are_one_line(tmp_path):
         check=False,
     )
     assert bad.returncode == 2 and bad.stderr.startswith("attnkit: error: ") and bad.stderr.count("\n") == 1
+
+
+def test_save_json_writes_whole_or_leaves_nothing(tmp_path, monkeypatch):
+    report = bench.Report(rows=[])
+    target = tmp_path / "bench.json"
+    target.write_text("previous")
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bench.json, "dump", broken)
+    with pytest.raises(OSError):
+        bench.save_json(report, str(target))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"] and target.read_text() == "previous"
+    monkeypatch.undo()
+    bench.save_json(report, str(target))
+    assert bench.load_json(str(target)).rows == [] and sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -367,3 +369,41 @@ def test_show_heatmaps_returns_nothing_so_a_notebook_shows_the_figure_once(tmp_p
     finally:
         plt.close("all")
     assert path.stat().st_size > 0  # still drawn and saved
+
+
+@pytest.mark.parametrize(("B", "Lq"), [(0, 3), (2, 0)])
+def test_empty_batches_and_query_lengths_through_the_books_multihead(B, Lq):
+    mha = d2l.MultiHeadAttention(8, 2, 0.0)
+    lens = None if B == 0 else torch.tensor([1, 2])
+    out = mha(torch.randn(B, Lq, 8), torch.randn(B, 4, 8), torch.randn(B, 4, 8), lens)
+    assert out.shape == (B, Lq, 8)
+    assert d2l.transpose_output(d2l.transpose_qkv(torch.randn(B, Lq, 8), 2), 2).shape == (B, Lq, 8)
+
+
+@pytest.mark.parametrize(
+    ("valid_lens", "error", "match"),
+    [
+        ([3, 2], TypeError, "valid_lens must be a tensor of lengths, got list"),
+        (torch.tensor(3), ValueError, r"valid_lens must have shape \(B,\) = \(2,\) or \(B, Lq\) = \(2, 3\), got \(\)"),
+        (torch.tensor([3, 2, 1]), ValueError, r"got \(3,\)"),
+    ],
+)
+def test_valid_lens_mistakes_in_the_books_multihead_name_the_argument(valid_lens, error, match):
+    mha = d2l.MultiHeadAttention(8, 2, 0.0)
+    with pytest.raises(error, match=match):
+        mha(torch.randn(2, 3, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 8), valid_lens)
+
+
+def test_the_books_layers_deep_copy_after_a_training_step():
+    """attention_weights is for looking at: it holds no autograd graph, so copy.deepcopy (EMA, checkpoints) works."""
+    x = torch.randn(2, 3, 8)
+    for layer in (
+        d2l.MultiHeadAttention(8, 2, 0.1),
+        d2l.AdditiveAttention(8, 0.1),
+        d2l.AdditiveAttention(8, 8, 8, 0.1),
+    ):
+        layer(x, x, x, torch.tensor([1, 3])).sum().backward()
+        copied = copy.deepcopy(layer)
+        weights = getattr(layer, "attention", layer).attention_weights
+        assert weights.grad_fn is None
+        torch.testing.assert_close(getattr(copied, "attention", copied).attention_weights, weights)

@@ -26,6 +26,7 @@ matmul rate, measured in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -35,6 +36,7 @@ import sys
 import time
 import types
 import typing
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -411,11 +413,19 @@ def _bytes(n: int | None) -> str:
 
 
 def save_json(report: Report, path: str) -> None:
+    """Write ``report`` to ``path`` as JSON, whole or not at all: into a temporary file beside it, renamed into place
+    (a failure removes the temporary file and leaves ``path`` as it was)."""
     data = {**asdict(report), "rows": [asdict(r) for r in report.rows]}
-    tmp = f"{path}.part"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.part")  # a new name, with the mode the umask gives
+    try:
+        with open(tmp, "x") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def load_json(path: str) -> Report:

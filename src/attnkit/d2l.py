@@ -78,9 +78,10 @@ def transpose_qkv(X: Tensor, num_heads: int) -> Tensor:
         raise ValueError(
             f"transpose_qkv: X must be (B, L, num_heads * d) with num_heads={num_heads}, got {tuple(X.shape)}"
         )
-    out = X.reshape(X.shape[0], X.shape[1], num_heads, -1)  # (B, L, H, d)
+    B, L, d = X.shape[0], X.shape[1], X.shape[2] // num_heads  # sizes named, not -1: B or L may be 0
+    out = X.reshape(B, L, num_heads, d)  # (B, L, H, d)
     out = out.permute(0, 2, 1, 3)  # (B, H, L, d)
-    out = out.reshape(-1, out.shape[2], out.shape[3])  # (B*H, L, d)
+    out = out.reshape(B * num_heads, L, d)  # (B*H, L, d)
     tracer = trace.active()
     if tracer is not None:
         tracer.add("transpose_qkv", [X], out, "(B, L, H*d) -> (B*H, L, d)")
@@ -99,9 +100,10 @@ def transpose_output(X: Tensor, num_heads: int) -> Tensor:
         raise ValueError(
             f"transpose_output: X must be (B * num_heads, L, d) with num_heads={num_heads}, got {tuple(X.shape)}"
         )
-    out = X.reshape(-1, num_heads, X.shape[1], X.shape[2])  # (B, H, L, d)
+    B, L, d = X.shape[0] // num_heads, X.shape[1], X.shape[2]  # sizes named, not -1: B or L may be 0
+    out = X.reshape(B, num_heads, L, d)  # (B, H, L, d)
     out = out.permute(0, 2, 1, 3)  # (B, L, H, d)
-    out = out.reshape(out.shape[0], out.shape[1], -1)  # (B, L, H*d)
+    out = out.reshape(B, L, num_heads * d)  # (B, L, H*d)
     tracer = trace.active()
     if tracer is not None:
         tracer.add("transpose_output", [X], out, "(B*H, L, d) -> (B, L, H*d)")
@@ -171,7 +173,8 @@ class DotProductAttention(nn.Module):
         )
         q, k = queries.detach(), keys.detach()
         self._scored, self._scores = (q, k, q._version, k._version), None
-        self.attention_weights = weights
+        # For looking at, as in the book; detached, so it holds no graph (copy.deepcopy works, memory is freed).
+        self.attention_weights = weights.detach() if weights is not None else None
         layers.report_weights(self, weights)  # for attnkit.record_weights
         return out
 
@@ -239,8 +242,8 @@ class AdditiveAttention(nn.Module):
             dropout_p=self.dropout.p if self.training else 0.0,
             need_weights=True,
         )
-        self.attention_weights = weights
-        layers.report_weights(self, weights)  # for attnkit.record_weights
+        self.attention_weights = weights.detach() if weights is not None else None  # as in DotProductAttention
+        layers.report_weights(self, self.attention_weights)  # for attnkit.record_weights
         return out
 
 
@@ -293,10 +296,12 @@ class MultiHeadAttention(nn.Module):
         _check_book_inputs(queries, keys, values, same_features=False)
         for name, x, proj in (("queries", queries, self.W_q), ("keys", keys, self.W_k), ("values", values, self.W_v)):
             layers._check_features(name, x, proj)
+        queries_in = queries
         queries = self.transpose_qkv(self.W_q(queries))  # (B, Lq, h) -> (B*H, Lq, h/H)
         keys = self.transpose_qkv(self.W_k(keys))  # (B*H, Lk, h/H)
         values = self.transpose_qkv(self.W_v(values))  # (B*H, Lk, h/H)
         if valid_lens is not None:
+            _check_valid_lens(valid_lens, queries_in)
             repeated = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)  # (B*H,) or (B*H, Lq)
             tracer = trace.active()
             if tracer is not None:
@@ -312,7 +317,7 @@ class MultiHeadAttention(nn.Module):
         """The weights of the last call in attnkit's layout: ``.attention.attention_weights``, heads unfolded."""
         weights = self.attention.attention_weights
         assert weights is not None  # set by the call that just ran
-        return weights.reshape(-1, self.num_heads, *weights.shape[1:])  # (B*H, Lq, Lk) -> (B, H, Lq, Lk)
+        return weights.reshape(weights.shape[0] // self.num_heads, self.num_heads, *weights.shape[1:])  # (B, H, Lq, Lk)
 
     def transpose_qkv(self, X: Tensor) -> Tensor:
         """The book's newer method form of :func:`transpose_qkv`."""
@@ -385,3 +390,14 @@ def _bind(
         raise TypeError(f"{cls}({', '.join(explicit)}) or {cls}({', '.join(inferred)}): {e}") from None
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def _check_valid_lens(valid_lens: object, queries: Tensor) -> None:
+    """``valid_lens`` of the batch, checked before the heads are folded into it (a message in the caller's sizes)."""
+    B, Lq = queries.shape[0], queries.shape[1]
+    if not isinstance(valid_lens, Tensor):
+        raise TypeError(f"valid_lens must be a tensor of lengths, got {type(valid_lens).__name__}")
+    if valid_lens.shape not in ((B,), (B, Lq)):
+        raise ValueError(
+            f"valid_lens must have shape (B,) = ({B},) or (B, Lq) = ({B}, {Lq}), got {tuple(valid_lens.shape)}"
+        )
