@@ -389,9 +389,10 @@ def test_empty_batches_and_query_lengths_through_the_books_multihead(B, Lq):
     ],
 )
 def test_valid_lens_mistakes_in_the_books_multihead_name_the_argument(valid_lens, error, match):
-    mha = d2l.MultiHeadAttention(8, 2, 0.0)
+    mha = d2l.MultiHeadAttention(8, 2, 0.0)  # lazy: a mistake must not make (or draw) its parameters
     with pytest.raises(error, match=match):
         mha(torch.randn(2, 3, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 8), valid_lens)
+    assert mha.W_q.has_uninitialized_params()
 
 
 def test_the_books_layers_deep_copy_after_a_training_step():

@@ -32,13 +32,15 @@ def calls(draw):
         kw["valid_lens"] = torch.randint(0, Lk + 1, (B,), generator=g)
     elif lens_kind == "2d":
         kw["valid_lens"] = torch.randint(0, Lk + 1, (B, Lq), generator=g)
-    mask_kind = draw(st.sampled_from(["none", "bool", "float", "float_-inf"]))
+    mask_kind = draw(st.sampled_from(["none", "bool", "float", "float_-inf", "float_offset"]))
     if mask_kind != "none":
         shape = draw(st.sampled_from([(Lq, Lk), (B, 1, Lq, Lk), (1, H, 1, Lk), (B, H, Lq, Lk)]))
         if mask_kind == "bool":
             kw["attn_mask"] = torch.rand(shape, generator=g) < draw(st.floats(0.0, 1.0))
         else:
             kw["attn_mask"] = torch.randn(shape, generator=g)
+        if mask_kind == "float_offset":  # large biases, shifted per row before the scores are added
+            kw["attn_mask"] = kw["attn_mask"] + draw(st.sampled_from([-1e4, 1e4, 3e4]))
         if mask_kind == "float_-inf":  # -inf where a query may not attend
             hidden = torch.rand(shape, generator=g) < draw(st.floats(0.0, 1.0))
             kw["attn_mask"] = kw["attn_mask"].masked_fill(hidden, float("-inf"))

@@ -298,3 +298,25 @@ def test_chunked_settings_closed_out_of_order_leave_nothing_behind():
         g.close()  # the generator's block closes inside the caller's
         assert chunked.current_settings().block_size == 3
     assert chunked.current_settings() == chunked.Settings()
+
+
+def test_a_task_made_inside_a_watch_or_settings_block_stops_at_its_close():
+    """An asyncio task created inside the block holds a copy of the context: after the block closes it neither adds to
+    the watch's list nor keeps its settings."""
+    q = torch.randn(1, 2, 3, 4)
+
+    async def later(gate):
+        await gate.wait()
+        attnkit.scaled_dot_product_attention(q, q, q)
+        return chunked.current_settings().block_size
+
+    async def main():
+        gate = asyncio.Event()
+        with dispatch.watch() as ran, chunked.settings(block_size=3):
+            task = asyncio.ensure_future(later(gate))
+            await asyncio.sleep(0)
+        gate.set()
+        return ran, await task
+
+    ran, block_size = asyncio.run(main())
+    assert ran == [] and block_size == chunked.Settings().block_size

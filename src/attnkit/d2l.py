@@ -296,12 +296,12 @@ class MultiHeadAttention(nn.Module):
         _check_book_inputs(queries, keys, values, same_features=False)
         for name, x, proj in (("queries", queries, self.W_q), ("keys", keys, self.W_k), ("values", values, self.W_v)):
             layers._check_features(name, x, proj)
-        queries_in = queries
+        if valid_lens is not None:
+            _check_valid_lens(valid_lens, queries)  # before the projections: a lazy layer draws nothing on a mistake
         queries = self.transpose_qkv(self.W_q(queries))  # (B, Lq, h) -> (B*H, Lq, h/H)
         keys = self.transpose_qkv(self.W_k(keys))  # (B*H, Lk, h/H)
         values = self.transpose_qkv(self.W_v(values))  # (B*H, Lk, h/H)
         if valid_lens is not None:
-            _check_valid_lens(valid_lens, queries_in)
             repeated = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)  # (B*H,) or (B*H, Lq)
             tracer = trace.active()
             if tracer is not None:

@@ -30,8 +30,8 @@ BACKENDS: dict[str, ModuleType] = {b.NAME: b for b in ALL}
 # 2**22 float32 elements = 16 MiB for one copy of the features; the reference keeps several.
 ADDITIVE_CHUNK_ELEMENTS = 2**22
 
-# The lists of the watch() blocks open in this thread or task, outermost first.
-_WATCHERS: ContextVar[tuple[list[str], ...]] = ContextVar("attnkit_watchers", default=())
+# The watch() blocks open in this thread or task, outermost first.
+_WATCHERS: ContextVar[tuple[_Watch, ...]] = ContextVar("attnkit_watchers", default=())
 
 
 def available_backends() -> list[str]:
@@ -66,11 +66,13 @@ def watch() -> Iterator[list[str]]:
         ['reference']
     """
     seen: list[str] = []
-    _WATCHERS.set((*_WATCHERS.get(), seen))
+    entry = _Watch(seen)
+    _WATCHERS.set((*_WATCHERS.get(), entry))
     try:
         yield seen
     finally:  # blocks may close in any order (contextlib.ExitStack): remove this one, keep the others
-        _WATCHERS.set(tuple(w for w in _WATCHERS.get() if w is not seen))
+        entry.open = False  # an asyncio task made inside the block holds a copy of the tuple: it sees nothing more
+        _WATCHERS.set(tuple(w for w in _WATCHERS.get() if w is not entry))
 
 
 def choose(
@@ -120,6 +122,14 @@ def _all_reasons(q: Tensor, k: Tensor, v: Tensor, mask: Mask, call: dict) -> str
 
 
 def _ran(backend: ModuleType) -> ModuleType:
-    for seen in _WATCHERS.get():
-        seen.append(backend.NAME)
+    for entry in _WATCHERS.get():
+        if entry.open:
+            entry.seen.append(backend.NAME)
     return backend
+
+
+class _Watch:
+    """One open watch() block: the list it fills, while it is open."""
+
+    def __init__(self, seen: list[str]) -> None:
+        self.seen, self.open = seen, True

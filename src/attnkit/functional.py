@@ -349,5 +349,4 @@ def _build_mask(
         is_causal=is_causal,
         mask_dims=3 if three_d else 4,
         device=q.device,
-        dtype=q.dtype,
     )

@@ -36,6 +36,7 @@ never holds the whole ``Lq x Lk`` mask.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 
 import torch
@@ -143,7 +144,6 @@ def masked_softmax(
         is_causal=is_causal,
         mask_dims=3 if three_d else 4,
         device=scores.device,
-        dtype=scores.dtype,
     )
     compute = compute_dtype(scores.dtype)
     allowed, bias = mask.full(compute)
@@ -240,7 +240,6 @@ class Mask:
         is_causal: bool = False,
         mask_dims: int = 4,
         device: torch.device | None = None,
-        dtype: torch.dtype = torch.float32,
     ) -> Mask:
         """Validate the masking arguments of a call and keep them as parts.
 
@@ -252,7 +251,6 @@ class Mask:
                 or ``-inf``.
             is_causal: bottom-right aligned causal mask.
             device: where the call runs; masks elsewhere are an error.
-            dtype: of the inputs: a float bias is clamped to half its finite range (see the module docstring).
 
         Raises:
             ValueError: ``+inf`` or NaN in a float ``attn_mask``, and shapes or values that do not fit.
@@ -318,12 +316,15 @@ class Mask:
         bias = None
         if self.bias is not None:
             part = self.bias[..., j0:j1]  # (B|1, H|1, Lq, blk)
-            if self.bias_shift is not None:
-                part = part - self.bias_shift  # (B|1, H|1, Lq, blk); -inf stays -inf
             limit = torch.finfo(dtype).max / 2
             lo, hi = self.bias_range
             if self.bias_shift is not None or lo < -limit or hi > limit:
-                # a new tensor (the caller's mask is never written to); -inf stays -inf
+                # Shift and clamp in a dtype that holds the mask, the target and float32's range (a float16 mask
+                # shifted in its own dtype overflows), then cast; new tensors: the caller's mask is never written to.
+                work = torch.promote_types(torch.promote_types(part.dtype, dtype), torch.float32)
+                part = part.to(work)
+                if self.bias_shift is not None:
+                    part = part - self.bias_shift.to(work)  # (B|1, H|1, Lq, blk); -inf stays -inf
                 part = torch.where(torch.isneginf(part), part, part.clamp(-limit, limit))
             bias = part.to(dtype)
         return allowed, bias
@@ -353,7 +354,8 @@ class Mask:
         assert self.bias is not None
         bias = self.bias.detach()
         row_max: Tensor | None = None
-        step = max(1, LIVENESS_BLOCK_ELEMENTS // max(1, bias.shape[0] * bias.shape[1] * self.num_queries))
+        lead = self._lead_shape()  # the broadcast (B|1, H|1) of every part: what `allowed` and `part` grow to
+        step = max(1, LIVENESS_BLOCK_ELEMENTS // max(1, lead.numel() * self.num_queries))
         for j0 in range(0, self.num_keys, step):
             j1 = min(j0 + step, self.num_keys)
             part = bias[..., j0:j1]  # (B|1, H|1, Lq, blk)
@@ -399,9 +401,7 @@ class Mask:
             if keys is None:
                 keys = torch.zeros(n.shape[0], 1, Lk, dtype=torch.bool, device=device)  # (B|1, 1, Lk)
             return _none_if_all(keys), _none_if_all(rows)
-        lead = torch.broadcast_shapes(
-            *(p.shape[:2] for p in (self.valid_lens, self.bool_mask, self.bias) if p is not None)
-        )
+        lead = self._lead_shape()
         keys = torch.zeros(*lead, Lk, dtype=torch.bool, device=device)  # (B|1, H|1, Lk)
         rows = torch.zeros(*lead, Lq, dtype=torch.bool, device=device)  # (B|1, H|1, Lq)
         step = max(1, LIVENESS_BLOCK_ELEMENTS // max(1, lead.numel() * Lq))
@@ -413,6 +413,11 @@ class Mask:
             keys[..., j0:j1] = allowed.any(dim=-2)
             rows |= allowed.any(dim=-1)
         return _none_if_all(keys), _none_if_all(rows)
+
+    def _lead_shape(self) -> torch.Size:
+        """The broadcast ``(B|1, H|1)`` of the parts given."""
+        parts = (self.valid_lens, self.bool_mask, self.bias)
+        return torch.broadcast_shapes(*(p.shape[:2] for p in parts if p is not None), (1, 1))
 
     def _prefix_lengths(self, device: torch.device | None) -> Tensor | None:
         """``n``, ``(B|1, 1, Lq|1)`` long: by ``valid_lens`` and ``is_causal`` alone, row ``i`` sees keys
@@ -447,6 +452,14 @@ def _finite_range(bias: Tensor) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside attnkit and torch (the user's call), seen from the caller."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("attnkit", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _check_bias(attn_mask: Tensor) -> tuple[tuple[float, float], bool]:
     """Check a float mask once (one pass, one host sync): no NaN, no ``+inf``; warn for 0/1 masks.
 
@@ -475,12 +488,11 @@ def _check_bias(attn_mask: Tensor) -> tuple[tuple[float, float], bool]:
         lo, hi = _finite_range(attn_mask)
     if lo == 0.0 and hi == 1.0 and bool(((attn_mask == 0) | (attn_mask == 1)).all()):
         warnings.warn(
-            f"attn_mask is a float tensor of dtype {attn_mask.dtype} holding only 0 and 1: it is added to the "
-            f"scores as a bias, so it masks nothing. For a mask pass a boolean tensor, True = may attend "
-            f"(attn_mask.bool()); to keep it as a bias, silence this with warnings.filterwarnings('ignore', "
-            f"category=attnkit.masks.FloatMaskWarning)",
+            "attn_mask is a float tensor holding only 0 and 1: it is added to the scores as a bias, so it masks "
+            "nothing. For a mask pass a boolean tensor, True = may attend (attn_mask.bool()); to keep it as a bias, "
+            "silence this with warnings.filterwarnings('ignore', category=attnkit.masks.FloatMaskWarning)",
             FloatMaskWarning,
-            stacklevel=2,  # one place inside attnkit: shown once per process under the default filters
+            stacklevel=_caller_level(),  # the user's line: shown once per line under the default filters
         )
     return (lo, hi), has_neg_inf
 

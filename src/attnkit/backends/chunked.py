@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ class Settings:
 
 # The settings() blocks open in this thread or task, outermost first: each one's overrides, by identity. Blocks may
 # close in any order (contextlib.ExitStack, generators): each removes its own, the others stay in force.
+# A block's overrides are cleared when it closes, so an asyncio task made inside it, which holds a copy of the
+# tuple, falls back to the settings outside it.
 _OVERRIDES: ContextVar[tuple[dict[str, int], ...]] = ContextVar("attnkit_chunked_settings", default=())
 
 
@@ -48,7 +51,8 @@ def current_settings() -> Settings:
     """The settings in force in this thread or task: the defaults, overridden by each open settings() block."""
     current = Settings()
     for overrides in _OVERRIDES.get():
-        current = dataclasses.replace(current, **overrides)
+        if overrides:
+            current = dataclasses.replace(current, **overrides)
     return current
 
 
@@ -75,13 +79,17 @@ def settings(*, block_size: int | None = None, additive_block_bytes: int | None 
         if value is not None
     }
     for name, value in overrides.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be a whole number, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be positive, got {value}")
+        overrides[name] = int(value)
     _OVERRIDES.set((*_OVERRIDES.get(), overrides))
     try:
         yield current_settings()
     finally:
         _OVERRIDES.set(tuple(o for o in _OVERRIDES.get() if o is not overrides))
+        overrides.clear()  # closed: copies of the tuple held elsewhere no longer apply it
 
 
 def why_not(
