@@ -3,7 +3,10 @@ and installing gives no deprecation warning.
 
 The rule: each block runs alone, as a new user who copies just that block would run it: in a fresh namespace
 (``__name__ == "__main__"``) and a fresh temporary working folder, with nothing from the blocks before it. So every
-block imports and defines what it uses. Blocks that are not Python to run use another fence (```sh for commands).
+block imports and defines what it uses. ```sh blocks are commands: each line of them runs too, in order, in a fresh
+temporary folder per block, with the venv's ``attnkit`` and ``python`` first on the PATH; the set-up block (``make
+demo``, ``make test``) is checked with ``make -n`` in the repository, since ``make test`` is what CI runs, and
+running it from inside the suite would recurse.
 
 The environment that ``torchrun`` gives its processes (rank 0 of a world of 1, a free local port) is set for every
 block, so the ring attention block, written for ``torchrun``, runs here as a one-process gloo group; a block that
@@ -13,6 +16,7 @@ README says, under ``torchrun``, with 2 processes.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -104,3 +108,32 @@ def test_pyproject_license_is_an_spdx_string_for_a_setuptools_that_reads_it():
     pyproject = tomllib.loads((README.parent / "pyproject.toml").read_text(encoding="utf-8"))
     assert pyproject["project"]["license"] == "MIT"
     assert "setuptools>=77" in pyproject["build-system"]["requires"]
+
+
+def sh_blocks() -> list[tuple[int, str]]:
+    """``(line of the opening fence, code)`` for each ```sh block, in order."""
+    text = README.read_text(encoding="utf-8")
+    return [
+        (text.count("\n", 0, m.start()) + 1, m.group(2)) for m in FENCE.finditer(text) if m.group(1).strip() == "sh"
+    ]
+
+
+def _commands(code: str) -> list[str]:
+    return [line for line in code.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+@pytest.mark.parametrize(("line", "code"), sh_blocks(), ids=[f"line {n}" for n, _ in sh_blocks()])
+def test_every_sh_block_runs_as_written(line, code, tmp_path):
+    commands = _commands(code)
+    assert commands, f"README.md:{line}: an empty sh block"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    if all(c.split()[0] == "make" for c in commands):
+        targets = [c.split("#")[0].split()[1] for c in commands]
+        done = subprocess.run(["make", "-n", *targets], cwd=README.parent, capture_output=True, text=True, env=env)
+        assert done.returncode == 0, f"README.md:{line}: make -n {' '.join(targets)}: {done.stderr}"
+        return
+    for command in commands:
+        done = subprocess.run(
+            ["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300
+        )
+        assert done.returncode == 0, f"README.md:{line}: {command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
