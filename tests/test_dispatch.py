@@ -81,3 +81,50 @@ def test_watch_records_nothing_outside_its_block():
         pass
     attnkit.scaled_dot_product_attention(*_qkv())
     assert ran == []
+
+
+@pytest.mark.parametrize("name", attnkit.available_backends())
+def test_each_backend_runs_what_it_declares_and_refuses_the_rest(name):
+    """SUPPORTS is data dispatch reads: it must match what the backend does. Each capability declared runs when
+    the backend is named; each one not declared is refused with a ValueError, never run or fallen back from."""
+    supports = dispatch.BACKENDS[name].SUPPORTS
+    q, k, v = _qkv(heads=False)
+    bias = torch.zeros(5, 6, requires_grad=True)
+    attend = attnkit.scaled_dot_product_attention
+    plain = attend(q, k, v, backend="reference").output
+
+    def weights():
+        assert attend(q, k, v, backend=name, need_weights=True).weights is not None
+
+    def dropout():
+        torch.manual_seed(0)
+        out = attend(q, k, v, backend=name, dropout_p=0.5).output
+        assert (out - plain).abs().max() > 1e-2  # applied, not ignored (rounding differs by 1e-6)
+
+    def bias_grad():
+        attend(q, k, v, backend=name, attn_mask=bias).output.sum().backward()
+        assert bias.grad is not None
+
+    calls = {
+        "additive scoring": lambda: attnkit.additive_attention(q, k, v, torch.randn(8), backend=name),
+        "dot-product scoring": lambda: attend(q, k, v, backend=name),
+        "weights": weights,
+        "dropout": dropout,
+        "bias grad": bias_grad,
+    }
+    declared = {
+        "additive scoring": "additive" in supports.scoring,
+        "dot-product scoring": "dot-product" in supports.scoring,
+        "weights": supports.weights,
+        "dropout": supports.dropout,
+        "bias grad": supports.bias_grad,
+    }
+    for what, run in calls.items():
+        with dispatch.watch() as ran:
+            if declared[what]:
+                run()
+            else:
+                with pytest.raises(ValueError, match=f"backend='{name}' cannot run this call"):
+                    run()
+        assert ran == ([name] if declared[what] else []), what
+    assert dispatch.describe_backends()[name] == supports.describe()

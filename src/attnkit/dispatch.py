@@ -18,10 +18,8 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from types import ModuleType
 
-from torch import Tensor
-
 from attnkit.backends import ALL
-from attnkit.masks import Mask
+from attnkit.backends.contract import Call
 
 __all__ = ["ADDITIVE_CHUNK_ELEMENTS", "BACKENDS", "available_backends", "choose", "watch"]
 
@@ -36,7 +34,8 @@ _WATCHERS: ContextVar[tuple[_Watch, ...]] = ContextVar("attnkit_watchers", defau
 
 def available_backends() -> list[str]:
     """Names of attnkit's backends. Each runs wherever PyTorch runs (``torch>=2.4``, any device): what one cannot
-    run is said per call, by its ``why_not``, and a backend named explicitly lists every backend's reasons.
+    run is declared in its ``SUPPORTS`` and said per call, and a backend named explicitly lists every backend's
+    reasons.
 
     Example:
         >>> available_backends()
@@ -46,8 +45,8 @@ def available_backends() -> list[str]:
 
 
 def describe_backends() -> dict[str, str]:
-    """For each backend, the first line of its module docstring (``attnkit info`` shows them)."""
-    return {name: (b.__doc__ or "").strip().splitlines()[0] for name, b in BACKENDS.items()}
+    """For each backend, what it can run, as it declares (``attnkit info`` shows them)."""
+    return {name: b.SUPPORTS.describe() for name, b in BACKENDS.items()}
 
 
 @contextlib.contextmanager
@@ -75,48 +74,41 @@ def watch() -> Iterator[list[str]]:
         _WATCHERS.set(tuple(w for w in _WATCHERS.get() if w is not entry))
 
 
-def choose(
-    backend: str,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Mask,
-    *,
-    w_v: Tensor | None,
-    scale: float,
-    dropout_p: float,
-    need_weights: bool,
-) -> ModuleType:
-    """The backend module that will run this call (see the module docstring for the policy)."""
-    call = {"w_v": w_v, "scale": scale, "dropout_p": dropout_p, "need_weights": need_weights}
+def choose(backend: str, call: Call) -> ModuleType:
+    """The backend module that will run ``call`` (see the module docstring for the policy).
+
+    Raises:
+        ValueError: ``backend`` is not a backend's name, or the backend named cannot run the call (the message
+            gives every backend's reasons, from what each declares in its ``SUPPORTS``).
+    """
     if backend == "auto":
-        for name in _preferences(q, k, w_v, need_weights):
-            if not BACKENDS[name].why_not(q, k, v, mask, **call):
+        for name in _preferences(call):
+            if not BACKENDS[name].SUPPORTS.why_not(call):
                 return _ran(BACKENDS[name])
-        raise ValueError("no backend can run this call: " + _all_reasons(q, k, v, mask, call))
+        raise ValueError("no backend can run this call: " + _all_reasons(call))
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
     chosen = BACKENDS[backend]
-    if chosen.why_not(q, k, v, mask, **call):
-        raise ValueError(f"backend={backend!r} cannot run this call: " + _all_reasons(q, k, v, mask, call))
+    if chosen.SUPPORTS.why_not(call):
+        raise ValueError(f"backend={backend!r} cannot run this call: " + _all_reasons(call))
     return _ran(chosen)
 
 
-def _preferences(q: Tensor, k: Tensor, w_v: Tensor | None, need_weights: bool) -> tuple[str, ...]:
-    if need_weights:
+def _preferences(call: Call) -> tuple[str, ...]:
+    if call.need_weights:
         return ("reference",)
-    if w_v is None:
+    if call.w_v is None:
         return ("sdpa", "chunked", "reference")
-    B, H, Lq, D = q.shape
-    if B * H * Lq * k.shape[2] * D >= ADDITIVE_CHUNK_ELEMENTS:
+    B, H, Lq, D = call.q.shape
+    if B * H * Lq * call.k.shape[2] * D >= ADDITIVE_CHUNK_ELEMENTS:
         return ("chunked", "reference")
     return ("reference", "chunked")
 
 
-def _all_reasons(q: Tensor, k: Tensor, v: Tensor, mask: Mask, call: dict) -> str:
+def _all_reasons(call: Call) -> str:
     parts = []
     for name, b in BACKENDS.items():
-        reasons = b.why_not(q, k, v, mask, **call)
+        reasons = b.SUPPORTS.why_not(call)
         parts.append(f"{name}: {'; '.join(reasons) if reasons else 'can run it'}")
     return " | ".join(parts)
 

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from attnkit import dispatch, trace
 from attnkit.backends import reference
+from attnkit.backends.contract import Call
 from attnkit.masks import Mask
 
 __all__ = ["AttentionOutput", "additive_attention", "attention_weights", "scaled_dot_product_attention"]
@@ -289,13 +290,10 @@ def _attend(
     if three_d:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L, D)
     mask = _build_mask(q, k, valid_lens, attn_mask, is_causal, three_d)
-    chosen = dispatch.choose(
-        backend, q, k, v, mask, w_v=w_v, scale=scale, dropout_p=dropout_p, need_weights=need_weights
-    )
+    call = Call(q, k, v, mask, w_v=w_v, scale=scale, dropout_p=dropout_p, need_weights=need_weights)
+    chosen = dispatch.choose(backend, call)
     with _autocast_off(q):
-        out, weights = chosen.attention(
-            q, k, v, mask, w_v=w_v, scale=scale, dropout_p=dropout_p, need_weights=need_weights
-        )  # (B, H, Lq, Dv), (B, H, Lq, Lk) or None
+        out, weights = chosen.attention(call)  # (B, H, Lq, Dv), (B, H, Lq, Lk) or None
     if three_d:
         out = out.squeeze(1)  # (B, Lq, Dv)
         weights = None if weights is None else weights.squeeze(1)  # (B, Lq, Lk)

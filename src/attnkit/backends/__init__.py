@@ -1,20 +1,13 @@
-"""Attention backends, one file each, one signature.
+"""Attention backends, one file each, one contract (:mod:`attnkit.backends.contract`).
 
-Every backend module defines::
-
-    NAME: str
-    def why_not(q, k, v, mask, *, w_v, scale, dropout_p, need_weights) -> list[str]   # [] = it can run this
-    def attention(q, k, v, mask, *, w_v, scale, dropout_p, need_weights) -> tuple[Tensor, Tensor | None]
-
-with ``q (B, H, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)`` already validated (``H % Hkv == 0``) and
-with dead keys zeroed, ``mask`` an :class:`attnkit.masks.Mask`, ``w_v (D,)`` for additive scoring or ``None``
-for dot-product scoring. ``attention`` returns the output ``(B, H, Lq, Dv)`` in ``q.dtype`` and the
-pre-dropout weights ``(B, H, Lq, Lk)`` when ``need_weights`` (else ``None``). The choice between them is made
-in :mod:`attnkit.dispatch` only.
+Each backend module defines ``NAME``, ``SUPPORTS`` (a :class:`~attnkit.backends.contract.Supports`: what it can
+run, as data) and ``attention(call: Call) -> (output, weights or None)``. The choice between them is made in
+:mod:`attnkit.dispatch` only.
 """
 
 from attnkit.backends import chunked, reference, sdpa
+from attnkit.backends.contract import Call, Supports
 
 ALL = (reference, sdpa, chunked)
 
-__all__ = ["ALL", "chunked", "reference", "sdpa"]
+__all__ = ["ALL", "Call", "Supports", "chunked", "reference", "sdpa"]

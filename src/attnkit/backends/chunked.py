@@ -7,7 +7,7 @@ row log-sum-exp, and recomputes each block's scores. At most one ``Lq x block`` 
 ``Lq x block x D`` slice of features for additive scoring) is alive at a time, with its few same-sized
 temporaries. Keys past the longest ``valid_lens`` are never visited.
 
-Cannot: return weights, apply dropout, or differentiate a float ``attn_mask``; see :func:`why_not`.
+Cannot: return weights, apply dropout, or differentiate a float ``attn_mask`` (:data:`SUPPORTS`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from attnkit.backends.common import additive_scores, repeat_kv, zero_dead
+from attnkit.backends.contract import Call, Supports
 from attnkit.masks import Mask, compute_dtype
 
 NAME = "chunked"
@@ -92,38 +93,11 @@ def settings(*, block_size: int | None = None, additive_block_bytes: int | None 
         overrides.clear()  # closed: copies of the tuple held elsewhere no longer apply it
 
 
-def why_not(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Mask,
-    *,
-    w_v: Tensor | None,
-    scale: float,
-    dropout_p: float,
-    need_weights: bool,
-) -> list[str]:
-    reasons: list[str] = []
-    if need_weights:
-        reasons.append("never returns weights (need_weights=True)")
-    if dropout_p > 0:
-        reasons.append(f"no dropout (dropout_p={dropout_p})")
-    if mask.bias is not None and mask.bias.requires_grad and torch.is_grad_enabled():
-        reasons.append("does not differentiate a float attn_mask that requires grad")
-    return reasons
+SUPPORTS = Supports(weights=False, dropout=False, bias_grad=False)
 
 
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Mask,
-    *,
-    w_v: Tensor | None,
-    scale: float,
-    dropout_p: float,
-    need_weights: bool,
-) -> tuple[Tensor, Tensor | None]:
+def attention(call: Call) -> tuple[Tensor, Tensor | None]:
+    q, k, v, mask, w_v, scale = call.q, call.k, call.v, call.mask, call.w_v, call.scale
     B, H, Lq, D = q.shape
     dtype = compute_dtype(q.dtype)
     if w_v is None:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from attnkit.backends.common import additive_scores, repeat_kv, zero_dead
+from attnkit.backends.contract import Call, Supports
 from attnkit.masks import Mask, compute_dtype, softmax_with_mask
 
 NAME = "reference"
@@ -34,38 +35,18 @@ NAME = "reference"
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim, Dv value head dim
 
 
-def why_not(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Mask,
-    *,
-    w_v: Tensor | None,
-    scale: float,
-    dropout_p: float,
-    need_weights: bool,
-) -> list[str]:
-    return []
+SUPPORTS = Supports()  # everything: it is the specification
 
 
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Mask,
-    *,
-    w_v: Tensor | None,
-    scale: float,
-    dropout_p: float,
-    need_weights: bool,
-) -> tuple[Tensor, Tensor | None]:
+def attention(call: Call) -> tuple[Tensor, Tensor | None]:
+    q, k, v, mask = call.q, call.k, call.v, call.mask
     H = q.shape[1]
     dtype = compute_dtype(q.dtype)
     q, k, v = zero_dead(q, k, v, mask)
-    weights = _weights(q, k, mask, w_v=w_v, scale=scale)  # (B, H, Lq, Lk) in `dtype`
-    dropped = torch.nn.functional.dropout(weights, dropout_p) if dropout_p > 0 else weights
+    weights = _weights(q, k, mask, w_v=call.w_v, scale=call.scale)  # (B, H, Lq, Lk) in `dtype`
+    dropped = torch.nn.functional.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
     out = dropped @ repeat_kv(v, H).to(dtype)  # (B, H, Lq, Dv)
-    return out.to(q.dtype), (weights.to(q.dtype) if need_weights else None)
+    return out.to(q.dtype), (weights.to(q.dtype) if call.need_weights else None)
 
 
 def attention_weights(q: Tensor, k: Tensor, mask: Mask, *, w_v: Tensor | None, scale: float) -> Tensor:

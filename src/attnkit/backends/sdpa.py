@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit.backends.common import repeat_kv, zero_dead
+from attnkit.backends.contract import DOT, Call, Supports
 from attnkit.masks import Mask
 
 NAME = "sdpa"
@@ -30,36 +31,11 @@ GROUP_BELOW = 0.875
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
-def why_not(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Mask,
-    *,
-    w_v: Tensor | None,
-    scale: float,
-    dropout_p: float,
-    need_weights: bool,
-) -> list[str]:
-    reasons: list[str] = []
-    if w_v is not None:
-        reasons.append("dot-product scoring only (this call is additive)")
-    if need_weights:
-        reasons.append("never returns weights (need_weights=True)")
-    return reasons
+SUPPORTS = Supports(scoring=frozenset({DOT}), weights=False)
 
 
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Mask,
-    *,
-    w_v: Tensor | None,
-    scale: float,
-    dropout_p: float,
-    need_weights: bool,
-) -> tuple[Tensor, Tensor | None]:
+def attention(call: Call) -> tuple[Tensor, Tensor | None]:
+    q, k, v, mask, scale, dropout_p = call.q, call.k, call.v, call.mask, call.scale, call.dropout_p
     H, Hkv = q.shape[1], k.shape[1]
     gqa: dict[str, Any] = {}
     if H != Hkv:
