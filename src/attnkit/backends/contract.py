@@ -1,0 +1,86 @@
+"""The backend contract: one object describing a call, and what a backend supports, as data.
+
+Every backend module defines::
+
+    NAME: str
+    SUPPORTS: Supports                                  # what it can run, declared
+    def attention(call: Call) -> tuple[Tensor, Tensor | None]
+
+:func:`attnkit.dispatch.choose` is the only place that chooses: it asks ``SUPPORTS.why_not(call)`` of each
+backend, which says, one reason per line of the declaration, why that backend cannot run the call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnkit.masks import Mask
+
+__all__ = ["Call", "Supports"]
+
+# B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim, Dv value head dim
+
+DOT, ADDITIVE = "dot-product", "additive"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One attention call, validated (``H % Hkv == 0``, shapes and dtypes fit, the mask checked).
+
+    ``q (B, H, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)``; ``mask`` the combined mask, kept as its
+    parts; ``w_v (D,)`` for additive scoring, ``None`` for dot-product scoring (then scaled by ``scale``).
+    A backend returns the output ``(B, H, Lq, Dv)`` in ``q.dtype``, and the pre-dropout weights
+    ``(B, H, Lq, Lk)`` when ``need_weights`` (else ``None``).
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    mask: Mask
+    w_v: Tensor | None = None
+    scale: float = 1.0
+    dropout_p: float = 0.0
+    need_weights: bool = False
+
+    @property
+    def scoring(self) -> str:
+        return DOT if self.w_v is None else ADDITIVE
+
+    @property
+    def differentiates_bias(self) -> bool:
+        """A float ``attn_mask`` that requires grad, while autograd records."""
+        bias = self.mask.bias
+        return bias is not None and bias.requires_grad and torch.is_grad_enabled()
+
+
+@dataclass(frozen=True)
+class Supports:
+    """What a backend can run: the scoring kinds, returning weights, dropout, gradients to a float ``attn_mask``."""
+
+    scoring: frozenset[str] = frozenset({DOT, ADDITIVE})
+    weights: bool = True
+    dropout: bool = True
+    bias_grad: bool = True
+
+    def why_not(self, call: Call) -> list[str]:
+        """Each reason this declaration refuses ``call``; ``[]`` when it can run it."""
+        reasons = []
+        if call.scoring not in self.scoring:
+            reasons.append(f"{' or '.join(sorted(self.scoring))} scoring only (this call is {call.scoring})")
+        if call.need_weights and not self.weights:
+            reasons.append("never returns weights (need_weights=True)")
+        if call.dropout_p > 0 and not self.dropout:
+            reasons.append(f"no dropout (dropout_p={call.dropout_p})")
+        if call.differentiates_bias and not self.bias_grad:
+            reasons.append("does not differentiate a float attn_mask that requires grad")
+        return reasons
+
+    def describe(self) -> str:
+        """One line for ``attnkit info``."""
+        can = [" and ".join(sorted(self.scoring)) + " scoring"]
+        can += [what for what, ok in (("weights", self.weights), ("dropout", self.dropout)) if ok]
+        can += ["gradients to a float attn_mask"] if self.bias_grad else []
+        return ", ".join(can)
