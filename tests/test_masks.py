@@ -246,3 +246,26 @@ def test_a_large_bias_never_swamps_the_scores_nor_the_gradients(backend, input_d
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
     for grad, want_grad in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(grad, want_grad, atol=4 * tol, rtol=4 * tol)
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+def test_causal_rows_before_the_first_key_are_zero_whatever_their_queries_hold(backend):
+    """Lq = 5 > Lk = 3 with is_causal: queries 0 and 1 see no key. NaN in them reaches no output, weight or gradient."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2, 5, 4, generator=g)
+    q[:, :, :2] = float("nan")
+    k, v = torch.randn(2, 2, 3, 4, generator=g), torch.randn(2, 2, 3, 4, generator=g)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    need = backend == "reference"
+    out, w = attnkit.scaled_dot_product_attention(*leaves, is_causal=True, backend=backend, need_weights=need)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and (out[:, :, :2] == 0).all()
+    assert w is None or (torch.isfinite(w).all() and (w[:, :, :2] == 0).all())
+    for leaf in leaves:
+        assert torch.isfinite(leaf.grad).all()
+    mha = attnkit.MultiHeadAttention(8, 2)
+    x = torch.randn(2, 5, 8)
+    x[:, :2] = float("nan")
+    with attnkit.record_weights(mha) as rec:
+        y = mha(x, torch.randn(2, 3, 8), torch.randn(2, 3, 8), is_causal=True)
+    assert torch.isfinite(rec[""]).all() and torch.isfinite(y[:, 2:]).all()
