@@ -34,8 +34,9 @@ memory: $(STAMP)
 ring: $(STAMP)
 	$(BIN)/torchrun --nproc-per-node 4 examples/ring_attention.py
 
-bench: $(STAMP)
+bench: $(STAMP)  # the full grid, saved; then the project's targets checked against it (status 1 if one is missed)
 	$(BIN)/attnkit bench --json bench.json --plot bench.png
+	$(BIN)/python benchmarks/targets.py bench.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache src/*.egg-info

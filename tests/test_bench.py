@@ -1,16 +1,20 @@
-"""attnkit bench: the contenders compute the same thing, and `attnkit bench --quick` gives its table (not speed)."""
+"""attnkit bench: the contenders compute the same thing, and `attnkit bench --quick` gives its table (not speed);
+benchmarks/targets.py, run as a script on saved results, says which of the project's targets a run meets."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import matplotlib.image
 import pytest
 import torch
 
 from attnkit import bench
+
+TARGETS_SCRIPT = Path(__file__).parents[1] / "benchmarks" / "targets.py"
 
 
 @pytest.mark.parametrize("mask", bench.MASKS)
@@ -86,3 +90,56 @@ def test_save_json_writes_whole_or_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.undo()
     bench.save_json(report, str(target))
     assert bench.load_json(str(target)).rows == [] and sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
+
+
+def _check_targets(path):
+    """benchmarks/targets.py on a saved run, as `make bench` runs it (a script: tests never import benchmarks/)."""
+    return subprocess.run(
+        [sys.executable, str(TARGETS_SCRIPT), str(path)], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def _run_meeting_every_target():
+    """A full run's rows, with times and rates that meet every target."""
+    seconds = {"attnkit": 1.0, "attnkit+weights": 1.2, "torch": 4.0, "torch+weights": 4.0, "book": 5.0}
+    rows = [
+        bench.Row("mha", 8, L, mode, mask, c, seconds=s * (0.7 if (c, mask) == ("attnkit", "valid_lens") else 1))
+        for L in (512, 2048)
+        for mode in bench.MODES
+        for mask in bench.MASKS
+        for c, s in seconds.items()
+    ]
+    rows[[r.key() for r in rows].index("mha|8|2048|train|none|attnkit")].gflops = 70.0
+    L = bench.ADDITIVE_FULL["L"]
+    rows += [bench.Row("additive", 8, L, "train", "none", "attnkit", seconds=1.0, peak_bytes=2**20)]
+    rows += [bench.Row("additive", 8, L, "train", "none", "book", seconds=2.0, peak_bytes=2**30)]
+    rows += [bench.Row("overhead", 2, 4, "infer", "none", c, seconds=1e-4) for c in ("attnkit", "book")]
+    return bench.Report(rows=rows, matmul_gflops=100.0, threads=2, torch_version="x", seconds=1.0)
+
+
+def test_targets_script_exits_zero_only_when_every_target_is_measured_and_met(tmp_path):
+    report = _run_meeting_every_target()
+    bench.save_json(report, str(tmp_path / "met.json"))
+    met = _check_targets(tmp_path / "met.json")
+    assert met.returncode == 0, met.stdout + met.stderr
+    assert "| target | measured | limit | met |" in met.stdout and "23 of 23 targets met, 0 missed" in met.stdout
+
+    report.find(kind="overhead", contender="attnkit").seconds = 2e-4  # twice the book's: the limit is 1.3x
+    bench.save_json(report, str(tmp_path / "missed.json"))
+    missed = _check_targets(tmp_path / "missed.json")
+    assert missed.returncode == 1
+    assert "| tiny inputs: attnkit / book forward | 2.00 | <= 1.30 | **no** |" in missed.stdout
+    assert "22 of 23 targets met, 1 missed, 0 not measured" in missed.stdout
+
+    quick = bench.Report(rows=[r for r in report.rows if r.kind == "overhead"], matmul_gflops=100.0)
+    bench.save_json(quick, str(tmp_path / "quick.json"))
+    unmeasured = _check_targets(tmp_path / "quick.json")
+    assert unmeasured.returncode == 1
+    assert "| attnkit / torch, L=512 train none |  | <= 0.95 | not measured |" in unmeasured.stdout
+    assert "0 of 23 targets met, 1 missed, 22 not measured" in unmeasured.stdout
+
+
+def test_targets_script_refuses_what_bench_did_not_save(tmp_path):
+    (tmp_path / "other.json").write_text('{"rows": null}')
+    refused = _check_targets(tmp_path / "other.json")
+    assert refused.returncode == 2 and "not results saved with `attnkit bench --json`" in refused.stderr

@@ -11,8 +11,10 @@ Contenders, on the same shapes with the same weights:
 * ``attnkit+weights``: the same inside :func:`attnkit.record_weights` (weights kept for every call);
 * ``torch``: ``torch.nn.MultiheadAttention(batch_first=True)`` with ``need_weights=False``, and
   ``torch+weights`` with ``need_weights=True`` (``average_attn_weights=False``);
-* ``book``: the book's formulas written out here: ``transpose_qkv``, ``bmm`` scores, the ``-1e6`` masked
-  softmax (causal as the book's decoder does it: 2-D ``valid_lens`` ``1..L``);
+* ``book``: the book's own classes (``attnkit._book``, its code as the book writes it): ``transpose_qkv``,
+  ``bmm`` scores, the ``-1e6`` masked softmax written into the scores (causal as the book's decoder does it: 2-D
+  ``valid_lens`` ``1..L``); for additive attention, the book's ``AdditiveAttention`` on the projected queries
+  and keys that :func:`attnkit.additive_attention` takes;
 * ``d2l``: :class:`attnkit.d2l.MultiHeadAttention`, the drop-in for the book's class, called as ``book`` is
   (its ``x book``: what swapping the import costs or saves; ``benchmarks/d2l_vs_book.py`` times the two alone).
 
@@ -29,7 +31,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -42,12 +43,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils import benchmark
 
 import attnkit
-from attnkit import d2l
+from attnkit import _book, d2l
 
 # B batch, L sequence length, h num_hiddens, H heads, d head dim
 
@@ -96,49 +96,6 @@ class Report:
         return None
 
 
-# ------------------------------------------------------------------------------------------ the book's MHA
-
-
-def book_masked_softmax(X: Tensor, valid_lens: Tensor | None) -> Tensor:
-    """The book's masked softmax (with its ``-1e6`` fill), not writing into ``X``."""
-    if valid_lens is None:
-        return F.softmax(X, dim=-1)
-    shape = X.shape
-    lens = torch.repeat_interleave(valid_lens, shape[1]) if valid_lens.dim() == 1 else valid_lens.reshape(-1)
-    X = X.reshape(-1, shape[-1])  # (B*H*Lq, Lk)
-    mask = torch.arange(shape[-1], device=X.device)[None, :] < lens[:, None]
-    return F.softmax(X.masked_fill(~mask, -1e6).reshape(shape), dim=-1)
-
-
-class BookMHA(nn.Module):
-    """The book's multi-head attention: ``transpose_qkv``, ``bmm`` scores, masked softmax, ``bmm``."""
-
-    def __init__(self, h: int, heads: int) -> None:
-        super().__init__()
-        self.num_heads = heads
-        self.W_q, self.W_k, self.W_v, self.W_o = (nn.Linear(h, h, bias=False) for _ in range(4))
-
-    def _split(self, X: Tensor) -> Tensor:
-        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, -1).permute(0, 2, 1, 3)  # (B, H, L, d)
-        return X.reshape(-1, X.shape[2], X.shape[3])  # (B*H, L, d)
-
-    def forward(self, x: Tensor, valid_lens: Tensor | None) -> Tensor:
-        q, k, v = self._split(self.W_q(x)), self._split(self.W_k(x)), self._split(self.W_v(x))
-        if valid_lens is not None:
-            valid_lens = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)
-        scores = torch.bmm(q, k.transpose(1, 2)) / math.sqrt(q.shape[-1])  # (B*H, L, L)
-        out = torch.bmm(book_masked_softmax(scores, valid_lens), v)  # (B*H, L, d)
-        out = out.reshape(-1, self.num_heads, out.shape[1], out.shape[2]).permute(0, 2, 1, 3)  # (B, L, H, d)
-        return self.W_o(out.reshape(out.shape[0], out.shape[1], -1))  # (B, L, h)
-
-
-def book_additive(q: Tensor, k: Tensor, v: Tensor, w_v: Tensor, valid_lens: Tensor | None) -> Tensor:
-    """The book's additive attention on projected ``q (B, Lq, h)``, ``k (B, Lk, h)``: broadcast, tanh, ``w_v``."""
-    features = torch.tanh(q.unsqueeze(2) + k.unsqueeze(1))  # (B, Lq, Lk, h)
-    scores = (features @ w_v).squeeze(-1)  # (B, Lq, Lk)
-    return torch.bmm(book_masked_softmax(scores, valid_lens), v)  # (B, Lq, dv)
-
-
 # ---------------------------------------------------------------------------------------------- the calls
 
 
@@ -168,8 +125,11 @@ def make_forward(kind: str, B: int, L: int, mask: str, contender: str, *, train:
     if kind == "additive":
         q, k = torch.randn(B, L, h, requires_grad=train), torch.randn(B, L, h, requires_grad=train)
         v, w_v = torch.randn(B, L, h, requires_grad=train), torch.randn(h, requires_grad=train)
-        if contender == "book":
-            return lambda: book_additive(q, k, v, w_v[:, None], lens)
+        if contender == "book":  # the book's class, its W_q and W_k left out: q and k come projected
+            additive = _book.AdditiveAttention(h, h, h, 0.0)
+            additive.W_q = additive.W_k = nn.Identity()
+            additive.w_v.weight = nn.Parameter(w_v.detach()[None, :], requires_grad=train)  # (1, h)
+            return lambda: additive(q, k, v, lens)
         backend = contender.partition(":")[2] or "auto"
         return lambda: attnkit.additive_attention(q, k, v, w_v, valid_lens=lens, backend=backend).output
 
@@ -203,9 +163,9 @@ def make_forward(kind: str, B: int, L: int, mask: str, contender: str, *, train:
             drop_in = d2l.MultiHeadAttention(h, h, h, h, heads, 0.0)
             drop_in.load_state_dict(ours.state_dict())
             return lambda: drop_in(x, x, x, book_lens)
-        book = BookMHA(h, heads)
+        book = _book.MultiHeadAttention(h, h, h, h, heads, 0.0)
         book.load_state_dict(ours.state_dict())
-        return lambda: book(x, book_lens)
+        return lambda: book(x, x, x, book_lens)
     ours.backend = contender.partition(":")[2] or "auto"
     causal_flag = mask == "causal"
     if contender == "attnkit+weights":
@@ -506,77 +466,6 @@ def plot_report(report: Report, path: str) -> None:
     ax_t.legend(fontsize=7)
     fig.suptitle(f"MultiHeadAttention, B=8, h={HIDDENS}, {HEADS} heads, float32")
     plot.save_figure(fig, path)
-
-
-@dataclass
-class Target:
-    """One of the performance targets, checked against a report."""
-
-    what: str
-    measured: float | None
-    limit: float
-    at_most: bool  # True: measured <= limit; False: measured >= limit
-
-    @property
-    def met(self) -> bool | None:
-        if self.measured is None:
-            return None
-        return self.measured <= self.limit if self.at_most else self.measured >= self.limit
-
-
-def targets(report: Report) -> list[Target]:
-    """The targets of the performance issue, from the rows of one run (ratios of times measured in that run)."""
-
-    def time(**match: Any) -> float | None:
-        row = report.find(**match)
-        return row.seconds if row is not None else None
-
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return a / b if a and b else None
-
-    found: list[Target] = []
-    mha = {"kind": "mha", "B": 8}
-    for L, mode, limit in ((512, "train", 0.95), (2048, "train", 0.80), (2048, "infer", 0.5)):
-        for mask in MASKS:
-            t = ratio(
-                time(**mha, L=L, mode=mode, mask=mask, contender="attnkit"),
-                time(**mha, L=L, mode=mode, mask=mask, contender="torch"),
-            )
-            found.append(Target(f"attnkit / torch, L={L} {mode} {mask}", t, limit, True))
-    for L, limit in ((512, 2.3), (2048, 4.0)):
-        for mask in MASKS:
-            t = ratio(
-                time(**mha, L=L, mode="train", mask=mask, contender="book"),
-                time(**mha, L=L, mode="train", mask=mask, contender="attnkit"),
-            )
-            found.append(Target(f"book / attnkit (speed-up), L={L} train {mask}", t, limit, False))
-    own = time(**mha, L=2048, mode="train", mask="none", contender="attnkit")
-    recorded = time(**mha, L=2048, mode="train", mask="none", contender="attnkit+weights")
-    found.append(Target("attnkit+weights / attnkit, L=2048 train", ratio(recorded, own), 1.5, True))
-    torch_weights = time(**mha, L=2048, mode="train", mask="none", contender="torch+weights")
-    found.append(Target("attnkit+weights / torch+weights, L=2048 train", ratio(recorded, torch_weights), 0.6, True))
-    for mode in MODES:
-        padded = time(**mha, L=2048, mode=mode, mask="valid_lens", contender="attnkit")
-        full = time(**mha, L=2048, mode=mode, mask="none", contender="attnkit")
-        found.append(Target(f"attnkit valid_lens / no mask, L=2048 {mode}", ratio(padded, full), 0.8, True))
-    row = report.find(**mha, L=2048, mode="train", mask="none", contender="attnkit")
-    share = row.gflops / report.matmul_gflops if row is not None and row.gflops and report.matmul_gflops else None
-    found.append(Target("attnkit GFLOP/s / matmul GFLOP/s, L=2048 train", share, 0.65, False))
-    add = {"kind": "additive", "L": ADDITIVE_FULL["L"]}
-    ours, book = report.find(**add, contender="attnkit"), report.find(**add, contender="book")
-    if ours is not None and book is not None:
-        found.append(Target("additive: attnkit / book time", ratio(ours.seconds, book.seconds), 1.0, True))
-        memory = ratio(ours.peak_bytes, book.peak_bytes) if ours.peak_bytes and book.peak_bytes else None
-        found.append(Target("additive: attnkit / book peak memory", memory, 1 / 8, True))
-    found.append(
-        Target(
-            "tiny inputs: attnkit / book forward",
-            ratio(time(kind="overhead", contender="attnkit"), time(kind="overhead", contender="book")),
-            1.3,
-            True,
-        )
-    )
-    return [t for t in found if t.measured is not None]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

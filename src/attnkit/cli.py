@@ -408,14 +408,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
         f"float32 matmul {report.matmul_gflops:.0f} GFLOP/s, {report.threads} threads, torch {report.torch_version},"
         f" {report.seconds:.0f} s"
     )
-    checks = bench.targets(report)
-    if checks:
-        met = [
-            [t.what, f"{t.measured:.2f}", ("<= " if t.at_most else ">= ") + f"{t.limit:.2f}", "yes" if t.met else "NO"]
-            for t in checks
-        ]
-        print()
-        _table(met, ("target", "measured", "limit", "met"), title=None)
     for out, write in ((json_out, bench.save_json), (plot_out, bench.plot_report)):
         if out is not None:
             try:

@@ -1,5 +1,9 @@
 """The attention code of *Dive into Deep Learning* (PyTorch edition), as the book writes it, to compare with.
 
+Not attnkit's API (that is :mod:`attnkit.d2l`, the drop-in built on attnkit): the one copy of the book's own code,
+which ``attnkit bench`` times as its ``book`` contender and the tests use as the independent oracle for
+:mod:`attnkit.d2l`. It uses torch alone, nothing of attnkit.
+
 Kept as close to the book as possible, including what attnkit does differently on purpose: ``sequence_mask``
 writes into ``X``, masked scores are filled with ``-1e6``.
 
@@ -7,7 +11,9 @@ Both of the book's forms: the older one with explicit input sizes (``nn.Linear``
 random generator when the module is built) and the newer one (the book's 1.0 edition) that infers them
 (``nn.LazyLinear``, parameters drawn at the first call, in the order the layers are called). The book gives the
 newer classes the same names as the older ones; here they are ``LazyAdditiveAttention`` and
-``LazyMultiHeadAttention``, to sit beside them.
+``LazyMultiHeadAttention``, to sit beside them. The two forms differ only in how they make their layers: the
+newer forward is the older one's lines (its ``transpose_qkv`` and ``transpose_output`` methods are the functions
+below with ``self.num_heads``), so the newer classes inherit it and have only their own ``__init__``.
 """
 
 # ruff: noqa: SIM108  (kept as the book writes it)
@@ -101,52 +107,24 @@ class MultiHeadAttention(nn.Module):
 # --- the newer, size-inferring forms (the book's 1.0 edition) ------------------------------------------
 
 
-class LazyAdditiveAttention(nn.Module):
+class LazyAdditiveAttention(AdditiveAttention):  # the book's forward, inherited
     def __init__(self, num_hiddens, dropout, **kwargs):
-        super().__init__(**kwargs)
+        nn.Module.__init__(self, **kwargs)  # not AdditiveAttention's, which would build sized layers
         self.W_k = nn.LazyLinear(num_hiddens, bias=False)
         self.W_q = nn.LazyLinear(num_hiddens, bias=False)
         self.w_v = nn.LazyLinear(1, bias=False)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, queries, keys, values, valid_lens):
-        queries, keys = self.W_q(queries), self.W_k(keys)
-        features = queries.unsqueeze(2) + keys.unsqueeze(1)
-        features = torch.tanh(features)
-        scores = self.w_v(features).squeeze(-1)
-        self.attention_weights = masked_softmax(scores, valid_lens)
-        return torch.bmm(self.dropout(self.attention_weights), values)
 
-
-class LazyMultiHeadAttention(nn.Module):  # the book derives it from d2l.Module, which adds no parameters
+class LazyMultiHeadAttention(MultiHeadAttention):  # the book's forward, inherited
     def __init__(self, num_hiddens, num_heads, dropout, bias=False, **kwargs):
-        super().__init__()
+        nn.Module.__init__(self)  # the book derives it from d2l.Module, which adds no parameters
         self.num_heads = num_heads
         self.attention = DotProductAttention(dropout)
         self.W_q = nn.LazyLinear(num_hiddens, bias=bias)
         self.W_k = nn.LazyLinear(num_hiddens, bias=bias)
         self.W_v = nn.LazyLinear(num_hiddens, bias=bias)
         self.W_o = nn.LazyLinear(num_hiddens, bias=bias)
-
-    def forward(self, queries, keys, values, valid_lens):
-        queries = self.transpose_qkv(self.W_q(queries))
-        keys = self.transpose_qkv(self.W_k(keys))
-        values = self.transpose_qkv(self.W_v(values))
-        if valid_lens is not None:
-            valid_lens = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)
-        output = self.attention(queries, keys, values, valid_lens)
-        output_concat = self.transpose_output(output)
-        return self.W_o(output_concat)
-
-    def transpose_qkv(self, X):
-        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, -1)
-        X = X.permute(0, 2, 1, 3)
-        return X.reshape(-1, X.shape[2], X.shape[3])
-
-    def transpose_output(self, X):
-        X = X.reshape(-1, self.num_heads, X.shape[1], X.shape[2])
-        X = X.permute(0, 2, 1, 3)
-        return X.reshape(X.shape[0], X.shape[1], -1)
 
 
 def init_seq2seq(module):
