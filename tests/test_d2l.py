@@ -408,3 +408,107 @@ def test_the_books_layers_deep_copy_after_a_training_step():
         weights = getattr(layer, "attention", layer).attention_weights
         assert weights.grad_fn is None
         torch.testing.assert_close(getattr(copied, "attention", copied).attention_weights, weights)
+
+
+# --- mistakes in the functions and constructors are a ValueError/TypeError naming the argument -------------
+
+
+@pytest.mark.parametrize(
+    ("X", "valid_len", "match"),
+    [
+        (torch.rand(3), torch.tensor([1, 2, 3]), r"X must be \(N, L\) or \(N, L, \.\.\.\), got \(3,\)"),
+        (torch.rand(2, 3), torch.tensor([1, 2, 3]), r"valid_len must have shape \(N,\) = \(2,\).*got valid_len \(3,\)"),
+        (
+            torch.rand(2, 3),
+            torch.tensor([[1], [2]]),
+            r"valid_len must have shape \(N,\) = \(2,\).*\(2, 1\), X \(2, 3\)",
+        ),
+        (torch.rand(2, 3), torch.tensor([1, 4]), r"valid_len may be at most the number of keys \(3\), got 4"),
+    ],
+    ids=["X-1-dim", "valid_len-too-long", "valid_len-2-dim", "valid_len-past-L"],
+)
+def test_sequence_mask_mistakes_are_a_value_error_naming_the_argument(X, valid_len, match):
+    with pytest.raises(ValueError, match=match):
+        d2l.sequence_mask(X, valid_len)
+
+
+@pytest.mark.parametrize("fn", [d2l.transpose_qkv, d2l.transpose_output])
+@pytest.mark.parametrize(
+    ("num_heads", "error", "match"),
+    [
+        (0, ValueError, "num_heads must be positive, got 0"),
+        (-2, ValueError, "num_heads must be positive, got -2"),
+        (2.0, TypeError, "num_heads must be a whole number, got 2.0"),
+    ],
+)
+def test_transpose_num_heads_must_be_a_positive_whole_number(fn, num_heads, error, match):
+    with pytest.raises(error, match=match):
+        fn(torch.zeros(4, 3, 8), num_heads)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: d2l.MultiHeadAttention(10, 0, 0.0), ValueError, "num_heads must be positive, got 0"),
+        (lambda: d2l.MultiHeadAttention(10, -2, 0.0), ValueError, "num_heads must be positive, got -2"),
+        (lambda: d2l.MultiHeadAttention(0, 2, 0.0), ValueError, "num_hiddens must be positive, got 0"),
+        (lambda: d2l.MultiHeadAttention(16.0, 2, 0.0), TypeError, "num_hiddens must be a whole number, got 16.0"),
+        (lambda: d2l.MultiHeadAttention(8, 8, -1, 16, 2, 0.0), ValueError, "value_size must be positive, got -1"),
+        (lambda: d2l.MultiHeadAttention(8, 2, 1.0), ValueError, r"dropout must be in \[0, 1\), got 1.0"),
+        (lambda: d2l.AdditiveAttention(-3, 0.0), ValueError, "num_hiddens must be positive, got -3"),
+        (lambda: d2l.AdditiveAttention(0, 0.0), ValueError, "num_hiddens must be positive, got 0"),
+        (lambda: d2l.AdditiveAttention(16.0, 0.0), TypeError, "num_hiddens must be a whole number, got 16.0"),
+        (lambda: d2l.AdditiveAttention(8, 8, -3, 0.0), ValueError, "num_hiddens must be positive, got -3"),
+        (lambda: d2l.AdditiveAttention(0, 8, 8, 0.0), ValueError, "key_size must be positive, got 0"),
+        (lambda: d2l.AdditiveAttention(8, -0.1), ValueError, r"dropout must be in \[0, 1\), got -0.1"),
+        (lambda: d2l.DotProductAttention(1.5), ValueError, r"dropout must be in \[0, 1\), got 1.5"),
+        (lambda: d2l.DotProductAttention("0.1"), TypeError, "dropout must be a number in"),
+    ],
+)
+def test_bad_sizes_and_dropout_are_refused_at_construction_without_drawing(make, error, match):
+    before = torch.get_rng_state()
+    with pytest.raises(error, match=match):
+        make()
+    assert torch.equal(torch.get_rng_state(), before)  # refused before any parameter was drawn
+
+
+def test_out_of_range_valid_lens_in_the_books_multihead_are_reported_as_given():
+    """Not in the head-repeated layout (B*H,): the user's (B,) tensor, before any parameter is drawn."""
+    mha = d2l.MultiHeadAttention(16, 2, 0.0)
+    q, k = torch.randn(2, 3, 8), torch.randn(2, 5, 8)
+    with pytest.raises(ValueError, match=r"valid_lens may be at most the number of keys \(5\), got 9 in .*\[1, 9\]"):
+        mha(q, k, k, torch.tensor([1, 9]))
+    with pytest.raises(ValueError, match=r"valid_lens must not be negative, got -1"):
+        mha(q, k, k, torch.tensor([-1, 2]))
+    with pytest.raises(ValueError, match=r"valid_lens must hold whole numbers, got 1.5"):
+        mha(q, k, k, torch.tensor([1.5, 2.0]))
+    assert mha.W_q.has_uninitialized_params()
+
+
+def test_show_heatmaps_figsize_is_the_whole_figure_as_in_the_book(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    try:
+        plt.close("all")
+        # the Transformer chapter: 4 x 4 heads, figsize=(7, 3.5)
+        d2l.show_heatmaps(
+            torch.rand(4, 4, 3, 5), "Keys", "Queries", titles=[f"Head {i}" for i in range(1, 5)], figsize=(7, 3.5)
+        )
+        assert tuple(plt.gcf().get_size_inches()) == pytest.approx((7.0, 3.5))
+        plt.close("all")
+        d2l.show_heatmaps(torch.rand(1, 1, 3, 5), "Keys", "Queries")  # the book's default: one 2.5 x 2.5 figure
+        assert tuple(plt.gcf().get_size_inches()) == pytest.approx((2.5, 2.5))
+    finally:
+        plt.close("all")
+
+
+def test_show_heatmaps_titles_must_have_one_per_column():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    try:
+        with pytest.raises(ValueError, match=r"titles must have one per column, 3 for matrices \(1, 3, 3, 3\), got 1"):
+            d2l.show_heatmaps(torch.rand(1, 3, 3, 3), "k", "q", titles=["a"])
+    finally:
+        plt.close("all")

@@ -47,13 +47,29 @@ def sequence_mask(X: Tensor, valid_len: Tensor, value: float = 0) -> Tensor:
 
     Args:
         X: ``(N, L, ...)`` or ``(N, L)``.
-        valid_len: ``(N,)``.
+        valid_len: ``(N,)``, whole numbers in ``[0, L]``.
+
+    Raises:
+        TypeError: ``X`` or ``valid_len`` not a tensor, or ``valid_len`` not of whole numbers.
+        ValueError: ``X`` with fewer than 2 dims, ``valid_len`` not ``(N,)``, or a length outside ``[0, L]``.
 
     Example:
         >>> sequence_mask(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([1, 2]))
         tensor([[1, 0, 0],
                 [4, 5, 0]])
     """
+    if not isinstance(X, Tensor):
+        raise TypeError(f"sequence_mask: X must be a tensor, got {type(X).__name__}")
+    if X.dim() < 2:
+        raise ValueError(f"sequence_mask: X must be (N, L) or (N, L, ...), got {tuple(X.shape)}")
+    if not isinstance(valid_len, Tensor):
+        raise TypeError(f"sequence_mask: valid_len must be a tensor of lengths, got {type(valid_len).__name__}")
+    if valid_len.shape != X.shape[:1]:
+        raise ValueError(
+            f"sequence_mask: valid_len must have shape (N,) = ({X.shape[0]},), one length per row of X, got "
+            f"valid_len {tuple(valid_len.shape)}, X {tuple(X.shape)}"
+        )
+    valid_len = masks.as_lengths(valid_len, "valid_len", X.shape[1])  # whole numbers in [0, L]
     keep = masks.sequence_mask(valid_len, X.shape[1])  # (N, L)
     keep = keep.view(*keep.shape, *([1] * (X.dim() - 2)))  # (N, L, 1, ...)
     return X.masked_fill(~keep, value)
@@ -70,10 +86,15 @@ def masked_softmax(X: Tensor, valid_lens: Tensor | None) -> Tensor:
 def transpose_qkv(X: Tensor, num_heads: int) -> Tensor:
     """Split the hidden axis into heads and fold them into the batch: ``(B, L, H*d) -> (B*H, L, d)``.
 
+    Raises:
+        TypeError: ``num_heads`` not a whole number.
+        ValueError: ``num_heads`` below 1, or ``X`` not 3-dim with a last axis a multiple of ``num_heads``.
+
     Example:
         >>> transpose_qkv(torch.zeros(2, 3, 8), 2).shape
         torch.Size([4, 3, 4])
     """
+    layers._check_sizes(num_heads=num_heads)
     if X.dim() != 3 or X.shape[-1] % num_heads:
         raise ValueError(
             f"transpose_qkv: X must be (B, L, num_heads * d) with num_heads={num_heads}, got {tuple(X.shape)}"
@@ -91,11 +112,16 @@ def transpose_qkv(X: Tensor, num_heads: int) -> Tensor:
 def transpose_output(X: Tensor, num_heads: int) -> Tensor:
     """Undo :func:`transpose_qkv`: ``(B*H, L, d) -> (B, L, H*d)``.
 
+    Raises:
+        TypeError: ``num_heads`` not a whole number.
+        ValueError: ``num_heads`` below 1, or ``X`` not 3-dim with a first axis a multiple of ``num_heads``.
+
     Example:
         >>> X = torch.randn(2, 3, 8)
         >>> torch.equal(transpose_output(transpose_qkv(X, 2), 2), X)
         True
     """
+    layers._check_sizes(num_heads=num_heads)
     if X.dim() != 3 or X.shape[0] % num_heads:
         raise ValueError(
             f"transpose_output: X must be (B * num_heads, L, d) with num_heads={num_heads}, got {tuple(X.shape)}"
@@ -136,6 +162,7 @@ class DotProductAttention(nn.Module):
     def __init__(self, dropout: float, num_heads: int | None = None) -> None:
         # num_heads: accepted as in the book's newer signature, which does not use it either
         super().__init__()
+        _check_dropout(dropout)
         self.dropout = nn.Dropout(dropout)
         self.attention_weights: Tensor | None = None
         # The last call's queries and keys (detached, not copied) and their version counters, for .scores
@@ -192,8 +219,10 @@ class AdditiveAttention(nn.Module):
     call in the book's order (``W_q``, ``W_k``, then ``w_v``).
 
     Raises:
-        ValueError: naming the argument, with the shapes, before any work: inputs that are not 3-dim, that do not
-            fit together, or whose feature size is not the one the layer was built or first called with.
+        TypeError: at construction, a size that is not a whole number.
+        ValueError: at construction, a size below 1 or ``dropout`` outside ``[0, 1)``; at a call, naming the
+            argument, with the shapes, before any work: inputs that are not 3-dim, that do not fit together, or
+            whose feature size is not the one the layer was built or first called with.
 
     Example:
         >>> attention = AdditiveAttention(key_size=2, query_size=20, num_hiddens=8, dropout=0.1).eval()
@@ -215,6 +244,11 @@ class AdditiveAttention(nn.Module):
             explicit=("key_size", "query_size", "num_hiddens", "dropout"),
             inferred=("num_hiddens", "dropout"),
         )
+        # checked before anything is drawn, with attnkit's layers' messages
+        layers._check_sizes(
+            key_size=sizes.get("key_size"), query_size=sizes.get("query_size"), num_hiddens=sizes["num_hiddens"]
+        )
+        _check_dropout(sizes["dropout"])
         h, inferred = sizes["num_hiddens"], "key_size" not in sizes
         self.W_k = layers._linear(sizes.get("key_size"), h, bias=False)
         self.W_q = layers._linear(sizes.get("query_size"), h, bias=False)
@@ -260,8 +294,10 @@ class MultiHeadAttention(nn.Module):
     form, drawn at the first call in the order they are called (``W_q``, ``W_k``, ``W_v``, then ``W_o``).
 
     Raises:
-        ValueError: naming the argument, with the shapes, before any work: inputs that are not 3-dim, that do not
-            fit together, or whose feature size is not the one the layer was built or first called with.
+        TypeError: at construction, a size that is not a whole number.
+        ValueError: at construction, a size below 1 or ``dropout`` outside ``[0, 1)``; at a call, naming the
+            argument, with the shapes, before any work: inputs that are not 3-dim, that do not fit together, or
+            whose feature size is not the one the layer was built or first called with.
 
     Example:
         >>> attention = MultiHeadAttention(100, 100, 100, 100, 5, 0.5).eval()
@@ -282,6 +318,15 @@ class MultiHeadAttention(nn.Module):
             inferred=("num_hiddens", "num_heads", "dropout", "bias"),
             defaults={"bias": False},
         )
+        # checked before anything is drawn, with attnkit's layers' messages
+        layers._check_sizes(
+            key_size=sizes.get("key_size"),
+            query_size=sizes.get("query_size"),
+            value_size=sizes.get("value_size"),
+            num_hiddens=sizes["num_hiddens"],
+            num_heads=sizes["num_heads"],
+        )
+        _check_dropout(sizes["dropout"])
         h, bias = sizes["num_hiddens"], sizes["bias"]
         if h % sizes["num_heads"]:
             raise ValueError(f"num_hiddens ({h}) must be a multiple of num_heads ({sizes['num_heads']})")
@@ -297,7 +342,8 @@ class MultiHeadAttention(nn.Module):
         for name, x, proj in (("queries", queries, self.W_q), ("keys", keys, self.W_k), ("values", values, self.W_v)):
             layers._check_features(name, x, proj)
         if valid_lens is not None:
-            _check_valid_lens(valid_lens, queries)  # before the projections: a lazy layer draws nothing on a mistake
+            # before the projections: a lazy layer draws nothing on a mistake
+            _check_valid_lens(valid_lens, queries, keys)
         queries = self.transpose_qkv(self.W_q(queries))  # (B, Lq, h) -> (B*H, Lq, h/H)
         keys = self.transpose_qkv(self.W_k(keys))  # (B*H, Lk, h/H)
         values = self.transpose_qkv(self.W_v(values))  # (B*H, Lk, h/H)
@@ -340,11 +386,30 @@ def show_heatmaps(
     """The book's ``show_heatmaps(matrices, xlabel, ylabel, titles=None, figsize=(2.5, 2.5), cmap='Reds')``, with
     ``path`` to save; see :func:`attnkit.plot.show_heatmaps` (needs matplotlib: ``pip install attnkit[plot]``).
 
+    ``figsize`` is the whole figure's size in inches, as in the book (``plt.subplots(rows, cols, figsize=figsize)``):
+    the Transformer chapter's ``figsize=(7, 3.5)`` on a 4 x 4 grid gives a 7 x 3.5 inch figure. (It is divided
+    among the panels here, since :func:`attnkit.plot.show_heatmaps` reads ``figsize`` per panel.) ``titles``: one
+    per column (more are ignored, as in the book).
+
     Returns nothing, as the book's does: a notebook shows the figure once (a returned figure, as the cell's value,
-    would be shown a second time). :func:`attnkit.plot.show_heatmaps` returns it.
+    would be shown a second time). :func:`attnkit.plot.show_heatmaps` returns it; the figure stays open in pyplot
+    (``plt.gcf()``), as the book's does.
+
+    Raises:
+        ValueError: fewer ``titles`` than columns, and what :func:`attnkit.plot.show_heatmaps` raises.
     """
+    import numpy as np  # with matplotlib, which needs it; attnkit itself does not
+
     from attnkit.plot import show_heatmaps as draw
 
+    shape = tuple(np.shape(matrices))
+    if len(shape) in (2, 3, 4):
+        rows, cols = ((1, 1) + shape[:-2])[-2:]  # 2-D and 3-D are one row, as in attnkit.plot.show_heatmaps
+        if titles and len(titles) < cols:
+            raise ValueError(
+                f"titles must have one per column, {cols} for matrices {shape}, got {len(titles)}: {list(titles)!r}"
+            )
+        figsize = (figsize[0] / max(cols, 1), figsize[1] / max(rows, 1))  # the book's figure -> per panel
     draw(matrices, xlabel, ylabel, titles=titles, figsize=figsize, cmap=cmap, path=path)
 
 
@@ -392,8 +457,9 @@ def _bind(
     return dict(bound.arguments)
 
 
-def _check_valid_lens(valid_lens: object, queries: Tensor) -> None:
-    """``valid_lens`` of the batch, checked before the heads are folded into it (a message in the caller's sizes)."""
+def _check_valid_lens(valid_lens: object, queries: Tensor, keys: Tensor) -> None:
+    """``valid_lens`` of the batch, checked before the heads are folded into it (a message in the caller's sizes
+    and values)."""
     B, Lq = queries.shape[0], queries.shape[1]
     if not isinstance(valid_lens, Tensor):
         raise TypeError(f"valid_lens must be a tensor of lengths, got {type(valid_lens).__name__}")
@@ -401,3 +467,12 @@ def _check_valid_lens(valid_lens: object, queries: Tensor) -> None:
         raise ValueError(
             f"valid_lens must have shape (B,) = ({B},) or (B, Lq) = ({B}, {Lq}), got {tuple(valid_lens.shape)}"
         )
+    masks.as_lengths(valid_lens, "valid_lens", keys.shape[1])  # whole numbers in [0, Lk], shown as given
+
+
+def _check_dropout(dropout: object) -> None:
+    """``dropout`` is a probability in ``[0, 1)``, as attnkit's layers require."""
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise TypeError(f"dropout must be a number in [0, 1), got {dropout!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
