@@ -525,3 +525,84 @@ def test_a_reader_that_goes_away_gets_no_traceback():
         err = proc.stderr.read().decode()
         assert proc.wait(timeout=120) in (1, 141), err
         assert err == "", argv
+
+
+def test_weights_that_are_not_a_dense_cpu_tensor_are_one_line_errors(capsys, tmp_path):
+    sparse, meta = tmp_path / "s.pt", tmp_path / "m.pt"
+    torch.save(torch.rand(3, 3).to_sparse(), sparse)
+    torch.save(torch.empty(3, 3, device="meta"), meta)
+    for path, fragment in ((sparse, "sparse_coo"), (meta, "on meta")):
+        code, _, err = main(capsys, "heatmap", path, "--out", tmp_path / "a.png")
+        assert_one_line(code, err, "weights must be a dense tensor", fragment)
+    assert not (tmp_path / "a.png").exists()
+
+
+def test_a_big_endian_numpy_file_is_read(capsys, tmp_path):
+    np.save(tmp_path / "be.npy", np.full((3, 3), 0.25, dtype=">f4"))
+    code, _, err = main(capsys, "heatmap", tmp_path / "be.npy", "--out", tmp_path / "be.png")
+    assert code == 0, err
+    assert (tmp_path / "be.png").is_file()
+
+
+def test_compare_nested_too_deep_is_a_one_line_error(capsys, no_work, tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    code, _, err = main(capsys, "bench", "--quick", "--compare", deep)
+    assert_one_line(code, err, "--compare", "not results saved")
+
+
+def test_names_too_long_and_links_to_nothing_are_refused_before_any_work(capsys, no_work, tmp_path, weights_file):
+    long_name = "a" * 300
+    code, _, err = main(capsys, "demo", "--quick", "--out", tmp_path / "new" / long_name)
+    assert_one_line(code, err, "longer than this file system allows")
+    code, _, err = main(capsys, "heatmap", weights_file, "--out", tmp_path / f"{long_name}.png")
+    assert_one_line(code, err, "--out")
+    assert "too long" in err or "longer than this file system allows" in err
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "dir")
+    code, _, err = main(capsys, "demo", "--quick", "--out", tmp_path / "dangling")
+    assert_one_line(code, err, "is a symbolic link to nothing")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "w.pt"]
+
+
+def test_a_demo_picture_name_taken_by_a_folder_is_refused_before_training(capsys, no_work, tmp_path):
+    (tmp_path / "ex" / demo.PICTURES[1]).mkdir(parents=True)
+    code, _, err = main(capsys, "demo", "--quick", "--out", tmp_path / "ex")
+    assert_one_line(code, err, "exists and is not a file")
+    assert [p.name for p in (tmp_path / "ex").iterdir()] == [demo.PICTURES[1]]
+
+
+def test_filling_a_folder_is_all_or_nothing(tmp_path):
+    """Files moved into an existing folder: a name taken by a folder stops it before anything moves; a failure midway
+    puts back what was replaced and removes what was added."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "b.png").write_text("old b")
+    (folder / "c.png").mkdir()
+    with pytest.raises(cli.UsageError, match="exists and is not a regular file"), cli._filling(folder) as staging:
+        for name in ("a.png", "b.png", "c.png"):
+            (staging / name).write_text("new")
+    assert sorted(p.name for p in folder.iterdir()) == ["b.png", "c.png"] and (folder / "b.png").read_text() == "old b"
+    (folder / "c.png").rmdir()
+    real_replace = os.replace
+
+    def fail_on_c(src, dst):
+        if str(dst).endswith("c.png"):
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(OSError), cli._filling(folder) as staging:
+        mp.setattr(cli.os, "replace", fail_on_c)
+        for name in ("a.png", "b.png", "c.png"):
+            (staging / name).write_text("new")
+    assert sorted(p.name for p in folder.iterdir()) == ["b.png"] and (folder / "b.png").read_text() == "old b"
+
+
+def test_an_output_that_cannot_be_written_is_one_line_without_traceback():
+    for argv in (["info"], ["trace", "dot", "--format", "json"]):
+        script = f"import sys; from attnkit.cli import main; sys.exit(main({argv!r}))"
+        with open("/dev/full", "w") as full:
+            done = subprocess.run([sys.executable, "-c", script], stdout=full, stderr=subprocess.PIPE, timeout=120)
+        err = done.stderr.decode()
+        assert done.returncode == 1 and err == "attnkit: error: cannot write the output (No space left on device)\n", (
+            err
+        )

@@ -307,7 +307,10 @@ def _load_weights(path: Path) -> torch.Tensor:
         if path.suffix == ".npy":
             import numpy as np
 
-            data: Any = torch.from_numpy(np.load(path, allow_pickle=False))
+            array = np.load(path, allow_pickle=False)
+            if array.dtype.byteorder not in ("=", "|"):  # a big-endian file: torch takes native byte order only
+                array = array.astype(array.dtype.newbyteorder("="))
+            data: Any = torch.from_numpy(array)
         else:
             data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # any reader failure is the file's fault here, said in one line
@@ -317,6 +320,11 @@ def _load_weights(path: Path) -> torch.Tensor:
         ) from None
     if not isinstance(data, torch.Tensor):
         raise UsageError(f"{path}: expected one tensor or array of weights, got a {type(data).__name__}")
+    if data.layout != torch.strided or data.device.type != "cpu":
+        raise UsageError(
+            f"{path}: weights must be a dense tensor of numbers, got a {data.layout} tensor on {data.device} "
+            f"(save weights.to_dense().cpu())"
+        )
     if not (data.is_floating_point() or data.dtype in (torch.int32, torch.int64)):
         raise UsageError(f"{path}: weights must be real numbers, got dtype {data.dtype}")
     if data.numel() == 0:
@@ -332,6 +340,10 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from attnkit import demo
 
     out_dir = _output_folder(args.out, "--out")
+    for name in demo.PICTURES:  # before training: a name taken by a folder would only fail at the end
+        taken = out_dir / name
+        if (taken.exists() or taken.is_symlink()) and not taken.is_file():
+            raise UsageError(f"--out {out_dir}: {str(taken)!r} exists and is not a file; the demo writes {name} there")
     demo.replay_book_examples(print)
     results = {}
     for kind in demo.KINDS:
@@ -392,7 +404,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         saved = _input_file(args.compare, "--compare")
         try:
             compare = bench.load_json(str(saved))
-        except (OSError, ValueError) as e:  # ValueError: not JSON, not UTF-8, or not the structure saved
+        except (OSError, ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested too deep, not the structure
             raise UsageError(
                 f"--compare {saved}: not results saved with `attnkit bench --json` ({_one_line(e)})"
             ) from None
@@ -464,6 +476,7 @@ def _output_file(text: str, what: str, suffixes: Sequence[str]) -> Path:
             kinds = ("one of " if len(suffixes) > 1 else "") + ", ".join(suffixes)
             raise UsageError(f"{what} {text}: the extension must be {kinds}")
         _writable_folder(path.parent, f"{what} {text}")
+        _check_name_lengths(path, path.parent, f"{what} {_shown(text)}")
     except OSError as e:
         raise UsageError(f"{what} {_shown(text)}: cannot be written ({e.strerror or e})") from None
     return path
@@ -480,13 +493,27 @@ def _output_folder(text: str, what: str) -> Path:
             raise UsageError(f"{what} {text}: cannot write there: it is a file, not a folder")
         nearest = path
         while not nearest.exists() and nearest != nearest.parent:
+            if nearest.is_symlink():
+                raise UsageError(f"{what} {text}: {str(nearest)!r} is a symbolic link to nothing")
             nearest = nearest.parent
         if not nearest.is_dir():
             raise UsageError(f"{what} {text}: cannot write there: {str(nearest)!r} is not a folder")
         _writable_folder(nearest, f"{what} {text}")
+        _check_name_lengths(path, nearest, f"{what} {_shown(text)}")
     except OSError as e:
         raise UsageError(f"{what} {_shown(text)}: cannot write there ({e.strerror or e})") from None
     return path
+
+
+def _check_name_lengths(path: Path, existing: Path, what: str) -> None:
+    """Every name in ``path`` fits the file system of ``existing`` (its nearest existing folder): checked before any
+    work, not found out when the output is written."""
+    longest = os.pathconf(existing, "PC_NAME_MAX")
+    for part in path.parts:
+        if len(os.fsencode(part)) > longest:
+            raise UsageError(
+                f"{what}: the name {_shown(part)} is longer than this file system allows ({longest} bytes)"
+            )
 
 
 def _writable_folder(folder: Path, what: str) -> None:
@@ -507,7 +534,8 @@ def _written_whole(path: Path) -> Iterator[Path]:
     """A fresh name beside ``path`` for a writer to write to; renamed to ``path`` when the block succeeds, and
     removed when it fails, with anything the writer made from that name (its own ``.part``), so that ``path``
     appears whole or not at all."""
-    fd, part = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".part{path.suffix}", dir=path.parent)
+    # a short name of its own: the user's name may be near the length limit already
+    fd, part = tempfile.mkstemp(prefix=".attnkit-", suffix=f".part{path.suffix}", dir=path.parent)
     os.close(fd)
     os.chmod(part, 0o666 & ~_umask())  # mkstemp makes it private; a plain open() would not
     try:
@@ -542,8 +570,7 @@ def _filling(folder: Path) -> Iterator[Path]:
                 os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; mkdir would not
                 os.replace(staging, folder)
             else:
-                for item in staging.iterdir():
-                    os.replace(item, folder / item.name)
+                _move_all(staging, folder)
                 staging.rmdir()
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -553,6 +580,37 @@ def _filling(folder: Path) -> Iterator[Path]:
             with suppress(OSError):
                 parent.rmdir()
         raise
+
+
+def _move_all(staging: Path, folder: Path) -> None:
+    """Move what ``staging`` holds into ``folder``, all or nothing: names that exist there as anything but a file
+    stop it before anything moves; files it replaces are kept aside and put back if a later move fails."""
+    items = sorted(staging.iterdir())
+    for item in items:
+        target = folder / item.name
+        if (target.exists() or target.is_symlink()) and not target.is_file():
+            raise UsageError(f"{target}: exists and is not a regular file; nothing was written into {str(folder)!r}")
+    kept: list[tuple[Path, Path]] = []  # (target, its previous version, set aside in staging)
+    moved: list[Path] = []
+    try:
+        for item in items:
+            target = folder / item.name
+            if target.exists():
+                old = staging / f".old-{item.name}"
+                os.replace(target, old)
+                kept.append((target, old))
+            os.replace(item, target)
+            moved.append(target)
+    except BaseException:
+        for target in moved:
+            with suppress(OSError):
+                target.unlink()
+        for target, old in kept:
+            with suppress(OSError):
+                os.replace(old, target)
+        raise
+    for _, old in kept:
+        old.unlink()
 
 
 def _umask() -> int:
@@ -639,11 +697,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("attnkit: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # the reader went away (`attnkit info | head -1`): not an error of ours, and no traceback. Python would
-        # complain again flushing stdout at exit, so point it at devnull first.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        # the reader went away (`attnkit info | head -1`): not an error of ours, and no traceback.
+        _drop_stdout()
         return 141
+    except OSError as e:  # what the commands write to has failed (stdout on a full disk): one line, no traceback
+        _drop_stdout()
+        print(f"attnkit: error: cannot write the output ({e.strerror or _one_line(e)})", file=sys.stderr)
+        return 1
     return 0
+
+
+def _drop_stdout() -> None:
+    """Python would flush stdout again at exit, and complain: point it at devnull first."""
+    with suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -51,6 +51,8 @@ PAD, BOS, EOS = 10, 11, 12  # tokens 0..9 are the digits themselves
 LABELS = [str(digit) for digit in range(10)] + ["<pad>", "<bos>", "<eos>"]
 VOCAB = len(LABELS)
 KINDS = ("additive", "multihead")
+# The files draw() writes: a heatmap per kind, then the training curves.
+PICTURES = (*(f"{kind}-attention.png" for kind in KINDS), "training.png")
 
 
 @dataclass
@@ -509,7 +511,7 @@ def draw(results: dict[str, DemoResult], out_dir: Path) -> list[Path]:
         ex = result.example
         source = "".join(str(d) for d in ex["source"])
         title = f"{kind}: {source} -> {''.join(str(d) for d in ex['prediction'])}"
-        path = out_dir / f"{kind}-attention.png"
+        path = out_dir / PICTURES[KINDS.index(kind)]
         plot.plot_attention(
             ex["weights"],
             query_labels=ex["target_labels"],
@@ -529,7 +531,7 @@ def draw(results: dict[str, DemoResult], out_dir: Path) -> list[Path]:
     ax_loss.set(xlabel="step", ylabel="training loss", yscale="log", title="loss")
     ax_acc.set(xlabel="step", ylabel="exact-sequence accuracy", ylim=(0, 1.01), title="held-out accuracy")
     ax_acc.legend()
-    path = out_dir / "training.png"
+    path = out_dir / PICTURES[-1]
     plot.save_figure(fig, path)
     paths.append(path)
     return paths
