@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import matplotlib.image
@@ -143,3 +144,31 @@ def test_targets_script_refuses_what_bench_did_not_save(tmp_path):
     (tmp_path / "other.json").write_text('{"rows": null}')
     refused = _check_targets(tmp_path / "other.json")
     assert refused.returncode == 2 and "not results saved with `attnkit bench --json`" in refused.stderr
+
+
+def test_plot_report_draws_the_batch_size_a_quick_report_has(tmp_path, monkeypatch):
+    from attnkit import plot
+
+    rows = [
+        bench.Row("mha", 2, L, "train", "none", c, seconds=0.01 * L, peak_bytes=2**20 * L)
+        for L in (16, 32)
+        for c in ("attnkit", "torch", "book")
+    ]
+    rows.append(bench.Row("mha", 8, 16, "infer", "none", "attnkit", seconds=0.1))  # not a training row
+    drawn = []
+    real = plot.save_figure
+
+    def keep(fig, path, **kwargs):
+        drawn.append([(line.get_label(), list(line.get_xdata())) for ax in fig.axes for line in ax.get_lines()])
+        drawn.append(fig.get_suptitle())
+        return real(fig, path, **kwargs)
+
+    monkeypatch.setattr(plot, "save_figure", keep)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels found to put in legend"
+        bench.plot_report(bench.Report(rows=rows), str(tmp_path / "b.png"))
+    lines, title = drawn
+    assert [label for label, xs in lines[:3]] == ["attnkit", "torch", "book"]
+    assert len(lines) == 6 and all(xs == [16, 32] for _, xs in lines)  # time and memory, one line per contender
+    assert "B=2" in title
+    assert (tmp_path / "b.png").exists()

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import matplotlib.image
 import pytest
 import torch
 
-from attnkit import d2l, plot
+from attnkit import plot
 
 
 def test_show_heatmaps_png_has_the_expected_pixel_size(tmp_path):
     w = torch.softmax(torch.randn(2, 3, 5, 7), -1)
     path = tmp_path / "grid.png"
-    d2l.show_heatmaps(w, "Keys", "Queries", titles=["a", "b", "c"], path=path)
+    plot.show_heatmaps(w, "Keys", "Queries", titles=["a", "b", "c"], path=path)  # figsize per panel
     image = matplotlib.image.imread(path)
     assert image.shape[:2] == (2 * 250, 3 * 250)  # rows x 2.5 in, cols x 2.5 in, at 100 dpi
     assert image[..., :3].std() > 0.05  # not blank
@@ -87,7 +88,7 @@ def test_more_panels_than_one_figure_takes_is_refused_before_drawing():
 
 def test_the_largest_grid_draws(tmp_path):
     side = int(plot.MAX_PANELS**0.5)
-    d2l.show_heatmaps(torch.rand(side, side, 3, 3), "keys", "queries", path=tmp_path / "grid.png")
+    plot.show_heatmaps(torch.rand(side, side, 3, 3), "keys", "queries", path=tmp_path / "grid.png")
     assert matplotlib.image.imread(tmp_path / "grid.png").shape[:2] == (side * 250, side * 250)
 
 
@@ -100,7 +101,7 @@ def test_long_sides_are_averaged_for_display_and_the_title_says_so(draw):
     shown = image.get_array()
     assert shown.shape == (plot.MAX_CELLS, plot.MAX_CELLS)
     assert image.get_extent() == [-0.5, 299.5, 999.5, -0.5]  # the axes keep the positions of the weights
-    assert "averaged for display: 1000 x 300 -> 256 x 256 cells" in fig.get_suptitle()
+    assert "averaged for display: 1000 x 300 -> 256 x 256 cells" in " ".join(fig.get_suptitle().split())
     q_end, k_end = round(1000 / 256), round(300 / 256)  # the first bins: 1000 queries and 300 keys in 256 each
     first = w[0, :q_end, :k_end].mean()
     assert abs(float(shown[0, 0]) - float(first)) < 1e-6
@@ -138,3 +139,99 @@ def test_heads_wrap_eight_to_a_row_with_labels_on_the_outer_panels():
 def test_show_heatmaps_takes_a_figure_title():
     fig = plot.show_heatmaps(torch.rand(2, 3, 4), "keys", "queries", title="layer 1")
     assert fig.get_suptitle() == "layer 1"
+
+
+@pytest.mark.parametrize("figsize", [(0, 0), (-1, 2), (float("nan"), 1), (1, float("inf"))])
+def test_figsize_must_be_two_positive_finite_numbers(figsize):
+    with pytest.raises(ValueError, match=r"figsize must be two positive finite numbers"):
+        plot.show_heatmaps(torch.rand(2, 2), "keys", "queries", figsize=figsize)
+
+
+@pytest.mark.parametrize("figsize", [("wide", 1), 3, (1, 2, 3)])
+def test_figsize_that_is_not_two_numbers_is_a_type_error(figsize):
+    with pytest.raises(TypeError, match=r"figsize must be two numbers"):
+        plot.show_heatmaps(torch.rand(2, 2), "keys", "queries", figsize=figsize)
+
+
+@pytest.mark.parametrize(("shape", "figsize"), [((8, 8, 3, 3), (40, 40)), ((1, 1, 3, 3), (200, 200))])
+def test_large_figsizes_are_shrunk_to_the_largest_figure(shape, figsize):
+    fig = plot.show_heatmaps(torch.rand(shape), "keys", "queries", figsize=figsize)
+    assert tuple(fig.get_size_inches()) == (plot.MAX_INCHES, plot.MAX_INCHES)  # 4000 px, not 32000 or 20000
+
+
+def test_long_labels_are_cut_for_display_and_draw_quickly():
+    start = time.perf_counter()
+    labels = ["x" * 5000] * 64
+    fig = plot.plot_attention(torch.rand(64, 64), key_labels=labels, query_labels=labels)
+    fig.canvas.draw()
+    assert time.perf_counter() - start < 20  # 47 s before labels were cut
+    shown = [t.get_text() for t in fig.axes[0].get_xticklabels() + fig.axes[0].get_yticklabels()]
+    assert shown and all(t == "x" * (plot.MAX_LABEL - 1) + "\u2026" for t in shown)
+    assert all(side <= plot.MAX_INCHES for side in fig.get_size_inches())
+
+
+def test_labels_are_converted_with_str():
+    fig = plot.plot_attention(torch.rand(2, 3), key_labels=[1, 2, 3], query_labels=(None, 2.5))
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["1", "2", "3"]
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["None", "2.5"]
+    with pytest.raises(TypeError, match="key_labels must be a sequence"):
+        plot.plot_attention(torch.rand(2, 3), key_labels=3)
+
+
+def test_heads_must_be_whole_numbers_in_range():
+    w = torch.rand(4, 3, 3)
+    for heads in ([0.5], [True], ["1"], 2):
+        with pytest.raises(TypeError, match="heads"):
+            plot.plot_attention(w, heads=heads)
+    with pytest.raises(ValueError, match="heads: head 4 does not exist; the weights have 4 heads"):
+        plot.plot_attention(w, heads=[4])
+    with pytest.raises(ValueError, match="heads: head -1 does not exist"):
+        plot.plot_attention(w, heads=[-1])
+    import numpy as np
+
+    fig = plot.plot_attention(w, heads=[np.int64(1), torch.tensor(3)])
+    assert [ax.get_title() for ax in fig.axes if ax.images] == ["head 1", "head 3"]
+
+
+def test_averaging_entries_near_the_float32_limit_does_not_overflow():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "overflow encountered in reduceat"
+        fig = plot.show_heatmaps(torch.full((1, 1, 300, 300), 3e38), "keys", "queries")
+    shown = fig.axes[0].images[0].get_array()
+    assert shown.shape == (plot.MAX_CELLS, plot.MAX_CELLS)
+    assert not shown.mask.any() and float(shown.min()) == pytest.approx(3e38, rel=1e-6)  # no blank stripes
+
+
+@pytest.mark.parametrize("draw", ["show_heatmaps", "plot_attention"])
+def test_the_averaging_note_fits_in_the_figure(draw):
+    w = torch.rand(1000, 300)
+    fig = plot.show_heatmaps(w, "keys", "queries") if draw == "show_heatmaps" else plot.plot_attention(w)
+    fig.canvas.draw()
+    box = fig._suptitle.get_window_extent()
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.width and box.y1 <= fig.bbox.height
+
+
+def test_saving_into_a_missing_folder_names_the_users_path(tmp_path):
+    fig = plot.plot_attention(torch.rand(3, 4))
+    target = tmp_path / "missing" / "x.png"
+    with pytest.raises(FileNotFoundError, match=r"cannot write .*missing/x\.png.*does not exist") as caught:
+        plot.save_figure(fig, target)
+    assert ".part" not in str(caught.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_target_name_at_the_length_limit_saves(tmp_path, monkeypatch):
+    names = []
+    real = plot.tempfile.mkstemp
+
+    def spy(*args, **kwargs):
+        fd, name = real(*args, **kwargs)
+        names.append(name)
+        return fd, name
+
+    monkeypatch.setattr(plot.tempfile, "mkstemp", spy)
+    target = tmp_path / ("a" * 251 + ".png")  # 255 bytes, the usual limit of a name
+    plot.save_figure(plot.plot_attention(torch.rand(3, 4)), target)
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]
+    temporary = plot.Path(names[0]).name
+    assert temporary.startswith(".") and temporary.endswith(".png") and len(temporary) < 20

@@ -449,11 +449,17 @@ def _json_excerpt(value: Any) -> str:
 
 
 def plot_report(report: Report, path: str) -> None:
+    from collections import Counter
+
     from attnkit import plot
 
     plt = plot._pyplot()
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
-    chosen = [r for r in report.rows if r.kind == "mha" and r.mode == "train" and r.mask == "none" and r.B == 8]
+    drawn = [r for r in report.rows if r.kind == "mha" and r.mode == "train" and r.mask == "none"]
+    # the batch size the report measured most (8 in the full grid, 2 with --quick); the largest on a tie
+    counts = Counter(r.B for r in drawn)
+    B = max(counts, key=lambda b: (counts[b], b), default=8)
+    chosen = [r for r in drawn if r.B == B]
     for contender in dict.fromkeys(r.contender for r in chosen):
         rs = sorted((r for r in chosen if r.contender == contender), key=lambda r: r.L)
         ax_t.plot([r.L for r in rs], [r.seconds for r in rs], marker="o", label=contender)
@@ -463,8 +469,11 @@ def plot_report(report: Report, path: str) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("L")
         ax.set_ylabel(label)
-    ax_t.legend(fontsize=7)
-    fig.suptitle(f"MultiHeadAttention, B=8, h={HIDDENS}, {HEADS} heads, float32")
+    if chosen:
+        ax_t.legend(fontsize=7)
+    else:
+        ax_t.set_title("no MultiHeadAttention training rows in the report", fontsize=9)
+    fig.suptitle(f"MultiHeadAttention, B={B}, h={HIDDENS}, {HEADS} heads, float32")
     plot.save_figure(fig, path)
 
 

@@ -9,14 +9,19 @@ figure (matplotlib's time grows faster than the number of panels: on this projec
 takes 3.5 s, a 16 x 16 one took over a minute, and 30 x 30 did not finish in 4 minutes), and at most
 :data:`MAX_CELLS` cells along each side of a panel (a longer side is averaged in equal bins, which a screen
 would do anyway, and the figure's title says so). NaN and infinite entries are drawn in the "bad" colour and
-left out of the colour scale.
+left out of the colour scale. The options are bounded too: a figure is kept within :data:`MAX_INCHES` inches each
+way (a larger ``figsize`` is shrunk to fit), and tick labels and titles are cut to :data:`MAX_LABEL` characters
+(with an ellipsis) for display.
 """
 
 from __future__ import annotations
 
+import errno
 import math
+import operator
 import os
 import tempfile
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["MAX_CELLS", "MAX_PANELS", "plot_attention", "save_figure", "show_heatmaps"]
+__all__ = ["MAX_CELLS", "MAX_INCHES", "MAX_LABEL", "MAX_PANELS", "plot_attention", "save_figure", "show_heatmaps"]
 
 # Lq/Lk query/key length, H heads, rows/cols of a grid of heatmaps
 
@@ -32,7 +37,10 @@ MAX_PANELS = 64  # panels (heatmaps) in one figure; more is refused with a Value
 MAX_CELLS = 256  # cells along each side of a panel; a longer side is averaged into this many bins
 _TICK_EACH = 64  # plot_attention labels every position of a side up to this length (then automatic ticks)
 _CELL = 0.32  # inches per position in plot_attention, when every position is labelled
-_MAX_INCHES = 40.0  # plot_attention shrinks its cells to keep the figure within this, each way (4000 px at 100 dpi)
+MAX_INCHES = 40.0  # a figure is kept within this, each way (4000 px at 100 dpi): larger figsizes are shrunk to it
+MAX_LABEL = 40  # characters of a tick label or panel title shown; a longer one is cut, ending in an ellipsis
+_MAX_PIXELS = 16000  # save_figure refuses a dpi that would make a side longer than this
+_MIN_INCHES = 1.0  # a figure is at least this, each way (smaller leaves no room for a panel)
 _WRAP = 8  # plot_attention puts at most this many heads in one row
 
 
@@ -61,8 +69,9 @@ def show_heatmaps(
             :data:`MAX_PANELS` panels, ``rows * cols``. Sides longer than :data:`MAX_CELLS` are averaged in bins
             for display; the axes keep the original positions and the figure's title says so.
         xlabel, ylabel: axis labels (on the bottom row and left column).
-        titles: one per column.
-        figsize: size of each panel, in inches (the book's value is per figure; see below).
+        titles: one per column (converted with ``str``, cut to :data:`MAX_LABEL` characters).
+        figsize: size of each panel, in inches, two positive numbers (the book's value is per figure); the
+            whole figure is kept within :data:`MAX_INCHES` each way (a larger one is shrunk to fit).
         cmap: matplotlib colour map.
         path: where to save (type from the extension); ``None`` to only return the figure.
         title: a title for the whole figure.
@@ -72,8 +81,11 @@ def show_heatmaps(
 
     Raises:
         ValueError: for ``matrices`` with fewer than 2 or more than 4 dims, more than :data:`MAX_PANELS` panels,
-            no finite entry, or a bad extension.
+            no finite entry, fewer ``titles`` than columns, a ``figsize`` that is not two positive finite
+            numbers, or a bad extension.
+        TypeError: for a ``figsize`` that is not two numbers.
     """
+    panel_w, panel_h = _figsize(figsize)
     m = _as_array(matrices, "matrices")
     if m.ndim not in (2, 3, 4):
         raise ValueError(f"matrices must be (rows, cols, Lq, Lk), (cols, Lq, Lk) or (Lq, Lk), got shape {m.shape}")
@@ -82,6 +94,10 @@ def show_heatmaps(
     _check_panels(rows * cols, f"matrices {m.shape}", "select rows and columns first, e.g. matrices[:8, :8]")
     if 0 in m.shape:
         raise ValueError(f"matrices is empty: shape {m.shape}")
+    if titles is not None:
+        titles = _labels(titles, "titles")
+        if len(titles) < cols:
+            raise ValueError(f"titles has {len(titles)} titles but matrices has {cols} columns: matrices {m.shape}")
     _finite_range(m, "matrices")
     shown, note = _shrink(m)  # (rows, cols, <=MAX_CELLS, <=MAX_CELLS)
     vmin, vmax = _finite_range(shown, "matrices", fallback=(0.0, 1.0))  # the colours span what is shown
@@ -89,7 +105,7 @@ def show_heatmaps(
     fig, axes = plt.subplots(
         rows,
         cols,
-        figsize=(figsize[0] * cols, figsize[1] * rows),
+        figsize=_bounded(panel_w * cols, panel_h * rows),
         squeeze=False,
         layout="constrained",
     )
@@ -111,8 +127,7 @@ def show_heatmaps(
             if titles:
                 ax.set_title(titles[j])
     fig.colorbar(image, ax=axes, shrink=0.6)
-    if title or note:
-        fig.suptitle("\n".join(t for t in (title, note) if t))
+    _suptitle(fig, title, note)
     if path is not None:
         save_figure(fig, path)
     return fig
@@ -140,8 +155,9 @@ def plot_attention(
 
     Args:
         weights: ``(Lq, Lk)`` or ``(H, Lq, Lk)`` (a leading batch of 1 is dropped).
-        query_labels, key_labels: tick labels, ``Lq`` and ``Lk`` of them.
-        heads: which heads to draw (all by default); at most :data:`MAX_PANELS`.
+        query_labels, key_labels: tick labels, ``Lq`` and ``Lk`` of them (converted with ``str``, cut to
+            :data:`MAX_LABEL` characters for display).
+        heads: which heads to draw, whole numbers (all by default); at most :data:`MAX_PANELS`.
         path: where to save (type from the extension); ``None`` to only return the figure.
         title, xlabel, ylabel, cmap: the figure's title, axis labels and colour map.
 
@@ -151,6 +167,7 @@ def plot_attention(
     Raises:
         ValueError: for weights of another shape, labels of the wrong length, a head that does not exist, more
             than :data:`MAX_PANELS` heads, no finite entry, or a bad extension.
+        TypeError: for labels that are not a sequence, or ``heads`` that are not whole numbers.
     """
     w = _as_array(weights, "weights")
     if w.ndim == 4 and w.shape[0] == 1:
@@ -162,13 +179,12 @@ def plot_attention(
     H, Lq, Lk = w.shape
     if 0 in w.shape:
         raise ValueError(f"weights is empty: shape {w.shape}")
+    query_labels = None if query_labels is None else _labels(query_labels, "query_labels")
+    key_labels = None if key_labels is None else _labels(key_labels, "key_labels")
     for name, labels, n in (("query_labels", query_labels, Lq), ("key_labels", key_labels, Lk)):
         if labels is not None and len(labels) != n:
             raise ValueError(f"{name} has {len(labels)} labels but the weights have {n}: weights {w.shape}")
-    chosen = list(range(H)) if heads is None else list(heads)
-    for h in chosen:
-        if not 0 <= h < H:
-            raise ValueError(f"heads: head {h} does not exist; the weights have {H} heads")
+    chosen = list(range(H)) if heads is None else _heads(heads, H)
     if not chosen:
         raise ValueError("heads: no head chosen")
     _check_panels(len(chosen), f"weights {w.shape}", "choose some with heads=, e.g. heads=range(8)")
@@ -184,12 +200,12 @@ def plot_attention(
     cols = min(len(chosen), _WRAP)
     rows = math.ceil(len(chosen) / cols)
     ticked_q, ticked_k = min(Lq, _TICK_EACH), min(Lk, _TICK_EACH)
-    cell = min(_CELL, (_MAX_INCHES / cols - 1.2) / ticked_k, (_MAX_INCHES / rows - 1.0) / ticked_q)
+    cell = min(_CELL, (MAX_INCHES / cols - 1.2) / ticked_k, (MAX_INCHES / rows - 1.0) / ticked_q)
     plt = _pyplot()
     fig, axes = plt.subplots(
         rows,
         cols,
-        figsize=(max(2.5, cell * ticked_k + 1.2) * cols, max(2.2, cell * ticked_q + 1.0) * rows),
+        figsize=_bounded(max(2.5, cell * ticked_k + 1.2) * cols, max(2.2, cell * ticked_q + 1.0) * rows),
         squeeze=False,
         layout="constrained",
     )
@@ -204,7 +220,7 @@ def plot_attention(
         image = ax.imshow(
             shown[n], cmap=colours, vmin=min(low, 0.0), vmax=max(high, 1e-12), extent=extent, interpolation="nearest"
         )
-        ax.set_title(f"head {chosen[n]}" if H > 1 else (title or "attention"))
+        ax.set_title(f"head {chosen[n]}" if H > 1 else _cut(title or "attention"))
         _ticks(ax.xaxis, Lk, key_labels, each=Lk <= _TICK_EACH and cell >= 0.2)
         _ticks(ax.yaxis, Lq, query_labels, each=Lq <= _TICK_EACH and cell >= 0.2)
         ax.tick_params(axis="x", labelrotation=90 if rotate else 0)
@@ -214,8 +230,7 @@ def plot_attention(
             ax.set_xlabel(xlabel)
         if n % cols == 0:
             ax.set_ylabel(ylabel)
-    if (title and H > 1) or note:
-        fig.suptitle("\n".join(t for t in ((title if H > 1 else None), note) if t))
+    _suptitle(fig, title if H > 1 else None, note)
     fig.colorbar(image, ax=axes, shrink=0.8)
     if path is not None:
         save_figure(fig, path)
@@ -225,16 +240,36 @@ def plot_attention(
 def save_figure(fig: Any, path: str | os.PathLike[str], *, dpi: int = 100) -> Path:
     """Write ``fig`` to ``path`` atomically (temporary file, then rename); the type follows the extension.
 
+    The temporary file is a hidden short random name with the target's extension (``.k3v9x_2a.png``), so a
+    target name near the file system's limit still fits.
+
     Raises:
-        ValueError: for an extension matplotlib cannot write.
-        OSError: when the folder does not exist or cannot be written (nothing is left behind).
+        ValueError: for an extension matplotlib cannot write, or a ``dpi`` that is not positive or would make a
+            side of the picture longer than 16000 pixels.
+        FileNotFoundError: when the folder does not exist (naming ``path``).
+        OSError: when the folder cannot be written (nothing is left behind).
     """
     target = Path(path)
     fmt = target.suffix.lower().lstrip(".")
     supported = fig.canvas.get_supported_filetypes()
     if fmt not in supported:
         raise ValueError(f"cannot write {str(target)!r}: the extension must be one of {', '.join(sorted(supported))}")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
+    width, height = fig.get_size_inches()
+    if not (isinstance(dpi, (int, float)) and not isinstance(dpi, bool) and 0 < dpi < math.inf):
+        raise ValueError(f"dpi must be a positive number, got {dpi!r}")
+    if max(width, height) * dpi > _MAX_PIXELS:
+        raise ValueError(
+            f"dpi {dpi} would make a {width:g} x {height:g} inch figure {width * dpi:.0f} x {height * dpi:.0f} "
+            f"pixels, more than {_MAX_PIXELS} a side: choose dpi <= {int(_MAX_PIXELS / max(width, height))}"
+        )
+    folder = target.parent
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise FileNotFoundError(errno.ENOENT, f"cannot write {str(target)!r}: the folder {str(folder)!r} {what}")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".", suffix=target.suffix, dir=folder)
+    except OSError as e:  # the folder cannot be written: name the user's path, not the temporary one
+        raise type(e)(e.errno, f"cannot write {str(target)!r}: {e.strerror}") from e
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format=fmt, dpi=dpi)
@@ -246,6 +281,62 @@ def save_figure(fig: Any, path: str | os.PathLike[str], *, dpi: int = 100) -> Pa
     finally:
         _pyplot().close(fig)
     return target
+
+
+def _figsize(figsize: Any) -> tuple[float, float]:
+    """``figsize`` as two positive finite floats, or a TypeError/ValueError naming it."""
+    try:
+        width, height = (float(x) for x in figsize)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"figsize must be two numbers (width, height) in inches, got {figsize!r}") from e
+    if not (0 < width < math.inf and 0 < height < math.inf):
+        raise ValueError(f"figsize must be two positive finite numbers (width, height) in inches, got {figsize!r}")
+    return width, height
+
+
+def _bounded(width: float, height: float) -> tuple[float, float]:
+    """A figure's size in inches, kept within :data:`MAX_INCHES` (and at least 1 inch) each way."""
+    return min(max(width, _MIN_INCHES), MAX_INCHES), min(max(height, _MIN_INCHES), MAX_INCHES)
+
+
+def _cut(text: str) -> str:
+    """``text`` cut to :data:`MAX_LABEL` characters, ending in an ellipsis when it was longer."""
+    return text if len(text) <= MAX_LABEL else text[: MAX_LABEL - 1] + "\u2026"
+
+
+def _labels(labels: Any, name: str) -> list[str]:
+    """Labels as strings cut for display, or a TypeError naming ``name``."""
+    if isinstance(labels, (str, bytes)) or not isinstance(labels, (Sequence, np.ndarray, torch.Tensor)):
+        raise TypeError(f"{name} must be a sequence of labels (a list or tuple), got {type(labels).__name__}")
+    return [_cut(str(x.item() if isinstance(x, (np.generic, torch.Tensor)) else x)) for x in labels]
+
+
+def _heads(heads: Any, H: int) -> list[int]:
+    """``heads`` as a list of whole numbers in ``range(H)``, or a TypeError/ValueError naming ``heads``."""
+    try:
+        given = list(heads)
+    except TypeError as e:
+        raise TypeError(f"heads must be a sequence of head numbers, e.g. heads=range(8), got {heads!r}") from e
+    chosen = []
+    for h in given:
+        try:
+            if isinstance(h, (bool, np.bool_)):
+                raise TypeError
+            chosen.append(operator.index(h))
+        except TypeError as e:
+            raise TypeError(f"heads must be whole numbers, got {h!r} ({type(h).__name__}) in heads") from e
+        if not 0 <= chosen[-1] < H:
+            raise ValueError(f"heads: head {chosen[-1]} does not exist; the weights have {H} heads")
+    return chosen
+
+
+def _suptitle(fig: Any, title: str | None, note: str | None) -> None:
+    """The figure's title and the averaging note, wrapped to the figure's width (the note in a smaller font)."""
+    if not (title or note):
+        return
+    points = 10 if note else 12  # matplotlib's suptitle is 12 pt ("large")
+    chars = max(12, int(fig.get_figwidth() * 72 / (0.6 * points)))  # characters of that size across the figure
+    fig.suptitle("\n".join(textwrap.fill(t, chars) for t in (title, note) if t), fontsize=points)
 
 
 def _check_panels(n: int, what: str, fix: str) -> None:
@@ -276,7 +367,9 @@ def _shrink(m: np.ndarray) -> tuple[np.ndarray, str | None]:
         if n > MAX_CELLS:
             edges = np.linspace(0, n, MAX_CELLS + 1).round().astype(np.intp)  # (MAX_CELLS + 1,)
             counts = np.diff(edges).reshape((-1,) + (1,) * (-axis - 1))  # (MAX_CELLS, 1) or (MAX_CELLS,)
-            m = np.add.reduceat(m, edges[:-1], axis=axis) / counts  # that axis: n -> MAX_CELLS
+            # sums in float64: float32 sums of large entries overflow (3e38 + 3e38) where their mean does not
+            sums = np.add.reduceat(m.astype(np.float64), edges[:-1], axis=axis)
+            m = (sums / counts).astype(m.dtype)  # that axis: n -> MAX_CELLS
     if m.shape[-2:] == shape:
         return m, None
     return m, f"averaged for display: {shape[0]} x {shape[1]} -> {m.shape[-2]} x {m.shape[-1]} cells"
