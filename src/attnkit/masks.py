@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -308,7 +309,7 @@ class Mask:
     def block(self, j0: int, j1: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor | None, Tensor | None]:
         """``allowed`` and ``bias`` for keys ``[j0, j1)``, each broadcastable to ``(B, H, Lq, j1 - j0)``.
 
-        The bias is in ``dtype``, less its row shift (computed in the mask's own dtype), its finite values clamped
+        The bias is in ``dtype``, less its row shift (subtracted in at least float32), its finite values clamped
         to half the finite range of ``dtype`` so that no finite bias becomes ``-inf`` (in the cast, or when a score
         is added to it); where the mask says ``-inf``, the bias is ``-inf`` and ``allowed`` is False.
         """
@@ -354,10 +355,7 @@ class Mask:
         assert self.bias is not None
         bias = self.bias.detach()
         row_max: Tensor | None = None
-        lead = self._lead_shape()  # the broadcast (B|1, H|1) of every part: what `allowed` and `part` grow to
-        step = max(1, LIVENESS_BLOCK_ELEMENTS // max(1, lead.numel() * self.num_queries))
-        for j0 in range(0, self.num_keys, step):
-            j1 = min(j0 + step, self.num_keys)
+        for j0, j1 in self._scan_blocks():
             part = bias[..., j0:j1]  # (B|1, H|1, Lq, blk)
             allowed = self.allowed_block(j0, j1)
             if allowed is not None:
@@ -397,22 +395,26 @@ class Mask:
             if n is None:
                 return None, None
             rows = (n > 0).expand(*n.shape[:2], Lq)  # (B|1, 1, Lq)
-            keys = torch.arange(Lk, device=device) < n.amax(dim=-1, keepdim=True) if Lq else None  # (B|1, 1, Lk)
-            if keys is None:
-                keys = torch.zeros(n.shape[0], 1, Lk, dtype=torch.bool, device=device)  # (B|1, 1, Lk)
+            longest = n.amax(dim=-1, keepdim=True) if Lq else n.new_zeros(n.shape[0], 1, 1)  # (B|1, 1, 1)
+            keys = torch.arange(Lk, device=device) < longest  # (B|1, 1, Lk)
             return _none_if_all(keys), _none_if_all(rows)
         lead = self._lead_shape()
         keys = torch.zeros(*lead, Lk, dtype=torch.bool, device=device)  # (B|1, H|1, Lk)
         rows = torch.zeros(*lead, Lq, dtype=torch.bool, device=device)  # (B|1, H|1, Lq)
-        step = max(1, LIVENESS_BLOCK_ELEMENTS // max(1, lead.numel() * Lq))
-        for j0 in range(0, Lk, step):
-            j1 = min(j0 + step, Lk)
+        for j0, j1 in self._scan_blocks():
             allowed = self.allowed_block(j0, j1)
             assert allowed is not None
             allowed = allowed.expand(*lead, Lq, j1 - j0)  # (B|1, H|1, Lq, blk)
             keys[..., j0:j1] = allowed.any(dim=-2)
             rows |= allowed.any(dim=-1)
         return _none_if_all(keys), _none_if_all(rows)
+
+    def _scan_blocks(self) -> Iterator[tuple[int, int]]:
+        """Key ranges ``[j0, j1)`` for a pass over the whole combined mask, each at most
+        :data:`LIVENESS_BLOCK_ELEMENTS` elements once broadcast to the parts' ``(B|1, H|1, Lq, blk)``."""
+        step = max(1, LIVENESS_BLOCK_ELEMENTS // max(1, self._lead_shape().numel() * self.num_queries))
+        for j0 in range(0, self.num_keys, step):
+            yield j0, min(j0 + step, self.num_keys)
 
     def _lead_shape(self) -> torch.Size:
         """The broadcast ``(B|1, H|1)`` of the parts given."""
