@@ -306,3 +306,17 @@ def test_example_mistake_is_one_line_and_exit_2():
     errors = {line for line in result.stderr.splitlines() if "error:" in line}
     assert errors == {"ring_attention.py: error: --length (1) must be at least the number of processes (2)"}, errors
     assert 'Traceback (most recent call last):\n  File "' + str(EXAMPLE) not in result.stderr
+
+
+def test_ring_takes_the_scale_rule_of_the_single_process_functions():
+    """Any finite real number (NumPy's too) is a scale; NaN and infinities are ValueErrors, before any rank talks."""
+    import numpy as np
+
+    from attnkit.distributed.ring import _describe
+
+    q = torch.randn(1, 2, 3, 4)
+    ok = _describe(q, q, q, None, False, np.float32(0.5), "contiguous")
+    assert ok == _describe(q, q, q, None, False, 0.5, "contiguous")
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale must be finite"):
+            _describe(q, q, q, None, False, bad, "contiguous")

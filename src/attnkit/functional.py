@@ -159,7 +159,7 @@ def attention_weights(
     three_d = check_qkv(q, k, k, ("q", "k", "k"))
     if w_v is not None:
         _check_same_kind(("q", q), ("w_v", w_v))
-    scale = _check_scale(q.shape[-1] ** -0.5 if scale is None else scale)
+    scale = check_scale(q.shape[-1] ** -0.5 if scale is None else scale)
     if three_d:
         q, k = q.unsqueeze(1), k.unsqueeze(1)  # (B, 1, L, D)
     mask = _build_mask(q, k, valid_lens, attn_mask, is_causal, three_d)
@@ -219,7 +219,7 @@ def check_qkv(
     return q.dim() == 3
 
 
-def _check_scale(scale: object) -> float:
+def check_scale(scale: object) -> float:
     """Any finite real number (Python or NumPy, any precision) is a scale; ``bool``, NaN and infinities are not."""
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise TypeError(f"scale must be a number, got {scale!r}")
@@ -281,7 +281,7 @@ def _attend(
 ) -> AttentionOutput:
     if not isinstance(need_weights, bool):
         raise TypeError(f"need_weights must be a bool, got {need_weights!r}")
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
         raise TypeError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     dropout_p = float(dropout_p)

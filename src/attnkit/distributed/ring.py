@@ -35,7 +35,7 @@ from attnkit.backends.chunked import Grads, RunningSoftmax, accumulate, accumula
 from attnkit.backends.common import repeat_kv
 from attnkit.distributed import comm
 from attnkit.distributed.sequence import LAYOUTS, check_layout, length, positions, segments
-from attnkit.functional import check_qkv
+from attnkit.functional import check_qkv, check_scale
 from attnkit.masks import as_lengths, compute_dtype, short
 
 __all__ = ["ring_attention"]
@@ -231,10 +231,7 @@ def _describe(
     check_layout(layout)
     B, H, Lq_r, D = q.shape
     Hkv, Lk_r, Dv = k.shape[1], k.shape[2], v.shape[3]
-    if scale is None:
-        scale = D**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a number, got {scale!r}")
+    scale = check_scale(D**-0.5 if scale is None else scale)  # the rule of the single-process functions
     lens_hash = 0
     if valid_lens is not None:
         if not isinstance(valid_lens, Tensor) or valid_lens.shape != (B,):
@@ -256,7 +253,7 @@ def _describe(
         "dtype": comm.dtype_code(q.dtype),
         "is_causal": int(is_causal),
         "layout": LAYOUTS.index(layout),
-        "scale": _to_bits(float(scale)),
+        "scale": _to_bits(scale),
         "lens": lens_hash,
         "grad": int(needs_grad),
     }
