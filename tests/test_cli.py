@@ -400,13 +400,13 @@ def test_bench_writes_its_json_and_picture_whole(capsys, tmp_path, monkeypatch):
 
 
 def test_bench_that_fails_writing_leaves_no_partial_file(capsys, tmp_path, monkeypatch):
-    def disk_full(report, path):
-        with open(path + ".part", "w") as f:  # as save_json does
-            f.write('{"rows": [')
+    def disk_full(data, f, **kwargs):  # the real save_json, on a disk that fills up halfway through the file
+        f.write('{"rows": [')
+        f.flush()
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(bench, "run", small_report)
-    monkeypatch.setattr(bench, "save_json", disk_full)
+    monkeypatch.setattr(bench.json, "dump", disk_full)
     (tmp_path / "r.json").write_text("an earlier run")
     code, _, err = main(capsys, "bench", "--json", tmp_path / "r.json")
     assert_one_line(code, err, "r.json: cannot write (No space left on device)")

@@ -11,7 +11,7 @@ of the arguments happens before any work starts: numbers are whole numbers in a 
 parsed, files to read must be regular files, and every file or folder to write is checked by one helper
 (:func:`_output_file`, :func:`_output_folder`: not a folder where a file is wanted, the right extension, an
 existing folder that a probe file can be written into). Outputs appear whole or not at all: a picture or JSON file
-is written to a temporary file beside it and renamed into place (:func:`_written_whole`, ``plot.save_figure``),
+is written to a temporary file beside it and renamed into place (``bench.save_json``, ``plot.save_figure``),
 and the demo's pictures are drawn into a temporary folder, renamed into place (:func:`_filling`), so a failure
 leaves nothing behind that was not there before.
 """
@@ -19,13 +19,13 @@ leaves nothing behind that was not there before.
 from __future__ import annotations
 
 import argparse
-import glob
 import importlib
 import os
 import platform
 import shutil
 import sys
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -342,7 +342,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     out_dir = _output_folder(args.out, "--out")
     for name in demo.PICTURES:  # before training: a name taken by a folder would only fail at the end
         taken = out_dir / name
-        if (taken.exists() or taken.is_symlink()) and not taken.is_file():
+        if _taken_by_other_than_a_file(taken):
             raise UsageError(f"--out {out_dir}: {str(taken)!r} exists and is not a file; the demo writes {name} there")
     demo.replay_book_examples(print)
     results = {}
@@ -423,8 +423,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     for out, write in ((json_out, bench.save_json), (plot_out, bench.plot_report)):
         if out is not None:
             try:
-                with _written_whole(out) as part:
-                    write(report, str(part))
+                write(report, str(out))  # each writes whole or not at all (a temporary file, renamed into place)
             except OSError as e:
                 raise UsageError(f"{out}: cannot write ({e.strerror or _one_line(e)})") from None
             print(out)
@@ -530,25 +529,6 @@ def _writable_folder(folder: Path, what: str) -> None:
 
 
 @contextmanager
-def _written_whole(path: Path) -> Iterator[Path]:
-    """A fresh name beside ``path`` for a writer to write to; renamed to ``path`` when the block succeeds, and
-    removed when it fails, with anything the writer made from that name (its own ``.part``), so that ``path``
-    appears whole or not at all."""
-    # a short name of its own: the user's name may be near the length limit already
-    fd, part = tempfile.mkstemp(prefix=".attnkit-", suffix=f".part{path.suffix}", dir=path.parent)
-    os.close(fd)
-    os.chmod(part, 0o666 & ~_umask())  # mkstemp makes it private; a plain open() would not
-    try:
-        yield Path(part)
-        os.replace(part, path)
-    except BaseException:
-        for leftover in path.parent.glob(glob.escape(Path(part).name) + "*"):
-            with suppress(OSError):
-                leftover.unlink()
-        raise
-
-
-@contextmanager
 def _filling(folder: Path) -> Iterator[Path]:
     """A fresh temporary folder to write into; when the block succeeds, what it holds moves into ``folder``.
 
@@ -563,11 +543,12 @@ def _filling(folder: Path) -> Iterator[Path]:
         for parent in reversed(missing[1:]):
             parent.mkdir()
             made.append(parent)
-        staging = Path(tempfile.mkdtemp(prefix=".attnkit-", suffix=".part", dir=folder.parent if missing else folder))
+        # a fresh name made with mkdir, so that it gets the mode the umask gives (mkdtemp's is private)
+        staging = (folder.parent if missing else folder) / f".attnkit-{uuid.uuid4().hex[:12]}.part"
+        staging.mkdir()
         try:
             yield staging
             if missing:
-                os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; mkdir would not
                 os.replace(staging, folder)
             else:
                 _move_all(staging, folder)
@@ -582,13 +563,18 @@ def _filling(folder: Path) -> Iterator[Path]:
         raise
 
 
+def _taken_by_other_than_a_file(path: Path) -> bool:
+    """A folder, a link to nothing or a device where a file is to go: replacing it would fail or do harm."""
+    return (path.exists() or path.is_symlink()) and not path.is_file()
+
+
 def _move_all(staging: Path, folder: Path) -> None:
     """Move what ``staging`` holds into ``folder``, all or nothing: names that exist there as anything but a file
     stop it before anything moves; files it replaces are kept aside and put back if a later move fails."""
     items = sorted(staging.iterdir())
     for item in items:
         target = folder / item.name
-        if (target.exists() or target.is_symlink()) and not target.is_file():
+        if _taken_by_other_than_a_file(target):
             raise UsageError(f"{target}: exists and is not a regular file; nothing was written into {str(folder)!r}")
     kept: list[tuple[Path, Path]] = []  # (target, its previous version, set aside in staging)
     moved: list[Path] = []
@@ -611,12 +597,6 @@ def _move_all(staging: Path, folder: Path) -> None:
         raise
     for _, old in kept:
         old.unlink()
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 @contextmanager
