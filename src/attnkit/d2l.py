@@ -244,11 +244,6 @@ class AdditiveAttention(nn.Module):
             explicit=("key_size", "query_size", "num_hiddens", "dropout"),
             inferred=("num_hiddens", "dropout"),
         )
-        # checked before anything is drawn, with attnkit's layers' messages
-        layers._check_sizes(
-            key_size=sizes.get("key_size"), query_size=sizes.get("query_size"), num_hiddens=sizes["num_hiddens"]
-        )
-        _check_dropout(sizes["dropout"])
         h, inferred = sizes["num_hiddens"], "key_size" not in sizes
         self.W_k = layers._linear(sizes.get("key_size"), h, bias=False)
         self.W_q = layers._linear(sizes.get("query_size"), h, bias=False)
@@ -318,15 +313,6 @@ class MultiHeadAttention(nn.Module):
             inferred=("num_hiddens", "num_heads", "dropout", "bias"),
             defaults={"bias": False},
         )
-        # checked before anything is drawn, with attnkit's layers' messages
-        layers._check_sizes(
-            key_size=sizes.get("key_size"),
-            query_size=sizes.get("query_size"),
-            value_size=sizes.get("value_size"),
-            num_hiddens=sizes["num_hiddens"],
-            num_heads=sizes["num_heads"],
-        )
-        _check_dropout(sizes["dropout"])
         h, bias = sizes["num_hiddens"], sizes["bias"]
         if h % sizes["num_heads"]:
             raise ValueError(f"num_hiddens ({h}) must be a multiple of num_heads ({sizes['num_heads']})")
@@ -440,7 +426,8 @@ def _bind(
     """Bind the book's arguments to its explicit-size signature or to its newer size-inferring one.
 
     The explicit form is recognised by its extra leading sizes: more arguments than the newer form takes, or
-    any of ``key_size``/``query_size``/``value_size`` by name.
+    any of ``key_size``/``query_size``/``value_size`` by name. The sizes and ``dropout`` are checked here, before
+    the caller draws any parameter, with the messages of attnkit's layers.
     """
     defaults = defaults or {}
     sizes_named = any(name in kwargs for name in ("key_size", "query_size", "value_size"))
@@ -454,7 +441,10 @@ def _bind(
     except TypeError as e:
         raise TypeError(f"{cls}({', '.join(explicit)}) or {cls}({', '.join(inferred)}): {e}") from None
     bound.apply_defaults()
-    return dict(bound.arguments)
+    sizes = dict(bound.arguments)
+    layers._check_sizes(**{n: v for n, v in sizes.items() if n not in ("dropout", "bias")})
+    _check_dropout(sizes["dropout"])
+    return sizes
 
 
 def _check_valid_lens(valid_lens: object, queries: Tensor, keys: Tensor) -> None:
