@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attnkit import dispatch, trace
+from attnkit import dispatch, mods, trace
 from attnkit.backends import reference
 from attnkit.backends.contract import Call
 from attnkit.masks import Mask
@@ -46,8 +46,11 @@ def scaled_dot_product_attention(
     dropout_p: float = 0.0,
     need_weights: bool = False,
     backend: str = "auto",
+    mask_mod: mods.MaskFn | None = None,
+    score_mod: mods.ScoreFn | None = None,
+    sinks: Tensor | None = None,
 ) -> AttentionOutput:
-    """``softmax(q k^T * scale + bias, masked) v``.
+    """``softmax(score_mod(q k^T * scale) + bias, masked) v``.
 
     Args:
         q: ``(B, H, Lq, D)`` or ``(B, Lq, D)``.
@@ -61,6 +64,12 @@ def scaled_dot_product_attention(
         dropout_p: dropout on the weights (always applied when > 0; layers pass 0 in eval mode).
         need_weights: also return the weights (runs the reference backend).
         backend: ``"auto"``, ``"reference"``, ``"sdpa"`` or ``"chunked"``.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, True = may attend (FlexAttention's signature;
+            built-ins in :mod:`attnkit.mods`); combines with the other masks (all must allow a pair).
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, on the scaled scores, before the float
+            ``attn_mask`` is added; the tensors it closes over get gradients.
+        sinks: ``(H,)`` (``(1,)`` for 3-dim inputs) attention-sink logits, one per query head:
+            ``a[i, j] = exp(s_ij) / (exp(sinks[h]) + sum_j exp(s_ij))``; they get gradients.
 
     Returns:
         :class:`AttentionOutput` ``(output, weights)``.
@@ -84,7 +93,8 @@ def scaled_dot_product_attention(
     three_d = check_qkv(q, k, v)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return _attend(q, k, v, None, three_d, valid_lens, attn_mask, is_causal, scale, dropout_p, need_weights, backend)
+    masks = _Masks(valid_lens, attn_mask, is_causal, mask_mod)
+    return _attend(q, k, v, None, three_d, masks, _Mods(score_mod, sinks), scale, dropout_p, need_weights, backend)
 
 
 def additive_attention(
@@ -99,6 +109,9 @@ def additive_attention(
     dropout_p: float = 0.0,
     need_weights: bool = False,
     backend: str = "auto",
+    mask_mod: mods.MaskFn | None = None,
+    score_mod: mods.ScoreFn | None = None,
+    sinks: Tensor | None = None,
 ) -> AttentionOutput:
     """Additive (Bahdanau) attention on already projected queries and keys: ``s[i, j] = w_v . tanh(q[i] + k[j])``.
 
@@ -107,8 +120,8 @@ def additive_attention(
         k: ``(B, Lk, h)`` or ``(B, Hkv, Lk, h)``, the projected keys ``W_k k``.
         v: ``(B, Lk, Dv)`` or ``(B, Hkv, Lk, Dv)``.
         w_v: ``(h,)``.
-        valid_lens, attn_mask, is_causal, dropout_p, need_weights, backend: as in
-            :func:`scaled_dot_product_attention`.
+        valid_lens, attn_mask, is_causal, dropout_p, need_weights, backend, mask_mod, score_mod, sinks: as in
+            :func:`scaled_dot_product_attention` (``score_mod`` gets the additive scores).
 
     Returns:
         :class:`AttentionOutput` ``(output, weights)``.
@@ -128,7 +141,8 @@ def additive_attention(
             f"got {tuple(w_v.shape)}: q {tuple(q.shape)}, w_v {tuple(w_v.shape)}"
         )
     _check_same_kind(("q", q), ("w_v", w_v))
-    return _attend(q, k, v, w_v, three_d, valid_lens, attn_mask, is_causal, 1.0, dropout_p, need_weights, backend)
+    masks = _Masks(valid_lens, attn_mask, is_causal, mask_mod)
+    return _attend(q, k, v, w_v, three_d, masks, _Mods(score_mod, sinks), 1.0, dropout_p, need_weights, backend)
 
 
 def attention_weights(
@@ -140,6 +154,9 @@ def attention_weights(
     attn_mask: Tensor | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    mask_mod: mods.MaskFn | None = None,
+    score_mod: mods.ScoreFn | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """The attention weights alone, without the output: what :func:`attnkit.record_weights` keeps.
 
@@ -162,9 +179,12 @@ def attention_weights(
     scale = check_scale(q.shape[-1] ** -0.5 if scale is None else scale)
     if three_d:
         q, k = q.unsqueeze(1), k.unsqueeze(1)  # (B, 1, L, D)
-    mask = _build_mask(q, k, valid_lens, attn_mask, is_causal, three_d)
+    mask = _build_mask(q, k, _Masks(valid_lens, attn_mask, is_causal, mask_mod), three_d)
+    score_mod, sinks = _check_mods(q, k, _Mods(score_mod, sinks))
     with _autocast_off(q):
-        weights = reference.attention_weights(q, k, mask, w_v=w_v, scale=scale).to(q.dtype)  # (B, H, Lq, Lk)
+        weights = reference.attention_weights(q, k, mask, w_v=w_v, scale=scale, score_mod=score_mod, sinks=sinks).to(
+            q.dtype
+        )  # (B, H, Lq, Lk)
     return weights.squeeze(1) if three_d else weights
 
 
@@ -265,15 +285,26 @@ def _check_same_kind(*named: tuple[str, Tensor]) -> None:
             raise ValueError(f"{n0} and {name} must be on the same device, got {t0.device} and {t.device}")
 
 
+class _Masks(NamedTuple):
+    valid_lens: Tensor | None
+    attn_mask: Tensor | None
+    is_causal: bool
+    mask_mod: mods.MaskFn | None
+
+
+class _Mods(NamedTuple):
+    score_mod: mods.ScoreFn | None
+    sinks: Tensor | None
+
+
 def _attend(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     w_v: Tensor | None,
     three_d: bool,
-    valid_lens: Tensor | None,
-    attn_mask: Tensor | None,
-    is_causal: bool,
+    masks: _Masks,
+    modifiers: _Mods,
     scale: float,
     dropout_p: float,
     need_weights: bool,
@@ -289,8 +320,20 @@ def _attend(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if three_d:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L, D)
-    mask = _build_mask(q, k, valid_lens, attn_mask, is_causal, three_d)
-    call = Call(q, k, v, mask, w_v=w_v, scale=scale, dropout_p=dropout_p, need_weights=need_weights)
+    mask = _build_mask(q, k, masks, three_d)
+    score_mod, sinks = _check_mods(q, k, modifiers)
+    call = Call(
+        q,
+        k,
+        v,
+        mask,
+        w_v=w_v,
+        scale=scale,
+        dropout_p=dropout_p,
+        need_weights=need_weights,
+        score_mod=score_mod,
+        sinks=sinks,
+    )
     chosen = dispatch.choose(backend, call)
     with _autocast_off(q):
         out, weights = chosen.attention(call)  # (B, H, Lq, Dv), (B, H, Lq, Lk) or None
@@ -299,8 +342,34 @@ def _attend(
         weights = None if weights is None else weights.squeeze(1)  # (B, Lq, Lk)
     tracer = trace.active()
     if tracer is not None:
-        _trace_steps(tracer, q, k, v, w_v, three_d, out, chosen.NAME, valid_lens, attn_mask, is_causal)
+        _trace_steps(tracer, q, k, v, w_v, three_d, out, chosen.NAME, masks, modifiers)
     return AttentionOutput(out, weights)
+
+
+def _check_mods(q: Tensor, k: Tensor, modifiers: _Mods) -> tuple[mods.ScoreFn | None, Tensor | None]:
+    """The score_mod bound to the call (a built-in) and the sinks checked: ``(H,)`` floating point, beside ``q``."""
+    score_mod, sinks = modifiers
+    B, H, Lq, _ = q.shape
+    mods.check_callable("score_mod", score_mod)
+    if score_mod is not None:
+        score_mod = mods.bind(score_mod, batch=B, heads=H, num_queries=Lq, num_keys=k.shape[2], device=q.device)
+    if sinks is not None:
+        if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+            raise TypeError(f"sinks must be a floating point tensor of shape (H,) = ({H},), got {_describe(sinks)}")
+        if tuple(sinks.shape) != (H,):
+            raise ValueError(f"sinks must have shape (H,) = ({H},), one logit per query head, got {tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks is on {sinks.device} but the inputs are on {q.device}")
+        lo, hi = sinks.detach().aminmax() if sinks.numel() else (sinks.new_zeros(()), sinks.new_zeros(()))
+        if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
+            raise ValueError(f"sinks must be finite, got {sinks.detach().tolist()}")
+    return score_mod, sinks
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, Tensor):
+        return f"tensor of dtype {x.dtype} and shape {tuple(x.shape)}"
+    return type(x).__name__
 
 
 _HOW = {"sdpa": "fused kernel, scores never materialised", "chunked": "blocks of keys, online softmax"}
@@ -315,9 +384,8 @@ def _trace_steps(
     three_d: bool,
     out: Tensor,
     backend: str,
-    valid_lens: Tensor | None,
-    attn_mask: Tensor | None,
-    is_causal: bool,
+    masks: _Masks,
+    modifiers: _Mods,
 ) -> None:
     """The logical steps of one call, in the caller's layout, whichever backend ran."""
     if three_d:
@@ -327,24 +395,33 @@ def _trace_steps(
         tracer.add("scores", [q, k], scores, "q @ k^T * scale")
     else:
         tracer.add("scores", [q, k], scores, f"w_v . tanh(q + k), via features {(*scores, q.shape[-1])}")
-    tracer.add("mask", [scores], scores, trace.describe_masks(valid_lens, attn_mask, is_causal))
-    tracer.add("softmax", [scores], scores, "over keys; rows with no key -> 0")
+    if modifiers.score_mod is not None:
+        tracer.add("score_mod", [scores], scores, f"score_mod {_name(modifiers.score_mod)}")
+    described = trace.describe_masks(masks.valid_lens, masks.attn_mask, masks.is_causal)
+    if masks.mask_mod is not None:
+        described += f"; mask_mod {_name(masks.mask_mod)}"
+    tracer.add("mask", [scores], scores, described)
+    sink = "" if modifiers.sinks is None else ", with a sink logit per head"
+    tracer.add("softmax", [scores], scores, f"over keys{sink}; rows with no key -> 0")
     how = _HOW.get(backend)
     tracer.add("weighted sum", [scores, v], out, f"weights @ v; backend {backend}" + (f" ({how})" if how else ""))
 
 
-def _build_mask(
-    q: Tensor, k: Tensor, valid_lens: Tensor | None, attn_mask: Tensor | None, is_causal: bool, three_d: bool
-) -> Mask:
+def _name(fn: object) -> str:
+    return type(fn).__name__ if isinstance(fn, (mods.MaskMod, mods.ScoreMod)) else getattr(fn, "__name__", repr(fn))
+
+
+def _build_mask(q: Tensor, k: Tensor, masks: _Masks, three_d: bool) -> Mask:
     B, H, Lq, _ = q.shape
     return Mask.build(
         batch=B,
         heads=H,
         num_queries=Lq,
         num_keys=k.shape[2],
-        valid_lens=valid_lens,
-        attn_mask=attn_mask,
-        is_causal=is_causal,
+        valid_lens=masks.valid_lens,
+        attn_mask=masks.attn_mask,
+        is_causal=masks.is_causal,
         mask_dims=3 if three_d else 4,
         device=q.device,
+        mask_mod=masks.mask_mod,
     )

@@ -43,12 +43,17 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from attnkit import mods
+from attnkit.mods import MaskFn
+
 __all__ = ["FloatMaskWarning", "Mask", "causal_mask", "masked_softmax", "sequence_mask"]
 
 # B batch, H heads, Lq/Lk query/key length, blk a block of keys [j0, j1)
 
-# Booleans held at once while the liveness of a general mask is worked out block by block (16 MiB).
+# Booleans held at once while the liveness of a general mask is worked out block by block (16 MiB), in blocks of
+# at most LIVENESS_ROWS queries.
 LIVENESS_BLOCK_ELEMENTS = 2**24
+LIVENESS_ROWS = 1024
 
 # A row's largest visible bias beyond this (in magnitude) is subtracted from the row: a score of a few units added
 # to a bias of 1e4 keeps 3 bits in bfloat16, and none beside 1e30 in float32.
@@ -217,6 +222,8 @@ class Mask:
         bias_range: tuple[float, float] = (0.0, 0.0),
         bias_has_neg_inf: bool = False,
         bias_shift: Tensor | None = None,
+        mask_mod: MaskFn | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.batch, self.heads = batch, heads
         self.num_queries, self.num_keys = num_queries, num_keys
@@ -227,6 +234,8 @@ class Mask:
         self.bias_range = bias_range  # smallest and largest finite value of the bias
         self.bias_has_neg_inf = bias_has_neg_inf
         self.bias_shift = bias_shift  # (B|1, H|1, Lq, 1) subtracted from the bias, or None
+        self.mask_mod = mask_mod  # mask_mod(b, h, q_idx, kv_idx) -> bool, built-ins bound to Lq, Lk; or None
+        self.device = device
 
     @classmethod
     def build(
@@ -241,6 +250,7 @@ class Mask:
         is_causal: bool = False,
         mask_dims: int = 4,
         device: torch.device | None = None,
+        mask_mod: MaskFn | None = None,
     ) -> Mask:
         """Validate the masking arguments of a call and keep them as parts.
 
@@ -252,6 +262,8 @@ class Mask:
                 or ``-inf``.
             is_causal: bottom-right aligned causal mask.
             device: where the call runs; masks elsewhere are an error.
+            mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (:mod:`attnkit.mods`); a built-in is bound to the
+                call's lengths and its tensors checked.
 
         Raises:
             ValueError: ``+inf`` or NaN in a float ``attn_mask``, and shapes or values that do not fit.
@@ -260,6 +272,9 @@ class Mask:
             FloatMaskWarning: a float ``attn_mask`` holding only 0 and 1.
         """
         B, H, Lq, Lk = batch, heads, num_queries, num_keys
+        mods.check_callable("mask_mod", mask_mod)
+        if mask_mod is not None:
+            mask_mod = mods.bind(mask_mod, batch=B, heads=H, num_queries=Lq, num_keys=Lk, device=device)
         if not isinstance(is_causal, bool):
             raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
         lens = None
@@ -294,6 +309,8 @@ class Mask:
             bias=bias,
             bias_range=bias_range,
             bias_has_neg_inf=has_neg_inf,
+            mask_mod=mask_mod,
+            device=device,
         )
         if max(-bias_range[0], bias_range[1]) > BIAS_SHIFT_ABOVE:
             shift = mask._visible_row_max()  # (B|1, H|1, Lq, 1)
@@ -304,19 +321,43 @@ class Mask:
     @property
     def is_empty(self) -> bool:
         """True when every query may attend to every key with no bias."""
-        return self.valid_lens is None and not self.is_causal and self.bool_mask is None and self.bias is None
+        return (
+            self.valid_lens is None
+            and not self.is_causal
+            and self.bool_mask is None
+            and self.bias is None
+            and self.mask_mod is None
+        )
+
+    @property
+    def opaque(self) -> bool:
+        """True when some part (a boolean or ``-inf`` mask, a user's mask_mod) says nothing of a block until the
+        block is looked at: :meth:`tiles` then calls its blocks maybe-visible."""
+        return (
+            self.bool_mask is not None
+            or self.bias_has_neg_inf
+            or (self.mask_mod is not None and not isinstance(self.mask_mod, mods.MaskMod))
+        )
 
     def block(self, j0: int, j1: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor | None, Tensor | None]:
-        """``allowed`` and ``bias`` for keys ``[j0, j1)``, each broadcastable to ``(B, H, Lq, j1 - j0)``.
+        """``tile(0, Lq, j0, j1, dtype)``: every row, keys ``[j0, j1)``."""
+        return self.tile(0, self.num_queries, j0, j1, dtype)
+
+    def tile(
+        self, r0: int, r1: int, j0: int, j1: int, dtype: torch.dtype = torch.float32, *, every: bool = False
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """``allowed`` and ``bias`` for queries ``[r0, r1)`` and keys ``[j0, j1)``, each broadcastable to
+        ``(B, H, r1 - r0, j1 - j0)``, or ``None`` where that part is absent (``every=True``: the caller knows
+        from :meth:`tiles` that every pair is allowed, and ``allowed`` is not built).
 
         The bias is in ``dtype``, less its row shift (subtracted in at least float32), its finite values clamped
         to half the finite range of ``dtype`` so that no finite bias becomes ``-inf`` (in the cast, or when a score
         is added to it); where the mask says ``-inf``, the bias is ``-inf`` and ``allowed`` is False.
         """
-        allowed = self.allowed_block(j0, j1)
+        allowed = None if every else self.allowed_tile(r0, r1, j0, j1)
         bias = None
         if self.bias is not None:
-            part = self.bias[..., j0:j1]  # (B|1, H|1, Lq, blk)
+            part = self.bias[..., r0:r1, j0:j1]  # (B|1, H|1, n, blk)
             limit = torch.finfo(dtype).max / 2
             lo, hi = self.bias_range
             if self.bias_shift is not None or lo < -limit or hi > limit:
@@ -325,29 +366,66 @@ class Mask:
                 work = torch.promote_types(torch.promote_types(part.dtype, dtype), torch.float32)
                 part = part.to(work)
                 if self.bias_shift is not None:
-                    part = part - self.bias_shift.to(work)  # (B|1, H|1, Lq, blk); -inf stays -inf
+                    part = part - self.bias_shift[..., r0:r1, :].to(work)  # (B|1, H|1, n, blk); -inf stays -inf
                 part = torch.where(torch.isneginf(part), part, part.clamp(-limit, limit))
             bias = part.to(dtype)
         return allowed, bias
 
     def allowed_block(self, j0: int, j1: int) -> Tensor | None:
-        """``allowed`` alone for keys ``[j0, j1)``, broadcastable to ``(B, H, Lq, j1 - j0)``, or ``None``."""
+        """``allowed_tile(0, Lq, j0, j1)``."""
+        return self.allowed_tile(0, self.num_queries, j0, j1)
+
+    def allowed_tile(self, r0: int, r1: int, j0: int, j1: int) -> Tensor | None:
+        """``allowed`` alone for queries ``[r0, r1)`` and keys ``[j0, j1)``, broadcastable to
+        ``(B, H, r1 - r0, j1 - j0)``, or ``None`` when every pair is allowed."""
         allowed: Tensor | None = None
-        device = self._device()
+        device = self.device
         if self.valid_lens is not None:
             keys = torch.arange(j0, j1, device=device)  # (blk,)
-            allowed = keys < self.valid_lens  # (B, 1, 1 | Lq, blk)
+            lens = self.valid_lens if self.valid_lens.shape[2] == 1 else self.valid_lens[:, :, r0:r1]
+            allowed = keys < lens  # (B, 1, 1 | n, blk)
         if self.is_causal:
-            causal = _causal_block(self.num_queries, self.num_keys, j0, j1, device)  # (Lq, blk)
+            causal = _causal_block(self.num_queries, self.num_keys, j0, j1, device)[r0:r1]  # (n, blk)
             allowed = causal if allowed is None else allowed & causal
         if self.bool_mask is not None:
-            part = self.bool_mask[..., j0:j1]  # (B|1, H|1, Lq, blk)
+            part = self.bool_mask[..., r0:r1, j0:j1]  # (B|1, H|1, n, blk)
             allowed = part if allowed is None else allowed & part
         if self.bias_has_neg_inf:
             assert self.bias is not None
-            finite = ~torch.isneginf(self.bias[..., j0:j1])  # (B|1, H|1, Lq, blk)
+            finite = ~torch.isneginf(self.bias[..., r0:r1, j0:j1])  # (B|1, H|1, n, blk)
             allowed = finite if allowed is None else allowed & finite
+        if self.mask_mod is not None:
+            idx = mods.indices(self.batch, self.heads, (r0, r1), (j0, j1), device)
+            by_mod = mods.evaluate_mask(self.mask_mod, *idx)  # broadcastable to (B, H, n, blk)
+            allowed = by_mod if allowed is None else allowed & by_mod
         return allowed
+
+    def tiles(self, rows: Tensor, cols: Tensor) -> mods.Tiles:
+        """What the parts say of the blocks with query ranges ``rows`` ``(nq, 2)`` and key ranges ``cols``
+        ``(nk, 2)`` (``[start, stop)``, CPU int64), from the ranges alone: ``some[r, c]`` False where no pair of
+        the block is allowed (skip it), ``every[r, c]`` where every pair is (no mask needed)."""
+        nq, nk = len(rows), len(cols)
+        known = mods.Tiles(torch.ones(nq, nk, dtype=torch.bool), torch.ones(nq, nk, dtype=torch.bool))
+        j0, j1 = cols[None, :, 0], cols[None, :, 1] - 1  # (1, nk): first and last key of each block
+        if self.valid_lens is not None and self.valid_lens.numel():
+            lens = self.valid_lens.detach().cpu().view(self.batch, -1)  # (B, Lq|1)
+            if lens.shape[1] == 1 or not len(rows):
+                lo, hi = lens.amin(), lens.amax()
+                lo, hi = lo.expand(nq, 1), hi.expand(nq, 1)  # (nq, 1)
+            else:
+                lo = torch.stack([lens[:, a:z].amin() for a, z in rows.tolist()])[:, None]  # (nq, 1)
+                hi = torch.stack([lens[:, a:z].amax() for a, z in rows.tolist()])[:, None]  # (nq, 1)
+            known = known & mods.Tiles(some=j0 < hi, every=j1 < lo)
+        if self.is_causal:
+            offset = self.num_keys - self.num_queries
+            p0, p1 = rows[:, 0, None] + offset, rows[:, 1, None] - 1 + offset  # (nq, 1): first and last position
+            known = known & mods.Tiles(some=j0 <= p1, every=j1 <= p0)
+        if self.bool_mask is not None or self.bias_has_neg_inf:
+            known = known & mods.Tiles.unknown(nq, nk)
+        if self.mask_mod is not None:
+            by_mod = self.mask_mod.tiles(rows, cols) if isinstance(self.mask_mod, mods.MaskMod) else None
+            known = known & (by_mod if by_mod is not None else mods.Tiles.unknown(nq, nk))
+        return known
 
     def _visible_row_max(self) -> Tensor:
         """Each row's largest bias over the keys it may see, ``(B|1, H|1, Lq, 1)`` in the bias's dtype, detached
@@ -365,11 +443,6 @@ class Mask:
         assert row_max is not None
         return row_max.masked_fill(torch.isneginf(row_max), 0.0)  # (B|1, H|1, Lq, 1)
 
-    def first_row(self, j0: int) -> int:
-        """The first query row that may see key ``j0`` or any later key: rows above it see none (causal); 0
-        unless causal. Lets blocked backends skip what the causal mask hides."""
-        return max(0, j0 - (self.num_keys - self.num_queries)) if self.is_causal else 0
-
     def full(self, dtype: torch.dtype = torch.float32) -> tuple[Tensor | None, Tensor | None]:
         """``block(0, Lk)``: the whole mask, for the backends that hold ``Lq x Lk`` anyway."""
         return self.block(0, self.num_keys, dtype)
@@ -385,12 +458,13 @@ class Mask:
             query 1 the other way round); a query row is dead when it may attend to no key.
 
         With only ``valid_lens`` and ``is_causal``, each row sees a prefix of the keys, and both answers come
-        from the prefix lengths in ``O(B * Lq + Lk)``; a boolean or ``-inf`` mask is scanned block by block
-        (at most :data:`LIVENESS_BLOCK_ELEMENTS` booleans at once), as large as the mask it reads.
+        from the prefix lengths in ``O(B * Lq + Lk)``; otherwise the mask is scanned block by block (at most
+        :data:`LIVENESS_BLOCK_ELEMENTS` booleans at once), skipping the blocks :meth:`tiles` knows to be hidden
+        and looking at none of those it knows to be visible (a sliding window is scanned along its band only).
         """
         Lq, Lk = self.num_queries, self.num_keys
-        device = self._device()
-        if self.bool_mask is None and not self.bias_has_neg_inf:
+        device = self.device
+        if self.bool_mask is None and not self.bias_has_neg_inf and self.mask_mod is None:
             n = self._prefix_lengths(device)  # (B|1, 1, Lq|1) keys [0, n) seen by each row, or None
             if n is None:
                 return None, None
@@ -401,12 +475,21 @@ class Mask:
         lead = self._lead_shape()
         keys = torch.zeros(*lead, Lk, dtype=torch.bool, device=device)  # (B|1, H|1, Lk)
         rows = torch.zeros(*lead, Lq, dtype=torch.bool, device=device)  # (B|1, H|1, Lq)
-        for j0, j1 in self._scan_blocks():
-            allowed = self.allowed_block(j0, j1)
-            assert allowed is not None
-            allowed = allowed.expand(*lead, Lq, j1 - j0)  # (B|1, H|1, Lq, blk)
-            keys[..., j0:j1] = allowed.any(dim=-2)
-            rows |= allowed.any(dim=-1)
+        row_step = min(max(Lq, 1), LIVENESS_ROWS)
+        col_step = max(1, LIVENESS_BLOCK_ELEMENTS // (lead.numel() * row_step))
+        row_ranges, col_ranges = _ranges(Lq, row_step), _ranges(Lk, col_step)  # (nq, 2), (nk, 2)
+        known = self.tiles(row_ranges, col_ranges)
+        for (r0, r1), some, every in zip(row_ranges.tolist(), known.some.tolist(), known.every.tolist(), strict=True):
+            for (j0, j1), maybe, all_of in zip(col_ranges.tolist(), some, every, strict=True):
+                if all_of:
+                    keys[..., j0:j1] = True
+                    rows[..., r0:r1] = True
+                elif maybe:
+                    allowed = self.allowed_tile(r0, r1, j0, j1)
+                    assert allowed is not None
+                    allowed = allowed.expand(*lead, r1 - r0, j1 - j0)  # (B|1, H|1, n, blk)
+                    keys[..., j0:j1] |= allowed.any(dim=-2)
+                    rows[..., r0:r1] |= allowed.any(dim=-1)
         return _none_if_all(keys), _none_if_all(rows)
 
     def _scan_blocks(self) -> Iterator[tuple[int, int]]:
@@ -418,6 +501,8 @@ class Mask:
 
     def _lead_shape(self) -> torch.Size:
         """The broadcast ``(B|1, H|1)`` of the parts given."""
+        if self.mask_mod is not None:  # it may depend on the example and the head
+            return torch.Size((self.batch, self.heads))
         parts = (self.valid_lens, self.bool_mask, self.bias)
         return torch.broadcast_shapes(*(p.shape[:2] for p in parts if p is not None), (1, 1))
 
@@ -437,11 +522,11 @@ class Mask:
             return self.num_keys
         return int(self.valid_lens.max()) if self.valid_lens.numel() else 0
 
-    def _device(self) -> torch.device | None:
-        for part in (self.valid_lens, self.bool_mask, self.bias):
-            if part is not None:
-                return part.device
-        return None
+
+def _ranges(length: int, step: int) -> Tensor:
+    """``[start, stop)`` of consecutive blocks of ``step`` positions covering ``[0, length)``: ``(n, 2)`` int64."""
+    starts = torch.arange(0, length, step)  # (n,)
+    return torch.stack([starts, (starts + step).clamp(max=length)], dim=1)  # (n, 2)
 
 
 def _none_if_all(live: Tensor) -> Tensor | None:

@@ -5,7 +5,13 @@ The output is accumulated one block of keys at a time, with a running row maximu
 The backward pass is a custom :class:`torch.autograd.Function` that keeps only ``q, k, v``, the output and the
 row log-sum-exp, and recomputes each block's scores. At most one ``Lq x block`` slice of scores (one
 ``Lq x block x D`` slice of features for additive scoring) is alive at a time, with its few same-sized
-temporaries. Keys past the longest ``valid_lens`` are never visited.
+temporaries. Each block of keys is scored against the rows that may see it only, as the mask says from index
+ranges alone (:meth:`attnkit.masks.Mask.tiles`): keys past the longest ``valid_lens``, the rows above a causal
+diagonal, all but the band of a sliding window and all but one document of a packed row are never visited.
+
+Modifiers: a ``mask_mod`` is evaluated on each block it does not know in full; a ``score_mod`` on each block's
+scores, and again in the backward pass, through which the tensors it closes over get their gradients; ``sinks``
+start each row's running sum.
 
 Cannot: return weights, apply dropout, or differentiate a float ``attn_mask`` (:data:`SUPPORTS`).
 """
@@ -15,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import numbers
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -23,6 +29,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from attnkit import mods
 from attnkit.backends.common import additive_scores, repeat_kv, zero_dead
 from attnkit.backends.contract import Call, Supports
 from attnkit.masks import Mask, compute_dtype
@@ -95,6 +102,9 @@ def settings(*, block_size: int | None = None, additive_block_bytes: int | None 
 
 SUPPORTS = Supports(weights=False, dropout=False, bias_grad=False)
 
+# Which query rows each block of keys needs is worked out for blocks of this many rows (from index ranges only).
+ROW_STEP = 64
+
 
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v, mask, w_v, scale = call.q, call.k, call.v, call.mask, call.w_v, call.scale
@@ -109,42 +119,146 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     kf = repeat_kv(k, H).to(dtype)  # (B, H, Lk, D)
     vf = repeat_kv(v, H).to(dtype)  # (B, H, Lk, Dv)
     wf = None if w_v is None else w_v.to(dtype)
-    out = _OnlineSoftmax.apply(q.to(dtype), kf, vf, wf, mask, scale, block)  # (B, H, Lq, Dv)
+    sinks = None if call.sinks is None else call.sinks.to(dtype)
+    closed_over: tuple[Tensor, ...] = ()
+    if call.score_mod is not None and torch.is_grad_enabled():
+        closed_over = mods.grad_inputs(call.score_mod, _probe(q, dtype))
+    scorer = Scorer(wf, scale, call.score_mod, B, H)
+    out = _OnlineSoftmax.apply(q.to(dtype), kf, vf, wf, sinks, mask, scorer, block, *closed_over)  # (B, H, Lq, Dv)
     return out.to(q.dtype), None
+
+
+def _probe(q: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
+    """One score, of query 0 and key 0 of example 0 and head 0, to run a score_mod on once."""
+    zero = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=q.device)
+    return (torch.zeros((1, 1, 1, 1), dtype=dtype, device=q.device), zero, zero, zero, zero)
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """How the scores of a block are made: ``scale * q . k`` (``w_v`` None) or ``w_v . tanh(q + k)``, then the
+    ``score_mod``, called with the block's indices (``batch`` and ``heads`` for ``b`` and ``h``)."""
+
+    w_v: Tensor | None
+    scale: float
+    score_mod: mods.ScoreFn | None = None
+    batch: int = 1
+    heads: int = 1
+
+    def __call__(
+        self, q: Tensor, k_blk: Tensor, rows: tuple[int, int], cols: tuple[int, int]
+    ) -> tuple[Tensor, Tensor | None]:
+        """Scores ``(B, H, n, blk)`` of queries ``rows`` against keys ``cols``, and the tanh features of additive
+        scoring (for the backward pass)."""
+        s, features = _scores(q, k_blk, self.w_v, self.scale)  # (B, H, n, blk)
+        if self.score_mod is not None:
+            s = mods.evaluate_score(self.score_mod, s, *self.indices(rows, cols, q.device))
+        return s, features
+
+    def indices(self, rows: tuple[int, int], cols: tuple[int, int], device: torch.device) -> tuple[Tensor, ...]:
+        return mods.indices(self.batch, self.heads, rows, cols, device)
 
 
 class _OnlineSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, q: Tensor, k: Tensor, v: Tensor, w_v: Tensor | None, mask: Mask, scale: float, block: int
+        ctx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        w_v: Tensor | None,
+        sinks: Tensor | None,
+        mask: Mask,
+        scorer: Scorer,
+        block: int,
+        *closed_over: Tensor,
     ) -> Tensor:
-        state = RunningSoftmax.start(q, v.shape[-1])
-        accumulate(state, q, k, v, w_v, mask, scale, (0, mask.longest_key_prefix()), block)
+        sink_logits = None if sinks is None else _sink_logits(sinks, mask, q.shape)  # (B, H, Lq)
+        state = RunningSoftmax.start(q, v.shape[-1], sink_logits)
+        spans = key_blocks(mask, q.shape[2], (0, mask.num_keys), block)
+        accumulate(state, q, k, v, mask, scorer, spans)
         out, lse = state.result()  # (B, H, Lq, Dv), (B, H, Lq)
-        ctx.save_for_backward(q, k, v, w_v, out, lse)
-        ctx.mask, ctx.scale, ctx.block = mask, scale, block
+        ctx.save_for_backward(q, k, v, w_v, sinks, out, lse, *closed_over)
+        ctx.mask, ctx.scorer, ctx.spans = mask, scorer, spans
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, w_v, out, lse = ctx.saved_tensors
+        q, k, v, w_v, sinks, out, lse, *closed_over = ctx.saved_tensors
         mask: Mask = ctx.mask
         dout = dout.to(out.dtype)
         delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
         grads = Grads(torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), _zeros_or_none(w_v))
-        cols = (0, mask.longest_key_prefix())
-        accumulate_grads(grads, q, k, v, w_v, mask, ctx.scale, cols, ctx.block, lse, dout, delta)
-        return grads.dq, grads.dk, grads.dv, grads.dw, None, None, None
+        closed_grads = [torch.zeros_like(t) for t in closed_over]
+        accumulate_grads(grads, q, k, v, mask, ctx.scorer, ctx.spans, lse, dout, delta, closed_over, closed_grads)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[4]:
+            # d lse / d sink = the sink's weight, exp(sink - lse); d out / d sink = -(sink's weight) * out
+            weight = torch.exp(_sink_logits(sinks, mask, q.shape) - lse)  # (B, H, Lq)
+            dsinks = -(weight * delta).sum(dim=(0, 2))  # (H,)
+        return (grads.dq, grads.dk, grads.dv, grads.dw, dsinks, None, None, None, *closed_grads)
+
+
+def _sink_logits(sinks: Tensor, mask: Mask, shape: torch.Size) -> Tensor:
+    """Each row's sink logit ``(B, H, Lq)``: the head's, less the row's bias shift (the softmax is unchanged)."""
+    B, H, Lq, _ = shape
+    sink = sinks.view(1, H, 1)  # (1, H, 1)
+    if mask.bias_shift is not None:
+        sink = sink - mask.bias_shift[..., 0].to(sink.dtype)  # (B|1, H, Lq)
+    return sink.expand(B, H, Lq)  # (B, H, Lq)
 
 
 class BlockMask(Protocol):
-    """What :func:`accumulate` needs of a mask (:class:`attnkit.masks.Mask` is one): ``allowed`` and ``bias``
-    for the keys ``[j0, j1)``, each broadcastable to ``(B, H, Lq, j1 - j0)`` or ``None``; and the first row that
-    may see key ``j0`` or any later one (0 unless causal)."""
+    """What :func:`accumulate` needs of a mask (:class:`attnkit.masks.Mask` is one): ``tile`` gives ``allowed``
+    and ``bias`` for the queries ``[r0, r1)`` and keys ``[j0, j1)``, each broadcastable to ``(B, H, n, blk)`` or
+    ``None``; ``tiles`` says, from index ranges only, which blocks are hidden or visible in full; ``opaque``: some
+    part is known only by looking at it (then a block whose mask allows nothing is skipped after all)."""
 
-    def block(self, j0: int, j1: int, dtype: torch.dtype = ...) -> tuple[Tensor | None, Tensor | None]: ...
+    def tile(
+        self, r0: int, r1: int, j0: int, j1: int, dtype: torch.dtype = ..., *, every: bool = ...
+    ) -> tuple[Tensor | None, Tensor | None]: ...
 
-    def first_row(self, j0: int) -> int: ...
+    def tiles(self, rows: Tensor, cols: Tensor) -> mods.Tiles: ...
+
+    @property
+    def opaque(self) -> bool: ...
+
+
+class Span(NamedTuple):
+    """One block of keys ``[j0, j1)`` and the rows ``[r0, r1)`` that may see some of it; ``every``: every one of
+    these rows sees every one of these keys (no mask to build)."""
+
+    j0: int
+    j1: int
+    r0: int
+    r1: int
+    every: bool
+
+
+def key_blocks(mask: BlockMask, num_queries: int, cols: tuple[int, int], block: int) -> list[Span]:
+    """The blocks of ``block`` keys in ``cols`` that some query may see, each with the span of rows that may see it
+    (worked out for blocks of :data:`ROW_STEP` rows, from index ranges: nothing is evaluated). Causal attention
+    skips the rows above the diagonal, a sliding window all but a band, packed documents all but one document."""
+    rows = _ranges((0, num_queries), ROW_STEP)  # (nq, 2)
+    col_ranges = _ranges(cols, block)  # (nk, 2)
+    if not len(rows) or not len(col_ranges):
+        return []
+    known = mask.tiles(rows, col_ranges)  # (nq, nk) each
+    spans = []
+    for c, (j0, j1) in enumerate(col_ranges.tolist()):
+        seen = known.some[:, c].nonzero()[:, 0]  # the row blocks that may see some of these keys
+        if not len(seen):
+            continue
+        first, last = int(seen[0]), int(seen[-1])
+        every = bool(known.every[first : last + 1, c].all())
+        spans.append(Span(j0, j1, int(rows[first, 0]), int(rows[last, 1]), every))
+    return spans
+
+
+def _ranges(bounds: tuple[int, int], step: int) -> Tensor:
+    start, stop = bounds
+    starts = torch.arange(start, stop, step)  # (n,)
+    return torch.stack([starts, (starts + step).clamp(max=stop)], dim=1)  # (n, 2)
 
 
 class RunningSoftmax(NamedTuple):
@@ -155,11 +269,13 @@ class RunningSoftmax(NamedTuple):
     acc: Tensor  # (B, H, Lq, Dv) running unnormalised output
 
     @classmethod
-    def start(cls, q: Tensor, dv: int) -> RunningSoftmax:
+    def start(cls, q: Tensor, dv: int, sink_logits: Tensor | None = None) -> RunningSoftmax:
+        """Nothing summed yet; with ``sink_logits`` ``(B, H, Lq)``, the sink is summed first (its value is 0)."""
         B, H, Lq, _ = q.shape
-        return cls(
-            q.new_full((B, H, Lq), torch.finfo(q.dtype).min), q.new_zeros((B, H, Lq)), q.new_zeros((B, H, Lq, dv))
-        )
+        acc = q.new_zeros((B, H, Lq, dv))
+        if sink_logits is not None:
+            return cls(sink_logits.clone(), q.new_ones((B, H, Lq)), acc)
+        return cls(q.new_full((B, H, Lq), torch.finfo(q.dtype).min), q.new_zeros((B, H, Lq)), acc)
 
     def rows(self, r0: int, r1: int) -> RunningSoftmax:
         """A view of rows ``[r0, r1)``; updating it updates this state."""
@@ -185,36 +301,26 @@ class Grads(NamedTuple):
 
 
 def accumulate(
-    state: RunningSoftmax,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    w_v: Tensor | None,
-    mask: BlockMask,
-    scale: float,
-    cols: tuple[int, int],
-    block: int,
+    state: RunningSoftmax, q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, scorer: Scorer, spans: list[Span]
 ) -> None:
-    """Fold the keys ``cols = (j0, j1)`` of ``k, v`` into ``state``, ``block`` keys at a time.
+    """Fold the key blocks ``spans`` of ``k, v`` into ``state``, each into the rows that may see it.
 
     Args:
         state: the running softmax of the rows of ``q``, updated in place.
         q: ``(B, H, Lq, D)``; k: ``(B, H, Lk, D)``; v: ``(B, H, Lk, Dv)``, in the compute dtype.
-        w_v: ``(D,)`` for additive scoring, ``None`` for dot products (then scaled by ``scale``).
-        mask: ``mask.block(j0, j1)`` says which of these rows may see keys ``[j0, j1)`` of ``k``.
-        cols: the ``[j0, j1)`` range of keys to fold in; block: keys scored at a time.
+        mask: ``mask.tile(r0, r1, j0, j1)`` says which rows may see which keys of ``k``.
+        scorer: makes a block's scores; spans: from :func:`key_blocks`.
     """
-    Lq = q.shape[2]
-    for j0, j1 in _blocks(cols, block):
-        r0 = mask.first_row(j0)  # rows above it see none of these keys (causal): not scored
-        if r0 >= Lq:
-            continue
-        rows = state.rows(r0, Lq)  # (B, H, Lq', ...) views, Lq' = Lq - r0
-        s, _ = _scores(q[:, :, r0:], k[:, :, j0:j1], w_v, scale)  # (B, H, Lq', blk)
-        allowed, s = _apply_mask(s, mask, j0, j1, r0)
+    for j0, j1, r0, r1, every in spans:
+        allowed, bias = mask.tile(r0, r1, j0, j1, q.dtype, every=every)
+        if allowed is not None and mask.opaque and not bool(allowed.any()):
+            continue  # a user's mask_mod or a boolean mask hides the whole block
+        rows = state.rows(r0, r1)  # (B, H, n, ...) views
+        s, _ = scorer(q[:, :, r0:r1], k[:, :, j0:j1], (r0, r1), (j0, j1))  # (B, H, n, blk)
+        s = _masked(s, allowed, bias)
         m_new = torch.maximum(rows.m, s.amax(dim=-1))  # running row max
         alpha = torch.exp(rows.m - m_new)  # rescales what was summed so far
-        p = s.sub_(m_new[..., None]).exp_()  # (B, H, Lq', blk), in the scores' memory
+        p = s.sub_(m_new[..., None]).exp_()  # (B, H, n, blk), in the scores' memory
         if allowed is not None:
             p = p.masked_fill_(~allowed, 0.0)  # exactly 0, also in rows with nothing allowed yet
         rows.l.mul_(alpha).add_(p.sum(dim=-1))  # running normaliser
@@ -227,63 +333,69 @@ def accumulate_grads(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    w_v: Tensor | None,
     mask: BlockMask,
-    scale: float,
-    cols: tuple[int, int],
-    block: int,
+    scorer: Scorer,
+    spans: list[Span],
     lse: Tensor,
     dout: Tensor,
     delta: Tensor,
+    closed_over: Sequence[Tensor] = (),
+    closed_grads: Sequence[Tensor] = (),
 ) -> None:
-    """Add the gradients through the keys ``cols`` to ``grads``, recomputing each block's weights from ``lse``.
+    """Add the gradients through the key blocks ``spans`` to ``grads``, recomputing each block's weights from
+    ``lse``.
 
     Args:
         grads: ``dq (B, H, Lq, D)``, ``dk (B, H, Lk, D)``, ``dv (B, H, Lk, Dv)``, ``dw (D,)``, added to in place.
-        q, k, v, w_v, mask, scale, cols, block: as in :func:`accumulate`.
+        q, k, v, mask, scorer, spans: as in :func:`accumulate`.
         lse: ``(B, H, Lq)``, the row log-sum-exp over *all* keys (from :meth:`RunningSoftmax.result`).
         dout: ``(B, H, Lq, Dv)``, the gradient of the output; delta: ``(B, H, Lq)``, ``(dout * out).sum(-1)``.
+        closed_over: tensors the score_mod reads that need gradients; closed_grads: theirs, added to in place.
     """
-    Lq = q.shape[2]
-    for j0, j1 in _blocks(cols, block):
-        r0 = mask.first_row(j0)  # rows above it see none of these keys (causal): no gradient through them
-        if r0 >= Lq:
+    w_v, scale = scorer.w_v, scorer.scale
+    for j0, j1, r0, r1, every in spans:
+        allowed, bias = mask.tile(r0, r1, j0, j1, q.dtype, every=every)
+        if allowed is not None and mask.opaque and not bool(allowed.any()):
             continue
-        qr, dq_r, dout_r = q[:, :, r0:], grads.dq[:, :, r0:], dout[:, :, r0:]  # (B, H, Lq', D|Dv)
+        qr, dq_r, dout_r = q[:, :, r0:r1], grads.dq[:, :, r0:r1], dout[:, :, r0:r1]  # (B, H, n, D|Dv)
         kb, vb = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, H, blk, D), (B, H, blk, Dv)
-        s, features = _scores(qr, kb, w_v, scale)  # (B, H, Lq', blk)
-        allowed, s = _apply_mask(s, mask, j0, j1, r0)
-        p = s.sub_(lse[:, :, r0:, None]).exp_()  # (B, H, Lq', blk): the softmax weights again, in the scores' memory
+        raw, features = _scores(qr, kb, w_v, scale)  # (B, H, n, blk)
+        modded = None
+        if scorer.score_mod is not None:
+            with torch.enable_grad():  # the score_mod's own graph, to take its gradient through
+                raw = raw.detach().requires_grad_()
+                modded = mods.evaluate_score(scorer.score_mod, raw, *scorer.indices((r0, r1), (j0, j1), q.device))
+            s = modded.detach().clone()  # (B, H, n, blk), written to below
+        else:
+            s = raw
+        s = _masked(s, allowed, bias)
+        p = s.sub_(lse[:, :, r0:r1, None]).exp_()  # (B, H, n, blk): the softmax weights again, in the scores' memory
         if allowed is not None:
             p = p.masked_fill_(~allowed, 0.0)
         grads.dv[:, :, j0:j1] += p.transpose(-2, -1) @ dout_r  # (B, H, blk, Dv)
-        dp = dout_r @ vb.transpose(-2, -1)  # (B, H, Lq', blk)
-        ds = p.mul_(dp.sub_(delta[:, :, r0:, None]))  # (B, H, Lq', blk): gradient of the scores
+        dp = dout_r @ vb.transpose(-2, -1)  # (B, H, n, blk)
+        ds = p.mul_(dp.sub_(delta[:, :, r0:r1, None]))  # (B, H, n, blk): gradient of the (modified) scores
+        if modded is not None:
+            wanted = (raw, *closed_over)
+            through = torch.autograd.grad(modded, wanted, ds, retain_graph=bool(closed_over), allow_unused=True)
+            for acc, g in zip(closed_grads, through[1:], strict=True):
+                if g is not None:
+                    acc += g
+            ds = through[0] if through[0] is not None else torch.zeros_like(ds)  # (B, H, n, blk)
         if w_v is None:
-            dq_r += (ds @ kb) * scale  # (B, H, Lq', D)
+            dq_r += (ds @ kb) * scale  # (B, H, n, D)
             grads.dk[:, :, j0:j1] += (ds.transpose(-2, -1) @ qr) * scale  # (B, H, blk, D)
         else:
             assert features is not None and grads.dw is not None
             grads.dw.add_(torch.einsum("bhij,bhijd->d", ds, features))
             # d tanh = 1 - tanh^2, in place on the features slice to hold one slice only
-            dpre = features.mul_(features).neg_().add_(1.0).mul_(ds[..., None]).mul_(w_v)  # (B,H,Lq',blk,D)
-            dq_r += dpre.sum(dim=-2)  # (B, H, Lq', D)
+            dpre = features.mul_(features).neg_().add_(1.0).mul_(ds[..., None]).mul_(w_v)  # (B,H,n,blk,D)
+            dq_r += dpre.sum(dim=-2)  # (B, H, n, D)
             grads.dk[:, :, j0:j1] += dpre.sum(dim=-3)  # (B, H, blk, D)
-
-
-def _from_row(part: Tensor | None, r0: int) -> Tensor | None:
-    """The rows from ``r0`` on of a mask part broadcastable to ``(B, H, Lq, blk)`` (a row axis of 1 broadcasts)."""
-    return part if part is None or r0 == 0 or part.shape[-2] == 1 else part[..., r0:, :]
 
 
 def _zeros_or_none(t: Tensor | None) -> Tensor | None:
     return None if t is None else torch.zeros_like(t)
-
-
-def _blocks(cols: tuple[int, int], block: int) -> Iterator[tuple[int, int]]:
-    start, stop = cols
-    for j0 in range(start, stop, block):
-        yield j0, min(j0 + block, stop)
 
 
 def _scores(q: Tensor, k_blk: Tensor, w_v: Tensor | None, scale: float) -> tuple[Tensor, Tensor | None]:
@@ -293,12 +405,10 @@ def _scores(q: Tensor, k_blk: Tensor, w_v: Tensor | None, scale: float) -> tuple
     return additive_scores(q, k_blk, w_v)  # (B, H, Lq, blk), (B, H, Lq, blk, D)
 
 
-def _apply_mask(s: Tensor, mask: BlockMask, j0: int, j1: int, r0: int) -> tuple[Tensor | None, Tensor]:
-    """Add the bias and fill disallowed scores with the finite ``finfo.min`` (no ``inf - inf`` later); ``s``
-    holds the rows from ``r0`` on."""
-    allowed, bias = (_from_row(part, r0) for part in mask.block(j0, j1, s.dtype))
+def _masked(s: Tensor, allowed: Tensor | None, bias: Tensor | None) -> Tensor:
+    """Add the bias and fill disallowed scores with the finite ``finfo.min`` (no ``inf - inf`` later), in place."""
     if bias is not None:
         s = s.add_(bias)
     if allowed is not None:
         s = s.masked_fill_(~allowed, torch.finfo(s.dtype).min)
-    return allowed, s
+    return s

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnkit import mods
 from attnkit.masks import Mask
 
 __all__ = ["Call", "Supports"]
@@ -31,7 +32,10 @@ class Call:
     """One attention call, validated (``H % Hkv == 0``, shapes and dtypes fit, the mask checked).
 
     ``q (B, H, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)``; ``mask`` the combined mask, kept as its
-    parts; ``w_v (D,)`` for additive scoring, ``None`` for dot-product scoring (then scaled by ``scale``).
+    parts (a ``mask_mod`` among them); ``w_v (D,)`` for additive scoring, ``None`` for dot-product scoring (then
+    scaled by ``scale``); ``score_mod(score, b, h, q_idx, kv_idx)`` applied to the scaled (or additive) scores,
+    built-ins bound to the call; ``sinks (H,)`` one sink logit per query head, in ``q.dtype``
+    (``a[i, j] = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))``).
     A backend returns the output ``(B, H, Lq, Dv)`` in ``q.dtype``, and the pre-dropout weights
     ``(B, H, Lq, Lk)`` when ``need_weights`` (else ``None``).
     """
@@ -44,10 +48,19 @@ class Call:
     scale: float = 1.0
     dropout_p: float = 0.0
     need_weights: bool = False
+    score_mod: mods.ScoreFn | None = None
+    sinks: Tensor | None = None
 
     @property
     def scoring(self) -> str:
         return DOT if self.w_v is None else ADDITIVE
+
+    @property
+    def score_bias(self) -> bool:
+        """The score_mod is a bias on the scores (a built-in that says so, e.g. ALiBi), or there is none."""
+        return self.score_mod is None or (
+            isinstance(self.score_mod, mods.ScoreMod) and type(self.score_mod).bias is not mods.ScoreMod.bias
+        )
 
     @property
     def differentiates_bias(self) -> bool:
@@ -58,12 +71,19 @@ class Call:
 
 @dataclass(frozen=True)
 class Supports:
-    """What a backend can run: the scoring kinds, returning weights, dropout, gradients to a float ``attn_mask``."""
+    """What a backend can run: the scoring kinds, returning weights, dropout, gradients to a float ``attn_mask``,
+    the modifiers: a ``mask_mod`` (``dense_mask_limit``: only by building the whole mask, of at most that many
+    elements), a ``score_mod`` (``"any"``, ``"bias"``: only one that is a bias, such as ALiBi, or ``"none"``),
+    ``sinks``."""
 
     scoring: frozenset[str] = frozenset({DOT, ADDITIVE})
     weights: bool = True
     dropout: bool = True
     bias_grad: bool = True
+    mask_mod: bool = True
+    dense_mask_limit: int | None = None
+    score_mod: str = "any"
+    sinks: bool = True
 
     def why_not(self, call: Call) -> list[str]:
         """Each reason this declaration refuses ``call``; ``[]`` when it can run it."""
@@ -76,6 +96,25 @@ class Supports:
             reasons.append(f"no dropout (dropout_p={call.dropout_p})")
         if call.differentiates_bias and not self.bias_grad:
             reasons.append("does not differentiate a float attn_mask that requires grad")
+        mask = call.mask
+        if mask.mask_mod is not None:
+            if not self.mask_mod:
+                reasons.append("no mask_mod")
+            elif self.dense_mask_limit is not None:
+                lead = call.q.shape[0] * call.q.shape[1]
+                elements = lead * mask.num_queries * mask.num_keys
+                if elements > self.dense_mask_limit:
+                    reasons.append(
+                        f"runs a mask_mod as one dense mask, here B*H*Lq*Lk = {elements} elements, over its "
+                        f"limit of {self.dense_mask_limit}"
+                    )
+        if call.score_mod is not None:
+            if self.score_mod == "none":
+                reasons.append("no score_mod")
+            elif self.score_mod == "bias" and not call.score_bias:
+                reasons.append("a score_mod only when it is a bias on the scores (attnkit.mods.alibi)")
+        if call.sinks is not None and not self.sinks:
+            reasons.append("no sinks")
         return reasons
 
     def describe(self) -> str:
@@ -83,4 +122,8 @@ class Supports:
         can = [" and ".join(sorted(self.scoring)) + " scoring"]
         can += [what for what, ok in (("weights", self.weights), ("dropout", self.dropout)) if ok]
         can += ["gradients to a float attn_mask"] if self.bias_grad else []
+        if self.mask_mod:
+            can.append("mask_mod" if self.dense_mask_limit is None else "mask_mod (as one dense mask)")
+        can += {"any": ["score_mod"], "bias": ["score_mod (a bias: alibi)"], "none": []}[self.score_mod]
+        can += ["sinks"] if self.sinks else []
         return ", ".join(can)

@@ -1,13 +1,15 @@
 """The reference backend: the specification, written as plainly as the math.
 
-For each batch element and head, with ``allowed[i, j]`` the combined mask (valid_lens AND is_causal AND the
-boolean attn_mask AND finite float bias) and ``bias[i, j]`` the float attn_mask (0 when absent)::
+For each batch element ``b`` and head ``h``, with ``allowed[i, j]`` the combined mask (valid_lens AND is_causal
+AND the boolean attn_mask AND finite float bias AND ``mask_mod(b, h, i, j)``), ``bias[i, j]`` the float attn_mask
+(0 when absent), ``mod(x) = score_mod(x, b, h, i, j)`` (the identity when absent) and ``sink`` the sink logit of
+head ``h`` (``-inf`` when absent)::
 
-    dot-product:  s[i, j] = scale * (q[i] . k[j]) + bias[i, j]
-    additive:     s[i, j] = w_v . tanh(q[i] + k[j]) + bias[i, j]
+    dot-product:  s[i, j] = mod(scale * (q[i] . k[j])) + bias[i, j]
+    additive:     s[i, j] = mod(w_v . tanh(q[i] + k[j])) + bias[i, j]
 
-    a[i, j] = exp(s[i, j]) / sum_{j' allowed} exp(s[i, j'])    for allowed j, else 0
-              (a row with no allowed key is all zeros, so its output is zero)
+    a[i, j] = exp(s[i, j]) / (exp(sink) + sum_{j' allowed} exp(s[i, j']))    for allowed j, else 0
+              (a row with no allowed key is all zeros, so its output is zero, with or without a sink)
     out[i]  = sum_j dropout(a)[i, j] * v[j]
 
 Keys that no query may attend to and queries that may attend to no key (under ``allowed``, the whole
@@ -26,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnkit import mods
 from attnkit.backends.common import additive_scores, repeat_kv, zero_dead
 from attnkit.backends.contract import Call, Supports
 from attnkit.masks import Mask, compute_dtype, softmax_with_mask
@@ -43,26 +46,48 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     H = q.shape[1]
     dtype = compute_dtype(q.dtype)
     q, k, v = zero_dead(q, k, v, mask)
-    weights = _weights(q, k, mask, w_v=call.w_v, scale=call.scale)  # (B, H, Lq, Lk) in `dtype`
+    weights = _weights(
+        q, k, mask, w_v=call.w_v, scale=call.scale, score_mod=call.score_mod, sinks=call.sinks
+    )  # (B, H, Lq, Lk) in `dtype`
     dropped = torch.nn.functional.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
     out = dropped @ repeat_kv(v, H).to(dtype)  # (B, H, Lq, Dv)
     return out.to(q.dtype), (weights.to(q.dtype) if call.need_weights else None)
 
 
-def attention_weights(q: Tensor, k: Tensor, mask: Mask, *, w_v: Tensor | None, scale: float) -> Tensor:
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    mask: Mask,
+    *,
+    w_v: Tensor | None,
+    scale: float,
+    score_mod: mods.ScoreFn | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
     """The weights ``a`` alone (no output), ``(B, H, Lq, Lk)`` in the compute dtype: what recording needs."""
     q, k, _ = zero_dead(q, k, k, mask)
-    return _weights(q, k, mask, w_v=w_v, scale=scale)
+    return _weights(q, k, mask, w_v=w_v, scale=scale, score_mod=score_mod, sinks=sinks)
 
 
-def _weights(q: Tensor, k: Tensor, mask: Mask, *, w_v: Tensor | None, scale: float) -> Tensor:
+def _weights(
+    q: Tensor,
+    k: Tensor,
+    mask: Mask,
+    *,
+    w_v: Tensor | None,
+    scale: float,
+    score_mod: mods.ScoreFn | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
     """Without autograd, the scores are written once (scale folded into the matmul) and the softmax runs in place."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     dtype = compute_dtype(q.dtype)
     qf = q.to(dtype)  # (B, H, Lq, D)
     kf = repeat_kv(k, H).to(dtype)  # (B, H, Lk, D)
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, w_v, mask.bias))
+    grad = torch.is_grad_enabled() and (
+        any(t is not None and t.requires_grad for t in (q, k, w_v, mask.bias, sinks)) or score_mod is not None
+    )
     if w_v is not None:
         scores, _ = additive_scores(qf, kf, w_v.to(dtype))  # (B, H, Lq, Lk)
     elif grad:
@@ -75,8 +100,32 @@ def _weights(q: Tensor, k: Tensor, mask: Mask, *, w_v: Tensor | None, scale: flo
         scores = torch.empty(B * H, Lq, Lk, dtype=dtype, device=q.device)
         torch.baddbmm(scores, q3, k3.transpose(1, 2), beta=0, alpha=scale, out=scores)  # (B*H, Lq, Lk)
         scores = scores.view(B, H, Lq, Lk)
+    if score_mod is not None:
+        idx = mods.indices(B, H, (0, Lq), (0, Lk), q.device)  # b (B,1,1,1), h (1,H,1,1), q_idx, kv_idx
+        scores = mods.evaluate_score(score_mod, scores, *idx)  # (B, H, Lq, Lk)
     allowed, bias = mask.full(dtype)
+    if sinks is not None:
+        return _softmax_with_sinks(scores, allowed, bias, _sink_logits(sinks.to(dtype), mask))
     empty_rows = mask.liveness[1] is not None  # some query may see no key
     return softmax_with_mask(
-        scores, allowed, bias, inplace=not grad, scratch=w_v is None, empty_rows=empty_rows
+        scores, allowed, bias, inplace=not grad, scratch=w_v is None and score_mod is None, empty_rows=empty_rows
     )  # (B, H, Lq, Lk)
+
+
+def _sink_logits(sinks: Tensor, mask: Mask) -> Tensor:
+    """Each row's sink logit, ``(B|1, H, Lq|1, 1)``: the head's, less the row's bias shift (:mod:`attnkit.masks`),
+    which keeps the softmax with the sink unchanged."""
+    sink = sinks.view(1, -1, 1, 1)  # (1, H, 1, 1)
+    return sink if mask.bias_shift is None else sink - mask.bias_shift.to(sink.dtype)  # (B|1, H, Lq|1, 1)
+
+
+def _softmax_with_sinks(scores: Tensor, allowed: Tensor | None, bias: Tensor | None, sink: Tensor) -> Tensor:
+    """The softmax over the allowed keys and one more logit, the sink, which takes its share and is dropped."""
+    B, H, Lq, Lk = scores.shape
+    if bias is not None:
+        scores = scores + bias  # (B, H, Lq, Lk)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)  # exp() of it is 0 beside the sink
+    logits = torch.cat([scores, sink.expand(B, H, Lq, 1)], dim=-1)  # (B, H, Lq, Lk + 1)
+    weights = torch.softmax(logits, dim=-1)[..., :Lk]  # (B, H, Lq, Lk)
+    return weights if allowed is None else weights.masked_fill(~allowed, 0.0)

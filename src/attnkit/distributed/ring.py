@@ -30,8 +30,9 @@ from datetime import timedelta
 import torch
 from torch import Tensor
 
+from attnkit import mods
 from attnkit.backends import chunked
-from attnkit.backends.chunked import Grads, RunningSoftmax, accumulate, accumulate_grads
+from attnkit.backends.chunked import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads, key_blocks
 from attnkit.backends.common import repeat_kv
 from attnkit.distributed import comm
 from attnkit.distributed.sequence import LAYOUTS, check_layout, length, positions, segments
@@ -395,7 +396,8 @@ def _forward_block(state: RunningSoftmax, q: Tensor, kv: Tensor, src: int, plan:
     (r0, r1), (c0, c1) = span
     kb, vb = _split(kv, q, c0, c1)  # (B, H, Lb', D), (B, H, Lb', Dv)
     mask = _StepMask(plan, r0, r1, src, c0, c1, q.device)
-    accumulate(state.rows(r0, r1), q[:, :, r0:r1], kb, vb, None, mask, plan.scale, (0, c1 - c0), plan.block)
+    spans = key_blocks(mask, r1 - r0, (0, c1 - c0), plan.block)
+    accumulate(state.rows(r0, r1), q[:, :, r0:r1], kb, vb, mask, Scorer(None, plan.scale), spans)
 
 
 def _backward_block(
@@ -423,17 +425,15 @@ def _backward_block(
     rows = slice(r0, r1)
     mask = _StepMask(plan, r0, r1, src, c0, c1, q.device)
     grads = Grads(dq[:, :, rows], dk, dv, None)
-    cols = (0, c1 - c0)
+    spans = key_blocks(mask, r1 - r0, (0, c1 - c0), plan.block)
     accumulate_grads(
         grads,
         q[:, :, rows],
         kb,
         vb,
-        None,
         mask,
-        plan.scale,
-        cols,
-        plan.block,
+        Scorer(None, plan.scale),
+        spans,
         lse[:, :, rows],
         dout[:, :, rows],
         delta[:, :, rows],
@@ -474,28 +474,43 @@ def _span(plan: _Plan, src: int) -> tuple[tuple[int, int], tuple[int, int]] | No
 
 class _StepMask:
     """Which of queries ``[r0, r1)`` of this rank may see which keys ``[c0, c1)`` of block ``src``, by their
-    positions in the whole sequence; ``block(j0, j1)`` as :meth:`attnkit.masks.Mask.block`."""
+    positions in the whole sequence, with ``tile`` and ``tiles`` as :class:`attnkit.masks.Mask` (in indices
+    local to these rows and keys)."""
+
+    opaque = False  # the index ranges say everything
 
     def __init__(self, plan: _Plan, r0: int, r1: int, src: int, c0: int, c1: int, device: torch.device) -> None:
         self.valid_lens = None if plan.valid_lens is None else plan.valid_lens.view(-1, 1, 1, 1)  # (B, 1, 1, 1)
         self.queries = positions(plan.q_ranges[plan.ring.rank], device)[r0:r1, None]  # (Lq', 1)
         self.keys = positions(plan.k_ranges[src], device)[c0:c1]  # (Lb',)
         self.is_causal, self.offset = plan.is_causal, plan.offset
-        # on the host, to find first rows without waiting for the device; positions ascend in both layouts
+        # on the host, to plan blocks without waiting for the device; positions ascend in both layouts
         self.host_queries = positions(plan.q_ranges[plan.ring.rank])[r0:r1]  # (Lq',)
         self.host_keys = positions(plan.k_ranges[src])[c0:c1]  # (Lb',)
+        self.host_lens = None if plan.valid_lens is None else plan.valid_lens.detach().cpu()  # (B,)
 
-    def first_row(self, j0: int) -> int:
-        if not self.is_causal:
-            return 0
-        return int(torch.searchsorted(self.host_queries, int(self.host_keys[j0]) - self.offset))
+    def tiles(self, rows: Tensor, cols: Tensor) -> mods.Tiles:
+        p0, p1 = self.host_queries[rows[:, 0]][:, None], self.host_queries[rows[:, 1] - 1][:, None]  # (nq, 1)
+        k0, k1 = self.host_keys[cols[:, 0]][None], self.host_keys[cols[:, 1] - 1][None]  # (1, nk)
+        known = mods.Tiles(
+            torch.ones(len(rows), len(cols), dtype=torch.bool), torch.ones(len(rows), len(cols), dtype=torch.bool)
+        )
+        if self.host_lens is not None and self.host_lens.numel():
+            known = known & mods.Tiles(some=k0 < self.host_lens.max(), every=k1 < self.host_lens.min())
+        if self.is_causal:
+            known = known & mods.Tiles(some=k0 <= p1 + self.offset, every=k1 <= p0 + self.offset)
+        return known
 
-    def block(self, j0: int, j1: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor | None, Tensor | None]:
+    def tile(
+        self, r0: int, r1: int, j0: int, j1: int, dtype: torch.dtype = torch.float32, *, every: bool = False
+    ) -> tuple[Tensor | None, Tensor | None]:
+        if every:
+            return None, None
         keys = self.keys[j0:j1]  # (blk,)
         allowed = None if self.valid_lens is None else keys < self.valid_lens  # (B, 1, 1, blk)
         if self.is_causal:
-            causal = keys <= self.queries + self.offset  # (Lq', blk)
-            allowed = causal if allowed is None else allowed & causal  # (B, 1, Lq', blk)
+            causal = keys <= self.queries[r0:r1] + self.offset  # (n, blk)
+            allowed = causal if allowed is None else allowed & causal  # (B, 1, n, blk)
         return allowed, None
 
 
