@@ -4,10 +4,12 @@ The book's layers (*Dive into Deep Learning*), one mask convention (``True`` = m
 to attend to give zeros, never NaN), fast backends, and pictures of what a model attends to.
 """
 
+from attnkit import mods, packing
 from attnkit.dispatch import available_backends
 from attnkit.functional import AttentionOutput, additive_attention, scaled_dot_product_attention
 from attnkit.layers import AdditiveAttention, DotProductAttention, MultiHeadAttention, record_weights
 from attnkit.masks import causal_mask, masked_softmax, sequence_mask
+from attnkit.packing import pack, unpack
 from attnkit.trace import trace_shapes
 
 __version__ = "0.1.0"
@@ -22,8 +24,12 @@ __all__ = [
     "available_backends",
     "causal_mask",
     "masked_softmax",
+    "mods",
+    "pack",
+    "packing",
     "record_weights",
     "scaled_dot_product_attention",
     "sequence_mask",
     "trace_shapes",
+    "unpack",
 ]

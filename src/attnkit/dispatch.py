@@ -3,6 +3,9 @@
 Policy for ``backend="auto"``, first backend that can run the call wins:
 
 * weights wanted: ``reference`` (the only backend that returns them);
+* a ``mask_mod`` that hides most of the scores (a sliding window, packed documents: ``chunked`` visits at most
+  ``SPARSE_BELOW`` of them), a ``score_mod`` other than a bias, or ``sinks``: ``chunked``, which skips what is
+  hidden and takes them all, then ``sdpa`` (a mask_mod as one dense mask, when small), then ``reference``;
 * dot-product scoring: ``sdpa`` (PyTorch's fused kernels), then ``chunked``, then ``reference``;
 * additive scoring: ``chunked`` when the ``(B, H, Lq, Lk, D)`` features would be large
   (``>= ADDITIVE_CHUNK_ELEMENTS``), else ``reference``, each falling back to the other.
@@ -18,15 +21,19 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from types import ModuleType
 
-from attnkit.backends import ALL
+from attnkit.backends import ALL, chunked
 from attnkit.backends.contract import Call
 
-__all__ = ["ADDITIVE_CHUNK_ELEMENTS", "BACKENDS", "available_backends", "choose", "watch"]
+__all__ = ["ADDITIVE_CHUNK_ELEMENTS", "BACKENDS", "SPARSE_BELOW", "available_backends", "choose", "watch"]
 
 BACKENDS: dict[str, ModuleType] = {b.NAME: b for b in ALL}
 
 # 2**22 float32 elements = 16 MiB for one copy of the features; the reference keeps several.
 ADDITIVE_CHUNK_ELEMENTS = 2**22
+
+# A mask_mod under which chunked scores at most this share of the Lq x Lk pairs goes to chunked first: SDPA's
+# kernels score every pair of a dense mask (docs/benchmarks.md, "Flexible attention").
+SPARSE_BELOW = 0.5
 
 # The watch() blocks open in this thread or task, outermost first.
 _WATCHERS: ContextVar[tuple[_Watch, ...]] = ContextVar("attnkit_watchers", default=())
@@ -98,11 +105,23 @@ def _preferences(call: Call) -> tuple[str, ...]:
     if call.need_weights:
         return ("reference",)
     if call.w_v is None:
+        if call.sinks is not None or not call.score_bias or _sparse(call):
+            return ("chunked", "sdpa", "reference")
         return ("sdpa", "chunked", "reference")
     B, H, Lq, D = call.q.shape
     if B * H * Lq * call.k.shape[2] * D >= ADDITIVE_CHUNK_ELEMENTS:
         return ("chunked", "reference")
     return ("reference", "chunked")
+
+
+def _sparse(call: Call) -> bool:
+    """A mask_mod under which chunked visits at most ``SPARSE_BELOW`` of the pairs (from index ranges alone)."""
+    mask = call.mask
+    if mask.mask_mod is None or not mask.num_queries or not mask.num_keys:
+        return False
+    spans = chunked.key_blocks(mask, mask.num_queries, (0, mask.num_keys), chunked.current_settings().block_size)
+    visited = sum((s.r1 - s.r0) * (s.j1 - s.j0) for s in spans)
+    return visited <= SPARSE_BELOW * mask.num_queries * mask.num_keys
 
 
 def _all_reasons(call: Call) -> str:

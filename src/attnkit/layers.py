@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from attnkit import trace
+from attnkit import mods, trace
 from attnkit.functional import additive_attention, attention_weights, check_qkv, scaled_dot_product_attention
 
 __all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention", "WeightRecord", "record_weights"]
@@ -125,9 +125,13 @@ def record_weights(model: nn.Module) -> Iterator[WeightRecord]:
 
 
 class Masks(NamedTuple):
+    """What a layer's call says of who attends to whom (and the scores' modifier), as the functional API takes it."""
+
     valid_lens: Tensor | None
     attn_mask: Tensor | None
     is_causal: bool
+    mask_mod: mods.MaskFn | None = None
+    score_mod: mods.ScoreFn | None = None
 
 
 class _Attention(nn.Module):
@@ -135,12 +139,14 @@ class _Attention(nn.Module):
 
     _attnkit_traced = True  # attnkit.trace names this module and attributes its steps to it
 
-    def __init__(self, dropout: float, backend: str) -> None:
+    def __init__(self, dropout: float, backend: str, sink_heads: int | None = None) -> None:
         super().__init__()
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.dropout = dropout
         self.backend = backend
+        # One learned attention-sink logit per head (gpt-oss), starting at 0; None without sinks.
+        self.sinks = None if sink_heads is None else nn.Parameter(torch.zeros(sink_heads))
 
     @property
     def _recorder(self) -> tuple[WeightRecord, str] | None:
@@ -162,7 +168,7 @@ class _Attention(nn.Module):
 
         def weights() -> Tensor:
             with torch.no_grad(), trace.paused():
-                return attention_weights(q, k, w_v=w_v, **masks._asdict())
+                return attention_weights(q, k, w_v=w_v, sinks=self.sinks, **masks._asdict())
 
         report_weights(self, weights)
 
@@ -173,6 +179,8 @@ class DotProductAttention(_Attention):
     Args:
         dropout: on the weights, in training mode only.
         backend: ``"auto"`` or a backend name (see :mod:`attnkit.dispatch`).
+        sinks: learn one attention-sink logit per head for this many heads (``self.sinks``, ``(H,)``, starting at
+            0; 1 for 3-dim inputs): ``a[i, j] = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))``. ``None``: no sinks.
 
     Example:
         >>> attn = DotProductAttention(0.5).eval()
@@ -180,8 +188,10 @@ class DotProductAttention(_Attention):
         torch.Size([2, 1, 4])
     """
 
-    def __init__(self, dropout: float = 0.0, *, backend: str = "auto") -> None:
-        super().__init__(dropout, backend)
+    def __init__(self, dropout: float = 0.0, *, backend: str = "auto", sinks: int | None = None) -> None:
+        if sinks is not None:
+            _check_sizes(sinks=sinks)
+        super().__init__(dropout, backend, sinks)
 
     def forward(
         self,
@@ -192,12 +202,21 @@ class DotProductAttention(_Attention):
         *,
         attn_mask: Tensor | None = None,
         is_causal: bool = False,
+        mask_mod: mods.MaskFn | None = None,
+        score_mod: mods.ScoreFn | None = None,
     ) -> Tensor:
         """Args: queries ``(B, [H,] Lq, d)``, keys ``(B, [Hkv,] Lk, d)``, values ``(B, [Hkv,] Lk, dv)``;
-        valid_lens ``(B,)`` or ``(B, Lq)``. Returns ``(B, [H,] Lq, dv)``."""
-        masks = Masks(valid_lens, attn_mask, is_causal)
+        valid_lens ``(B,)`` or ``(B, Lq)``; mask_mod, score_mod as in
+        :func:`attnkit.scaled_dot_product_attention`. Returns ``(B, [H,] Lq, dv)``."""
+        masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
         out = scaled_dot_product_attention(
-            queries, keys, values, **masks._asdict(), dropout_p=self._dropout_p(), backend=self.backend
+            queries,
+            keys,
+            values,
+            **masks._asdict(),
+            sinks=self.sinks,
+            dropout_p=self._dropout_p(),
+            backend=self.backend,
         ).output
         self._record(queries, keys, masks)
         return out
@@ -243,16 +262,19 @@ class AdditiveAttention(_Attention):
         *,
         attn_mask: Tensor | None = None,
         is_causal: bool = False,
+        mask_mod: mods.MaskFn | None = None,
+        score_mod: mods.ScoreFn | None = None,
     ) -> Tensor:
         """Args: queries ``(B, Lq, query_size)``, keys ``(B, Lk, key_size)``, values ``(B, Lk, dv)``;
-        valid_lens ``(B,)`` or ``(B, Lq)``. Returns ``(B, Lq, dv)``."""
+        valid_lens ``(B,)`` or ``(B, Lq)``; mask_mod, score_mod as in :func:`attnkit.additive_attention`.
+        Returns ``(B, Lq, dv)``."""
         check_qkv(queries, keys, values, ("queries", "keys", "values"), same_features=False)
         _check_features("queries", queries, self.W_q)
         _check_features("keys", keys, self.W_k)
         q = self.W_q(queries)  # (B, Lq, h)
         k = self.W_k(keys)  # (B, Lk, h)
         w_v = self.w_v.weight[0]  # (1, h) -> (h,)
-        masks = Masks(valid_lens, attn_mask, is_causal)
+        masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
         out = additive_attention(
             q, k, values, w_v, **masks._asdict(), dropout_p=self._dropout_p(), backend=self.backend
         ).output  # (B, Lq, dv)
@@ -273,6 +295,8 @@ class MultiHeadAttention(_Attention):
         num_kv_heads: ``Hkv`` key/value heads (``H`` by default; 1 is multi-query attention); must divide ``H``.
         bias: biases in the four projections.
         backend: ``"auto"`` or a backend name.
+        sinks: learn one attention-sink logit per head (``self.sinks``, ``(H,)``, starting at 0; gpt-oss):
+            ``a[i, j] = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))``, so a head may attend to nothing.
 
     Raises:
         ValueError: ``num_hiddens % num_heads != 0`` or ``num_heads % num_kv_heads != 0``.
@@ -296,8 +320,12 @@ class MultiHeadAttention(_Attention):
         num_kv_heads: int | None = None,
         bias: bool = False,
         backend: str = "auto",
+        sinks: bool = False,
     ) -> None:
-        super().__init__(dropout, backend)
+        if not isinstance(sinks, bool):
+            raise TypeError(f"sinks must be True or False, got {sinks!r}")
+        _check_sizes(num_heads=num_heads)
+        super().__init__(dropout, backend, num_heads if sinks else None)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         _check_sizes(
             num_hiddens=num_hiddens,
@@ -329,9 +357,12 @@ class MultiHeadAttention(_Attention):
         *,
         attn_mask: Tensor | None = None,
         is_causal: bool = False,
+        mask_mod: mods.MaskFn | None = None,
+        score_mod: mods.ScoreFn | None = None,
     ) -> Tensor:
         """Args: queries ``(B, Lq, query_size)``, keys ``(B, Lk, key_size)``, values ``(B, Lk, value_size)``;
-        valid_lens ``(B,)`` or ``(B, Lq)``; attn_mask ``(Lq, Lk)``, ``(B, Lq, Lk)`` or ``(B, H, Lq, Lk)``.
+        valid_lens ``(B,)`` or ``(B, Lq)``; attn_mask ``(Lq, Lk)``, ``(B, Lq, Lk)`` or ``(B, H, Lq, Lk)``;
+        mask_mod, score_mod as in :func:`attnkit.scaled_dot_product_attention` (``h`` is the query head).
         Returns ``(B, Lq, num_hiddens)``."""
         check_qkv(queries, keys, values, ("queries", "keys", "values"), same_features=False)
         if queries.dim() != 3:
@@ -351,7 +382,7 @@ class MultiHeadAttention(_Attention):
                 tracer.add("split heads", [flat], split, f"{name}: (B, L, H*d) -> (B, H, L, d)")
         if isinstance(attn_mask, Tensor) and attn_mask.dim() == 3:  # anything else: the mask checks name it
             attn_mask = attn_mask.unsqueeze(1)  # (B, Lq, Lk) -> (B, 1, Lq, Lk)
-        masks = Masks(valid_lens, attn_mask, is_causal)
+        masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
         out = self._attend(q, k, v, masks)  # (B, H, Lq, d)
         self._record(q, k, masks)
         merged = out.transpose(1, 2).reshape(B, Lq, H * d)  # (B, H, Lq, d) -> (B, Lq, H*d)
@@ -362,7 +393,7 @@ class MultiHeadAttention(_Attention):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, masks: Masks) -> Tensor:
         """Attention on the split heads: ``(B, H, Lq, d)``, ``(B, Hkv, Lk, d)`` twice -> ``(B, H, Lq, d)``."""
         return scaled_dot_product_attention(
-            q, k, v, **masks._asdict(), dropout_p=self._dropout_p(), backend=self.backend
+            q, k, v, **masks._asdict(), sinks=self.sinks, dropout_p=self._dropout_p(), backend=self.backend
         ).output
 
     @classmethod

@@ -113,6 +113,11 @@ class MaskMod:
         """The tensors it reads."""
         return ()
 
+    def depends_on(self, batch: int, heads: int) -> tuple[int, int]:
+        """``(B|1, H|1)``: the leading shape of the mask it gives for a block (whether it varies by example, by
+        head), which sets the size of the dense mask a fused kernel would be given."""
+        return batch, heads
+
 
 class ScoreMod:
     """A built-in score_mod: callable as ``score_mod(score, b, h, q_idx, kv_idx)``; ``offset`` as in
@@ -170,6 +175,9 @@ class sliding_window(MaskMod):  # noqa: N801 - a function-like name, as FlexAtte
         nearest, farthest = p0 - j1, p1 - j0  # (nq, nk) the smallest and largest p - j in the block
         return Tiles(some=(farthest >= 0) & (nearest < self.window), every=(nearest >= 0) & (farthest < self.window))
 
+    def depends_on(self, batch: int, heads: int) -> tuple[int, int]:
+        return 1, 1
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class document(MaskMod):  # noqa: N801
@@ -208,9 +216,9 @@ class document(MaskMod):  # noqa: N801
         for name, ids, length, L in (("ids_q", self.ids_q, "Lq", num_queries), ("ids_k", self.keys, "Lk", num_keys)):
             if ids.shape[0] not in (1, batch) or ids.shape[1] != L:
                 which = f"{name} (ids_q, as ids_k is None)" if name == "ids_k" and self.ids_k is None else name
+                shared = f" or (1, {L})" if batch != 1 else ""
                 raise ValueError(
-                    f"document: {which} must have shape (B, {length}) = ({batch}, {L}) or (1, {L}), "
-                    f"got {tuple(ids.shape)}"
+                    f"document: {which} must have shape (B, {length}) = ({batch}, {L}){shared}, got {tuple(ids.shape)}"
                 )
             _check_device(f"document: {name}", ids, device)
         return self
@@ -225,6 +233,9 @@ class document(MaskMod):  # noqa: N801
 
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.ids_q, self.keys)
+
+    def depends_on(self, batch: int, heads: int) -> tuple[int, int]:
+        return max(self.ids_q.shape[0], self.keys.shape[0]), 1
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -270,6 +281,9 @@ class prefix_lm(MaskMod):  # noqa: N801
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.prefix_lens,)
 
+    def depends_on(self, batch: int, heads: int) -> tuple[int, int]:
+        return self.prefix_lens.shape[0], 1
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Combined(MaskMod):
@@ -298,6 +312,10 @@ class _Combined(MaskMod):
 
     def tensors(self) -> tuple[Tensor, ...]:
         return tuple(t for m in self.mods if isinstance(m, MaskMod) for t in m.tensors())
+
+    def depends_on(self, batch: int, heads: int) -> tuple[int, int]:
+        leads = [m.depends_on(batch, heads) if isinstance(m, MaskMod) else (batch, heads) for m in self.mods]
+        return max(b for b, _ in leads), max(h for _, h in leads)
 
 
 def and_masks(*mask_mods: MaskFn) -> MaskMod:

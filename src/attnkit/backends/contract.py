@@ -63,6 +63,13 @@ class Call:
         )
 
     @property
+    def dense_mask_elements(self) -> int:
+        """Elements of the mask_mod's mask over the whole call, ``(B|1) (H|1) Lq Lk``, as one dense tensor."""
+        mask_mod, B, H = self.mask.mask_mod, self.q.shape[0], self.q.shape[1]
+        b, h = mask_mod.depends_on(B, H) if isinstance(mask_mod, mods.MaskMod) else (B, H)
+        return b * h * self.mask.num_queries * self.mask.num_keys
+
+    @property
     def differentiates_bias(self) -> bool:
         """A float ``attn_mask`` that requires grad, while autograd records."""
         bias = self.mask.bias
@@ -101,18 +108,24 @@ class Supports:
             if not self.mask_mod:
                 reasons.append("no mask_mod")
             elif self.dense_mask_limit is not None:
-                lead = call.q.shape[0] * call.q.shape[1]
-                elements = lead * mask.num_queries * mask.num_keys
+                elements = call.dense_mask_elements
                 if elements > self.dense_mask_limit:
                     reasons.append(
-                        f"runs a mask_mod as one dense mask, here B*H*Lq*Lk = {elements} elements, over its "
-                        f"limit of {self.dense_mask_limit}"
+                        f"runs a mask_mod as one dense mask, here of {elements} elements, over its limit of "
+                        f"{self.dense_mask_limit}"
                     )
         if call.score_mod is not None:
             if self.score_mod == "none":
                 reasons.append("no score_mod")
             elif self.score_mod == "bias" and not call.score_bias:
                 reasons.append("a score_mod only when it is a bias on the scores (attnkit.mods.alibi)")
+            elif self.score_mod == "bias" and self.dense_mask_limit is not None:
+                elements = call.q.shape[1] * call.mask.num_queries * call.mask.num_keys  # (1, H, Lq, Lk)
+                if elements > self.dense_mask_limit:
+                    reasons.append(
+                        f"adds a score_mod as one dense bias, here of {elements} elements, over its limit of "
+                        f"{self.dense_mask_limit}"
+                    )
         if call.sinks is not None and not self.sinks:
             reasons.append("no sinks")
         return reasons

@@ -1,7 +1,9 @@
 """PyTorch's fused kernels: ``torch.nn.functional.scaled_dot_product_attention``.
 
 Dot-product scoring only, never returns weights. The parts of the :class:`~attnkit.masks.Mask` become the one
-``attn_mask`` SDPA takes (a causal mask alone with ``Lq == Lk`` becomes ``is_causal=True``, the fastest path).
+``attn_mask`` SDPA takes (a causal mask alone with ``Lq == Lk`` becomes ``is_causal=True``, the fastest path): a
+``mask_mod`` is evaluated into it when that mask is small enough (:data:`DENSE_MASK_ELEMENTS`), and a score_mod
+that is a bias (:class:`attnkit.mods.alibi`) is added to it. No sinks, no other score_mod.
 Rows with nothing to attend to are given every key inside the kernel and zeroed afterwards, so that no
 version of PyTorch can turn them into NaN, and their gradients are exactly zero.
 """
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit import mods
 from attnkit.backends.common import repeat_kv, zero_dead
 from attnkit.backends.contract import DOT, Call, Supports
 from attnkit.masks import Mask
@@ -31,7 +34,12 @@ GROUP_BELOW = 0.875
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
-SUPPORTS = Supports(scoring=frozenset({DOT}), weights=False)
+# The largest mask a mask_mod is evaluated into (16M elements: 64 MiB once SDPA takes it as float).
+DENSE_MASK_ELEMENTS = 2**24
+
+SUPPORTS = Supports(
+    scoring=frozenset({DOT}), weights=False, dense_mask_limit=DENSE_MASK_ELEMENTS, score_mod="bias", sinks=False
+)
 
 
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
@@ -44,11 +52,22 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
         else:
             k, v = repeat_kv(k, H), repeat_kv(v, H)  # (B, H, Lk, D), (B, H, Lk, Dv)
     Lq, Lk = mask.num_queries, mask.num_keys
-    lengths = _key_lengths(mask)
+    score_bias = None
+    if call.score_mod is not None:
+        assert isinstance(call.score_mod, mods.ScoreMod)  # SUPPORTS: a bias
+        B, H = q.shape[:2]
+        score_bias = call.score_mod.bias(*mods.indices(B, H, (0, Lq), (0, Lk), q.device))  # (B|1, H|1, Lq, Lk)
+    lengths = None if score_bias is not None else _key_lengths(mask)
     if lengths and max(lengths) > 0 and sum(lengths) <= GROUP_BELOW * len(lengths) * Lk:
         return _by_length(q, k, v, lengths, mask.is_causal, scale, dropout_p, gqa), None
-    only_causal = mask.is_causal and mask.valid_lens is None and mask.bool_mask is None and mask.bias is None
-    if mask.is_empty or (only_causal and Lq == Lk):
+    only_causal = (
+        mask.is_causal
+        and mask.valid_lens is None
+        and mask.bool_mask is None
+        and mask.bias is None
+        and mask.mask_mod is None
+    )
+    if score_bias is None and (mask.is_empty or (only_causal and Lq == Lk)):
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=mask.is_causal, scale=scale, **gqa
         )  # (B, H, Lq, Dv)
@@ -56,6 +75,9 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
 
     q, k, v = zero_dead(q, k, v, mask)
     allowed, bias = mask.full(q.dtype)  # (B|1, H|1, Lq|1, Lk) each, or None
+    if score_bias is not None:
+        score_bias = score_bias.to(q.dtype)
+        bias = score_bias if bias is None else bias + score_bias  # (B|1, H|1, Lq, Lk)
     _, live_rows = mask.liveness  # (B|1, H|1, Lq) or None when every row sees some key
     if bias is None:
         attn_mask = allowed
@@ -80,7 +102,13 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
 def _key_lengths(mask: Mask) -> list[int] | None:
     """Each example's number of keys, when 1-D ``valid_lens`` is the whole mask (or that and causal
     self-attention); ``None`` otherwise."""
-    if mask.valid_lens is None or mask.valid_lens.shape[2] != 1 or mask.bool_mask is not None or mask.bias is not None:
+    if (
+        mask.valid_lens is None
+        or mask.valid_lens.shape[2] != 1
+        or mask.bool_mask is not None
+        or mask.bias is not None
+        or mask.mask_mod is not None
+    ):
         return None
     if mask.is_causal and mask.num_queries != mask.num_keys:
         return None
