@@ -51,7 +51,7 @@ __all__ = ["FloatMaskWarning", "Mask", "causal_mask", "masked_softmax", "sequenc
 # B batch, H heads, Lq/Lk query/key length, blk a block of keys [j0, j1)
 
 # Booleans held at once while the liveness of a general mask is worked out block by block (16 MiB), in blocks of
-# at most LIVENESS_ROWS queries.
+# at most LIVENESS_ROWS queries and keys (small enough that a band or a document leaves most blocks known).
 LIVENESS_BLOCK_ELEMENTS = 2**24
 LIVENESS_ROWS = 1024
 
@@ -476,7 +476,7 @@ class Mask:
         keys = torch.zeros(*lead, Lk, dtype=torch.bool, device=device)  # (B|1, H|1, Lk)
         rows = torch.zeros(*lead, Lq, dtype=torch.bool, device=device)  # (B|1, H|1, Lq)
         row_step = min(max(Lq, 1), LIVENESS_ROWS)
-        col_step = max(1, LIVENESS_BLOCK_ELEMENTS // (lead.numel() * row_step))
+        col_step = max(1, min(LIVENESS_ROWS, LIVENESS_BLOCK_ELEMENTS // (lead.numel() * row_step)))
         row_ranges, col_ranges = _ranges(Lq, row_step), _ranges(Lk, col_step)  # (nq, 2), (nk, 2)
         known = self.tiles(row_ranges, col_ranges)
         for (r0, r1), some, every in zip(row_ranges.tolist(), known.some.tolist(), known.every.tolist(), strict=True):
@@ -501,10 +501,13 @@ class Mask:
 
     def _lead_shape(self) -> torch.Size:
         """The broadcast ``(B|1, H|1)`` of the parts given."""
-        if self.mask_mod is not None:  # it may depend on the example and the head
-            return torch.Size((self.batch, self.heads))
-        parts = (self.valid_lens, self.bool_mask, self.bias)
-        return torch.broadcast_shapes(*(p.shape[:2] for p in parts if p is not None), (1, 1))
+        parts = [p.shape[:2] for p in (self.valid_lens, self.bool_mask, self.bias) if p is not None]
+        if self.mask_mod is not None:  # a user's may depend on the example and the head; a built-in says
+            by_mod = (
+                self.mask_mod.depends_on(self.batch, self.heads) if isinstance(self.mask_mod, mods.MaskMod) else None
+            )
+            parts.append(torch.Size(by_mod or (self.batch, self.heads)))
+        return torch.broadcast_shapes(*parts, (1, 1))
 
     def _prefix_lengths(self, device: torch.device | None) -> Tensor | None:
         """``n``, ``(B|1, 1, Lq|1)`` long: by ``valid_lens`` and ``is_causal`` alone, row ``i`` sees keys
