@@ -427,17 +427,9 @@ def test_attention_weights_take_the_modifiers():
     assert max_err(w, true_w) <= OUT_TOL64
 
 
-ONE_ROW_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="document(ids (1, L)) and prefix_lm(lens (1,)) with B > 1: depends_on says (1, 1) but __call__ indexes "
-    "with zeros_like(b), a (B, 1, 1, 1) index, and returns (B, 1, n, m): Mask.liveness's "
-    "allowed.expand(*lead, ...) raises RuntimeError (every backend) unless another part (valid_lens) makes lead B",
-)
-
-
 @pytest.mark.parametrize("backend", ("reference", "chunked"))
 @pytest.mark.parametrize("which", ["document", "prefix_lm"])
-@pytest.mark.parametrize("with_lens", [pytest.param(False, marks=ONE_ROW_BUG), True])
+@pytest.mark.parametrize("with_lens", [False, True])
 def test_one_row_of_ids_or_lengths_for_the_whole_batch(with_lens, which, backend):
     """document(ids) with ids (1, L) and ids_k None (self-attention), prefix_lm with lengths (1,): one row for
     every example of the batch (alone, and beside per-example valid_lens)."""
@@ -775,12 +767,6 @@ def test_a_user_mask_mod_is_evaluated_per_block_and_its_hidden_blocks_are_skippe
     assert max(calls) > 1  # called on blocks, not element by element
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Mask.opaque is False for and_masks/or_masks (a MaskMod) even when they hold a user's function, so "
-    "chunked scores the blocks such a combination hides (it skips them for the bare function): and_masks(f) "
-    "scores 2x the keys f alone does here",
-)
 def test_a_user_mask_mod_inside_and_masks_still_skips_its_hidden_blocks():
     L, block = 512, 32
 
@@ -918,12 +904,6 @@ def test_built_ins_check_their_arguments(make, error, fragments):
         assert fragment in str(raised.value), (fragment, str(raised.value))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a score_mod/mask_mod returning more dims than the block (here (..., 2)) passes the vmap fallback and "
-    "then fails in Tensor.expand with RuntimeError 'the number of sizes provided (4) must be greater or equal...', "
-    "naming neither the argument nor the block shape",
-)
 @pytest.mark.parametrize("which", ["score_mod", "mask_mod"])
 def test_a_modifier_returning_the_wrong_shape_is_named(which):
     if which == "score_mod":
@@ -989,11 +969,6 @@ def test_flex_style_minus_inf_score_mod_masks(backend):
     torch.testing.assert_close(flex_causal, masked, rtol=0, atol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a score_mod that gives -inf to every key of a row: the reference backend returns NaN for the row "
-    "(softmax of all -inf), chunked returns zeros (its running sum stays 0, read as a row with no key)",
-)
 def test_a_row_the_score_mod_gives_only_minus_inf_is_zero_in_every_backend():
     Lq, Lk = 7, 12
     q, k, v = _q_k_v(Lq, Lk)
@@ -1021,12 +996,6 @@ def test_alibi_slopes_are_the_papers():
     assert torch.equal(mods.alibi_slopes(1), torch.tensor([2.0**-8]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="chunked double-counts the gradient of a parameter P when the score_mod closes over both P and a "
-    "tensor computed from P: mods.grad_inputs returns both, the backward takes autograd.grad(modded, (raw, T, P)) "
-    "whose dP already includes the path through T, and the Function's dT then flows into P again",
-)
 def test_a_score_mod_reading_a_parameter_and_a_tensor_made_from_it():
     Lq, Lk = 9, 11
     g = torch.Generator().manual_seed(1)

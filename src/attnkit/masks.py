@@ -336,7 +336,7 @@ class Mask:
         return (
             self.bool_mask is not None
             or self.bias_has_neg_inf
-            or (self.mask_mod is not None and not isinstance(self.mask_mod, mods.MaskMod))
+            or (self.mask_mod is not None and (not isinstance(self.mask_mod, mods.MaskMod) or self.mask_mod.opaque))
         )
 
     def block(self, j0: int, j1: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor | None, Tensor | None]:

@@ -118,6 +118,11 @@ class MaskMod:
         head), which sets the size of the dense mask a fused kernel would be given."""
         return batch, heads
 
+    @property
+    def opaque(self) -> bool:
+        """Some of it (a user's function inside) is known only by evaluating it: :meth:`tiles` says "maybe"."""
+        return False
+
 
 class ScoreMod:
     """A built-in score_mod: callable as ``score_mod(score, b, h, q_idx, kv_idx)``; ``offset`` as in
@@ -208,9 +213,10 @@ class document(MaskMod):  # noqa: N801
         return self.ids_q if self.ids_k is None else self.ids_k
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        b = b if self.ids_q.shape[0] > 1 else torch.zeros_like(b)
-        bk = b if self.keys.shape[0] > 1 else torch.zeros_like(b)
-        return self.ids_q[b, q_idx] == self.keys[bk, kv_idx]
+        # one row of ids serves every example: indexed without b, so the result does not vary by example
+        ids_q = self.ids_q[b, q_idx] if self.ids_q.shape[0] > 1 else self.ids_q[0][q_idx]
+        ids_k = self.keys[b, kv_idx] if self.keys.shape[0] > 1 else self.keys[0][kv_idx]
+        return ids_q == ids_k
 
     def bind(self, *, batch: int, heads: int, num_queries: int, num_keys: int, device: torch.device | None) -> MaskMod:
         for name, ids, length, L in (("ids_q", self.ids_q, "Lq", num_queries), ("ids_k", self.keys, "Lk", num_keys)):
@@ -258,8 +264,8 @@ class prefix_lm(MaskMod):  # noqa: N801
             raise ValueError(f"prefix_lm: prefix_lens must have shape (B,), got {tuple(lens.shape)}")
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        b = b if self.prefix_lens.shape[0] > 1 else torch.zeros_like(b)
-        return (kv_idx < self.prefix_lens[b]) | (kv_idx <= q_idx + self.offset)
+        prefix = self.prefix_lens[b] if self.prefix_lens.shape[0] > 1 else self.prefix_lens[0]
+        return (kv_idx < prefix) | (kv_idx <= q_idx + self.offset)
 
     def bind(self, *, batch: int, heads: int, num_queries: int, num_keys: int, device: torch.device | None) -> MaskMod:
         from attnkit.masks import as_lengths
@@ -316,6 +322,10 @@ class _Combined(MaskMod):
     def depends_on(self, batch: int, heads: int) -> tuple[int, int]:
         leads = [m.depends_on(batch, heads) if isinstance(m, MaskMod) else (batch, heads) for m in self.mods]
         return max(b for b, _ in leads), max(h for _, h in leads)
+
+    @property
+    def opaque(self) -> bool:
+        return any(not isinstance(m, MaskMod) or m.opaque for m in self.mods)
 
 
 def and_masks(*mask_mods: MaskFn) -> MaskMod:
@@ -437,7 +447,7 @@ def _on_block(fn: Callable[..., Any], args: tuple[Tensor, ...], shape: Sequence[
     else:
         first = None
     try:  # element by element, as FlexAttention runs it
-        return _vmapped(fn, args, shape)
+        out = _vmapped(fn, args, shape)
     except Exception as error:
         if first is not None:
             raise first from None
@@ -445,6 +455,13 @@ def _on_block(fn: Callable[..., Any], args: tuple[Tensor, ...], shape: Sequence[
         raise ValueError(
             f"{what} must return a tensor that broadcasts to the block {tuple(shape)}, got {got}"
         ) from error
+    if not isinstance(out, Tensor) or tuple(out.shape) != tuple(shape):
+        got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(
+            f"{what} must return one value per (b, h, q_idx, kv_idx): run element by element, it gave {got} for "
+            f"the block {tuple(shape)}"
+        )
+    return out
 
 
 def _vmapped(fn: Callable[..., Any], args: tuple[Tensor, ...], shape: Sequence[int]) -> Tensor:
@@ -519,7 +536,41 @@ def grad_inputs(score_mod: ScoreFn, probe: tuple[Tensor, ...]) -> tuple[Tensor, 
         if isinstance(variable, Tensor):
             found.setdefault(id(variable), variable)
         stack.extend(next_node for next_node, _ in node.next_functions)
-    return tuple(found.values())
+    return _without_descendants(list(found.values()))
+
+
+def _without_descendants(tensors: list[Tensor]) -> tuple[Tensor, ...]:
+    """Drop each tensor computed from another of ``tensors``: the other's gradient, taken through every path,
+    already holds what flows through it (returning both would count that path twice)."""
+    nodes = {id(t): (t.grad_fn if t.grad_fn is not None else _accumulator(t)) for t in tensors}
+    kept = []
+    for t in tensors:
+        others = {id(n) for key, n in nodes.items() if key != id(t) and n is not None}
+        if t.grad_fn is None or not _reaches(t.grad_fn, others):
+            kept.append(t)
+    return tuple(kept)
+
+
+def _accumulator(leaf: Tensor) -> Any:
+    """The AccumulateGrad node of a leaf that requires grad, as the graphs of its uses reach it."""
+    node = leaf.view_as(leaf).grad_fn
+    assert node is not None  # the leaf requires grad
+    return node.next_functions[0][0]
+
+
+def _reaches(start: Any, targets: set[int]) -> bool:
+    """Whether the autograd graph from ``start`` reaches a node in ``targets`` (ids)."""
+    seen: set[int] = set()
+    stack = [start]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        if id(node) in targets:
+            return True
+        seen.add(id(node))
+        stack.extend(n for n, _ in node.next_functions)
+    return False
 
 
 def _closed_over(fn: object, depth: int) -> list[Tensor]:

@@ -311,10 +311,11 @@ def accumulate(
         mask: ``mask.tile(r0, r1, j0, j1)`` says which rows may see which keys of ``k``.
         scorer: makes a block's scores; spans: from :func:`key_blocks`.
     """
-    for j0, j1, r0, r1, every in spans:
-        allowed, bias = mask.tile(r0, r1, j0, j1, q.dtype, every=every)
-        if allowed is not None and mask.opaque and not bool(allowed.any()):
+    for span in spans:
+        seen = _block_mask(mask, span, q.dtype)
+        if seen is None:
             continue  # a user's mask_mod or a boolean mask hides the whole block
+        j0, j1, r0, r1, allowed, bias = seen
         rows = state.rows(r0, r1)  # (B, H, n, ...) views
         s, _ = scorer(q[:, :, r0:r1], k[:, :, j0:j1], (r0, r1), (j0, j1))  # (B, H, n, blk)
         s = _masked(s, allowed, bias)
@@ -353,10 +354,11 @@ def accumulate_grads(
         closed_over: tensors the score_mod reads that need gradients; closed_grads: theirs, added to in place.
     """
     w_v, scale = scorer.w_v, scorer.scale
-    for j0, j1, r0, r1, every in spans:
-        allowed, bias = mask.tile(r0, r1, j0, j1, q.dtype, every=every)
-        if allowed is not None and mask.opaque and not bool(allowed.any()):
+    for span in spans:
+        seen = _block_mask(mask, span, q.dtype)
+        if seen is None:
             continue
+        j0, j1, r0, r1, allowed, bias = seen
         qr, dq_r, dout_r = q[:, :, r0:r1], grads.dq[:, :, r0:r1], dout[:, :, r0:r1]  # (B, H, n, D|Dv)
         kb, vb = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, H, blk, D), (B, H, blk, Dv)
         raw, features = _scores(qr, kb, w_v, scale)  # (B, H, n, blk)
@@ -392,6 +394,28 @@ def accumulate_grads(
             dpre = features.mul_(features).neg_().add_(1.0).mul_(ds[..., None]).mul_(w_v)  # (B,H,n,blk,D)
             dq_r += dpre.sum(dim=-2)  # (B, H, n, D)
             grads.dk[:, :, j0:j1] += dpre.sum(dim=-3)  # (B, H, blk, D)
+
+
+def _block_mask(
+    mask: BlockMask, span: Span, dtype: torch.dtype
+) -> tuple[int, int, int, int, Tensor | None, Tensor | None] | None:
+    """``(j0, j1, r0, r1, allowed, bias)`` of a span; when the mask is opaque (known only by looking), the rows
+    narrowed to those that see some key of the block, and ``None`` when none does."""
+    j0, j1, r0, r1, every = span
+    allowed, bias = mask.tile(r0, r1, j0, j1, dtype, every=every)  # (B|1, H|1, n|1, blk) each, or None
+    if allowed is None or not mask.opaque:
+        return j0, j1, r0, r1, allowed, bias
+    seen = allowed.any(dim=-1)  # (B|1, H|1, n|1)
+    seen = seen.reshape(-1, seen.shape[-1]).any(dim=0)  # (n|1,): rows that see some key, in any example or head
+    where = seen.nonzero()[:, 0]
+    if not len(where):
+        return None
+    if allowed.shape[-2] == 1:  # the same for every row
+        return j0, j1, r0, r1, allowed, bias
+    a, z = int(where[0]), int(where[-1]) + 1
+    allowed = allowed[..., a:z, :]  # (B|1, H|1, n', blk)
+    bias = None if bias is None else bias[..., a:z, :]  # (B|1, H|1, n', blk)
+    return j0, j1, r0 + a, r0 + z, allowed, bias
 
 
 def _zeros_or_none(t: Tensor | None) -> Tensor | None:

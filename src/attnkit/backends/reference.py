@@ -100,13 +100,17 @@ def _weights(
         scores = torch.empty(B * H, Lq, Lk, dtype=dtype, device=q.device)
         torch.baddbmm(scores, q3, k3.transpose(1, 2), beta=0, alpha=scale, out=scores)  # (B*H, Lq, Lk)
         scores = scores.view(B, H, Lq, Lk)
+    allowed, bias = mask.full(dtype)
+    empty_rows = mask.liveness[1] is not None  # some query may see no key
     if score_mod is not None:
         idx = mods.indices(B, H, (0, Lq), (0, Lk), q.device)  # b (B,1,1,1), h (1,H,1,1), q_idx, kv_idx
         scores = mods.evaluate_score(score_mod, scores, *idx)  # (B, H, Lq, Lk)
-    allowed, bias = mask.full(dtype)
+        hidden = torch.isneginf(scores.detach())  # a score_mod's -inf hides the key, as in FlexAttention
+        if bool(hidden.any()):
+            allowed = ~hidden if allowed is None else allowed & ~hidden  # (B, H, Lq, Lk)
+            empty_rows = True
     if sinks is not None:
         return _softmax_with_sinks(scores, allowed, bias, _sink_logits(sinks.to(dtype), mask))
-    empty_rows = mask.liveness[1] is not None  # some query may see no key
     return softmax_with_mask(
         scores, allowed, bias, inplace=not grad, scratch=w_v is None and score_mod is None, empty_rows=empty_rows
     )  # (B, H, Lq, Lk)
