@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import dispatch
+from attnkit import dispatch, mods
 
 
 def _qkv(B=2, H=4, Lq=5, Lk=6, D=8, heads=True):
@@ -43,7 +43,7 @@ def test_auto_for_additive_small_is_reference_and_large_is_chunked():
 
 
 def test_explicit_backend_runs_as_named():
-    for name in attnkit.available_backends():
+    for name in attnkit.available_backends("cpu"):
         with dispatch.watch() as ran:
             attnkit.scaled_dot_product_attention(*_qkv(), backend=name)
         assert ran == [name]
@@ -83,7 +83,7 @@ def test_watch_records_nothing_outside_its_block():
     assert ran == []
 
 
-@pytest.mark.parametrize("name", attnkit.available_backends())
+@pytest.mark.parametrize("name", attnkit.available_backends("cpu"))
 def test_each_backend_runs_what_it_declares_and_refuses_the_rest(name):
     """SUPPORTS is data dispatch reads: it must match what the backend does. Each capability declared runs when
     the backend is named; each one not declared is refused with a ValueError, never run or fallen back from."""
@@ -105,12 +105,22 @@ def test_each_backend_runs_what_it_declares_and_refuses_the_rest(name):
         attend(q, k, v, backend=name, attn_mask=bias).output.sum().backward()
         assert bias.grad is not None
 
+    def applied(**modifier):  # the modifier changes the output: run, not ignored
+        assert (attend(q, k, v, backend=name, **modifier).output - plain).abs().max() > 1e-3
+
+    long = torch.randn(1, 4097, 8)  # 4097^2 pairs: over sdpa's dense-mask limit
+
     calls = {
         "additive scoring": lambda: attnkit.additive_attention(q, k, v, torch.randn(8), backend=name),
         "dot-product scoring": lambda: attend(q, k, v, backend=name),
         "weights": weights,
         "dropout": dropout,
         "bias grad": bias_grad,
+        "mask_mod": lambda: applied(mask_mod=mods.sliding_window(2)),
+        "score_mod": lambda: applied(score_mod=mods.softcap(0.5)),
+        "score_mod that is a bias": lambda: applied(score_mod=mods.alibi(torch.ones(1))),
+        "sinks": lambda: applied(sinks=torch.full((1,), 2.0)),
+        "a long mask_mod": lambda: attend(long, long, long, backend=name, mask_mod=mods.sliding_window(2)),
     }
     declared = {
         "additive scoring": "additive" in supports.scoring,
@@ -118,6 +128,11 @@ def test_each_backend_runs_what_it_declares_and_refuses_the_rest(name):
         "weights": supports.weights,
         "dropout": supports.dropout,
         "bias grad": supports.bias_grad,
+        "mask_mod": supports.mask_mod,
+        "score_mod": supports.score_mod == "any",
+        "score_mod that is a bias": supports.score_mod in ("any", "bias"),
+        "sinks": supports.sinks,
+        "a long mask_mod": supports.mask_mod and (supports.dense_mask_limit or 2**30) >= 4097**2,
     }
     for what, run in calls.items():
         with dispatch.watch() as ran:

@@ -3,6 +3,8 @@
 Policy for ``backend="auto"``, first backend that can run the call wins:
 
 * weights wanted: ``reference`` (the only backend that returns them);
+* on CUDA, a call with a ``mask_mod`` or ``score_mod``: ``flex`` (PyTorch's compiled FlexAttention) first,
+  then as below;
 * a ``mask_mod`` that hides most of the scores (a sliding window, packed documents: ``chunked`` visits at most
   ``SPARSE_BELOW`` of them), a ``score_mod`` other than a bias, or ``sinks``: ``chunked``, which skips what is
   hidden and takes them all, then ``sdpa`` (a mask_mod as one dense mask, when small), then ``reference``;
@@ -20,6 +22,8 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 from types import ModuleType
+
+import torch
 
 from attnkit.backends import ALL, chunked
 from attnkit.backends.contract import Call
@@ -39,16 +43,18 @@ SPARSE_BELOW = 0.5
 _WATCHERS: ContextVar[tuple[_Watch, ...]] = ContextVar("attnkit_watchers", default=())
 
 
-def available_backends() -> list[str]:
-    """Names of attnkit's backends. Each runs wherever PyTorch runs (``torch>=2.4``, any device): what one cannot
-    run is declared in its ``SUPPORTS`` and said per call, and a backend named explicitly lists every backend's
-    reasons.
+def available_backends(device: str | torch.device | None = None) -> list[str]:
+    """Names of attnkit's backends that run on ``device`` (a device type such as ``"cpu"`` or ``"cuda"``, or a
+    device), or, when ``None``, on some device this machine has. What a backend cannot run is declared in its
+    ``SUPPORTS`` and said per call, and a backend named explicitly lists every backend's reasons.
 
     Example:
-        >>> available_backends()
+        >>> available_backends("cpu")
         ['reference', 'sdpa', 'chunked']
     """
-    return list(BACKENDS)
+    here = {"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"}
+    types = here if device is None else {torch.device(device).type}
+    return [name for name, b in BACKENDS.items() if b.SUPPORTS.devices is None or types & b.SUPPORTS.devices]
 
 
 def describe_backends() -> dict[str, str]:
@@ -105,9 +111,12 @@ def _preferences(call: Call) -> tuple[str, ...]:
     if call.need_weights:
         return ("reference",)
     if call.w_v is None:
+        flex: tuple[str, ...] = ()
+        if call.q.device.type == "cuda" and (call.mask.mask_mod is not None or call.score_mod is not None):
+            flex = ("flex",)
         if call.sinks is not None or not call.score_bias or _sparse(call):
-            return ("chunked", "sdpa", "reference")
-        return ("sdpa", "chunked", "reference")
+            return (*flex, "chunked", "sdpa", "reference")
+        return (*flex, "sdpa", "chunked", "reference")
     B, H, Lq, D = call.q.shape
     if B * H * Lq * call.k.shape[2] * D >= ADDITIVE_CHUNK_ELEMENTS:
         return ("chunked", "reference")

@@ -5,9 +5,9 @@ run, as data) and ``attention(call: Call) -> (output, weights or None)``. The ch
 :mod:`attnkit.dispatch` only.
 """
 
-from attnkit.backends import chunked, reference, sdpa
+from attnkit.backends import chunked, flex, reference, sdpa
 from attnkit.backends.contract import Call, Supports
 
-ALL = (reference, sdpa, chunked)
+ALL = (reference, sdpa, chunked, flex)
 
-__all__ = ["ALL", "Call", "Supports", "chunked", "reference", "sdpa"]
+__all__ = ["ALL", "Call", "Supports", "chunked", "flex", "reference", "sdpa"]

@@ -81,7 +81,7 @@ class Supports:
     """What a backend can run: the scoring kinds, returning weights, dropout, gradients to a float ``attn_mask``,
     the modifiers: a ``mask_mod`` (``dense_mask_limit``: only by building the whole mask, of at most that many
     elements), a ``score_mod`` (``"any"``, ``"bias"``: only one that is a bias, such as ALiBi, or ``"none"``),
-    ``sinks``."""
+    ``sinks``; ``devices``: the device types it runs on (``None``: any)."""
 
     scoring: frozenset[str] = frozenset({DOT, ADDITIVE})
     weights: bool = True
@@ -91,10 +91,14 @@ class Supports:
     dense_mask_limit: int | None = None
     score_mod: str = "any"
     sinks: bool = True
+    devices: frozenset[str] | None = None
 
     def why_not(self, call: Call) -> list[str]:
         """Each reason this declaration refuses ``call``; ``[]`` when it can run it."""
         reasons = []
+        if self.devices is not None and call.q.device.type not in self.devices:
+            where = " or ".join(sorted(self.devices)) or "no device here (this PyTorch lacks it)"
+            reasons.append(f"runs on {where} only (the inputs are on {call.q.device.type})")
         if call.scoring not in self.scoring:
             reasons.append(f"{' or '.join(sorted(self.scoring))} scoring only (this call is {call.scoring})")
         if call.need_weights and not self.weights:
@@ -139,4 +143,6 @@ class Supports:
             can.append("mask_mod" if self.dense_mask_limit is None else "mask_mod (as one dense mask)")
         can += {"any": ["score_mod"], "bias": ["score_mod (a bias: alibi)"], "none": []}[self.score_mod]
         can += ["sinks"] if self.sinks else []
+        if self.devices is not None:
+            can.append(f"on {' or '.join(sorted(self.devices)) or 'no device (this PyTorch lacks it)'} only")
         return ", ".join(can)

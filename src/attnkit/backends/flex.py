@@ -1,0 +1,126 @@
+"""PyTorch's FlexAttention (``torch.nn.attention.flex_attention``), on CUDA: compiled block-sparse kernels.
+
+The parts of the :class:`~attnkit.masks.Mask` (``valid_lens``, ``is_causal`` aligned to the bottom right, a
+boolean ``attn_mask``, the ``mask_mod``) become one mask function, from which FlexAttention builds its block mask;
+the ``score_mod`` is handed over as it is, and a float ``attn_mask`` is added to the scores inside it. Rows with
+nothing to attend to give zeros (FlexAttention's own rule), and dead keys, values and queries are zeroed first as
+in every backend.
+
+CUDA only: on CPU, PyTorch 2.13's FlexAttention has no backward pass and is slow unless compiled, where
+``chunked`` runs the same calls in linear memory (:data:`SUPPORTS`). No weights, dropout, additive scoring, sinks,
+or gradients to a float ``attn_mask``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnkit.backends.common import zero_dead
+from attnkit.backends.contract import DOT, Call, Supports
+from attnkit.masks import Mask
+
+NAME = "flex"
+
+# B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim, Dv value head dim
+
+_flex: Any
+try:
+    from torch.nn.attention import flex_attention as _flex
+except ImportError:  # torch < 2.5
+    _flex = None
+
+SUPPORTS = Supports(
+    scoring=frozenset({DOT}),
+    weights=False,
+    dropout=False,
+    bias_grad=False,
+    sinks=False,
+    devices=frozenset({"cuda"}) if _flex is not None else frozenset(),
+)
+
+
+def attention(call: Call) -> tuple[Tensor, Tensor | None]:
+    return run(call, compiled=True), None
+
+
+def run(call: Call, *, compiled: bool) -> Tensor:
+    """The output ``(B, H, Lq, Dv)`` through ``flex_attention``; ``compiled=False`` runs it eagerly (slow, and on
+    CPU forward only: what the CPU tests check the mapping with)."""
+    if _flex is None:
+        raise RuntimeError("this PyTorch has no torch.nn.attention.flex_attention")
+    q, k, v, mask = call.q, call.k, call.v, call.mask
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    q, k, v = zero_dead(q, k, v, mask)
+    mask_fn = _mask_function(mask, B, H)
+    block_mask = None
+    if mask_fn is not None:
+        block_mask = _flex.create_block_mask(mask_fn, B, H, Lq, Lk, device=q.device)
+    score_fn = _score_function(call.score_mod, mask.full(q.dtype)[1])
+    flex = _compiled() if compiled else _flex.flex_attention
+    out = flex(
+        q, k, v, score_mod=score_fn, block_mask=block_mask, scale=call.scale, enable_gqa=k.shape[1] != H
+    )  # (B, H, Lq, Dv)
+    _, live_rows = mask.liveness  # (B|1, H|1, Lq) or None
+    return out if live_rows is None else out.masked_fill(~live_rows[..., None], 0.0)
+
+
+@functools.cache
+def _compiled() -> Callable[..., Tensor]:
+    assert _flex is not None
+    return torch.compile(_flex.flex_attention)
+
+
+def _mask_function(mask: Mask, B: int, H: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None:
+    """One ``mask_mod(b, h, q_idx, kv_idx)`` for every part of the mask (all must allow a pair), or ``None``."""
+    parts: list[Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]] = []
+    if mask.valid_lens is not None:
+        lens = mask.valid_lens.reshape(B, -1)  # (B, Lq|1)
+        if lens.shape[1] == 1:
+            parts.append(lambda b, h, q_idx, kv_idx: kv_idx < lens[b, 0])
+        else:
+            parts.append(lambda b, h, q_idx, kv_idx: kv_idx < lens[b, q_idx])
+    if mask.is_causal:
+        offset = mask.num_keys - mask.num_queries
+        parts.append(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + offset)
+    if mask.bool_mask is not None:
+        full = mask.bool_mask.expand(B, H, mask.num_queries, mask.num_keys)  # (B, H, Lq, Lk), a view
+        parts.append(lambda b, h, q_idx, kv_idx: full[b, h, q_idx, kv_idx])
+    if mask.bias_has_neg_inf:
+        assert mask.bias is not None
+        bias = mask.bias.expand(B, H, mask.num_queries, mask.num_keys)  # (B, H, Lq, Lk), a view
+        parts.append(lambda b, h, q_idx, kv_idx: ~torch.isneginf(bias[b, h, q_idx, kv_idx]))
+    if mask.mask_mod is not None:
+        parts.append(mask.mask_mod)
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    return functools.partial(_all_of, tuple(parts))
+
+
+def _all_of(parts: tuple[Callable[..., Tensor], ...], b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    allowed = parts[0](b, h, q_idx, kv_idx)
+    for part in parts[1:]:
+        allowed = allowed & part(b, h, q_idx, kv_idx)
+    return allowed
+
+
+def _score_function(score_mod: Any, bias: Tensor | None) -> Callable[..., Tensor] | None:
+    """The user's score_mod, then the float ``attn_mask`` (``bias``, shifted and clamped as the Mask gives it;
+    ``-inf`` where it masks, which the block mask also hides) added."""
+    if bias is None:
+        return score_mod
+    B, H, Lq, Lk = bias.shape[0], bias.shape[1], bias.shape[2], bias.shape[3]
+
+    def with_bias(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if score_mod is not None:
+            score = score_mod(score, b, h, q_idx, kv_idx)
+        return score + bias[b if B > 1 else 0, h if H > 1 else 0, q_idx if Lq > 1 else 0, kv_idx if Lk > 1 else 0]
+
+    return with_bias
