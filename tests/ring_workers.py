@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import attnkit
+from attnkit import mods
 from attnkit.backends import chunked
 from attnkit.distributed import (
     RingMultiHeadAttention,
@@ -24,6 +25,7 @@ from attnkit.distributed import (
     shard_sequence,
     sum_gradients,
 )
+from attnkit.masks import Mask
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk whole lengths, D/Dv head dims
 
@@ -37,11 +39,32 @@ class Case:
     H: int = 2
     Hkv: int = 2
     dtype: torch.dtype = torch.float32
+    mod: str = "none"  # a mask_mod (see mask_mod below): none, window, document, document+window, user, dead
 
     def __str__(self) -> str:
         kv = "" if self.Hkv == self.H else f" Hkv={self.Hkv}"
         lk = "" if self.Lk is None else f" Lk={self.Lk}"
-        return f"Lq={self.Lq}{lk} {self.masking} {self.layout}{kv} {self.dtype}".replace("torch.", "")
+        mod = "" if self.mod == "none" else f" mask_mod={self.mod}"
+        return f"Lq={self.Lq}{lk} {self.masking}{mod} {self.layout}{kv} {self.dtype}".replace("torch.", "")
+
+
+def mask_mod(case: Case, B: int, Lq: int, Lk: int, g: torch.Generator) -> mods.MaskFn | None:
+    """The case's mask_mod over the whole sequence (document ids: the whole sequence's, as every rank passes)."""
+    if case.mod == "none":
+        return None
+    ids_k = torch.randint(0, 3, (B, Lk), generator=g).sort(dim=1).values  # (B, Lk): packed documents
+    document = mods.document(ids_k[:, Lk - Lq :], ids_k) if Lq <= Lk else None  # queries are the last keys
+    if case.mod == "window":
+        return mods.sliding_window(3)
+    if case.mod == "document":
+        return document
+    if case.mod == "document+window":
+        return mods.and_masks(document, mods.sliding_window(4))
+    if case.mod == "user":  # a function of one's own, by example and head: nothing is known before evaluating it
+        return lambda b, h, q_idx, kv_idx: (q_idx + 2 * kv_idx + b + h) % 3 != 1
+    if case.mod == "dead":  # queries 1, 5, 9, ... see no key, keys 2, 7, 12, ... are seen by no query
+        return lambda b, h, q_idx, kv_idx: (q_idx % 4 != 1) & (kv_idx % 5 != 2) & ((q_idx - kv_idx + h) % 3 != 0)
+    raise ValueError(case.mod)
 
 
 def everything(rank: int, world_size: int, cases: list[Case]) -> dict:
@@ -49,6 +72,11 @@ def everything(rank: int, world_size: int, cases: list[Case]) -> dict:
     report = {
         "cases": check_against_single_process(rank, world_size, cases),
         "sends": {layout: count_sends(rank, world_size, layout) for layout in ("contiguous", "zigzag")},
+        "scored": {
+            (layout, mod): count_scored(rank, world_size, layout, mod)
+            for layout in ("contiguous", "zigzag")
+            for mod in ("causal", "window", "document")
+        },
         "module": {
             layout: module_against_single_process(rank, world_size, layout) for layout in ("contiguous", "zigzag")
         },
@@ -95,9 +123,21 @@ def _check_case(case: Case, seed: int, group: object | None = None) -> list[tupl
     is_causal = "causal" in case.masking
     if is_causal and Lq > Lk:
         q[:, :, : Lq - Lk] = float("nan")  # causal queries before the first key see none
+    mod = mask_mod(case, B, Lq, Lk, g)
+    masks = {"valid_lens": valid_lens, "is_causal": is_causal}
+    if mod is not None:  # against the reference, the spec; NaN in every query that sees no key and key none sees
+        masks.update(mask_mod=mod, backend="reference")
+        allowed = Mask.build(
+            batch=B, heads=case.H, num_queries=Lq, num_keys=Lk, valid_lens=valid_lens, is_causal=is_causal, mask_mod=mod
+        ).full()[0]
+        assert allowed is not None
+        allowed = allowed.expand(B, case.H, Lq, Lk)  # (B, H, Lq, Lk)
+        q[~allowed.any(dim=-1)] = float("nan")  # (B, H, Lq) dead rows
+        dead_keys = ~allowed.any(dim=-2).unflatten(1, (case.Hkv, -1)).any(dim=2)  # (B, Hkv, Lk)
+        k[dead_keys], v[dead_keys] = float("nan"), float("nan")
 
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = attnkit.scaled_dot_product_attention(*full, valid_lens=valid_lens, is_causal=is_causal).output
+    want = attnkit.scaled_dot_product_attention(*full, **masks).output
     want_grads = torch.autograd.grad(want, full, dout)
     truths = (None,) * 4
 
@@ -106,7 +146,9 @@ def _check_case(case: Case, seed: int, group: object | None = None) -> list[tupl
 
     mine = [shard(t).requires_grad_() for t in (q, k, v)]
     before = [(t.clone(), t._version) for t in mine]
-    out = ring_attention(*mine, valid_lens=valid_lens, is_causal=is_causal, layout=case.layout, timeout=30, group=group)
+    out = ring_attention(
+        *mine, valid_lens=valid_lens, is_causal=is_causal, layout=case.layout, timeout=30, group=group, mask_mod=mod
+    )
     grads = torch.autograd.grad(out, mine, shard(dout))
     untouched = all(
         t._version == n and torch.equal(t.nan_to_num(), c.nan_to_num()) for t, (c, n) in zip(mine, before, strict=True)
@@ -115,7 +157,7 @@ def _check_case(case: Case, seed: int, group: object | None = None) -> list[tupl
     if case.dtype == torch.bfloat16:
         # Against the float64 truth: at most twice the error of single-process attention in bfloat16.
         full64 = [t.double().requires_grad_() for t in (q, k, v)]
-        truth = attnkit.scaled_dot_product_attention(*full64, valid_lens=valid_lens, is_causal=is_causal).output
+        truth = attnkit.scaled_dot_product_attention(*full64, **masks).output
         truths = (truth, *torch.autograd.grad(truth, full64, dout.double()))
     rows = []
     names = ("output", "dq", "dk", "dv")
@@ -157,6 +199,32 @@ def count_sends(rank: int, world_size: int, layout: str) -> dict[str, int]:
         out.sum().backward()
     finally:
         dist.batch_isend_irecv = real
+    return counted
+
+
+def count_scored(rank: int, world_size: int, layout: str, mod: str) -> dict[str, int]:
+    """What this rank's forward pass scores, counted where ring hands each step to the chunked backend: the steps
+    that reach it (a skipped step does not) and the (query, key) pairs of the key blocks it is given. Causal
+    attention over 256 positions per rank in key blocks of 16, alone or with a sliding window of 4 or two
+    documents."""
+    counted = {"steps": 0, "pairs": 0}
+    real = ring.accumulate
+
+    def counting(state, q, k, v, mask, scorer, spans):  # noqa: ANN001
+        counted["steps"] += 1
+        counted["pairs"] += sum((r1 - r0) * (j1 - j0) for j0, j1, r0, r1, _ in spans)
+        return real(state, q, k, v, mask, scorer, spans)
+
+    L = 256 * world_size
+    halves = (torch.arange(L) >= L // 2).long()[None]  # (1, L): two documents
+    mask_mod = {"causal": None, "window": mods.sliding_window(4), "document": mods.document(halves)}[mod]
+    ring.accumulate = counting
+    try:
+        with chunked.settings(block_size=16):
+            q, k, v = (shard_sequence(torch.randn(1, 1, L, 4), layout=layout) for _ in range(3))
+            ring_attention(q, k, v, is_causal=True, layout=layout, timeout=30, mask_mod=mask_mod)
+    finally:
+        ring.accumulate = real
     return counted
 
 
@@ -235,8 +303,18 @@ def mismatched(rank: int, world_size: int, what: str) -> None:
             kwargs["is_causal"] = True
         elif what == "valid_lens":
             kwargs["valid_lens"] = torch.tensor([3, 4])
+        elif what == "mask_mod":
+            kwargs["mask_mod"] = mods.sliding_window(3)
+        elif what == "document ids":  # its own shard's ids, where every rank needs the whole sequence's
+            kwargs["mask_mod"] = mods.document(torch.tensor([[0, 0, 1, 1]]))
     if what == "valid_lens" and rank != 2:
         kwargs["valid_lens"] = torch.tensor([3, 5])
+    if what == "mask_mod" and rank != 2:
+        kwargs["mask_mod"] = mods.sliding_window(2)
+    if what == "document ids" and rank != 2:
+        kwargs["mask_mod"] = mods.document(torch.tensor([[0] * 6 + [1] * 6]))
+    if what == "document ids everywhere":  # the same on every rank, but a shard's length, not the sequence's 12
+        kwargs["mask_mod"] = mods.document(torch.zeros(1, 4, dtype=torch.long))
     if what == "valid_lens too long":  # the same on every rank, but past the 12 keys they hold together
         kwargs["valid_lens"] = torch.tensor([13, 5])
     q, k, v = (torch.randn(shapes[name], dtype=dtype) for name in ("q", "k", "v"))

@@ -7,6 +7,7 @@ import functools
 import random
 import subprocess
 import sys
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,8 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ring_workers as w
+from attnkit import mods
+from attnkit.backends import chunked
 from attnkit.distributed import sequence
-from attnkit.distributed.ring import _Plan, _span
+from attnkit.distributed.ring import _Plan, _span, _StepMask
 from ranks import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -44,6 +47,43 @@ def _cases(world_size: int) -> list[w.Case]:
         w.Case(Lq=4 * world_size + 1, masking="causal+valid_lens", layout="zigzag", dtype=torch.float64),
         w.Case(Lq=4 * world_size + 1, masking="causal+valid_lens", layout="zigzag", dtype=torch.bfloat16),
         *_random_cases(world_size),
+        *_mask_mod_cases(world_size),
+    ]
+
+
+MASK_MODS = ("window", "document", "document+window", "user", "dead")
+
+
+def _mask_mod_cases(world_size: int) -> list[w.Case]:
+    """Ring with a mask_mod against the reference backend in float64 (NaN in every query that sees no key and every
+    key no query sees): each mask_mod, causal, both layouts; then unequal lengths, valid_lens, grouped heads."""
+    f64 = torch.float64
+    L = 4 * world_size + 3
+    return [
+        *(w.Case(Lq=L, masking="causal", layout=lay, mod=mod, dtype=f64) for mod in MASK_MODS for lay in LAYOUTS),
+        w.Case(Lq=L, mod="window", layout="zigzag", dtype=f64),  # sliding_window without is_causal: causal itself
+        w.Case(Lq=L, mod="dead", dtype=f64),
+        w.Case(
+            Lq=2 * world_size + 1,
+            Lk=5 * world_size,
+            masking="causal+valid_lens",
+            mod="window",
+            layout="zigzag",
+            dtype=f64,
+        ),  # Lq < Lk: keys before the first window are dead
+        w.Case(Lq=5 * world_size, Lk=3 * world_size + 2, mod="window", dtype=f64),  # Lq > Lk: rows before the keys
+        w.Case(Lq=2 * world_size + 1, Lk=5 * world_size, masking="causal", mod="document", dtype=f64),
+        w.Case(
+            Lq=3 * world_size + 2,
+            masking="causal+valid_lens",
+            mod="document+window",
+            layout="zigzag",
+            H=4,
+            Hkv=2,
+            dtype=f64,
+        ),
+        w.Case(Lq=3 * world_size + 2, masking="valid_lens+empty", mod="user", H=4, Hkv=2, dtype=f64),
+        w.Case(Lq=L, masking="causal", mod="document+window", layout="zigzag"),  # float32 against float32
     ]
 
 
@@ -109,6 +149,29 @@ def test_one_send_per_step(world_size):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_mask_mods_skip_the_steps_and_blocks_they_hide(layout):
+    """4 ranks, 256 positions each, causal, counted where ring hands a step to the chunked backend. Steps: with a
+    sliding window of 4 a rank visits its own block and its neighbours' only (contiguous: the one before); with two
+    documents (the halves) the second half skips the first. Blocks inside a step: the window scores about half the
+    pairs of causal attention in the diagonal step (the key blocks skip the row blocks below the band; row blocks
+    are 64 rows), and a quarter in all."""
+    reports = [report["scored"] for report in _healthy_run(4)]
+    causal = [r[(layout, "causal")] for r in reports]
+    window = [r[(layout, "window")] for r in reports]
+    document = [r[(layout, "document")] for r in reports]
+    if layout == "contiguous":
+        assert [c["steps"] for c in causal] == [1, 2, 3, 4], causal
+        assert [c["steps"] for c in window] == [1, 2, 2, 2], window
+        assert [c["steps"] for c in document] == [1, 2, 1, 2], document
+        assert window[0]["pairs"] < 0.6 * causal[0]["pairs"], (window, causal)  # rank 0: the diagonal step only
+    else:  # each rank holds a chunk of each half (so sees every rank's, for documents) and two chunks' neighbours
+        assert all(c["steps"] == 4 for c in causal), causal
+        assert all(c["steps"] <= 3 for c in window), window
+    assert sum(c["pairs"] for c in window) <= sum(c["pairs"] for c in causal) / 4, (window, causal)
+    assert sum(c["pairs"] for c in document) < sum(c["pairs"] for c in causal) / 1.5, (document, causal)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_module_equals_multi_head_attention(world_size, layout):
     """RingMultiHeadAttention on shards == MultiHeadAttention on the whole sequence (GQA, bias, causal,
@@ -148,6 +211,9 @@ MISMATCHES = {
     "dtype": "disagree on the dtype",
     "is_causal": "disagree on is_causal",
     "valid_lens": "disagree on valid_lens",
+    "mask_mod": "disagree on the mask_mod",
+    "document ids": "disagree on the mask_mod",
+    "document ids everywhere": "document: ids_q must have shape (B, Lq) = (2, 12) or (1, 12), got (1, 4)",
     "length": "the contiguous split of 14 positions over 3 ranks gives it 5",
     "own inputs": "rejected its inputs",
     "valid_lens too long": "valid_lens may be at most the number of keys (12), got 13",
@@ -166,7 +232,8 @@ def _mismatch_run() -> list[dict[str, tuple[str, str]]]:
 
 
 @pytest.mark.parametrize(
-    "what", [m for m in MISMATCHES if MISMATCHES[m] != "rejected its inputs" and "too long" not in m]
+    "what",
+    [m for m in MISMATCHES if MISMATCHES[m] != "rejected its inputs" and "too long" not in m and "everywhere" not in m],
 )
 def test_mismatch_is_a_value_error_on_every_rank(what):
     """Rank 2 differs: every rank raises ValueError naming rank 2 (for lengths: every rank's count); for
@@ -179,6 +246,22 @@ def test_mismatch_is_a_value_error_on_every_rank(what):
     if what == "head dim":
         shapes = "rank 2 has q (2, 2, 4, 5), k (2, 2, 4, 5), v (2, 2, 4, 5), rank 0 has q (2, 2, 4, 4)"
         assert shapes in _mismatch_run()[0][what][1]
+
+
+def test_a_mask_mod_that_differs_is_named_with_its_arguments():
+    """Only a digest of another rank's built-in travels; the rank that holds it names it."""
+    seen = _mismatch_run()
+    assert "rank 2 has sliding_window(window=3)" in seen[2]["mask_mod"][1], seen[2]
+    assert "rank 0 has sliding_window(window=2)" in seen[0]["mask_mod"][1], seen[0]
+    assert "rank 2 has document(ids_q of shape (1, 4))" in seen[2]["document ids"][1], seen[2]
+    assert "give every rank the same one" in seen[0]["document ids"][1], seen[0]
+
+
+def test_document_ids_of_a_shard_are_a_value_error_on_every_rank():
+    """document(ids) with ids of one shard's length, the same on every rank: the whole sequence's are needed."""
+    seen = [s["document ids everywhere"] for s in _mismatch_run()]
+    assert all(kind == "ValueError" and MISMATCHES["document ids everywhere"] in m for kind, m in seen), seen
+    assert all("not one rank's shard" in m for _, m in seen), seen
 
 
 def test_valid_lens_past_the_whole_sequence_is_a_value_error_on_every_rank():
@@ -248,6 +331,18 @@ def test_zigzag_balances_causal_work():
     assert sum(zigzag) == sum(contiguous) == 0.625 * 4096**2  # of L^2 pairs: blocks wholly masked are skipped
 
 
+def _drawn_mask_mod(data: st.DataObject, kind: str, B: int, Lq: int, Lk: int) -> mods.MaskFn | None:
+    if kind == "window":
+        return mods.sliding_window(data.draw(st.integers(1, 8), label="window"))
+    if kind == "document":  # any ids, not only packed (sorted) ones
+        ids = st.lists(st.integers(0, 3), min_size=B * (Lq + Lk), max_size=B * (Lq + Lk))
+        flat = torch.tensor(data.draw(ids, label="ids"))
+        return mods.document(flat[: B * Lq].view(B, Lq), flat[B * Lq :].view(B, Lk))
+    if kind == "user":
+        return lambda b, h, q_idx, kv_idx: (q_idx * kv_idx + b) % 3 == 0
+    return None
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     world_size=st.integers(1, 5),
@@ -258,16 +353,53 @@ def test_zigzag_balances_causal_work():
 def test_spans_hold_every_allowed_pair_and_no_more_rows_or_columns(world_size, data, layout, is_causal):
     """The rows and columns ring attention scores on each step: every pair the masks allow lies inside,
     and the first and last row and column each hold one (no block is scored that need not be)."""
+    _check_spans(world_size, data, layout, is_causal, "none")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    world_size=st.integers(1, 5),
+    data=st.data(),
+    layout=st.sampled_from(LAYOUTS),
+    is_causal=st.booleans(),
+    mod=st.sampled_from(["window", "document", "user"]),
+)
+def test_spans_with_a_mask_mod_hold_every_allowed_pair(world_size, data, layout, is_causal, mod):
+    """The same with a mask_mod: every pair allowed lies inside; with a built-in the first and last row and
+    column each hold one (its tiles are exact on single positions, and these sizes are below _GRID pieces). A
+    caller's mask_mod says nothing before it is evaluated: the span of the other masks is kept."""
+    _check_spans(world_size, data, layout, is_causal, mod)
+
+
+def _check_spans(world_size: int, data: st.DataObject, layout: str, is_causal: bool, mod: str) -> None:
     Lq = data.draw(st.integers(world_size, 40), label="Lq")
     Lk = data.draw(st.integers(world_size, 40), label="Lk")
     key_limit = data.draw(st.integers(0, Lk), label="max valid_lens")
+    B = 2
+    mask_mod = mods.bind(
+        _drawn_mask_mod(data, mod, B, Lq, Lk), batch=B, heads=1, num_queries=Lq, num_keys=Lk, device=None
+    )
     q_ranges, k_ranges = sequence.segments(Lq, world_size, layout), sequence.segments(Lk, world_size, layout)
     for rank in range(world_size):
-        plan = _plan(rank, world_size, q_ranges, k_ranges, offset=Lk - Lq, is_causal=is_causal, key_limit=key_limit)
+        plan = _plan(
+            rank,
+            world_size,
+            q_ranges,
+            k_ranges,
+            offset=Lk - Lq,
+            is_causal=is_causal,
+            key_limit=key_limit,
+            mask_mod=mask_mod,
+            batch=B,
+        )
         queries = sequence.positions(q_ranges[rank])[:, None]  # (Lq_r, 1)
         for src in range(world_size):
             keys = sequence.positions(k_ranges[src])[None, :]  # (1, Lk_src)
             allowed = (keys < key_limit) & ((keys <= queries + Lk - Lq) | (not is_causal))  # (Lq_r, Lk_src)
+            if mask_mod is not None:
+                by_mod = mods.evaluate_mask(mask_mod, torch.arange(B)[:, None, None], torch.tensor(0), queries, keys)
+                by_mod = by_mod.expand(B, *allowed.shape)  # (B, Lq_r, Lk_src)
+                allowed = allowed & by_mod.any(dim=0)  # (Lq_r, Lk_src): allowed for some example
             span = _span(plan, src)
             if span is None:
                 assert not allowed.any()
@@ -276,8 +408,53 @@ def test_spans_hold_every_allowed_pair_and_no_more_rows_or_columns(world_size, d
             inside = torch.zeros_like(allowed)
             inside[r0:r1, c0:c1] = True
             assert not (allowed & ~inside).any(), (rank, src, span)
+            if mod == "user":
+                continue
             assert allowed[r0].any() and allowed[r1 - 1].any(), (rank, src, span)
             assert allowed[:, c0].any() and allowed[:, c1 - 1].any(), (rank, src, span)
+
+
+def test_far_steps_are_skipped_without_evaluating_anything():
+    """A sliding window or another document: _span says None from position ranges alone (a mask_mod that would
+    raise if evaluated shows that nothing was), and _StepMask's tiles, combined with the mod's, leave the chunked
+    backend's block plan only the blocks along the band."""
+    L, W = 64, 4
+    ranges = sequence.segments(L, W, "contiguous")  # 16 positions per rank
+
+    def plan(rank: int, mask_mod: mods.MaskFn) -> _Plan:
+        bound = mods.bind(mask_mod, batch=1, heads=1, num_queries=L, num_keys=L, device=None)
+        return _plan(rank, W, ranges, ranges, offset=0, is_causal=True, key_limit=L, mask_mod=bound)
+
+    window = mods.sliding_window(4)
+    assert [_span(plan(3, window), src) for src in range(W)] == [None, None, ((0, 3), (13, 16)), ((0, 16), (0, 16))]
+    halves = mods.document((torch.arange(L) >= L // 2).long()[None])
+    assert [_span(plan(3, halves), src) is None for src in range(W)] == [True, True, False, False]
+    assert _span(plan(2, halves), 1) is None and _span(plan(1, halves), 0) is not None
+
+    @dataclass(frozen=True)
+    class Unevaluable(mods.MaskMod):  # tiles that know, a call that must not happen
+        offset: int = 0
+
+        def __call__(self, b, h, q_idx, kv_idx):  # noqa: ANN001
+            raise AssertionError("evaluated")
+
+        def tiles(self, rows, cols):  # noqa: ANN001
+            return window.tiles(rows, cols)
+
+    assert _span(plan(3, Unevaluable()), 0) is None
+
+    one = sequence.segments(256, 1, "contiguous")  # one rank, 256 positions: the step is the whole sequence
+    bound = mods.bind(window, batch=1, heads=1, num_queries=256, num_keys=256, device=None)
+    whole = _plan(0, 1, one, one, offset=0, is_causal=True, key_limit=256, mask_mod=bound)
+    (r0, r1), (c0, c1) = _span(whole, 0)
+    mask = _StepMask(whole, one[0], one[0], (r0, r1), (c0, c1), torch.device("cpu"))
+    spans = chunked.key_blocks(mask, r1 - r0, (0, c1 - c0), 16)
+    causal = _StepMask(replace(whole, mask_mod=None), one[0], one[0], (r0, r1), (c0, c1), torch.device("cpu"))
+    causal_spans = chunked.key_blocks(causal, r1 - r0, (0, c1 - c0), 16)
+    assert all(r1 - r0 <= 128 for _, _, r0, r1, _ in spans), spans  # one row block of 64, or two at a boundary
+    pairs = sum((r1 - r0) * (j1 - j0) for j0, j1, r0, r1, _ in spans)
+    causal_pairs = sum((r1 - r0) * (j1 - j0) for j0, j1, r0, r1, _ in causal_spans)
+    assert pairs <= 0.5 * causal_pairs, (pairs, causal_pairs)
 
 
 # --- the example ---------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Not imported by ``import attnkit``::
     from attnkit.distributed import ring_attention, shard_sequence, gather_sequence
 
 * :func:`ring_attention` ``(q, k, v, ...)``: each rank passes its shard ``(B, H, L_r, D)``, gets its shard of
-  the exact output; differentiable, the backward pass runs the same ring.
+  the exact output; differentiable, the backward pass runs the same ring. Masks: ``valid_lens``, ``is_causal``
+  and a ``mask_mod`` (:mod:`attnkit.mods`) in whole-sequence positions; steps the masks hide are skipped.
 * :func:`shard_sequence`, :func:`gather_sequence`: cut a sequence into the ranks' shards and put it back, in the
   ``"contiguous"`` or ``"zigzag"`` layout (:mod:`attnkit.distributed.sequence`).
 * :class:`RingMultiHeadAttention`: the module form; :func:`sum_gradients` sums its parameter gradients over the

@@ -37,7 +37,9 @@ class RingMultiHeadAttention(MultiHeadAttention):
         timeout: seconds (or a ``timedelta``) any one wait for another rank may take.
 
     Masks: ``valid_lens`` ``(B,)`` in global positions and ``is_causal``; ``attn_mask`` is refused, and so is
-    :func:`attnkit.record_weights` (the weights span the whole sequence, which no rank holds).
+    :func:`attnkit.record_weights` (the weights span the whole sequence, which no rank holds). A ``mask_mod``
+    (sliding window, packed documents) is not a mask :class:`~attnkit.MultiHeadAttention` takes: call
+    :func:`~attnkit.distributed.ring_attention` with ``mask_mod=`` on the projected heads for one.
 
     Training: start every rank from the same parameters (one seed, or a broadcast), and after ``backward()``
     call :func:`sum_gradients`: each rank's parameter gradients cover its own positions only.

@@ -16,13 +16,31 @@ block's gradient to a gradient buffer that travels with the block and arrives ho
 rank ever holds more than two key/value blocks and three gradient blocks, and within a block scores are computed
 ``chunked.current_settings().block_size`` keys at a time, so memory per rank is linear in ``L / W``.
 
-Only (query, key) pairs that the masks allow are scored: with ``is_causal`` and the zig-zag layout every rank
-scores about the same number of pairs (see :mod:`attnkit.distributed.sequence`).
+Masks: ``valid_lens``, ``is_causal`` and a ``mask_mod`` (:mod:`attnkit.mods`: ``sliding_window``, ``document``,
+``prefix_lm``, their combinations, or a function of the caller's), all in *whole-sequence* positions: a mask_mod
+gets ``q_idx`` in ``[0, Lq)`` and ``kv_idx`` in ``[0, Lk)``, wherever the positions live, so ``document(ids)``
+takes the whole sequence's ``(B, L)`` ids, the same tensor on every rank, and a built-in is aligned to the whole
+lengths (bottom right, as :func:`attnkit.scaled_dot_product_attention`).
+
+Only (query, key) pairs that the masks may allow are scored. A step whose queries and keys the masks keep apart
+(a causal block above the diagonal, a sliding window's far blocks, another document) is skipped whole: a built-in
+says so from position ranges alone (:meth:`attnkit.mods.MaskMod.tiles`). Inside a step, the chunked backend's
+block plan skips the blocks the masks hide and evaluates a mask_mod only on blocks it does not know in full. A
+caller's own mask_mod says nothing from ranges: every step is visited and its blocks evaluated (those it hides
+entirely are not scored). With ``is_causal`` and the zig-zag layout every rank scores about the same number of
+pairs (see :mod:`attnkit.distributed.sequence`).
+
+What masked positions hold never reaches a result, as in the single-process backends: keys no query may see
+(under all the masks together) are zeroed before they travel, and query rows that may see no key give zero
+output and zero gradients, NaN in them included.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import struct
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,7 +55,7 @@ from attnkit.backends.common import repeat_kv
 from attnkit.distributed import comm
 from attnkit.distributed.sequence import LAYOUTS, check_layout, length, positions, segments
 from attnkit.functional import check_qkv, check_scale
-from attnkit.masks import as_lengths, compute_dtype, short
+from attnkit.masks import LIVENESS_BLOCK_ELEMENTS, LIVENESS_ROWS, as_lengths, compute_dtype, short
 
 __all__ = ["ring_attention"]
 
@@ -58,6 +76,7 @@ def ring_attention(
     scale: float | None = None,
     layout: str = "contiguous",
     timeout: float | timedelta | None = None,
+    mask_mod: mods.MaskFn | None = None,
 ) -> Tensor:
     """This rank's shard of ``softmax(q k^T * scale, masked) v`` over the whole sequence.
 
@@ -78,6 +97,12 @@ def ring_attention(
         layout: ``"contiguous"`` or ``"zigzag"`` (balanced work with ``is_causal``).
         timeout: seconds (or a ``timedelta``) any one wait for another rank may take;
             :data:`~attnkit.distributed.comm.DEFAULT_TIMEOUT` (5 minutes) when ``None``.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, True = may attend (:mod:`attnkit.mods`), with
+            ``q_idx``, ``kv_idx`` *global* positions; combined with the other masks (all must allow a pair). A
+            built-in is bound to the whole lengths ``Lq, Lk`` and lets steps and blocks it hides be skipped (a
+            sliding window of ``w`` scores on the order of ``L * w`` pairs, not ``L^2 / 2``); ``document(ids)``
+            takes the whole sequence's ``(B, L)`` ids. The same mask_mod on every rank (built-ins are compared; a
+            function cannot be).
 
     Returns:
         ``(B, H, Lq_r, Dv)`` in the dtype of ``q``; differentiable in ``q, k, v`` (the backward pass runs the
@@ -95,15 +120,37 @@ def ring_attention(
             q, k, v = (shard_sequence(x, layout="zigzag") for x in (q_all, k_all, v_all))
             out = ring_attention(q, k, v, is_causal=True, layout="zigzag")  # (B, H, L_r, Dv)
             out_all = gather_sequence(out, layout="zigzag")  # (B, H, L, Dv) on every rank
+
+        A packed sequence (``ids`` ``(B, L)``, the whole sequence's, on every rank) with a sliding window::
+
+            mask_mod = mods.and_masks(mods.document(ids), mods.sliding_window(4096))
+            out = ring_attention(q, k, v, is_causal=True, layout="zigzag", mask_mod=mask_mod)
     """
-    plan = _agree(comm.Ring(group), q, k, v, valid_lens, is_causal, scale, layout, timeout, refused=None)
+    plan = _agree(
+        comm.Ring(group), q, k, v, valid_lens, is_causal, scale, layout, timeout, refused=None, mask_mod=mask_mod
+    )
     return _RingAttention.apply(q, k, v, plan)
 
 
 # --- agreeing before the first exchange --------------------------------------------------------------------
 
 # Everything one rank says about its call; the _AGREED fields must be equal on every rank.
-_FIELDS = ("B", "H", "Hkv", "D", "Dv", "Lq_r", "Lk_r", "dtype", "is_causal", "layout", "scale", "lens", "grad")
+_FIELDS = (
+    "B",
+    "H",
+    "Hkv",
+    "D",
+    "Dv",
+    "Lq_r",
+    "Lk_r",
+    "dtype",
+    "is_causal",
+    "layout",
+    "scale",
+    "lens",
+    "grad",
+    "mask_mod",
+)
 _AGREED = {
     "B": "the batch size",
     "H": "the number of query heads",
@@ -116,6 +163,7 @@ _AGREED = {
     "scale": "the scale",
     "lens": "valid_lens",
     "grad": "whether gradients are needed",
+    "mask_mod": "the mask_mod",
 }
 
 
@@ -133,6 +181,38 @@ class _Plan:
     key_limit: int  # no query sees a key at or past this position (max valid_lens, or Lk)
     scale: float
     block: int  # keys scored at a time inside a block
+    mask_mod: mods.MaskFn | None = None  # a built-in bound to the whole lengths; q_idx, kv_idx global positions
+    batch: int = 1  # B and H: the mask_mod's b and h
+    heads: int = 1
+
+    @property
+    def num_queries(self) -> int:
+        return sum(length(r) for r in self.q_ranges)
+
+    @functools.cached_property
+    def host_lens(self) -> Tensor | None:
+        """``valid_lens`` on the host, to plan blocks without waiting for the device."""
+        return None if self.valid_lens is None else self.valid_lens.detach().cpu()  # (B,)
+
+    def tiles(self, rows: Tensor, cols: Tensor) -> mods.Tiles:
+        """What the masks say, from the ranges alone, of the blocks of query positions ``rows`` ``(nq, 2)`` and key
+        positions ``cols`` ``(nk, 2)`` (``[start, stop)`` in the whole sequence, CPU int64); see
+        :class:`attnkit.mods.Tiles`."""
+        p0, p1 = rows[:, :1], rows[:, 1:] - 1  # (nq, 1): first and last query position
+        k0, k1 = cols[None, :, 0], cols[None, :, 1] - 1  # (1, nk): first and last key position
+        known = mods.Tiles(
+            torch.ones(len(rows), len(cols), dtype=torch.bool), torch.ones(len(rows), len(cols), dtype=torch.bool)
+        )
+        lens = self.host_lens
+        if lens is not None and lens.numel():
+            known = known & mods.Tiles(some=k0 < lens.max(), every=k1 < lens.min())
+        if self.is_causal:
+            known = known & mods.Tiles(some=k0 <= p1 + self.offset, every=k1 <= p0 + self.offset)
+        if isinstance(self.mask_mod, mods.MaskMod):
+            known = known & self.mask_mod.tiles(rows, cols)
+        elif self.mask_mod is not None:  # a caller's function says nothing until it is evaluated
+            known = known & mods.Tiles.unknown(len(rows), len(cols))
+        return known
 
 
 def _agree(
@@ -147,6 +227,7 @@ def _agree(
     timeout: float | timedelta | None,
     *,
     refused: str | None,
+    mask_mod: mods.MaskFn | None = None,
 ) -> _Plan:
     """Check this rank's inputs, all-gather what each rank holds, and check that the ranks agree.
 
@@ -161,7 +242,7 @@ def _agree(
         wait = comm.as_timeout(timeout)
         if refused is not None:
             raise ValueError(refused)
-        mine = _describe(q, k, v, valid_lens, is_causal, scale, layout)
+        mine = _describe(q, k, v, valid_lens, is_causal, scale, layout, mask_mod)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it; gather_checked raises it here
         error = e
     rows = comm.gather_checked(
@@ -178,9 +259,12 @@ def _agree(
     for r, other in enumerate(theirs):
         for field, what in _AGREED.items():
             if other[field] != mine[field]:
+                hint = ""
+                if field == "mask_mod":
+                    hint = " (a mask_mod sees whole-sequence positions: give every rank the same one)"
                 raise ValueError(
-                    f"ring_attention: rank {r} and rank {ring.rank} disagree on {what}: "
-                    f"rank {r} has {_show(field, other)}, rank {ring.rank} has {_show(field, mine, valid_lens)}"
+                    f"ring_attention: rank {r} and rank {ring.rank} disagree on {what}: rank {r} has "
+                    f"{_show(field, other)}, rank {ring.rank} has {_show(field, mine, valid_lens, mask_mod)}{hint}"
                 )
     num_queries = sum(t["Lq_r"] for t in theirs)
     num_keys = sum(t["Lk_r"] for t in theirs)
@@ -204,6 +288,22 @@ def _agree(
     if valid_lens is not None:
         lens = as_lengths(valid_lens, "valid_lens", num_keys)  # now that Lk is known: at most Lk
         key_limit = int(lens.max()) if lens.numel() else 0
+    bound = None
+    if mask_mod is not None:  # every rank agreed on its digest, so every rank binds it alike (or raises alike)
+        try:
+            bound = mods.bind(
+                mask_mod,
+                batch=mine["B"],
+                heads=mine["H"],
+                num_queries=num_queries,
+                num_keys=num_keys,
+                device=q.device,
+            )
+        except ValueError as e:
+            raise ValueError(
+                f"ring_attention on rank {ring.rank}: {e} (a mask_mod sees the whole sequence, {num_queries} "
+                f"queries and {num_keys} keys, not one rank's shard)"
+            ) from e
     return _Plan(
         ring=ring,
         timeout=wait,
@@ -215,11 +315,21 @@ def _agree(
         key_limit=key_limit,
         scale=_from_bits(mine["scale"]),
         block=chunked.current_settings().block_size,
+        mask_mod=bound,
+        batch=mine["B"],
+        heads=mine["H"],
     )
 
 
 def _describe(
-    q: Tensor, k: Tensor, v: Tensor, valid_lens: Tensor | None, is_causal: bool, scale: float | None, layout: str
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    valid_lens: Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    layout: str,
+    mask_mod: mods.MaskFn | None = None,
 ) -> dict[str, int]:
     """This rank's call as integers, after the checks that need no other rank."""
     if check_qkv(q, k, v):
@@ -242,6 +352,11 @@ def _describe(
             )
         lens = as_lengths(valid_lens, "valid_lens", 2**62, q.device)  # the upper bound is checked once Lk is known
         lens_hash = hash(tuple(lens.tolist()))  # the same tensor on every rank: compare a digest, not B values
+    mods.check_callable("mask_mod", mask_mod)
+    if isinstance(mask_mod, mods.MaskMod):
+        for t in mask_mod.tensors():
+            if t.device != q.device:
+                raise ValueError(f"mask_mod {_mod_name(mask_mod)} holds a tensor on {t.device}, but q is on {q.device}")
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return {
         "B": B,
@@ -257,12 +372,54 @@ def _describe(
         "scale": _to_bits(scale),
         "lens": lens_hash,
         "grad": int(needs_grad),
+        "mask_mod": _mod_digest(mask_mod),
     }
 
 
-def _show(field: str, f: dict[str, int], valid_lens: Tensor | None = None) -> str:
+def _mod_digest(mask_mod: mods.MaskFn | None) -> int:
+    """0: no mask_mod; 1: a function of the caller's (nothing to compare across processes); else a checksum of a
+    built-in's kind, numbers and tensors (shapes and values), the same in every process."""
+    if mask_mod is None:
+        return 0
+    if not isinstance(mask_mod, mods.MaskMod):
+        return 1
+    sums = [_checksum(t) for t in mask_mod.tensors()]
+    return 2 + zlib.crc32(f"{_mod_name(mask_mod)} {sums}".encode())
+
+
+def _checksum(t: Tensor) -> int:
+    """A weighted sum of the 16-bit folds of a tensor's values: equal tensors give equal sums on any device, and
+    no partial sum can overflow (below 2^32 a term, fewer than 2^31 terms)."""
+    x = t.detach().flatten()  # (n,)
+    x = x.double().view(torch.int64) if x.is_floating_point() else x.long()  # (n,) values or bit patterns
+    x = (x ^ (x >> 16) ^ (x >> 32) ^ (x >> 48)) & 0xFFFF  # (n,)
+    weights = torch.arange(x.numel(), device=x.device) % 65521 + 1  # (n,)
+    return int((x * weights).sum())
+
+
+def _mod_name(mask_mod: mods.MaskFn) -> str:
+    """A built-in as the user would write it, tensors by their shapes: ``sliding_window(window=4)``."""
+    if not dataclasses.is_dataclass(mask_mod):
+        return getattr(mask_mod, "__name__", type(mask_mod).__name__)
+    name, parts = type(mask_mod).__name__, []
+    for field in dataclasses.fields(mask_mod):
+        value = getattr(mask_mod, field.name)
+        if field.name == "offset" or value is None:
+            continue
+        if field.name == "every_one":  # and_masks / or_masks
+            name = "and_masks" if value else "or_masks"
+        elif isinstance(value, Tensor):
+            parts.append(f"{field.name} of shape {tuple(value.shape)}")
+        elif isinstance(value, tuple):
+            parts += [_mod_name(m) for m in value]
+        else:
+            parts.append(f"{field.name}={value!r}")
+    return f"{name}({', '.join(parts)})"
+
+
+def _show(field: str, f: dict[str, int], valid_lens: Tensor | None = None, mask_mod: mods.MaskFn | None = None) -> str:
     """One rank's value of ``field``, as the user would write it (only a digest of another rank's
-    ``valid_lens`` travels: this rank's own are shown when given)."""
+    ``valid_lens`` and ``mask_mod`` travels: this rank's own are shown when given)."""
     if field in ("B", "H", "Hkv", "D", "Dv"):
         return f"q {(f['B'], f['H'], f['Lq_r'], f['D'])}, k {(f['B'], f['Hkv'], f['Lk_r'], f['D'])}, v " + str(
             (f["B"], f["Hkv"], f["Lk_r"], f["Dv"])
@@ -275,6 +432,10 @@ def _show(field: str, f: dict[str, int], valid_lens: Tensor | None = None) -> st
         return repr(_from_bits(f["scale"]))
     if field == "is_causal" or field == "grad":
         return str(bool(f[field]))
+    if field == "mask_mod":
+        if f[field] < 2:
+            return ("no mask_mod", "a mask_mod function")[f[field]]
+        return "another built-in mask_mod" if mask_mod is None else _mod_name(mask_mod)
     if f["lens"] == 0:
         return "no valid_lens"
     return "other values" if valid_lens is None else short(valid_lens)
@@ -295,12 +456,21 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> Tensor:  # type: ignore[override]
         qf = _zero_dead_rows(q.to(compute_dtype(q.dtype)), plan)  # (B, H, Lq_r, D)
+        packed = _pack(k, v, plan)  # (B, Hkv, Lk_r, D + Dv)
+        live_keys = None
+        if plan.mask_mod is not None and not bool(packed.isfinite().all()):
+            # Only a key that holds NaN or inf needs to be known unseen: a finite one adds exactly 0 to every sum.
+            live_keys = _live_keys(plan, q.device)  # (B, H, Lk_r)
+            packed = _zero_unseen(packed, live_keys)
         state = RunningSoftmax.start(qf, v.shape[-1])
-        for _, src, kv in _around(plan, _pack(k, v, plan), "forward"):
+        for _, src, kv in _around(plan, packed, "forward"):
             _forward_block(state, qf, kv, src, plan)
         out, lse = state.result()  # (B, H, Lq_r, Dv), (B, H, Lq_r)
+        # Rows that summed no key (a mask_mod may leave any row empty): exactly 0, as every allowed key adds a
+        # positive weight to the normaliser; NaN (a live row's NaN query) is not 0 and stays live.
+        live_rows = None if plan.mask_mod is None else state.l != 0  # (B, H, Lq_r)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
+        ctx.plan, ctx.live_keys, ctx.live_rows = plan, live_keys, live_rows
         return out.to(q.dtype)
 
     @staticmethod
@@ -308,11 +478,11 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan: _Plan = ctx.plan
         ring = plan.ring
-        qf, dout = _zero_dead_rows(q.to(out.dtype), plan), dout.to(out.dtype)  # (B, H, Lq_r, D), (B, H, Lq_r, Dv)
+        qf, dout = _zero_dead_rows(q.to(out.dtype), plan, ctx.live_rows), dout.to(out.dtype)  # (B, H, Lq_r, D|Dv)
         delta = (dout * out).sum(dim=-1)  # (B, H, Lq_r): sum_j p_ij dp_ij, the softmax Jacobian's row term
         dq = torch.zeros_like(qf)  # (B, H, Lq_r, D)
         pending: tuple[list, Tensor, Tensor] | None = None  # the gradient exchange under way: works, sent, received
-        for step, src, kv in _around(plan, _pack(k, v, plan), "backward"):
+        for step, src, kv in _around(plan, _pack(k, v, plan, ctx.live_keys), "backward"):
             part = kv.new_zeros(kv.shape, dtype=out.dtype)  # (B, Hkv, Lb, D + Dv): this rank's share of dk, dv
             _backward_block(dq, part, qf, kv, src, plan, lse, dout, delta)
             if pending is not None:  # what the previous ranks summed for this block so far
@@ -363,30 +533,82 @@ def _gradient_step(plan: _Plan, step: int) -> str:
     )
 
 
-def _zero_dead_rows(q: Tensor, plan: _Plan) -> Tensor:
-    """``q`` with the queries that may see no key zeroed (an example with ``valid_lens`` 0, or a causal query
-    before the first key), so that what they hold, NaN included, never reaches ``dk`` through ``0 * NaN``; their
-    own outputs and gradients are zero anyway."""
-    live: Tensor | None = None
+def _zero_dead_rows(q: Tensor, plan: _Plan, live: Tensor | None = None) -> Tensor:
+    """``q`` with the queries that may see no key zeroed (an example with ``valid_lens`` 0, a causal query
+    before the first key, and with ``live`` ``(B, H, Lq_r)`` given, the rows it calls dead: those that summed no
+    key in the forward pass), so that what they hold, NaN included, never reaches ``dk`` through ``0 * NaN``;
+    their own outputs and gradients are zero anyway. (In the forward pass such a row is harmless: its scores are
+    all replaced by the fill value and its weights are exactly 0.)"""
+    if live is not None:
+        live = live[..., None]  # (B, H, Lq_r, 1)
     if plan.valid_lens is not None:
-        live = (plan.valid_lens > 0).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+        lens = (plan.valid_lens > 0).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+        live = lens if live is None else live & lens
     if plan.is_causal and plan.offset < 0:
         rows = positions(plan.q_ranges[plan.ring.rank], q.device) + plan.offset >= 0  # (Lq_r,)
-        live = rows.view(1, 1, -1, 1) if live is None else live & rows.view(1, 1, -1, 1)  # (B|1, 1, Lq_r, 1)
+        live = rows.view(1, 1, -1, 1) if live is None else live & rows.view(1, 1, -1, 1)  # (B|1, H|1, Lq_r, 1)
     if live is None or bool(live.all()):
         return q
     return torch.where(live, q, torch.zeros((), dtype=q.dtype, device=q.device))  # (B, H, Lq_r, D)
 
 
-def _pack(k: Tensor, v: Tensor, plan: _Plan) -> Tensor:
-    """This rank's keys and values as one tensor, so each step is one send; keys no query sees are zeroed, so
-    that whatever padding holds (NaN included) never reaches the output or the gradients."""
+def _pack(k: Tensor, v: Tensor, plan: _Plan, live: Tensor | None = None) -> Tensor:
+    """This rank's keys and values as one tensor, so each step is one send; keys no query sees are zeroed (past
+    ``valid_lens``, and with ``live`` ``(B, H, Lk_r)`` given, those it calls dead), so that whatever padding
+    holds (NaN included) never reaches the output or the gradients."""
     kv = torch.cat([k, v], dim=-1)  # (B, Hkv, Lk_r, D + Dv)
     if plan.valid_lens is not None:
         keys = positions(plan.k_ranges[plan.ring.rank], k.device)  # (Lk_r,)
         dead = keys >= plan.valid_lens[:, None]  # (B, Lk_r)
         kv = kv.masked_fill_(dead[:, None, :, None], 0.0)
-    return kv
+    return kv if live is None else _zero_unseen(kv, live)
+
+
+def _zero_unseen(kv: Tensor, live: Tensor) -> Tensor:
+    """``kv`` ``(B, Hkv, Lk_r, D + Dv)``, with the keys that ``live`` ``(B, H, Lk_r)`` calls unseen through every
+    query head of their group zeroed, in place."""
+    live = live.unflatten(1, (kv.shape[1], -1)).any(dim=2)  # (B, Hkv, Lk_r)
+    return kv.masked_fill_(~live[..., None], 0.0)
+
+
+def _live_keys(plan: _Plan, device: torch.device) -> Tensor:
+    """Which of this rank's keys some query of the whole sequence may see, ``(B, H, Lk_r)`` bool, under all the
+    masks together (a mask_mod can leave a key unseen: a window ending before it, a document without queries).
+    Asked only when a key holds NaN or inf (a finite key no query sees adds exactly 0 to every sum).
+
+    Scanned in tiles of at most :data:`~attnkit.masks.LIVENESS_BLOCK_ELEMENTS` booleans, skipping the tiles the
+    masks' ranges hide, evaluating none they show in full, and none whose keys are already known to be seen: for a
+    built-in this is the band or the documents, for a caller's function typically one tile of rows per key tile.
+    """
+    mine = plan.k_ranges[plan.ring.rank]
+    Lq, Lk_r, B, H = plan.num_queries, length(mine), plan.batch, plan.heads
+    live = torch.zeros(B, H, Lk_r, dtype=torch.bool, device=device)  # (B, H, Lk_r)
+    if not live.numel():
+        return live
+    mask = _StepMask(plan, [(0, Lq)], mine, (0, Lq), (0, Lk_r), device)
+    row_step = min(Lq, LIVENESS_ROWS)
+    col_step = max(1, min(LIVENESS_ROWS, LIVENESS_BLOCK_ELEMENTS // (B * H * row_step)))
+    rows, cols = _cut((0, Lq), row_step), _cut((0, Lk_r), col_step)  # (nq, 2), (nk, 2)
+    known = mask.tiles(rows, cols)
+    done = known.every.any(dim=0)  # (nk,): key tiles some row tile sees in full
+    for c in done.nonzero()[:, 0].tolist():
+        live[..., cols[c, 0] : cols[c, 1]] = True
+    for r, c in (known.some & ~known.every).nonzero().tolist():
+        if done[c]:
+            continue
+        (r0, r1), (j0, j1) = rows[r].tolist(), cols[c].tolist()
+        allowed, _ = mask.tile(r0, r1, j0, j1)
+        assert allowed is not None  # a mask_mod is given
+        live[..., j0:j1] |= allowed.any(dim=-2)  # (B|1, H|1, blk) into (B, H, blk)
+        done[c] = bool(live[..., j0:j1].all())
+    return live
+
+
+def _cut(bounds: tuple[int, int], step: int) -> Tensor:
+    """``[start, stop)`` cut into consecutive pieces of ``step`` positions: ``(n, 2)`` int64 ``[start, stop)``."""
+    start, stop = bounds
+    starts = torch.arange(start, stop, step)  # (n,)
+    return torch.stack([starts, (starts + step).clamp(max=stop)], dim=1)  # (n, 2)
 
 
 def _forward_block(state: RunningSoftmax, q: Tensor, kv: Tensor, src: int, plan: _Plan) -> None:
@@ -395,7 +617,7 @@ def _forward_block(state: RunningSoftmax, q: Tensor, kv: Tensor, src: int, plan:
         return  # no query of this rank sees any key of this block
     (r0, r1), (c0, c1) = span
     kb, vb = _split(kv, q, c0, c1)  # (B, H, Lb', D), (B, H, Lb', Dv)
-    mask = _StepMask(plan, r0, r1, src, c0, c1, q.device)
+    mask = _StepMask(plan, plan.q_ranges[plan.ring.rank], plan.k_ranges[src], (r0, r1), (c0, c1), q.device)
     spans = key_blocks(mask, r1 - r0, (0, c1 - c0), plan.block)
     accumulate(state.rows(r0, r1), q[:, :, r0:r1], kb, vb, mask, Scorer(None, plan.scale), spans)
 
@@ -423,7 +645,7 @@ def _backward_block(
     if Hkv != H:  # gradients per query head first, summed per key/value head below
         dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)  # (B, H, Lb', D), (B, H, Lb', Dv)
     rows = slice(r0, r1)
-    mask = _StepMask(plan, r0, r1, src, c0, c1, q.device)
+    mask = _StepMask(plan, plan.q_ranges[plan.ring.rank], plan.k_ranges[src], (r0, r1), (c0, c1), q.device)
     grads = Grads(dq[:, :, rows], dk, dv, None)
     spans = key_blocks(mask, r1 - r0, (0, c1 - c0), plan.block)
     accumulate_grads(
@@ -452,8 +674,9 @@ def _split(kv: Tensor, q: Tensor, c0: int, c1: int) -> tuple[Tensor, Tensor]:
 
 def _span(plan: _Plan, src: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
     """The rows of this rank's queries and the columns of block ``src`` that hold every allowed pair, or
-    ``None`` when the masks allow none. With the zig-zag layout and a causal mask this is half the block on
-    every step but the first, which is what balances the work."""
+    ``None`` when the masks allow none (the step is skipped). With the zig-zag layout and a causal mask this is
+    half the block on every step but the first, which is what balances the work; a built-in mask_mod narrows it
+    further (:func:`_narrow`)."""
     rows: list[int] = []
     cols: list[int] = []
     qa = 0
@@ -464,42 +687,81 @@ def _span(plan: _Plan, src: int) -> tuple[tuple[int, int], tuple[int, int]] | No
             if plan.is_causal:
                 last = min(last, q1 + plan.offset)  # the last query, q1 - 1, sees keys up to q1 - 1 + offset
                 first_row = max(q0, k0 - plan.offset)  # queries before k0 - offset see none of them
-            if k0 < last and first_row < q1:
-                rows += [qa + first_row - q0, qa + q1 - q0]
-                cols += [ka, ka + last - k0]
+            box = ((first_row, q1), (k0, last)) if k0 < last and first_row < q1 else None
+            if box is not None and isinstance(plan.mask_mod, mods.MaskMod):
+                box = _narrow(plan, *box)
+            if box is not None:
+                (a, b), (c, d) = box  # whole-sequence positions
+                rows += [qa + a - q0, qa + b - q0]
+                cols += [ka + c - k0, ka + d - k0]
             ka += k1 - k0
         qa += q1 - q0
     return ((min(rows), max(rows)), (min(cols), max(cols))) if rows else None
 
 
+# _narrow looks at a rectangle of positions in at most this many pieces a side: exact for small rectangles, within a
+# 1/64th of each side for long ones (the block plan inside the step skips the rest)
+_GRID = 64
+
+
+def _narrow(
+    plan: _Plan, rows: tuple[int, int], cols: tuple[int, int]
+) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """The part of the rectangle of query positions ``rows`` and key positions ``cols`` (``[start, stop)``) that
+    the masks' tiles do not hide, or ``None`` when they hide all of it (a sliding window's far blocks, another
+    document): one call of :meth:`_Plan.tiles` on a grid of :data:`_GRID` pieces a side."""
+    row_pieces = _cut(rows, -(-(rows[1] - rows[0]) // _GRID))  # (nr, 2), nr <= _GRID
+    col_pieces = _cut(cols, -(-(cols[1] - cols[0]) // _GRID))  # (nc, 2), nc <= _GRID
+    some = plan.tiles(row_pieces, col_pieces).some  # (nr, nc)
+    seen_rows, seen_cols = some.any(dim=1).nonzero()[:, 0], some.any(dim=0).nonzero()[:, 0]
+    if not len(seen_rows):
+        return None
+    first_row, last_row, first_col, last_col = (
+        int(i) for i in (seen_rows[0], seen_rows[-1], seen_cols[0], seen_cols[-1])
+    )
+    return (
+        (int(row_pieces[first_row, 0]), int(row_pieces[last_row, 1])),
+        (int(col_pieces[first_col, 0]), int(col_pieces[last_col, 1])),
+    )
+
+
 class _StepMask:
-    """Which of queries ``[r0, r1)`` of this rank may see which keys ``[c0, c1)`` of block ``src``, by their
-    positions in the whole sequence, with ``tile`` and ``tiles`` as :class:`attnkit.masks.Mask` (in indices
-    local to these rows and keys)."""
+    """Which of queries ``rows = [r0, r1)`` of ``queries`` may see which of keys ``cols = [c0, c1)`` of ``keys``
+    (each a list of ``[start, stop)`` ranges of whole-sequence positions, as :func:`segments` gives), with
+    ``tile`` and ``tiles`` as :class:`attnkit.masks.Mask` (in indices local to these rows and keys)."""
 
-    opaque = False  # the index ranges say everything
-
-    def __init__(self, plan: _Plan, r0: int, r1: int, src: int, c0: int, c1: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        plan: _Plan,
+        queries: list[tuple[int, int]],
+        keys: list[tuple[int, int]],
+        rows: tuple[int, int],
+        cols: tuple[int, int],
+        device: torch.device,
+    ) -> None:
+        (r0, r1), (c0, c1) = rows, cols
+        self.plan = plan
         self.valid_lens = None if plan.valid_lens is None else plan.valid_lens.view(-1, 1, 1, 1)  # (B, 1, 1, 1)
-        self.queries = positions(plan.q_ranges[plan.ring.rank], device)[r0:r1, None]  # (Lq', 1)
-        self.keys = positions(plan.k_ranges[src], device)[c0:c1]  # (Lb',)
-        self.is_causal, self.offset = plan.is_causal, plan.offset
+        self.queries = positions(queries, device)[r0:r1, None]  # (Lq', 1)
+        self.keys = positions(keys, device)[c0:c1]  # (Lb',)
         # on the host, to plan blocks without waiting for the device; positions ascend in both layouts
-        self.host_queries = positions(plan.q_ranges[plan.ring.rank])[r0:r1]  # (Lq',)
-        self.host_keys = positions(plan.k_ranges[src])[c0:c1]  # (Lb',)
-        self.host_lens = None if plan.valid_lens is None else plan.valid_lens.detach().cpu()  # (B,)
+        self.host_queries = positions(queries)[r0:r1]  # (Lq',)
+        self.host_keys = positions(keys)[c0:c1]  # (Lb',)
+        # a caller's mask_mod says nothing of a block until it is evaluated: a block it hides whole is skipped then
+        self.opaque = plan.mask_mod is not None and not isinstance(plan.mask_mod, mods.MaskMod)
+        if plan.mask_mod is not None:
+            self.b = torch.arange(plan.batch, device=device).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+            self.h = torch.arange(plan.heads, device=device).view(1, -1, 1, 1)  # (1, H, 1, 1)
 
     def tiles(self, rows: Tensor, cols: Tensor) -> mods.Tiles:
-        p0, p1 = self.host_queries[rows[:, 0]][:, None], self.host_queries[rows[:, 1] - 1][:, None]  # (nq, 1)
-        k0, k1 = self.host_keys[cols[:, 0]][None], self.host_keys[cols[:, 1] - 1][None]  # (1, nk)
-        known = mods.Tiles(
-            torch.ones(len(rows), len(cols), dtype=torch.bool), torch.ones(len(rows), len(cols), dtype=torch.bool)
+        # Local rows [a, z) hold positions from the first to the last one's: with the zig-zag layout a superset (the
+        # gap between a rank's two chunks), of which "hidden" and "visible in full" hold all the more.
+        first, last = self.host_queries[rows[:, 0]], self.host_queries[rows[:, 1] - 1]  # (nq,) each
+        k_first, k_last = self.host_keys[cols[:, 0]], self.host_keys[cols[:, 1] - 1]  # (nk,) each
+        return self.plan.tiles(
+            torch.stack([first, last + 1], dim=1),
+            torch.stack([k_first, k_last + 1], dim=1),  # (nq, 2), (nk, 2)
         )
-        if self.host_lens is not None and self.host_lens.numel():
-            known = known & mods.Tiles(some=k0 < self.host_lens.max(), every=k1 < self.host_lens.min())
-        if self.is_causal:
-            known = known & mods.Tiles(some=k0 <= p1 + self.offset, every=k1 <= p0 + self.offset)
-        return known
 
     def tile(
         self, r0: int, r1: int, j0: int, j1: int, dtype: torch.dtype = torch.float32, *, every: bool = False
@@ -507,10 +769,16 @@ class _StepMask:
         if every:
             return None, None
         keys = self.keys[j0:j1]  # (blk,)
+        plan = self.plan
         allowed = None if self.valid_lens is None else keys < self.valid_lens  # (B, 1, 1, blk)
-        if self.is_causal:
-            causal = keys <= self.queries[r0:r1] + self.offset  # (n, blk)
+        if plan.is_causal:
+            causal = keys <= self.queries[r0:r1] + plan.offset  # (n, blk)
             allowed = causal if allowed is None else allowed & causal  # (B, 1, n, blk)
+        if plan.mask_mod is not None:
+            q_idx = self.queries[r0:r1].view(1, 1, -1, 1)  # (1, 1, n, 1)
+            kv_idx = keys.view(1, 1, 1, -1)  # (1, 1, 1, blk)
+            by_mod = mods.evaluate_mask(plan.mask_mod, self.b, self.h, q_idx, kv_idx)  # broadcastable to (B, H, n, blk)
+            allowed = by_mod if allowed is None else allowed & by_mod  # (B|1, H|1, n, blk)
         return allowed, None
 
 
