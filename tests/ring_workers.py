@@ -39,7 +39,8 @@ class Case:
     H: int = 2
     Hkv: int = 2
     dtype: torch.dtype = torch.float32
-    mod: str = "none"  # a mask_mod (see mask_mod below): none, window, document, document+window, user, dead
+    mod: str = "none"  # a mask_mod (see mask_mod below): none, window, document, document+window, window+user,
+    # user, dead
 
     def __str__(self) -> str:
         kv = "" if self.Hkv == self.H else f" Hkv={self.Hkv}"
@@ -60,6 +61,8 @@ def mask_mod(case: Case, B: int, Lq: int, Lk: int, g: torch.Generator) -> mods.M
         return document
     if case.mod == "document+window":
         return mods.and_masks(document, mods.sliding_window(4))
+    if case.mod == "window+user":  # a built-in that skips far steps, with a function only evaluation tells of
+        return mods.and_masks(mods.sliding_window(5), lambda b, h, q_idx, kv_idx: (q_idx + kv_idx + h) % 4 != 0)
     if case.mod == "user":  # a function of one's own, by example and head: nothing is known before evaluating it
         return lambda b, h, q_idx, kv_idx: (q_idx + 2 * kv_idx + b + h) % 3 != 1
     if case.mod == "dead":  # queries 1, 5, 9, ... see no key, keys 2, 7, 12, ... are seen by no query

@@ -63,6 +63,7 @@ def _mask_mod_cases(world_size: int) -> list[w.Case]:
         *(w.Case(Lq=L, masking="causal", layout=lay, mod=mod, dtype=f64) for mod in MASK_MODS for lay in LAYOUTS),
         w.Case(Lq=L, mod="window", layout="zigzag", dtype=f64),  # sliding_window without is_causal: causal itself
         w.Case(Lq=L, mod="dead", dtype=f64),
+        w.Case(Lq=L, masking="causal", mod="window+user", layout="zigzag", dtype=f64),
         w.Case(
             Lq=2 * world_size + 1,
             Lk=5 * world_size,

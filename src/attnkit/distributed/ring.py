@@ -747,8 +747,10 @@ class _StepMask:
         # on the host, to plan blocks without waiting for the device; positions ascend in both layouts
         self.host_queries = positions(queries)[r0:r1]  # (Lq',)
         self.host_keys = positions(keys)[c0:c1]  # (Lb',)
-        # a caller's mask_mod says nothing of a block until it is evaluated: a block it hides whole is skipped then
-        self.opaque = plan.mask_mod is not None and not isinstance(plan.mask_mod, mods.MaskMod)
+        # a caller's mask_mod (alone, or inside and_masks/or_masks) says nothing of a block until it is evaluated:
+        # the chunked backend then narrows the block to the rows that see a key, and skips it when none does
+        mod = plan.mask_mod
+        self.opaque = mod is not None and (not isinstance(mod, mods.MaskMod) or mod.opaque)
         if plan.mask_mod is not None:
             self.b = torch.arange(plan.batch, device=device).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
             self.h = torch.arange(plan.heads, device=device).view(1, -1, 1, 1)  # (1, H, 1, 1)
