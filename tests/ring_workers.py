@@ -283,6 +283,10 @@ def mismatched(rank: int, world_size: int, what: str) -> None:
         layer = RingMultiHeadAttention(4, 2, query_size=4, key_size=4, value_size=4)
         x = torch.randn(2, 3, 4)
         layer(x, x, x, attn_mask=torch.ones(3, 9, dtype=torch.bool) if rank == 2 else None)
+    if what == "score_mod on one rank":
+        layer = RingMultiHeadAttention(4, 2, query_size=4, key_size=4, value_size=4)
+        x = torch.randn(2, 3, 4)
+        layer(x, x, x, score_mod=mods.softcap(5.0) if rank == 2 else None)
     if what == "sum_gradients":
         layer = torch.nn.Linear(2, 2, bias=rank != 2)
         layer(torch.randn(3, 2)).sum().backward()
@@ -337,17 +341,20 @@ def module_against_single_process(rank: int, world_size: int, layout: str) -> li
     valid_lens = torch.tensor([x.shape[1] - 1, 5])
     dout = torch.randn(2, x.shape[1], 12)
 
-    xs = x.clone().requires_grad_()
-    want = single(xs, xs, xs, valid_lens, is_causal=True)
-    want.backward(dout)
+    rows = []
+    for window in (None, mods.sliding_window(3)):  # the layer passes a mask_mod on, in whole-sequence positions
+        xs = x.clone().requires_grad_()
+        want = single(xs, xs, xs, valid_lens, is_causal=True, mask_mod=window)
+        want.backward(dout)
 
-    xr = shard_sequence(x, layout=layout, dim=1).requires_grad_()
-    out = model(xr, xr, xr, valid_lens, is_causal=True)
-    out.backward(shard_sequence(dout, layout=layout, dim=1))
-    rows = [
-        ("output", out, shard_sequence(want, layout=layout, dim=1)),
-        ("dx", xr.grad, shard_sequence(xs.grad, layout=layout, dim=1)),
-    ]
+        xr = shard_sequence(x, layout=layout, dim=1).requires_grad_()
+        out = model(xr, xr, xr, valid_lens, is_causal=True, mask_mod=window)
+        out.backward(shard_sequence(dout, layout=layout, dim=1))
+        named = "" if window is None else "window: "
+        rows += [
+            (f"{named}output", out, shard_sequence(want, layout=layout, dim=1)),
+            (f"{named}dx", xr.grad, shard_sequence(xs.grad, layout=layout, dim=1)),
+        ]
     sum_gradients(model, timeout=30)
     for (name, p), p_single in zip(model.named_parameters(), single.parameters(), strict=True):
         rows.append((f"summed {name}.grad", p.grad, p_single.grad))

@@ -222,6 +222,7 @@ MISMATCHES = {
     "gather_sequence lengths": "ranks hold [3, 3, 5] positions, but the contiguous split of 11 positions",
     "gather_sequence own arguments": "rejected its inputs",
     "attn_mask on one rank": "rejected its inputs",
+    "score_mod on one rank": "rejected its inputs",
     "sum_gradients": "hold different gradients",
 }
 
@@ -276,6 +277,7 @@ def test_valid_lens_past_the_whole_sequence_is_a_value_error_on_every_rank():
         ("own inputs", "ring_attention on rank 2: k has 4 positions but v has 3"),
         ("gather_sequence own arguments", "gather_sequence on rank 2: dim 5 is out of range"),
         ("attn_mask on one rank", "ring_attention on rank 2: RingMultiHeadAttention takes valid_lens (B,) and"),
+        ("score_mod on one rank", "ring_attention on rank 2: RingMultiHeadAttention takes valid_lens, is_causal and"),
     ],
 )
 def test_own_bad_inputs_raise_there_and_the_others_hear_of_it(what, own_error):

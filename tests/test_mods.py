@@ -1055,3 +1055,23 @@ def test_no_input_or_parameter_is_modified():
         out.sum().backward()
     for t, (value, version) in zip(tensors, before, strict=True):
         assert t._version == version and torch.equal(t.detach(), value)
+
+
+def test_a_subclass_of_mask_mod_that_is_no_dataclass_is_bound_and_aligned():
+    class Causal(mods.MaskMod):
+        def __call__(self, b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx + self.offset
+
+    q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64) for n in (3, 7, 7))
+    ours = attnkit.scaled_dot_product_attention(q, k, v, mask_mod=Causal(), backend="chunked").output
+    want = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True, backend="reference").output
+    assert max_err(ours, want) <= OUT_TOL64
+
+
+@pytest.mark.parametrize("backend", ("reference", "chunked"))
+def test_nan_in_a_live_query_stays_nan_and_is_not_taken_for_an_empty_row(backend):
+    """Zeros are for rows with no key; a NaN that a row may see is the caller's, and shows (as in the spec)."""
+    q, k, v = (torch.randn(1, 1, n, 4) for n in (3, 5, 5))
+    q[0, 0, 1, 2] = float("nan")
+    out = attnkit.scaled_dot_product_attention(q, k, v, mask_mod=mods.sliding_window(5), backend=backend).output
+    assert torch.isnan(out[0, 0, 1]).all() and not torch.isnan(out[0, 0, [0, 2]]).any()

@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -102,7 +103,7 @@ class MaskMod:
         Raises:
             ValueError: tensors whose shapes or device do not fit the call.
         """
-        return dataclasses.replace(self, offset=num_keys - num_queries)  # type: ignore[type-var]
+        return _aligned(self, num_keys - num_queries)
 
     def tiles(self, rows: Tensor, cols: Tensor) -> Tiles:
         """What this mask says of the blocks with row ranges ``rows`` ``(nq, 2)`` and column ranges ``cols``
@@ -135,7 +136,7 @@ class ScoreMod:
 
     def bind(self, *, batch: int, heads: int, num_queries: int, num_keys: int, device: torch.device | None) -> ScoreMod:
         """A copy for one call (see :meth:`MaskMod.bind`)."""
-        return dataclasses.replace(self, offset=num_keys - num_queries)  # type: ignore[type-var]
+        return _aligned(self, num_keys - num_queries)
 
     def bias(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor | None:
         """The score_mod as a bias added to the score, when it is one (so that a fused kernel can take it as a
@@ -597,6 +598,15 @@ def _closed_over(fn: object, depth: int) -> list[Tensor]:
         values = [*names.nonlocals.values(), *names.globals.values()]
         return [t for x in values if not inspect.ismodule(x) for t in _closed_over(x, depth - 1)]
     return []
+
+
+def _aligned(mod: Any, offset: int) -> Any:
+    """A copy of a built-in (or of a subclass of one, a dataclass or not) with its ``offset`` set."""
+    if dataclasses.is_dataclass(mod) and not isinstance(mod, type):
+        return dataclasses.replace(mod, offset=offset)
+    aligned = copy.copy(mod)
+    aligned.offset = offset
+    return aligned
 
 
 def _range_bounds(ids: Tensor, ranges: Tensor) -> tuple[Tensor, Tensor]:

@@ -282,12 +282,13 @@ class RunningSoftmax(NamedTuple):
         return RunningSoftmax(self.m[:, :, r0:r1], self.l[:, :, r0:r1], self.acc[:, :, r0:r1])
 
     def result(self) -> tuple[Tensor, Tensor]:
-        """The output ``(B, H, Lq, Dv)`` and the row log-sum-exp ``(B, H, Lq)``; both 0 in rows with no key."""
-        live = self.l > 0  # (B, H, Lq): rows with at least one key
-        l = self.l.clamp_min(torch.finfo(self.l.dtype).tiny)  # noqa: E741
-        out = torch.where(live[..., None], self.acc / l[..., None], 0.0)  # (B, H, Lq, Dv)
-        # 0 for dead rows keeps exp(s - lse) at exactly 0 there in the backward pass.
-        lse = torch.where(live, self.m + torch.log(l), 0.0)  # (B, H, Lq)
+        """The output ``(B, H, Lq, Dv)`` and the row log-sum-exp ``(B, H, Lq)``; both 0 in rows with no key (a row
+        whose sum is NaN, from NaN in its own query, stays NaN, as in the reference: it is no row without keys)."""
+        empty = self.l == 0  # (B, H, Lq): rows that summed no key
+        l = self.l.clamp_min(torch.finfo(self.l.dtype).tiny)  # noqa: E741  (NaN stays NaN)
+        out = torch.where(empty[..., None], 0.0, self.acc / l[..., None])  # (B, H, Lq, Dv)
+        # 0 for empty rows keeps exp(s - lse) at exactly 0 there in the backward pass.
+        lse = torch.where(empty, 0.0, self.m + torch.log(l))  # (B, H, Lq)
         return out, lse
 
 

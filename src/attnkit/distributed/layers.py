@@ -36,10 +36,10 @@ class RingMultiHeadAttention(MultiHeadAttention):
         layout: ``"contiguous"`` or ``"zigzag"`` (balanced work with ``is_causal``).
         timeout: seconds (or a ``timedelta``) any one wait for another rank may take.
 
-    Masks: ``valid_lens`` ``(B,)`` in global positions and ``is_causal``; ``attn_mask`` is refused, and so is
-    :func:`attnkit.record_weights` (the weights span the whole sequence, which no rank holds). A ``mask_mod``
-    (sliding window, packed documents) is not a mask :class:`~attnkit.MultiHeadAttention` takes: call
-    :func:`~attnkit.distributed.ring_attention` with ``mask_mod=`` on the projected heads for one.
+    Masks: ``valid_lens`` ``(B,)`` in global positions, ``is_causal`` and a ``mask_mod`` (in global positions, the
+    same on every rank: ``document(ids)`` takes the whole sequence's ids; a sliding window or documents let the
+    ring skip the steps they hide). ``attn_mask``, ``score_mod`` and sinks are refused, and so is
+    :func:`attnkit.record_weights` (the weights span the whole sequence, which no rank holds).
 
     Training: start every rank from the same parameters (one seed, or a broadcast), and after ``backward()``
     call :func:`sum_gradients`: each rank's parameter gradients cover its own positions only.
@@ -86,6 +86,8 @@ class RingMultiHeadAttention(MultiHeadAttention):
                 "RingMultiHeadAttention takes valid_lens (B,) and is_causal, not attn_mask "
                 f"(got attn_mask of shape {tuple(masks.attn_mask.shape)})"
             )
+        elif masks.score_mod is not None:
+            refused = "RingMultiHeadAttention takes valid_lens, is_causal and mask_mod, not a score_mod"
         elif self._recorder is not None:
             refused = (
                 f"record_weights cannot record {self._recorder[1] or 'the model'!r}: the weights of "
@@ -95,7 +97,17 @@ class RingMultiHeadAttention(MultiHeadAttention):
             refused = f"RingMultiHeadAttention has no dropout on the weights, got dropout={self.dropout}"
         ring = comm.Ring(self.group)
         plan = _agree(
-            ring, q, k, v, masks.valid_lens, masks.is_causal, None, self.layout, self.timeout, refused=refused
+            ring,
+            q,
+            k,
+            v,
+            masks.valid_lens,
+            masks.is_causal,
+            None,
+            self.layout,
+            self.timeout,
+            refused=refused,
+            mask_mod=masks.mask_mod,
         )
         return _RingAttention.apply(q, k, v, plan)  # (B, H, L_r, d)
 
