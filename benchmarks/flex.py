@@ -8,6 +8,11 @@ Three measurements, forward and backward, float32, on this machine's threads:
   window as a dense boolean mask. Targets: at most 0.15x the causal time, at least 3x faster than the dense mask.
 * ``memory``: the peak resident-set increase of the ``window`` call on ``chunked`` at each ``--lengths``, each in a
   fresh process (:func:`attnkit.bench.peak_memory`): it must grow linearly with ``L``.
+* ``accuracy``: every built-in and a user's score_mod (a learned table of relative-position biases), on awkward sizes
+  (``Lq != Lk``, lengths not multiples of the block, grouped-query heads), ``chunked`` in float32 against the
+  ``reference`` backend in float64: the largest error of the output and of every gradient (q, k, v, and the
+  slopes, the table or the sinks where they are learned). The suite's float32 tolerances are 2e-5 (outputs) and
+  1e-4 (gradients).
 * ``packed``: documents of log-normal lengths (at most 2048, 16384 tokens in all) through
   ``MultiHeadAttention(512, 8)``: packed into one row with ``attnkit.pack`` and ``mask_mod=packed.document()``
   (causal), against the same documents padded to the longest with ``valid_lens`` (causal). Target: at most 0.7x.
@@ -35,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 import attnkit
 from attnkit import mods
@@ -170,6 +176,66 @@ def measure_packed(repeats: int) -> dict[str, Any]:
     }
 
 
+def accuracy_cases(Lq: int, Lk: int, H: int) -> dict[str, Callable[[dict[str, Tensor]], dict[str, Any]]]:
+    """Each case: given the learned tensors (float32 or float64), the keyword arguments of the call."""
+    ids_q = torch.arange(Lq).div(Lq // 3 + 1, rounding_mode="floor")[None]  # (1, Lq): three documents
+    ids_k = torch.arange(Lk).div(Lk // 3 + 1, rounding_mode="floor")[None]  # (1, Lk)
+
+    def relative(t: dict[str, Tensor]) -> dict[str, Any]:
+        table = t["table"]
+
+        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return score + table[h, q_idx - kv_idx + Lk - 1]
+
+        return {"score_mod": score_mod, "is_causal": True}
+
+    return {
+        "sliding_window(37)": lambda t: {"mask_mod": mods.sliding_window(37)},
+        "alibi (learned slopes)": lambda t: {"score_mod": mods.alibi(t["slopes"]), "is_causal": True},
+        "softcap(2)": lambda t: {"score_mod": mods.softcap(2.0)},
+        "document": lambda t: {"mask_mod": mods.document(ids_q, ids_k)},
+        "prefix_lm": lambda t: {"mask_mod": mods.prefix_lm(torch.tensor([11, 50]))},
+        "and_masks(document, window)": lambda t: {
+            "mask_mod": mods.and_masks(mods.document(ids_q, ids_k), mods.sliding_window(20))
+        },
+        "or_masks(window, prefix_lm)": lambda t: {
+            "mask_mod": mods.or_masks(mods.sliding_window(9), mods.prefix_lm(torch.tensor([5, 30])))
+        },
+        "user score_mod (bias table)": relative,
+        "sinks, causal": lambda t: {"sinks": t["sinks"], "is_causal": True},
+    }
+
+
+def measure_accuracy() -> dict[str, dict[str, float]]:
+    from attnkit.backends import chunked
+
+    B, H, Hkv, Lq, Lk, Dh = 2, 4, 2, 150, 203, 40  # lengths no multiple of the 64-key blocks used below
+    g = torch.Generator().manual_seed(0)
+    base = {
+        "q": torch.randn(B, H, Lq, Dh, generator=g, dtype=torch.float64),
+        "k": torch.randn(B, Hkv, Lk, Dh, generator=g, dtype=torch.float64),
+        "v": torch.randn(B, Hkv, Lk, Dh, generator=g, dtype=torch.float64),
+        "slopes": mods.alibi_slopes(H).double(),
+        "table": 0.1 * torch.randn(H, Lq + Lk - 1, generator=g, dtype=torch.float64),
+        "sinks": torch.randn(H, generator=g, dtype=torch.float64),
+    }
+    dout = torch.randn(B, H, Lq, Dh, generator=g, dtype=torch.float64)
+    errors: dict[str, dict[str, float]] = {}
+    for name, make in accuracy_cases(Lq, Lk, H).items():
+        runs = []
+        for dtype, backend in ((torch.float64, "reference"), (torch.float32, "chunked")):
+            t = {n: x.to(dtype, copy=True).requires_grad_() for n, x in base.items()}
+            with chunked.settings(block_size=64):
+                out = attnkit.scaled_dot_product_attention(t["q"], t["k"], t["v"], backend=backend, **make(t)).output
+            out.backward(dout.to(dtype))
+            runs.append({"output": out.detach(), **{n: x.grad for n, x in t.items() if x.grad is not None}})
+        errors[name] = {n: float((runs[1][n].double() - runs[0][n]).abs().max()) for n in runs[0]}
+        errors[name].update(
+            {f"|{n}|": float(runs[0][n].abs().max()) for n in ("slopes", "table", "sinks") if n in runs[0]}
+        )
+    return errors
+
+
 def report(results: dict[str, Any]) -> str:
     lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, forward + backward", ""]
     if "window" in results:
@@ -191,6 +257,19 @@ def report(results: dict[str, Any]) -> str:
                 f"| {m['seconds']:.2f} |"
             )
         lines.append("")
+    if "accuracy" in results:
+        lines += [
+            "chunked in float32 against reference in float64 (B=2, H=4, Hkv=2, Lq=150, Lk=203, D=40, 64-key blocks):",
+            "",
+            "| modifier | output | dq | dk | dv | gradient of the learned tensor |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for name, e in results["accuracy"].items():
+            learned = next(
+                (f"{e[n]:.1e} ({n}, largest {e[f'|{n}|']:.1e})" for n in ("slopes", "table", "sinks") if n in e), "-"
+            )
+            lines.append(f"| {name} | {e['output']:.1e} | {e['q']:.1e} | {e['k']:.1e} | {e['v']:.1e} | {learned} |")
+        lines.append("")
     if "packed" in results:
         p = results["packed"]
         lines += [
@@ -207,7 +286,7 @@ def report(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("window", "memory", "packed"), action="append")
+    parser.add_argument("--only", choices=("window", "memory", "accuracy", "packed"), action="append")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--lengths", default=",".join(map(str, MEMORY_LENGTHS)))
     parser.add_argument("--json")
@@ -216,12 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_child:
         print(json.dumps(memory_child(args.memory_child)))
         return 0
-    wanted = args.only or ["window", "memory", "packed"]
+    wanted = args.only or ["window", "memory", "accuracy", "packed"]
     results: dict[str, Any] = {}
     if "window" in wanted:
         results["window"] = measure_window(args.repeats)
     if "memory" in wanted:
         results["memory"] = measure_memory([int(n) for n in args.lengths.split(",")])
+    if "accuracy" in wanted:
+        results["accuracy"] = measure_accuracy()
     if "packed" in wanted:
         results["packed"] = measure_packed(args.repeats)
     print(report(results))
