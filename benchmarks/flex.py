@@ -17,8 +17,9 @@ Three measurements, forward and backward, float32, on this machine's threads:
   ``MultiHeadAttention(512, 8)``: packed into one row with ``attnkit.pack`` and ``mask_mod=packed.document()``
   (causal), against the same documents padded to the longest with ``valid_lens`` (causal). Target: at most 0.7x.
 
-Times are medians of ``--repeats`` runs; the contenders of one measurement run in turn, round after round, so that
-load from elsewhere on a shared machine falls on all of them alike. Ratios compare contenders of the same run.
+Exit status 1 when a target is missed. Times are medians of ``--repeats`` runs; the contenders of one measurement
+run in turn, round after round, so that load from elsewhere on a shared machine falls on all of them alike. Ratios
+compare contenders of the same run.
 
 Usage::
 
@@ -309,7 +310,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    return 0
+    missed = missed_targets(results)
+    for line in missed:
+        print(f"target missed: {line}")
+    return 1 if missed else 0
+
+
+def missed_targets(results: dict[str, Any]) -> list[str]:
+    """The targets (:data:`TARGETS`) this run missed."""
+    missed = []
+    window, packed = results.get("window"), results.get("packed")
+    if window and window["window_vs_causal"] > TARGETS["window_vs_causal"]:
+        missed.append(f"window / causal {window['window_vs_causal']:.3f} > {TARGETS['window_vs_causal']}")
+    if window and window["dense_mask_vs_window"] < TARGETS["dense_mask_vs_window"]:
+        missed.append(
+            f"dense-mask SDPA / window {window['dense_mask_vs_window']:.2f} < {TARGETS['dense_mask_vs_window']}"
+        )
+    if packed and packed["packed_vs_padded"] > TARGETS["packed_vs_padded"]:
+        missed.append(f"packed / padded {packed['packed_vs_padded']:.2f} > {TARGETS['packed_vs_padded']}")
+    return missed
 
 
 if __name__ == "__main__":
