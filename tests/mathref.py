@@ -36,13 +36,13 @@ def allowed_mask(B, H, Lq, Lk, *, valid_lens=None, attn_mask=None, is_causal=Fal
     return allowed
 
 
-def attention(q, k, v, *, valid_lens=None, attn_mask=None, is_causal=False, scale=None, w_v=None, dtype=torch.float64):
-    """Output and weights, computed entirely in `dtype`. Accepts 3-dim (head-less) inputs too."""
+def _scores(q, k, v, w_v, scale, dtype):
+    """Heads added to 3-dim inputs, key/value heads repeated, all in `dtype`; and the raw scores (B, H, Lq, Lk):
+    scale * q . k, or w_v . tanh(q + k) when w_v is given."""
     three_d = q.dim() == 3
     if three_d:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
-    B, H, Lq, D = q.shape
-    Lk = k.shape[2]
+    H, D = q.shape[1], q.shape[-1]
     group = H // k.shape[1]
     q, k, v = q.to(dtype), k.to(dtype).repeat_interleave(group, 1), v.to(dtype).repeat_interleave(group, 1)
     if w_v is None:
@@ -50,6 +50,13 @@ def attention(q, k, v, *, valid_lens=None, attn_mask=None, is_causal=False, scal
         scores = q @ k.transpose(-1, -2) * scale
     else:
         scores = torch.tanh(q.unsqueeze(3) + k.unsqueeze(2)) @ w_v.to(dtype)
+    return three_d, q, k, v, scores
+
+
+def attention(q, k, v, *, valid_lens=None, attn_mask=None, is_causal=False, scale=None, w_v=None, dtype=torch.float64):
+    """Output and weights, computed entirely in `dtype`. Accepts 3-dim (head-less) inputs too."""
+    three_d, q, k, v, scores = _scores(q, k, v, w_v, scale, dtype)
+    B, H, Lq, Lk = scores.shape
     allowed = allowed_mask(
         B, H, Lq, Lk, valid_lens=valid_lens, attn_mask=attn_mask, is_causal=is_causal, three_d=three_d
     )
@@ -210,18 +217,8 @@ def attention_mods(
     `allowed` is valid_lens AND is_causal AND attn_mask AND mask_mod. Returns output and weights; 3-dim inputs
     are one head (sinks then (1,)).
     """
-    three_d = q.dim() == 3
-    if three_d:
-        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
-    B, H, Lq, D = q.shape
-    Lk = k.shape[2]
-    group = H // k.shape[1]
-    q, k, v = q.to(dtype), k.to(dtype).repeat_interleave(group, 1), v.to(dtype).repeat_interleave(group, 1)
-    if w_v is None:
-        scale = D**-0.5 if scale is None else scale
-        scores = q @ k.transpose(-1, -2) * scale
-    else:
-        scores = torch.tanh(q.unsqueeze(3) + k.unsqueeze(2)) @ w_v.to(dtype)
+    three_d, q, k, v, scores = _scores(q, k, v, w_v, scale, dtype)
+    B, H, Lq, Lk = scores.shape
     if score_mod is not None:
         scores = scores_from_mod(score_mod, scores, elementwise=elementwise).to(dtype)
     allowed = allowed_mask(

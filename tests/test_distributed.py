@@ -492,11 +492,11 @@ def test_ring_takes_the_scale_rule_of_the_single_process_functions():
     """Any finite real number (NumPy's too) is a scale; NaN and infinities are ValueErrors, before any rank talks."""
     import numpy as np
 
-    from attnkit.distributed.ring import _describe
+    from attnkit.distributed.ring import Request, _describe
 
     q = torch.randn(1, 2, 3, 4)
-    ok = _describe(q, q, q, None, False, np.float32(0.5), "contiguous")
-    assert ok == _describe(q, q, q, None, False, 0.5, "contiguous")
+    ok = _describe(Request(q, q, q, None, False, np.float32(0.5), "contiguous"))
+    assert ok == _describe(Request(q, q, q, None, False, 0.5, "contiguous"))
     for bad in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match="scale must be finite"):
-            _describe(q, q, q, None, False, bad, "contiguous")
+            _describe(Request(q, q, q, None, False, bad, "contiguous"))

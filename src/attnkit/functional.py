@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from attnkit import dispatch, mods, trace
+from attnkit._checks import describe
 from attnkit.backends import reference
 from attnkit.backends.contract import Call
 from attnkit.masks import Mask
@@ -355,7 +356,7 @@ def _check_mods(q: Tensor, k: Tensor, modifiers: _Mods) -> tuple[mods.ScoreFn | 
         score_mod = mods.bind(score_mod, batch=B, heads=H, num_queries=Lq, num_keys=k.shape[2], device=q.device)
     if sinks is not None:
         if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
-            raise TypeError(f"sinks must be a floating point tensor of shape (H,) = ({H},), got {_describe(sinks)}")
+            raise TypeError(f"sinks must be a floating point tensor of shape (H,) = ({H},), got {describe(sinks)}")
         if tuple(sinks.shape) != (H,):
             raise ValueError(f"sinks must have shape (H,) = ({H},), one logit per query head, got {tuple(sinks.shape)}")
         if sinks.device != q.device:
@@ -364,12 +365,6 @@ def _check_mods(q: Tensor, k: Tensor, modifiers: _Mods) -> tuple[mods.ScoreFn | 
         if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
             raise ValueError(f"sinks must be finite, got {sinks.detach().tolist()}")
     return score_mod, sinks
-
-
-def _describe(x: object) -> str:
-    if isinstance(x, Tensor):
-        return f"tensor of dtype {x.dtype} and shape {tuple(x.shape)}"
-    return type(x).__name__
 
 
 _HOW = {"sdpa": "fused kernel, scores never materialised", "chunked": "blocks of keys, online softmax"}

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
+from attnkit._checks import check_device, describe
 from attnkit.mods import MaskFn
 
 __all__ = ["FloatMaskWarning", "Mask", "causal_mask", "masked_softmax", "sequence_mask"]
@@ -132,7 +133,7 @@ def masked_softmax(
                 [[0.0000, 0.0000, 0.0000, 0.0000]]])
     """
     if not isinstance(scores, Tensor) or not scores.is_floating_point():
-        raise TypeError(f"scores must be a floating point tensor, got {_describe(scores)}")
+        raise TypeError(f"scores must be a floating point tensor, got {describe(scores)}")
     if scores.dim() not in (3, 4):
         raise ValueError(
             f"scores must be (B, Lq, Lk) or (B, H, Lq, Lk), got {scores.dim()} dims: {tuple(scores.shape)}"
@@ -290,7 +291,7 @@ class Mask:
         bias_range, has_neg_inf = (0.0, 0.0), False
         if attn_mask is not None:
             m = _as_4d_mask(attn_mask, B, H, Lq, Lk, mask_dims)
-            _check_device("attn_mask", m, device)
+            check_device("attn_mask", m, device)
             if m.dtype != torch.bool:
                 bias_range, has_neg_inf = _check_bias(attn_mask)
             m = m.expand(*m.shape[:2], Lq, Lk)  # (B|1, H|1, Lq, Lk), a view: blocks slice it
@@ -596,12 +597,12 @@ def _causal_block(Lq: int, Lk: int, j0: int, j1: int, device: torch.device | str
 def as_lengths(valid_lens: Tensor, name: str, num_keys: int, device: torch.device | None = None) -> Tensor:
     """Check lengths are whole numbers in ``[0, num_keys]`` on ``device``; return them as int64 (never in place)."""
     if not isinstance(valid_lens, Tensor):
-        raise TypeError(f"{name} must be a tensor of lengths, got {_describe(valid_lens)}")
+        raise TypeError(f"{name} must be a tensor of lengths, got {describe(valid_lens)}")
     if valid_lens.dtype == torch.bool or valid_lens.is_complex():
         raise TypeError(f"{name} must hold whole numbers (integer or float dtype), got dtype {valid_lens.dtype}")
     if valid_lens.dim() not in (1, 2):
         raise ValueError(f"{name} must have shape (B,) or (B, Lq), got {tuple(valid_lens.shape)}")
-    _check_device(name, valid_lens, device)
+    check_device(name, valid_lens, device)
     if valid_lens.numel() == 0:
         return valid_lens.long()
     if valid_lens.is_floating_point():
@@ -623,7 +624,7 @@ def as_lengths(valid_lens: Tensor, name: str, num_keys: int, device: torch.devic
 def _as_4d_mask(attn_mask: Tensor, B: int, H: int, Lq: int, Lk: int, mask_dims: int) -> Tensor:
     """A view of ``attn_mask`` with 4 dims, broadcastable to ``(B, H, Lq, Lk)``."""
     if not isinstance(attn_mask, Tensor):
-        raise TypeError(f"attn_mask must be a tensor, got {_describe(attn_mask)}")
+        raise TypeError(f"attn_mask must be a tensor, got {describe(attn_mask)}")
     if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
         raise TypeError(
             f"attn_mask must be boolean (True = may attend) or floating point (added to the scores), "
@@ -639,17 +640,6 @@ def _as_4d_mask(attn_mask: Tensor, B: int, H: int, Lq: int, Lk: int, mask_dims: 
         raise ValueError(f"attn_mask of shape {shape} is not broadcastable to {names} = {target}")
     m = attn_mask.reshape((1,) * (mask_dims - len(shape)) + shape)  # (B|1, [H|1,] Lq|1, Lk|1)
     return m.unsqueeze(1) if mask_dims == 3 else m  # (B|1, H|1, Lq|1, Lk|1)
-
-
-def _check_device(name: str, t: Tensor, device: torch.device | None) -> None:
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device} but the inputs are on {device}")
-
-
-def _describe(x: object) -> str:
-    if isinstance(x, Tensor):
-        return f"tensor of dtype {x.dtype} and shape {tuple(x.shape)}"
-    return type(x).__name__
 
 
 def short(t: Tensor) -> str:

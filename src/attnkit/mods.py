@@ -46,6 +46,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit._checks import check_device, describe
+
 __all__ = [
     "MaskMod",
     "ScoreMod",
@@ -205,7 +207,7 @@ class document(MaskMod):  # noqa: N801
             if ids is None:
                 continue
             if not isinstance(ids, Tensor) or ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-                raise TypeError(f"document: {name} must be an integer tensor, got {_describe(ids)}")
+                raise TypeError(f"document: {name} must be an integer tensor, got {describe(ids)}")
             if ids.dim() != 2:
                 raise ValueError(f"document: {name} must be (B, L) document ids, got shape {tuple(ids.shape)}")
 
@@ -227,7 +229,7 @@ class document(MaskMod):  # noqa: N801
                 raise ValueError(
                     f"document: {which} must have shape (B, {length}) = ({batch}, {L}){shared}, got {tuple(ids.shape)}"
                 )
-            _check_device(f"document: {name}", ids, device)
+            check_device(f"document: {name}", ids, device)
         return self
 
     def tiles(self, rows: Tensor, cols: Tensor) -> Tiles:
@@ -260,7 +262,7 @@ class prefix_lm(MaskMod):  # noqa: N801
     def __post_init__(self) -> None:
         lens = self.prefix_lens
         if not isinstance(lens, Tensor) or lens.dtype == torch.bool or lens.is_complex():
-            raise TypeError(f"prefix_lm: prefix_lens must be a tensor of whole numbers, got {_describe(lens)}")
+            raise TypeError(f"prefix_lm: prefix_lens must be a tensor of whole numbers, got {describe(lens)}")
         if lens.dim() != 1:
             raise ValueError(f"prefix_lm: prefix_lens must have shape (B,), got {tuple(lens.shape)}")
 
@@ -360,7 +362,7 @@ class alibi(ScoreMod):  # noqa: N801
 
     def __post_init__(self) -> None:
         if not isinstance(self.slopes, Tensor) or not self.slopes.is_floating_point() or self.slopes.dim() != 1:
-            raise TypeError(f"alibi: slopes must be a (H,) floating point tensor, got {_describe(self.slopes)}")
+            raise TypeError(f"alibi: slopes must be a (H,) floating point tensor, got {describe(self.slopes)}")
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return score + self.bias(b, h, q_idx, kv_idx)
@@ -371,7 +373,7 @@ class alibi(ScoreMod):  # noqa: N801
     def bind(self, *, batch: int, heads: int, num_queries: int, num_keys: int, device: torch.device | None) -> ScoreMod:
         if self.slopes.shape != (heads,):
             raise ValueError(f"alibi: slopes must have shape (H,) = ({heads},), got {tuple(self.slopes.shape)}")
-        _check_device("alibi: slopes", self.slopes, device)
+        check_device("alibi: slopes", self.slopes, device)
         return dataclasses.replace(self, offset=num_keys - num_queries)
 
     def tensors(self) -> tuple[Tensor, ...]:
@@ -631,14 +633,3 @@ def _check_whole(name: str, value: object, *, minimum: int) -> None:
         raise TypeError(f"{name} must be a whole number, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}")
-
-
-def _check_device(name: str, t: Tensor, device: torch.device | None) -> None:
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device} but the inputs are on {device}")
-
-
-def _describe(x: object) -> str:
-    if isinstance(x, Tensor):
-        return f"tensor of dtype {x.dtype} and shape {tuple(x.shape)}"
-    return type(x).__name__

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
+from attnkit._checks import describe
 from attnkit.masks import as_lengths
 
 __all__ = ["Packed", "pack", "unpack"]
@@ -64,10 +65,10 @@ def pack(x: Tensor, valid_lens: Tensor) -> Packed:
         ValueError, TypeError: for ``x`` without a length axis or lengths that do not fit it.
     """
     if not isinstance(x, Tensor) or x.dim() < 2:
-        raise ValueError(f"x must be a (B, L, ...) tensor, got {_describe(x)}")
+        raise ValueError(f"x must be a (B, L, ...) tensor, got {describe(x)}")
     B, L = x.shape[:2]
     if not isinstance(valid_lens, Tensor) or valid_lens.shape != (B,):
-        raise ValueError(f"valid_lens must have shape (B,) = ({B},), got {_describe(valid_lens)}")
+        raise ValueError(f"valid_lens must have shape (B,) = ({B},), got {describe(valid_lens)}")
     lengths = as_lengths(valid_lens, "valid_lens", L, x.device)  # (B,)
     keep = torch.arange(L, device=x.device) < lengths[:, None]  # (B, L)
     data = x[keep].unsqueeze(0)  # (1, N, F...)
@@ -93,14 +94,8 @@ def unpack(data: Tensor, packed: Packed) -> Tensor:
     N = int(lengths.sum())
     tokens = data[0] if data.dim() >= 2 and data.shape[0] == 1 and data.shape[1] == N else data  # (N, F...)
     if tokens.dim() < 1 or tokens.shape[0] != N:
-        raise ValueError(f"data must hold the {N} packed tokens, (1, {N}, ...) or ({N}, ...), got {_describe(data)}")
+        raise ValueError(f"data must hold the {N} packed tokens, (1, {N}, ...) or ({N}, ...), got {describe(data)}")
     B = lengths.shape[0]
     keep = torch.arange(L, device=tokens.device) < lengths[:, None]  # (B, L)
     out = tokens.new_zeros((B, L, *tokens.shape[1:]))  # (B, L, F...)
     return out.index_put((keep,), tokens)  # (B, L, F...)
-
-
-def _describe(x: object) -> str:
-    if isinstance(x, Tensor):
-        return f"a tensor of shape {tuple(x.shape)}"
-    return type(x).__name__

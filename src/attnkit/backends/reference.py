@@ -46,8 +46,8 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     H = q.shape[1]
     dtype = compute_dtype(q.dtype)
     q, k, v = zero_dead(q, k, v, mask)
-    weights = _weights(
-        q, k, mask, w_v=call.w_v, scale=call.scale, score_mod=call.score_mod, sinks=call.sinks
+    weights = attention_weights(
+        q, k, mask, w_v=call.w_v, scale=call.scale, score_mod=call.score_mod, sinks=call.sinks, zeroed=True
     )  # (B, H, Lq, Lk) in `dtype`
     dropped = torch.nn.functional.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
     out = dropped @ repeat_kv(v, H).to(dtype)  # (B, H, Lq, Dv)
@@ -63,23 +63,14 @@ def attention_weights(
     scale: float,
     score_mod: mods.ScoreFn | None = None,
     sinks: Tensor | None = None,
+    zeroed: bool = False,
 ) -> Tensor:
-    """The weights ``a`` alone (no output), ``(B, H, Lq, Lk)`` in the compute dtype: what recording needs."""
-    q, k, _ = zero_dead(q, k, k, mask)
-    return _weights(q, k, mask, w_v=w_v, scale=scale, score_mod=score_mod, sinks=sinks)
+    """The weights ``a`` alone (no output), ``(B, H, Lq, Lk)`` in the compute dtype: what recording needs
+    (``zeroed``: the caller has zeroed the dead queries and keys already).
 
-
-def _weights(
-    q: Tensor,
-    k: Tensor,
-    mask: Mask,
-    *,
-    w_v: Tensor | None,
-    scale: float,
-    score_mod: mods.ScoreFn | None = None,
-    sinks: Tensor | None = None,
-) -> Tensor:
-    """Without autograd, the scores are written once (scale folded into the matmul) and the softmax runs in place."""
+    Without autograd, the scores are written once (scale folded into the matmul) and the softmax runs in place."""
+    if not zeroed:
+        q, k, _ = zero_dead(q, k, k, mask)
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     dtype = compute_dtype(q.dtype)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from attnkit.distributed import comm
-from attnkit.distributed.ring import _agree, _RingAttention
+from attnkit.distributed.ring import Request, _agree, _RingAttention
 from attnkit.distributed.sequence import check_layout
 from attnkit.layers import Masks, MultiHeadAttention
 
@@ -96,19 +96,8 @@ class RingMultiHeadAttention(MultiHeadAttention):
         elif self._dropout_p() > 0:
             refused = f"RingMultiHeadAttention has no dropout on the weights, got dropout={self.dropout}"
         ring = comm.Ring(self.group)
-        plan = _agree(
-            ring,
-            q,
-            k,
-            v,
-            masks.valid_lens,
-            masks.is_causal,
-            None,
-            self.layout,
-            self.timeout,
-            refused=refused,
-            mask_mod=masks.mask_mod,
-        )
+        request = Request(q, k, v, masks.valid_lens, masks.is_causal, None, self.layout, masks.mask_mod)
+        plan = _agree(ring, request, self.timeout, refused=refused)
         return _RingAttention.apply(q, k, v, plan)  # (B, H, L_r, d)
 
 

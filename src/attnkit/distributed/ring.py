@@ -44,6 +44,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -126,10 +127,22 @@ def ring_attention(
             mask_mod = mods.and_masks(mods.document(ids), mods.sliding_window(4096))
             out = ring_attention(q, k, v, is_causal=True, layout="zigzag", mask_mod=mask_mod)
     """
-    plan = _agree(
-        comm.Ring(group), q, k, v, valid_lens, is_causal, scale, layout, timeout, refused=None, mask_mod=mask_mod
-    )
+    request = Request(q, k, v, valid_lens, is_causal, scale, layout, mask_mod)
+    plan = _agree(comm.Ring(group), request, timeout, refused=None)
     return _RingAttention.apply(q, k, v, plan)
+
+
+class Request(NamedTuple):
+    """One rank's call, as given: checked by :func:`_agree` against itself and the other ranks."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    valid_lens: Tensor | None
+    is_causal: bool
+    scale: float | None
+    layout: str
+    mask_mod: mods.MaskFn | None = None
 
 
 # --- agreeing before the first exchange --------------------------------------------------------------------
@@ -215,26 +228,14 @@ class _Plan:
         return known
 
 
-def _agree(
-    ring: comm.Ring,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    valid_lens: Tensor | None,
-    is_causal: bool,
-    scale: float | None,
-    layout: str,
-    timeout: float | timedelta | None,
-    *,
-    refused: str | None,
-    mask_mod: mods.MaskFn | None = None,
-) -> _Plan:
+def _agree(ring: comm.Ring, request: Request, timeout: float | timedelta | None, *, refused: str | None) -> _Plan:
     """Check this rank's inputs, all-gather what each rank holds, and check that the ranks agree.
 
     A rank whose own inputs are wrong still joins the all-gather (flagged), so that every rank raises at once
     instead of the others waiting for blocks that never come. ``refused`` is a caller's reason to refuse this
     rank's call (:class:`RingMultiHeadAttention`'s), raised as a ``ValueError`` in the same way.
     """
+    q, valid_lens, is_causal, mask_mod = request.q, request.valid_lens, request.is_causal, request.mask_mod
     error: Exception | None = None
     mine: dict[str, int] | None = None
     wait = comm.DEFAULT_TIMEOUT
@@ -242,7 +243,7 @@ def _agree(
         wait = comm.as_timeout(timeout)
         if refused is not None:
             raise ValueError(refused)
-        mine = _describe(q, k, v, valid_lens, is_causal, scale, layout, mask_mod)
+        mine = _describe(request)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it; gather_checked raises it here
         error = e
     rows = comm.gather_checked(
@@ -321,17 +322,9 @@ def _agree(
     )
 
 
-def _describe(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    valid_lens: Tensor | None,
-    is_causal: bool,
-    scale: float | None,
-    layout: str,
-    mask_mod: mods.MaskFn | None = None,
-) -> dict[str, int]:
+def _describe(request: Request) -> dict[str, int]:
     """This rank's call as integers, after the checks that need no other rank."""
+    q, k, v, valid_lens, is_causal, scale, layout, mask_mod = request
     if check_qkv(q, k, v):
         raise ValueError(
             f"ring_attention takes (B, H, L_r, D) inputs, got 3 dims: q {tuple(q.shape)}, k {tuple(k.shape)}, "
