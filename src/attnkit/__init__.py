@@ -5,6 +5,7 @@ to attend to give zeros, never NaN), fast backends, and pictures of what a model
 """
 
 from attnkit import mods, packing
+from attnkit.cache import CrossKVCache, KVCache
 from attnkit.dispatch import available_backends
 from attnkit.functional import AttentionOutput, additive_attention, scaled_dot_product_attention
 from attnkit.layers import AdditiveAttention, DotProductAttention, MultiHeadAttention, record_weights
@@ -17,7 +18,9 @@ __version__ = "0.1.0"
 __all__ = [
     "AdditiveAttention",
     "AttentionOutput",
+    "CrossKVCache",
     "DotProductAttention",
+    "KVCache",
     "MultiHeadAttention",
     "__version__",
     "additive_attention",

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import mods, trace
+from attnkit.cache import CrossKVCache, KVCache
 from attnkit.functional import additive_attention, attention_weights, check_qkv, scaled_dot_product_attention
 
 __all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention", "WeightRecord", "record_weights"]
@@ -359,11 +360,16 @@ class MultiHeadAttention(_Attention):
         is_causal: bool = False,
         mask_mod: mods.MaskFn | None = None,
         score_mod: mods.ScoreFn | None = None,
+        cache: KVCache | CrossKVCache | None = None,
     ) -> Tensor:
         """Args: queries ``(B, Lq, query_size)``, keys ``(B, Lk, key_size)``, values ``(B, Lk, value_size)``;
         valid_lens ``(B,)`` or ``(B, Lq)``; attn_mask ``(Lq, Lk)``, ``(B, Lq, Lk)`` or ``(B, H, Lq, Lk)``;
-        mask_mod, score_mod as in :func:`attnkit.scaled_dot_product_attention` (``h`` is the query head).
-        Returns ``(B, Lq, num_hiddens)``."""
+        mask_mod, score_mod as in :func:`attnkit.scaled_dot_product_attention` (``h`` is the query head);
+        cache: a :class:`~attnkit.KVCache` (self-attention: this call's keys and values are appended to it and the
+        queries attend over all it holds; ``valid_lens (B,)`` then counts each row's real new tokens, and
+        ``is_causal`` places query ``i`` at its row's position ``length_b + i``; no other mask) or a
+        :class:`~attnkit.CrossKVCache` (keys and values projected at its first call, reused at the later ones,
+        with the ``valid_lens`` of the first). Returns ``(B, Lq, num_hiddens)``."""
         check_qkv(queries, keys, values, ("queries", "keys", "values"), same_features=False)
         if queries.dim() != 3:
             raise ValueError(f"queries must be (B, Lq, query_size), got {tuple(queries.shape)}")
@@ -372,16 +378,35 @@ class MultiHeadAttention(_Attention):
         B, Lq, _ = queries.shape
         Lk = keys.shape[1]
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q_flat, k_flat, v_flat = self.W_q(queries), self.W_k(keys), self.W_v(values)  # (B, L, H*d), (B, L, Hkv*d)
-        q = q_flat.view(B, Lq, H, d).transpose(1, 2)  # (B, H, Lq, d)
-        k = k_flat.view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
-        v = v_flat.view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
         tracer = trace.active()
+        q_flat = self.W_q(queries)  # (B, Lq, H*d)
+        q = q_flat.view(B, Lq, H, d).transpose(1, 2)  # (B, H, Lq, d)
+        split = [("queries", q_flat, q)]
+        if isinstance(cache, CrossKVCache) and cache.keys is not None and cache.values is not None:
+            k, v, valid_lens = cache.keys, cache.values, cache.valid_lens  # projected at the first call
+        else:
+            k_flat, v_flat = self.W_k(keys), self.W_v(values)  # (B, Lk, Hkv*d) each
+            k = k_flat.view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
+            v = v_flat.view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
+            split += [("keys", k_flat, k), ("values", v_flat, v)]
         if tracer is not None:
-            for name, flat, split in (("queries", q_flat, q), ("keys", k_flat, k), ("values", v_flat, v)):
-                tracer.add("split heads", [flat], split, f"{name}: (B, L, H*d) -> (B, H, L, d)")
+            for name, flat, heads in split:
+                tracer.add("split heads", [flat], heads, f"{name}: (B, L, H*d) -> (B, H, L, d)")
         if isinstance(attn_mask, Tensor) and attn_mask.dim() == 3:  # anything else: the mask checks name it
             attn_mask = attn_mask.unsqueeze(1)  # (B, Lq, Lk) -> (B, 1, Lq, Lk)
+        if isinstance(cache, CrossKVCache):
+            if cache.keys is None:
+                cache.keys, cache.values, cache.valid_lens = k, v, valid_lens
+        elif isinstance(cache, KVCache):
+            if attn_mask is not None or mask_mod is not None or score_mod is not None:
+                raise ValueError(
+                    "with a KVCache, the masks are valid_lens (B,) (each row's real new tokens) and is_causal; "
+                    "attn_mask, mask_mod and score_mod are not supported (their positions would not be the rows' own)"
+                )
+            k, v, valid_lens, attn_mask = cache.update(k, v, valid_lens, is_causal)
+            is_causal = False  # now in valid_lens or attn_mask, by each row's own positions
+        elif cache is not None:
+            raise TypeError(f"cache must be an attnkit.KVCache or attnkit.CrossKVCache, got {type(cache).__name__}")
         masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
         out = self._attend(q, k, v, masks)  # (B, H, Lq, d)
         self._record(q, k, masks)

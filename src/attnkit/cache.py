@@ -1,0 +1,244 @@
+"""Key/value caches for generation: project only the new positions, attend over everything cached.
+
+One cache per attention layer, given to the layer's call::
+
+    cache = attnkit.KVCache()                                           # sizes, dtype, device from the first call
+    y = mha(prompt, prompt, prompt, prompt_lens, is_causal=True, cache=cache)   # prefill, right-padded prompts
+    y = mha(x_new, x_new, x_new, is_causal=True, cache=cache)                  # then one token (or a few) a step
+
+Each row of the batch keeps its own length: a prefill with ``valid_lens=(B,)`` stores row ``b``'s first
+``valid_lens[b]`` positions, and every later call appends row ``b``'s new tokens at that row's own position (no
+left padding, so no shifted position ids and no rows of NaN). Query ``i`` of a call stands at position
+``length_b + i`` of its row and, with ``is_causal=True``, sees that row's keys up to itself.
+
+Three kinds:
+
+* growing (``KVCache()``): no size given; storage doubles when full (amortised: a step copies nothing);
+* static (``KVCache(max_len=N)``): allocated once at ``N`` positions; every step has the same shapes, so a decode
+  step compiled with ``torch.compile`` is not recompiled as the context grows;
+* sliding (``KVCache(window=W)``): a ring buffer of the last ``W`` positions of each row; query ``p`` sees keys
+  ``p - W < j <= p`` (Mistral's sliding window), for as long as the generation goes.
+
+Grouped-query layers store only their ``num_kv_heads`` heads: :attr:`KVCache.nbytes` is
+``2 * B * Hkv * capacity * D * itemsize``. :class:`CrossKVCache` keeps an encoder's projected keys and values (and
+its ``valid_lens``) for cross-attention: projected once, reused every step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnkit._checks import describe
+from attnkit.masks import as_lengths
+
+__all__ = ["CrossKVCache", "KVCache"]
+
+# B batch, Hkv key/value heads, D head dim, Lq new positions in this call, C capacity (positions stored), W window
+
+
+class KVCache:
+    """The keys and values one attention layer has seen, row by row (see the module docstring).
+
+    Args:
+        max_len: a static cache of this many positions per row, allocated at the first call.
+        window: a sliding cache that keeps the last ``window`` positions of each row.
+
+    Raises:
+        ValueError: both given, or a size that is not a positive whole number.
+
+    Example:
+        >>> import torch, attnkit
+        >>> mha, cache = attnkit.MultiHeadAttention(16, 4).eval(), attnkit.KVCache()
+        >>> x = torch.randn(2, 5, 16)
+        >>> _ = mha(x, x, x, torch.tensor([5, 3]), is_causal=True, cache=cache)  # prompts of 5 and 3 tokens
+        >>> y = mha(x[:, :1], x[:, :1], x[:, :1], is_causal=True, cache=cache)   # one more token each
+        >>> cache.lengths.tolist(), y.shape
+        ([6, 4], torch.Size([2, 1, 16]))
+    """
+
+    def __init__(self, max_len: int | None = None, *, window: int | None = None) -> None:
+        if max_len is not None and window is not None:
+            raise ValueError(f"give max_len (a static cache) or window (a sliding one), not both: {max_len}, {window}")
+        for name, value in (("max_len", max_len), ("window", window)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+        self.max_len, self.window = max_len, window
+        self.keys: Tensor | None = None  # (B, Hkv, C, D)
+        self.values: Tensor | None = None  # (B, Hkv, C, Dv)
+        self.lengths: Tensor | None = None  # (B,) int64: positions appended to each row so far
+        self.slot_positions: Tensor | None = None  # sliding: (B, W) the position each slot holds, -1 if none
+
+    @property
+    def kind(self) -> str:
+        return "sliding" if self.window is not None else "static" if self.max_len is not None else "growing"
+
+    @property
+    def capacity(self) -> int:
+        """Positions stored per row (0 before the first call)."""
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored keys and values: ``2 * B * Hkv * capacity * D * itemsize``."""
+        return 0 if self.keys is None or self.values is None else self.keys.nbytes + self.values.nbytes
+
+    def reset(self) -> None:
+        """Empty the cache for a new batch of sequences (a static cache keeps its storage)."""
+        if self.kind == "static" and self.lengths is not None:
+            self.lengths.zero_()
+            return
+        self.keys = self.values = self.lengths = self.slot_positions = None
+
+    def __repr__(self) -> str:
+        size = "" if self.keys is None else f", {tuple(self.keys.shape)}, {self.nbytes} bytes"
+        return f"KVCache({self.kind}{size})"
+
+    def update(
+        self, k_new: Tensor, v_new: Tensor, new_lens: Tensor | None, is_causal: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """Store a call's new keys and values; return what its queries attend over.
+
+        Args:
+            k_new: ``(B, Hkv, Lq, D)``, v_new: ``(B, Hkv, Lq, Dv)``, projected, for the call's ``Lq`` positions.
+            new_lens: ``(B,)``: how many of them are real in each row (right padding after); all when ``None``.
+            is_causal: query ``i`` of row ``b`` sees that row's keys up to its own position ``length_b + i``.
+
+        Returns:
+            ``keys (B, Hkv, Lk, D)``, ``values (B, Hkv, Lk, Dv)``, and the mask as the attention call takes it:
+            ``valid_lens (B, Lq)`` (growing and static caches) or a boolean ``attn_mask (B, 1, Lq, Lk)`` (sliding),
+            the other ``None``. Padded queries see no key (their output is zero).
+        """
+        B, Hkv, Lq, _ = k_new.shape
+        self._start(k_new, v_new)
+        assert self.lengths is not None
+        real = self._new_lengths(new_lens, B, Lq, k_new.device)  # (B,)
+        steps = torch.arange(Lq, device=k_new.device)  # (Lq,)
+        positions = self.lengths[:, None] + steps  # (B, Lq): where each new token stands in its row
+        is_real = steps < real[:, None]  # (B, Lq)
+        if self.window is not None:
+            return self._sliding(k_new, v_new, positions, is_real, is_causal)
+        self._make_room(int(self.lengths.max()) + Lq if self.max_len is None else None, Lq)
+        assert self.keys is not None and self.values is not None
+        # Padded tokens are written too, past the row's new length: unseen, and overwritten by the row's next tokens.
+        index = positions[:, None, :, None]  # (B, 1, Lq, 1)
+        self.keys.scatter_(2, index.expand(B, Hkv, Lq, self.keys.shape[3]), k_new.to(self.keys.dtype))
+        self.values.scatter_(2, index.expand(B, Hkv, Lq, self.values.shape[3]), v_new.to(self.values.dtype))
+        self.lengths = self.lengths + real  # (B,)
+        # (B, Lq): causal, query i sees its row's keys [0, length_b + i]; else every key of its row
+        seen = positions + 1 if is_causal else self.lengths[:, None].expand(B, Lq)
+        seen = torch.where(is_real, seen, 0)  # (B, Lq): padded queries see nothing
+        if self.max_len is not None:
+            return self.keys, self.values, seen, None  # static shapes: the whole storage, masked by lengths
+        Lk = int(self.lengths.max())
+        return self.keys[:, :, :Lk], self.values[:, :, :Lk], seen, None
+
+    def _start(self, k_new: Tensor, v_new: Tensor) -> None:
+        """At the first call: sizes, dtype and device from it; later calls must fit them."""
+        B, Hkv, Lq, D = k_new.shape
+        Dv = v_new.shape[3]
+        if self.keys is None or self.values is None or self.lengths is None:
+            capacity = self.window or self.max_len or max(Lq, 16)
+            self.keys = k_new.new_zeros((B, Hkv, capacity, D))  # (B, Hkv, C, D)
+            self.values = v_new.new_zeros((B, Hkv, capacity, Dv))  # (B, Hkv, C, Dv)
+            self.lengths = torch.zeros(B, dtype=torch.long, device=k_new.device)  # (B,)
+            if self.window is not None:
+                self.slot_positions = torch.full((B, self.window), -1, dtype=torch.long, device=k_new.device)
+            return
+        want = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], self.values.shape[3])
+        if (B, Hkv, D, Dv) != want or k_new.device != self.keys.device:
+            raise ValueError(
+                f"this cache holds (B, Hkv, D, Dv) = {want} on {self.keys.device}, but the call brings keys "
+                f"{tuple(k_new.shape)} and values {tuple(v_new.shape)} on {k_new.device}: one cache per layer and "
+                f"batch (cache.reset() empties it for a new batch)"
+            )
+
+    def _new_lengths(self, new_lens: Tensor | None, B: int, Lq: int, device: torch.device) -> Tensor:
+        if new_lens is None:
+            return torch.full((B,), Lq, dtype=torch.long, device=device)
+        if not isinstance(new_lens, Tensor) or new_lens.shape != (B,):
+            raise ValueError(
+                f"with a cache, valid_lens must have shape (B,) = ({B},), the real new tokens of each row "
+                f"(right-padded), got {describe(new_lens)}"
+            )
+        return as_lengths(new_lens, "valid_lens", Lq, device)
+
+    def _make_room(self, needed: int | None, Lq: int) -> None:
+        """Growing: at least ``needed`` positions, doubling (amortised). Static: the call must fit."""
+        assert self.keys is not None and self.values is not None and self.lengths is not None
+        C = self.keys.shape[2]
+        if needed is None:  # static
+            if not torch.compiler.is_compiling():
+                longest = int(self.lengths.max())
+                if longest + Lq > C:
+                    raise ValueError(
+                        f"this static cache holds max_len={C} positions per row; a row already holds {longest} "
+                        f"and the call brings {Lq} more"
+                    )
+            return
+        if needed <= C:
+            return
+        grown = max(needed, 2 * C)
+        for name in ("keys", "values"):
+            old: Tensor = getattr(self, name)
+            new = old.new_zeros((*old.shape[:2], grown, old.shape[3]))  # (B, Hkv, C', D)
+            new[:, :, :C] = old
+            setattr(self, name, new)
+
+    def _sliding(
+        self, k_new: Tensor, v_new: Tensor, positions: Tensor, is_real: Tensor, is_causal: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """The ring's keys and the new ones together (the new ones may overwrite slots older queries of this call
+        still see), masked by position; then the last ``W`` real ones of each row written into the ring."""
+        assert self.keys is not None and self.values is not None and self.slot_positions is not None
+        assert self.window is not None and self.lengths is not None
+        W = self.window
+        B, Hkv, Lq, _ = k_new.shape
+        keys = torch.cat([self.keys, k_new.to(self.keys.dtype)], dim=2)  # (B, Hkv, W + Lq, D)
+        values = torch.cat([self.values, v_new.to(self.values.dtype)], dim=2)  # (B, Hkv, W + Lq, Dv)
+        new_positions = torch.where(is_real, positions, -1)  # (B, Lq)
+        key_positions = torch.cat([self.slot_positions, new_positions], dim=1)  # (B, W + Lq)
+        p = positions[:, :, None]  # (B, Lq, 1): each query's position
+        j = key_positions[:, None, :]  # (B, 1, W + Lq)
+        allowed = (j >= 0) & (j > p - W)  # (B, Lq, W + Lq): held, and within the window
+        allowed = allowed & (j <= p) if is_causal else allowed & (j < (self.lengths + is_real.sum(1))[:, None, None])
+        allowed = allowed & is_real[:, :, None]  # padded queries see nothing
+        for b in range(B):  # the last W real tokens of each row into their slots (distinct: W consecutive positions)
+            n = int(is_real[b].sum())
+            first = max(0, n - W)
+            slots = positions[b, first:n] % W  # (n',)
+            self.keys[b, :, slots] = k_new[b, :, first:n].to(self.keys.dtype)
+            self.values[b, :, slots] = v_new[b, :, first:n].to(self.values.dtype)
+            self.slot_positions[b, slots] = positions[b, first:n]
+        self.lengths = self.lengths + is_real.sum(dim=1)  # (B,)
+        return keys, values, None, allowed[:, None]  # attn_mask (B, 1, Lq, W + Lq)
+
+
+class CrossKVCache:
+    """An encoder's projected keys and values for cross-attention, computed at the first call and reused at every
+    later one (whatever keys and values those pass), with the encoder's ``valid_lens``.
+
+    Example:
+        >>> import torch, attnkit
+        >>> cross, cache = attnkit.MultiHeadAttention(16, 4).eval(), attnkit.CrossKVCache()
+        >>> memory, y = torch.randn(2, 7, 16), torch.randn(2, 1, 16)
+        >>> _ = cross(y, memory, memory, torch.tensor([7, 4]), cache=cache)  # projects memory once
+        >>> cache.keys.shape                                                   # (B, Hkv, Lk, D)
+        torch.Size([2, 4, 7, 4])
+    """
+
+    def __init__(self) -> None:
+        self.keys: Tensor | None = None  # (B, Hkv, Lk, D)
+        self.values: Tensor | None = None  # (B, Hkv, Lk, Dv)
+        self.valid_lens: Tensor | None = None  # the encoder's, as first given
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None or self.values is None else self.keys.nbytes + self.values.nbytes
+
+    def reset(self) -> None:
+        self.keys = self.values = self.valid_lens = None
+
+    def __repr__(self) -> str:
+        size = "empty" if self.keys is None else f"{tuple(self.keys.shape)}, {self.nbytes} bytes"
+        return f"CrossKVCache({size})"

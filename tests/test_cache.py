@@ -1,0 +1,200 @@
+"""Key/value caches: incremental decoding equals the full causal forward on each row's whole sequence, for growing,
+static and sliding caches, ragged prompts (right-padded), prefill in one call, token by token or in chunks, GQA,
+cross-attention and every backend; a static cache's decode step compiles once; bytes, reset and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.mathref import max_err
+
+import attnkit
+from attnkit import mods
+from attnkit.cache import CrossKVCache, KVCache
+
+# B batch, E hidden size, H heads, Hkv key/value heads, P padded prompt length, T generated tokens
+
+E, H = 32, 4
+LENS = torch.tensor([5, 2, 7])  # ragged prompts, right-padded to 7
+P, T = 7, 20
+OUT_TOL32 = 2e-5  # float32 against the float32 full forward: the suite's output tolerance
+
+KINDS = {"growing": {}, "static": {"max_len": 40}, "sliding": {"window": 4}}
+
+
+def _model(num_kv_heads: int, dtype: torch.dtype, backend: str = "auto") -> attnkit.MultiHeadAttention:
+    torch.manual_seed(0)
+    return attnkit.MultiHeadAttention(E, H, num_kv_heads=num_kv_heads, backend=backend).to(dtype).eval()
+
+
+def _data(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(len(LENS), P, E, generator=g, dtype=dtype), torch.randn(
+        len(LENS), T, E, generator=g, dtype=dtype
+    )
+
+
+def _full_rows(mha, prompt, gen, window):
+    """Each row's whole sequence (its prompt, then the generated tokens) through the full causal forward."""
+    rows = []
+    for b, n in enumerate(LENS.tolist()):
+        seq = torch.cat([prompt[b : b + 1, :n], gen[b : b + 1]], dim=1)  # (1, n + T, E)
+        mask_mod = None if window is None else mods.sliding_window(window)
+        rows.append(mha(seq, seq, seq, is_causal=True, mask_mod=mask_mod)[0])  # (n + T, E)
+    return rows
+
+
+def _decode(mha, cache, prompt, gen, chunk):
+    """Prefill with the ragged prompts, then the generated tokens `chunk` at a time; each row's outputs in order."""
+    first = mha(prompt, prompt, prompt, LENS, is_causal=True, cache=cache)  # (B, P, E)
+    steps = [mha(x, x, x, is_causal=True, cache=cache) for x in gen.split(chunk, dim=1)]  # (B, chunk, E) each
+    return [torch.cat([first[b, :n], *(s[b] for s in steps)]) for b, n in enumerate(LENS.tolist())]
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+@pytest.mark.parametrize("chunk", [1, 17, T])
+def test_incremental_decoding_equals_the_full_forward_of_each_row(kind, backend, num_kv_heads, chunk):
+    mha = _model(num_kv_heads, torch.float32, backend)
+    prompt, gen = _data(torch.float32)
+    got = _decode(mha, KVCache(**KINDS[kind]), prompt, gen, chunk)
+    want = _full_rows(mha, prompt, gen, KINDS[kind].get("window"))
+    for b, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert max_err(g, w) <= OUT_TOL32, (b, max_err(g, w))
+
+
+def test_prefill_in_one_call_token_by_token_or_in_chunks_agree_in_float64():
+    mha = _model(2, torch.float64)
+    prompt, gen = _data(torch.float64)
+    results = [_decode(mha, KVCache(), prompt, gen, chunk) for chunk in (1, 3, 17, T)]
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert max_err(a, b) <= 1e-12
+
+
+def test_sliding_cache_holds_exactly_the_window_far_past_it():
+    """120 steps past a window of 8: the ring holds 8 positions per row, the outputs equal the full sliding-window
+    forward, and the bytes never grow."""
+    mha = _model(2, torch.float64)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 128, E, generator=g, dtype=torch.float64)
+    cache = KVCache(window=8)
+    outs = [mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], is_causal=True, cache=cache) for t in range(128)]
+    want = mha(x, x, x, is_causal=True, mask_mod=mods.sliding_window(8))
+    assert max_err(torch.cat(outs, dim=1), want) <= 1e-12
+    assert cache.capacity == 8 and cache.nbytes == 2 * 2 * 2 * 8 * (E // H) * 8
+    assert sorted(cache.slot_positions[0].tolist()) == list(range(120, 128))
+
+
+def test_cache_bytes_are_exactly_the_kv_heads_and_gqa_holds_a_quarter():
+    x = torch.randn(2, 10, 64)
+    sizes = {}
+    for hkv in (8, 2):
+        mha = attnkit.MultiHeadAttention(64, 8, num_kv_heads=hkv).eval()
+        cache = KVCache(max_len=100)
+        mha(x, x, x, is_causal=True, cache=cache)
+        assert cache.nbytes == 2 * 2 * hkv * 100 * 8 * 4  # 2 (k, v) * B * Hkv * max_len * D * float32
+        sizes[hkv] = cache.nbytes
+    assert sizes[2] * 4 == sizes[8]
+
+
+def test_a_growing_cache_grows_by_doubling():
+    mha = _model(4, torch.float32)
+    cache, seen = KVCache(), set()
+    for _ in range(200):
+        x = torch.randn(1, 1, E)
+        mha(x, x, x, is_causal=True, cache=cache)
+        seen.add(cache.capacity)
+    assert sorted(seen) == [16, 32, 64, 128, 256]  # 4 copies in 200 steps, not one a step
+
+
+def test_a_static_cache_step_compiles_once():
+    """32 decode steps of a compiled layer with a static cache: nothing is compiled after the second step."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    mha = _model(2, torch.float32)
+    cache = KVCache(max_len=64)
+    with torch.no_grad():
+        p = torch.randn(2, 5, E)
+        mha(p, p, p, torch.tensor([5, 3]), is_causal=True, cache=cache)
+        step = torch.compile(lambda x: mha(x, x, x, is_causal=True, cache=cache))
+        x = torch.randn(2, 1, E)
+        want = []
+        eager_cache = KVCache(max_len=64)
+        mha(p, p, p, torch.tensor([5, 3]), is_causal=True, cache=eager_cache)
+        counters.clear()
+        for i in range(32):
+            y = step(x)
+            want.append(mha(x, x, x, is_causal=True, cache=eager_cache))
+            if i == 1:
+                graphs = counters["stats"]["unique_graphs"]
+            assert max_err(y, want[-1]) <= OUT_TOL32
+    assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
+    assert cache.lengths.tolist() == [37, 35]
+
+
+def test_cross_attention_cache_projects_the_memory_once():
+    mha = _model(2, torch.float64)
+    g = torch.Generator().manual_seed(3)
+    memory = torch.randn(3, 9, E, generator=g, dtype=torch.float64)
+    enc_lens = torch.tensor([9, 4, 1])
+    ys = torch.randn(3, 6, E, generator=g, dtype=torch.float64)
+    projected = []
+    hook = mha.W_k.register_forward_hook(lambda m, i, o: projected.append(o.shape))
+    cache = CrossKVCache()
+    steps = [mha(ys[:, t : t + 1], memory, memory, enc_lens, cache=cache) for t in range(6)]
+    hook.remove()
+    assert len(projected) == 1  # the keys were projected at the first step only
+    want = mha(ys, memory, memory, enc_lens)
+    assert max_err(torch.cat(steps, dim=1), want) <= 1e-12
+
+
+def test_record_weights_records_each_decode_step_over_the_cache():
+    mha = _model(4, torch.float64)
+    prompt, gen = _data(torch.float64)
+    cache = KVCache()
+    with attnkit.record_weights(mha) as rec:
+        mha(prompt, prompt, prompt, LENS, is_causal=True, cache=cache)
+        for t in range(3):
+            mha(gen[:, t : t + 1], gen[:, t : t + 1], gen[:, t : t + 1], is_causal=True, cache=cache)
+    calls = rec.calls("")
+    assert [tuple(w.shape) for w in calls] == [(3, H, P, 7), (3, H, 1, 8), (3, H, 1, 9), (3, H, 1, 10)]
+    last = calls[-1]
+    for b, n in enumerate(LENS.tolist()):  # row b has n + 3 keys: its weights sum to 1 over them, 0 past them
+        assert torch.allclose(last[b, :, 0, : n + 3].sum(-1), torch.ones(H, dtype=torch.float64))
+        assert torch.all(last[b, :, 0, n + 3 :] == 0)
+
+
+def test_reset_empties_the_cache_for_a_new_batch():
+    mha = _model(4, torch.float64)
+    prompt, gen = _data(torch.float64)
+    for kind in KINDS.values():
+        cache = KVCache(**kind)
+        first = _decode(mha, cache, prompt, gen, 5)
+        cache.reset()
+        again = _decode(mha, cache, prompt, gen, 5)
+        for a, b in zip(first, again, strict=True):
+            assert max_err(a, b) == 0
+
+
+def test_mistakes_are_value_errors_that_say_what_fits():
+    mha = _model(4, torch.float32)
+    x = torch.randn(2, 3, E)
+    with pytest.raises(ValueError, match="give max_len .* or window .*, not both"):
+        KVCache(max_len=4, window=2)
+    with pytest.raises(ValueError, match="max_len must be a positive whole number"):
+        KVCache(max_len=0)
+    with pytest.raises(ValueError, match="attn_mask, mask_mod and score_mod are not supported"):
+        mha(x, x, x, is_causal=True, cache=KVCache(), mask_mod=mods.sliding_window(2))
+    with pytest.raises(ValueError, match=r"valid_lens must have shape \(B,\) = \(2,\)"):
+        mha(x, x, x, torch.ones(2, 3), is_causal=True, cache=KVCache())
+    cache = KVCache(max_len=4)
+    mha(x, x, x, is_causal=True, cache=cache)
+    with pytest.raises(ValueError, match="holds max_len=4 positions per row; a row already holds 3 and the call"):
+        mha(x, x, x, is_causal=True, cache=cache)
+    with pytest.raises(ValueError, match="one cache per layer and batch"):
+        mha(torch.randn(3, 1, E), torch.randn(3, 1, E), torch.randn(3, 1, E), is_causal=True, cache=cache)
+    with pytest.raises(TypeError, match="cache must be an attnkit.KVCache or attnkit.CrossKVCache"):
+        mha(x, x, x, cache={})
