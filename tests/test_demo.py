@@ -79,3 +79,15 @@ def test_the_largest_seed_torch_takes_trains_and_larger_ones_are_refused():
     for seed in (2**64, -(2**63) - 1, 10**20, 1.5, True):
         with pytest.raises(ValueError, match=r"seed must be a whole number from -9223372036854775808 to 1844"):
             demo.train("additive", seed=seed, quick=True)
+
+
+def test_the_transformer_generates_with_its_caches_the_tokens_of_whole_prefix_decoding():
+    """The demo's greedy decoding uses key/value caches (self- and cross-attention); the tokens are those of
+    decoding the whole prefix again at every step."""
+    torch.manual_seed(0)
+    model = demo._TransformerSeq2Seq(max_positions=16).eval()
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(3, 13, (6, 8), generator=g)
+    lens = torch.tensor([8, 3, 5, 1, 8, 6])
+    src[torch.arange(8)[None] >= lens[:, None]] = demo.PAD
+    assert torch.equal(demo._greedy(model, src, lens, 9), demo._greedy(model, src, lens, 9, cache=False))

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnkit.cache import CrossKVCache, KVCache
 from attnkit.layers import AdditiveAttention, MultiHeadAttention, record_weights
 
 __all__ = ["KINDS", "SEEDS", "DemoResult", "draw", "replay_book_examples", "train"]
@@ -361,6 +362,20 @@ class _TransformerSeq2Seq(_Seq2Seq):
             y = block(y, memory, lens)
         return self.output(self.decoder_norm(y))  # (B, T, V)
 
+    def generate(self, memory: Tensor, lens: Tensor, steps: int) -> Tensor:
+        """Greedy decoding of ``steps`` tokens with key/value caches: each step projects and attends from its one
+        new token only (the encoder's keys and values are projected once). Returns ``(B, steps)``."""
+        caches = [(KVCache(), CrossKVCache()) for _ in self.decoder]
+        token = torch.full((memory.shape[0], 1), BOS, device=memory.device)  # (B, 1)
+        out = []
+        for t in range(steps):
+            y = self.embedding(token) + self.positions.weight[t]  # (B, 1, d)
+            for block, block_caches in zip(self.decoder, caches, strict=True):
+                y = block(y, memory, lens, block_caches)
+            token = self.output(self.decoder_norm(y))[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+            out.append(token)
+        return torch.cat(out, dim=1)  # (B, steps)
+
 
 class _EncoderBlock(nn.Module):
     """Pre-LayerNorm: ``x + self-attention(norm(x))`` over the digits, then ``x + ffn(norm(x))``."""
@@ -391,11 +406,16 @@ class _DecoderBlock(nn.Module):
         self.ffn_norm = nn.LayerNorm(d)
         self.ffn = nn.Sequential(nn.Linear(d, ffn_hiddens), nn.ReLU(), nn.Linear(ffn_hiddens, d))
 
-    def forward(self, y: Tensor, memory: Tensor, lens: Tensor) -> Tensor:
-        """Args: y ``(B, T, d)``, memory ``(B, S, d)``, lens ``(B,)`` source lengths. Returns ``(B, T, d)``."""
+    def forward(
+        self, y: Tensor, memory: Tensor, lens: Tensor, caches: tuple[KVCache, CrossKVCache] | None = None
+    ) -> Tensor:
+        """Args: y ``(B, T, d)``, memory ``(B, S, d)``, lens ``(B,)`` source lengths; caches: the self- and
+        cross-attention caches when decoding step by step (``y`` then holds the new positions only). Returns
+        ``(B, T, d)``."""
+        self_cache, cross_cache = caches if caches is not None else (None, None)
         h = self.self_attention_norm(y)
-        y = y + self.self_attention(h, h, h, is_causal=True)
-        y = y + self.cross_attention(self.cross_attention_norm(y), memory, memory, lens)
+        y = y + self.self_attention(h, h, h, is_causal=True, cache=self_cache)
+        y = y + self.cross_attention(self.cross_attention_norm(y), memory, memory, lens, cache=cross_cache)
         return y + self.ffn(self.ffn_norm(y))
 
 
@@ -403,10 +423,13 @@ class _DecoderBlock(nn.Module):
 
 
 @torch.no_grad()
-def _greedy(model: _Seq2Seq, src: Tensor, lens: Tensor, steps: int) -> Tensor:
-    """Greedy decoding of ``steps`` tokens, decoding the whole prefix again at each step. Returns ``(B, steps)``."""
+def _greedy(model: _Seq2Seq, src: Tensor, lens: Tensor, steps: int, *, cache: bool = True) -> Tensor:
+    """Greedy decoding of ``steps`` tokens: with key/value caches when the model has them (the Transformer's
+    ``generate``), else decoding the whole prefix again at each step. Returns ``(B, steps)``."""
     model.eval()
     memory = model.encode(src, lens)
+    if cache and isinstance(model, _TransformerSeq2Seq):
+        return model.generate(memory, lens, steps)
     tokens = torch.full((src.shape[0], 1), BOS)  # (B, 1)
     for _ in range(steps):
         logits = model.decode(memory, lens, tokens)  # (B, t, V)

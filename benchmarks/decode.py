@@ -1,0 +1,300 @@
+"""Decoding with key/value caches: a step against the memory-bandwidth limit, generation against the book's loop
+(docs/benchmarks.md, "Decoding").
+
+* ``step``: one decode step of ``MultiHeadAttention(512, 8)`` at a context of 4096 (a growing cache prefilled in
+  one call), B=1, float32, no grad; against (a) the time to read the cache and the layer's weights once at this
+  machine's read bandwidth, measured in the same run (``x.sum()`` over 1 GiB: the physical limit of a step is
+  reading what it must read), target at most 2x; and (b) recomputing the full causal forward over the 4097
+  positions, target at least 20x slower than the step.
+* ``generate``: a 2-layer decoder-only model (hidden 256, 4 heads), B=8 ragged prompts of 128-256 tokens
+  (right-padded, no left padding), 256 tokens generated greedily: with a ``KVCache`` per layer, against the book's
+  loop, which keeps every layer's raw inputs and re-projects them all at each step. Target: at least 5x, with
+  identical tokens.
+* ``gqa``: the cache of ``num_kv_heads=2`` of 8 heads holds a quarter of the bytes of the full-head cache.
+* ``demo``: the Transformer of ``attnkit demo`` (untrained: the timing does not depend on the weights) generating
+  21 tokens for 256 sources, with its caches and by decoding the whole prefix again at every step.
+
+Times are medians; contenders run in turn, round after round. Exit status 1 when a target is missed.
+
+Usage::
+
+    python benchmarks/decode.py [--json FILE] [--only step|generate|gqa|demo ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import attnkit
+
+TARGETS = {"step_vs_bandwidth": 2.0, "full_vs_step": 20.0, "book_vs_cached": 5.0}
+
+# B batch, L positions, E hidden size, V vocabulary
+
+
+def median_seconds(run: Callable[[], object], repeats: int) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
+    """Bytes per second this machine reads from memory: ``x.sum()`` over a float32 tensor of ``gib`` GiB."""
+    x = torch.ones(int(gib * 2**30 / 4))
+    return x.nbytes / median_seconds(lambda: x.sum(), repeats)
+
+
+@torch.no_grad()
+def measure_step(context: int = 4096, repeats: int = 50) -> dict[str, Any]:
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(512, 8).eval()
+    x = torch.randn(1, context + repeats + 2, 512)  # (1, L, E)
+    cache = attnkit.KVCache()
+    mha(x[:, :context], x[:, :context], x[:, :context], is_causal=True, cache=cache)  # prefill
+    steps = iter(range(context, context + repeats + 2))
+
+    def step() -> None:
+        t = next(steps)
+        mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], is_causal=True, cache=cache)
+
+    step_s = median_seconds(step, repeats)
+    full = x[:, : context + 1]
+    full_s = median_seconds(lambda: mha(full, full, full, is_causal=True), 3)
+    weights = sum(p.nbytes for p in mha.parameters())
+    L = context + repeats // 2
+    cache_bytes = 2 * 8 * L * 64 * 4  # keys and values a step reads: (1, 8, L, 64) float32 each
+    bandwidth = read_bandwidth()
+    limit = (cache_bytes + weights) / bandwidth
+    return {
+        "step_s": step_s,
+        "full_forward_s": full_s,
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "bytes_read": cache_bytes + weights,
+        "read_once_s": limit,
+        "step_vs_bandwidth": step_s / limit,
+        "full_vs_step": full_s / step_s,
+    }
+
+
+class TinyLM(nn.Module):
+    """A decoder-only model: embedding, pre-norm blocks of causal self-attention and a feed-forward, a head."""
+
+    def __init__(self, vocab: int = 1000, hidden: int = 256, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.position = nn.Embedding(1024, hidden)
+        self.norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(2 * layers))
+        self.attention = nn.ModuleList(attnkit.MultiHeadAttention(hidden, heads) for _ in range(layers))
+        self.ffn = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(hidden, vocab)
+
+    def inputs(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        return self.embed(tokens) + self.position(positions)  # (B, L, E)
+
+    def block(self, i: int, x: Tensor, attend: Callable[[nn.Module, Tensor], Tensor]) -> Tensor:
+        x = x + attend(self.attention[i], self.norms[2 * i](x))
+        return x + self.ffn[i](self.norms[2 * i + 1](x))
+
+
+@torch.no_grad()
+def generate_cached(model: TinyLM, prompts: Tensor, lens: Tensor, steps: int) -> Tensor:
+    """Prefill the ragged prompts, then one token a step, each layer with its KVCache. Returns ``(B, steps)``."""
+    caches = [attnkit.KVCache() for _ in model.attention]
+    B, P = prompts.shape
+    x = model.inputs(prompts, torch.arange(P).expand(B, P))  # (B, P, E)
+    for i, cache in enumerate(caches):
+        x = model.block(i, x, lambda m, h, c=cache: m(h, h, h, lens, is_causal=True, cache=c))
+    last = x[torch.arange(B), lens - 1]  # (B, E): each row's last real position
+    token = model.head(last).argmax(-1, keepdim=True)  # (B, 1)
+    out, position = [token], lens.clone()
+    for _ in range(steps - 1):
+        x = model.inputs(token, position[:, None])  # (B, 1, E)
+        for i, cache in enumerate(caches):
+            x = model.block(i, x, lambda m, h, c=cache: m(h, h, h, is_causal=True, cache=c))
+        token = model.head(x[:, 0]).argmax(-1, keepdim=True)
+        out.append(token)
+        position += 1
+    return torch.cat(out, dim=1)  # (B, steps)
+
+
+@torch.no_grad()
+def generate_book(model: TinyLM, prompts: Tensor, lens: Tensor, steps: int) -> Tensor:
+    """The book's loop: every layer keeps its raw inputs so far (``state[2][i]``, right-padded per row here) and
+    re-projects all of them as keys and values at every step; the queries are the new positions."""
+    B, P = prompts.shape
+    x = model.inputs(prompts, torch.arange(P).expand(B, P))  # (B, P, E)
+    seen = []  # per layer: (B, P + steps, E) raw inputs, row b valid up to its length
+    for i in range(len(model.attention)):
+        raw = x.new_zeros(B, P + steps, x.shape[-1])
+        raw[:, :P] = model.norms[2 * i](x)
+        seen.append(raw)
+        x = model.block(i, x, lambda m, h: m(h, h, h, lens, is_causal=True))
+    token = model.head(x[torch.arange(B), lens - 1]).argmax(-1, keepdim=True)
+    out, position = [token], lens.clone()
+    for _ in range(steps - 1):
+        x = model.inputs(token, position[:, None])  # (B, 1, E)
+        for i in range(len(model.attention)):
+            raw = seen[i]
+
+            def attend(m: nn.Module, h: Tensor, raw: Tensor = raw, at: Tensor = position) -> Tensor:
+                raw[torch.arange(B), at] = h[:, 0]  # this step's input at each row's own position
+                n = int(at.max()) + 1
+                return m(h, raw[:, :n], raw[:, :n], at + 1)  # keys [0, at_b] of each row
+
+            x = model.block(i, x, attend)
+        token = model.head(x[:, 0]).argmax(-1, keepdim=True)
+        out.append(token)
+        position += 1
+    return torch.cat(out, dim=1)
+
+
+def measure_generate(repeats: int = 3) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = TinyLM().eval()
+    B, P, steps = 8, 256, 256
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(128, P + 1, (B,), generator=g)
+    prompts = torch.randint(0, 1000, (B, P), generator=g)
+    cached = generate_cached(model, prompts, lens, steps)
+    book = generate_book(model, prompts, lens, steps)
+    times: dict[str, list[float]] = {"cached": [], "book": []}
+    for _ in range(repeats):
+        for name, run in (("cached", generate_cached), ("book", generate_book)):
+            start = time.perf_counter()
+            run(model, prompts, lens, steps)
+            times[name].append(time.perf_counter() - start)
+    cached_s, book_s = statistics.median(times["cached"]), statistics.median(times["book"])
+    return {
+        "prompt_lens": lens.tolist(),
+        "identical_tokens": bool(torch.equal(cached, book)),
+        "cached_s": cached_s,
+        "book_s": book_s,
+        "book_vs_cached": book_s / cached_s,
+    }
+
+
+def measure_gqa() -> dict[str, Any]:
+    sizes = {}
+    x = torch.randn(1, 4096, 512)
+    with torch.no_grad():
+        for hkv in (8, 2):
+            cache = attnkit.KVCache()
+            attnkit.MultiHeadAttention(512, 8, num_kv_heads=hkv).eval()(x, x, x, is_causal=True, cache=cache)
+            sizes[hkv] = cache.nbytes
+    assert sizes[2] * 4 == sizes[8], sizes
+    return {"full_heads_bytes": sizes[8], "gqa_2_of_8_bytes": sizes[2], "ratio": sizes[2] / sizes[8]}
+
+
+def measure_demo(repeats: int = 3) -> dict[str, Any]:
+    from attnkit import demo
+
+    torch.manual_seed(0)
+    model = demo._TransformerSeq2Seq(max_positions=64).eval()
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(3, 13, (256, 20), generator=g)
+    lens = torch.randint(5, 21, (256,), generator=g)
+    src[torch.arange(20)[None] >= lens[:, None]] = demo.PAD
+    same = torch.equal(demo._greedy(model, src, lens, 21), demo._greedy(model, src, lens, 21, cache=False))
+    times = {
+        name: median_seconds(lambda c=cache: demo._greedy(model, src, lens, 21, cache=c), repeats)
+        for name, cache in (("with the cache", True), ("without (whole prefix each step)", False))
+    }
+    return {"identical_tokens": same, "seconds": times}
+
+
+def report(r: dict[str, Any]) -> str:
+    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, no grad", ""]
+    if "step" in r:
+        s = r["step"]
+        lines += [
+            "MultiHeadAttention(512, 8), context 4096, B=1, one decode step:",
+            "",
+            "| what | value |",
+            "|---|---:|",
+            f"| decode step (median of 50) | {s['step_s'] * 1e3:.2f} ms |",
+            f"| read bandwidth (x.sum() over 1 GiB) | {s['bandwidth_gb_s']:.1f} GB/s |",
+            f"| bytes a step must read (cache + weights) | {s['bytes_read'] / 2**20:.1f} MiB |",
+            f"| reading them once at that bandwidth | {s['read_once_s'] * 1e3:.2f} ms |",
+            f"| full causal forward over 4097 positions | {s['full_forward_s'] * 1e3:.0f} ms |",
+            "",
+            f"step / reading once: {s['step_vs_bandwidth']:.2f}x (target <= {TARGETS['step_vs_bandwidth']})",
+            f"full forward / step: {s['full_vs_step']:.0f}x (target >= {TARGETS['full_vs_step']})",
+            "",
+        ]
+    if "generate" in r:
+        gen = r["generate"]
+        lines += [
+            f"256 tokens after ragged prompts {gen['prompt_lens']}, B=8, 2 layers, hidden 256:",
+            "",
+            f"| cached | {gen['cached_s']:.2f} s |",
+            "|---|---:|",
+            f"| book's loop (re-projects every layer's inputs each step) | {gen['book_s']:.2f} s |",
+            "",
+            f"book / cached: {gen['book_vs_cached']:.1f}x (target >= {TARGETS['book_vs_cached']}); identical tokens: "
+            f"{gen['identical_tokens']}",
+            "",
+        ]
+    if "gqa" in r:
+        q = r["gqa"]
+        lines += [
+            f"cache bytes at 4096 positions: 8 of 8 heads {q['full_heads_bytes'] / 2**20:.0f} MiB, 2 of 8 "
+            f"{q['gqa_2_of_8_bytes'] / 2**20:.0f} MiB ({q['ratio']:.2f})",
+            "",
+        ]
+    if "demo" in r:
+        d = r["demo"]
+        lines += ["attnkit demo's Transformer, 256 sources, 21 tokens, greedy:", "", "| | seconds |", "|---|---:|"]
+        lines += [f"| {name} | {s:.3f} |" for name, s in d["seconds"].items()]
+        lines += ["", f"identical tokens: {d['identical_tokens']}"]
+    return "\n".join(lines)
+
+
+def missed_targets(r: dict[str, Any]) -> list[str]:
+    missed = []
+    if "step" in r and r["step"]["step_vs_bandwidth"] > TARGETS["step_vs_bandwidth"]:
+        missed.append(f"step / reading once {r['step']['step_vs_bandwidth']:.2f} > {TARGETS['step_vs_bandwidth']}")
+    if "step" in r and r["step"]["full_vs_step"] < TARGETS["full_vs_step"]:
+        missed.append(f"full forward / step {r['step']['full_vs_step']:.0f} < {TARGETS['full_vs_step']}")
+    if "generate" in r and (r["generate"]["book_vs_cached"] < TARGETS["book_vs_cached"]):
+        missed.append(f"book / cached {r['generate']['book_vs_cached']:.1f} < {TARGETS['book_vs_cached']}")
+    if "generate" in r and not r["generate"]["identical_tokens"]:
+        missed.append("the cached generation's tokens differ from the book loop's")
+    return missed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=("step", "generate", "gqa", "demo"), action="append")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    wanted = args.only or ["step", "generate", "gqa", "demo"]
+    measures = {"step": measure_step, "generate": measure_generate, "gqa": measure_gqa, "demo": measure_demo}
+    results = {name: measures[name]() for name in wanted}
+    print(report(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    missed = missed_targets(results)
+    for line in missed:
+        print(f"target missed: {line}")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
