@@ -107,7 +107,10 @@ class KVCache:
         Returns:
             ``keys (B, Hkv, Lk, D)``, ``values (B, Hkv, Lk, Dv)``, and the mask as the attention call takes it:
             ``valid_lens (B, Lq)`` (growing and static caches) or a boolean ``attn_mask (B, 1, Lq, Lk)`` (sliding),
-            the other ``None``. Padded queries see no key (their output is zero).
+            the other ``None``; both ``None`` when the rows are aligned (a growing cache whose rows all hold
+            ``Lk`` keys, every new token real): then ``is_causal`` as given, aligned to the bottom right, is exact,
+            and the attention call builds no mask (decoding one sequence always takes this path). Padded queries
+            see no key (their output is zero).
         """
         B, Hkv, Lq, _ = k_new.shape
         self._start(k_new, v_new)
@@ -130,8 +133,11 @@ class KVCache:
         seen = torch.where(is_real, seen, 0)  # (B, Lq): padded queries see nothing
         if self.max_len is not None:
             return self.keys, self.values, seen, None  # static shapes: the whole storage, masked by lengths
-        Lk = int(self.lengths.max())
-        return self.keys[:, :, :Lk], self.values[:, :, :Lk], seen, None
+        shortest, longest = (int(n) for n in self.lengths.aminmax())
+        keys, values = self.keys[:, :, :longest], self.values[:, :, :longest]  # (B, Hkv, Lk, D|Dv)
+        if new_lens is None and shortest == longest:
+            return keys, values, None, None  # aligned rows: is_causal (bottom right) is exact, no mask to build
+        return keys, values, seen, None
 
     def _start(self, k_new: Tensor, v_new: Tensor) -> None:
         """At the first call: sizes, dtype and device from it; later calls must fit them."""

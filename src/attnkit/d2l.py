@@ -14,6 +14,11 @@ Where this differs from the book, on purpose:
   fails on a leaf tensor that requires grad); here it returns a new tensor.
 * Padding never leaks: values past ``valid_lens`` holding NaN do not reach the output.
 * Mistakes raise a ``ValueError`` that names the argument and shows the shapes, instead of a matmul error.
+
+What the book does not have, as keywords after the book's arguments: ``MultiHeadAttention(..., cache=...)`` takes
+an :class:`attnkit.KVCache` or :class:`attnkit.CrossKVCache`, so a book-style decoder projects each new token once
+instead of re-projecting every input so far (``state[2]``) at every step; ``is_causal`` there and in
+``DotProductAttention``, and ``attn_mask`` in ``DotProductAttention``, mean what they mean in attnkit's layers.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from torch import Tensor, nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from attnkit import functional, layers, masks, trace
+from attnkit._checks import describe
+from attnkit.cache import CrossKVCache, KVCache
 
 __all__ = [
     "AdditiveAttention",
@@ -141,7 +148,9 @@ class DotProductAttention(nn.Module):
 
     ``forward(queries (B, Lq, d), keys (B, Lk, d), values (B, Lk, dv), valid_lens=None) -> (B, Lq, dv)``;
     sets ``.attention_weights (B, Lq, Lk)``; ``.scores (B, Lq, Lk)`` gives the last call's scaled scores, before
-    masking, computed when first read.
+    masking, computed when first read. Beyond the book, keyword-only, as in
+    :func:`attnkit.scaled_dot_product_attention`: ``attn_mask`` (boolean, ``True`` = may attend, or float,
+    broadcastable to ``(B, Lq, Lk)``) and ``is_causal`` (query ``i`` sees key ``j`` when ``j <= i + Lk - Lq``).
 
     Raises:
         ValueError: naming the argument, with the shapes, before any work: inputs that are not 3-dim (the book
@@ -188,13 +197,24 @@ class DotProductAttention(nn.Module):
             self._scores = torch.bmm(q, k.transpose(1, 2)) / math.sqrt(q.shape[-1])  # (B, Lq, Lk)
         return self._scores
 
-    def forward(self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        valid_lens: Tensor | None = None,
+        *,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+    ) -> Tensor:
         _check_book_inputs(queries, keys, values, same_features=True)
         out, weights = functional.scaled_dot_product_attention(
             queries,
             keys,
             values,
             valid_lens=valid_lens,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
             dropout_p=self.dropout.p if self.training else 0.0,
             need_weights=True,
         )
@@ -284,6 +304,21 @@ class MultiHeadAttention(nn.Module):
     ``forward(queries, keys, values, valid_lens) -> (B, Lq, num_hiddens)``; the heads are folded into the batch
     with :func:`transpose_qkv`, as in the book, so ``.attention.attention_weights`` is ``(B*H, Lq, Lk)``.
 
+    Beyond the book, keyword-only, meaning what they mean in :class:`attnkit.MultiHeadAttention`:
+
+    * ``cache``: an :class:`attnkit.KVCache` for self-attention. ``keys`` and ``values`` are this call's new
+      positions only (as ``queries``: ``attention(X, X, X, None, cache=c)``); they are projected, appended to each
+      row of the cache, and the queries attend over all the cache holds. ``valid_lens`` is then ``(B,)``, each
+      row's real new tokens (right padding after), or ``None`` for all of them; the cache builds the lengths over
+      its keys itself, so the book's ``(B, Lq)`` lengths are refused (``is_causal`` is the causal mask).
+      Or an :class:`attnkit.CrossKVCache` for cross-attention: the keys and values (the encoder's outputs) are
+      projected at its first call and reused, with that call's ``valid_lens``, at the later ones.
+    * ``is_causal``: query ``i`` sees key ``j`` when ``j <= i + Lk - Lq`` (with a :class:`~attnkit.KVCache`: the
+      row's keys up to the query's own position in its row). ``False``, the default, is the book's eval-mode call
+      ``attention(X, key_values, key_values, None)``: every query sees every key of its row, so one new token per
+      call (the book's ``predict_step``) is causal either way; a prefill of several tokens needs ``True``, which
+      is the book's training-mode ``dec_valid_lens = arange(1, Lq + 1)`` on an empty cache.
+
     Parameters are made as the book makes them, so that the same seed gives the book's initial weights: four
     ``nn.Linear`` in the explicit form, drawn when the module is built; four ``nn.LazyLinear`` in the inferred
     form, drawn at the first call in the order they are called (``W_q``, ``W_k``, ``W_v``, then ``W_o``).
@@ -299,6 +334,16 @@ class MultiHeadAttention(nn.Module):
         >>> X, Y = torch.ones((2, 4, 100)), torch.ones((2, 6, 100))
         >>> attention(X, Y, Y, torch.tensor([3, 2])).shape
         torch.Size([2, 4, 100])
+
+        With a cache, each step projects only its new token:
+
+        >>> import attnkit
+        >>> cache = attnkit.KVCache()
+        >>> for t in range(3):
+        ...     x = torch.randn(2, 1, 100)  # (B, 1, features): this step's token
+        ...     y = attention(x, x, x, None, cache=cache)
+        >>> cache.lengths.tolist(), attention.attention.attention_weights.shape
+        ([3, 3], torch.Size([10, 1, 3]))
     """
 
     _attnkit_traced = True  # attnkit.trace names this module and attributes its steps to it
@@ -323,27 +368,95 @@ class MultiHeadAttention(nn.Module):
         self.W_v = layers._linear(sizes.get("value_size"), h, bias=bias)
         self.W_o = layers._linear(None if "key_size" not in sizes else h, h, bias=bias)
 
-    def forward(self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None) -> Tensor:
+    def forward(
+        self,
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        valid_lens: Tensor | None,
+        *,
+        is_causal: bool = False,
+        cache: KVCache | CrossKVCache | None = None,
+    ) -> Tensor:
         _check_book_inputs(queries, keys, values, same_features=False)
         for name, x, proj in (("queries", queries, self.W_q), ("keys", keys, self.W_k), ("values", values, self.W_v)):
             layers._check_features(name, x, proj)
-        if valid_lens is not None:
-            # before the projections: a lazy layer draws nothing on a mistake
-            _check_valid_lens(valid_lens, queries, keys)
+        if not isinstance(is_causal, bool):
+            raise TypeError(f"is_causal must be True or False, got {is_causal!r}")
+        # before the projections: a lazy layer draws nothing on a mistake
+        self._check_cache(cache, queries, keys, valid_lens)
+        if valid_lens is not None and not isinstance(cache, KVCache):
+            _check_valid_lens(valid_lens, queries.shape[0], queries.shape[1], keys.shape[1])
+        B, Lq, H = queries.shape[0], queries.shape[1], self.num_heads
+        attn_mask = None
         queries = self.transpose_qkv(self.W_q(queries))  # (B, Lq, h) -> (B*H, Lq, h/H)
-        keys = self.transpose_qkv(self.W_k(keys))  # (B*H, Lk, h/H)
-        values = self.transpose_qkv(self.W_v(values))  # (B*H, Lk, h/H)
+        if isinstance(cache, CrossKVCache) and cache.keys is not None and cache.values is not None:
+            # projected at the first call; (B, H, Lk, d) -> (B*H, Lk, d) is a view
+            keys, values, valid_lens = cache.keys.flatten(0, 1), cache.values.flatten(0, 1), cache.valid_lens
+        else:
+            keys = self.transpose_qkv(self.W_k(keys))  # (B*H, Lk, h/H)
+            values = self.transpose_qkv(self.W_v(values))  # (B*H, Lk, h/H)
+            if isinstance(cache, CrossKVCache):
+                cache.keys = keys.unflatten(0, (B, H))  # (B*H, Lk, d) -> (B, H, Lk, d)
+                cache.values = values.unflatten(0, (B, H))  # (B, H, Lk, d)
+                cache.valid_lens = valid_lens
+            elif isinstance(cache, KVCache):
+                # The cache's own logic (one copy of it): append each row's new positions, return all it holds
+                k, v, valid_lens, attn_mask = cache.update(
+                    keys.unflatten(0, (B, H)), values.unflatten(0, (B, H)), valid_lens, is_causal
+                )  # (B, H, Lk', d) twice; valid_lens (B, Lq) or attn_mask (B, 1, Lq, Lk') over them
+                keys, values = k.flatten(0, 1), v.flatten(0, 1)  # (B*H, Lk', d): views, the heads are contiguous
+                is_causal = False  # now in valid_lens or attn_mask, by each row's own positions
+        tracer = trace.active()
         if valid_lens is not None:
-            repeated = torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)  # (B*H,) or (B*H, Lq)
-            tracer = trace.active()
+            repeated = torch.repeat_interleave(valid_lens, repeats=H, dim=0)  # (B*H,) or (B*H, Lq)
             if tracer is not None:
                 note = f"{trace.short(valid_lens)} -> {trace.short(repeated, limit=24)}"
                 tracer.add("repeat valid_lens", [valid_lens], repeated, note)
             valid_lens = repeated
-        output = self.attention(queries, keys, values, valid_lens)  # (B*H, Lq, h/H)
+        if attn_mask is not None:  # a sliding cache's mask, by position
+            folded = attn_mask.expand(B, H, Lq, keys.shape[1]).flatten(0, 1)  # (B, 1, Lq, Lk') -> (B*H, Lq, Lk')
+            if tracer is not None:
+                tracer.add("repeat attn_mask", [attn_mask], folded, "(B, 1, Lq, Lk) -> (B*H, Lq, Lk)")
+            attn_mask = folded
+        output = self.attention(queries, keys, values, valid_lens, attn_mask=attn_mask, is_causal=is_causal)
         layers.report_weights(self, self._weights_by_head)  # for attnkit.record_weights, in its layout
-        output_concat = self.transpose_output(output)  # (B, Lq, h)
+        output_concat = self.transpose_output(output)  # (B*H, Lq, h/H) -> (B, Lq, h)
         return self.W_o(output_concat)
+
+    def _check_cache(self, cache: object, queries: Tensor, keys: Tensor, valid_lens: Tensor | None) -> None:
+        """A cache fits this call: its heads, head size and batch, and a :class:`~attnkit.KVCache`'s new positions
+        and their lengths."""
+        if cache is None:
+            return
+        if not isinstance(cache, (KVCache, CrossKVCache)):
+            raise TypeError(f"cache must be an attnkit.KVCache or attnkit.CrossKVCache, got {type(cache).__name__}")
+        B, Lq, H = queries.shape[0], queries.shape[1], self.num_heads
+        d = self.W_q.out_features // H
+        held = cache.keys
+        if held is not None and (held.shape[0], held.shape[1], held.shape[3]) != (B, H, d):
+            raise ValueError(
+                f"this cache holds keys (B, H, L, d) = {tuple(held.shape)}, but this call has B={B}, "
+                f"num_heads={H}, d={d} (queries {tuple(queries.shape)}): one cache per layer and batch "
+                f"(cache.reset() empties it for a new batch)"
+            )
+        if isinstance(cache, CrossKVCache):
+            if held is not None and cache.valid_lens is not None:
+                _check_valid_lens(cache.valid_lens, B, Lq, held.shape[2], "the CrossKVCache's valid_lens")
+            return
+        if keys.shape[1] != Lq:
+            raise ValueError(
+                f"with a KVCache, keys and values are the call's new positions, as queries: queries has {Lq} "
+                f"positions but keys {keys.shape[1]}: queries {tuple(queries.shape)}, keys {tuple(keys.shape)}"
+            )
+        if valid_lens is not None:
+            if not isinstance(valid_lens, Tensor) or valid_lens.shape != (B,):
+                raise ValueError(
+                    f"with a KVCache, valid_lens must have shape (B,) = ({B},), each row's real new tokens "
+                    f"(right-padded), or None; the cache masks its keys itself (is_causal=True for a causal "
+                    f"mask), got {describe(valid_lens)}"
+                )
+            masks.as_lengths(valid_lens, "valid_lens", Lq)  # whole numbers in [0, Lq], shown as given
 
     def _weights_by_head(self) -> Tensor:
         """The weights of the last call in attnkit's layout: ``.attention.attention_weights``, heads unfolded."""
@@ -447,17 +560,16 @@ def _bind(
     return sizes
 
 
-def _check_valid_lens(valid_lens: object, queries: Tensor, keys: Tensor) -> None:
+def _check_valid_lens(valid_lens: object, B: int, Lq: int, Lk: int, name: str = "valid_lens") -> None:
     """``valid_lens`` of the batch, checked before the heads are folded into it (a message in the caller's sizes
     and values)."""
-    B, Lq = queries.shape[0], queries.shape[1]
     if not isinstance(valid_lens, Tensor):
-        raise TypeError(f"valid_lens must be a tensor of lengths, got {type(valid_lens).__name__}")
+        raise TypeError(f"{name} must be a tensor of lengths, got {type(valid_lens).__name__}")
     if valid_lens.shape not in ((B,), (B, Lq)):
         raise ValueError(
-            f"valid_lens must have shape (B,) = ({B},) or (B, Lq) = ({B}, {Lq}), got {tuple(valid_lens.shape)}"
+            f"{name} must have shape (B,) = ({B},) or (B, Lq) = ({B}, {Lq}), got {tuple(valid_lens.shape)}"
         )
-    masks.as_lengths(valid_lens, "valid_lens", keys.shape[1])  # whole numbers in [0, Lk], shown as given
+    masks.as_lengths(valid_lens, name, Lk)  # whole numbers in [0, Lk], shown as given
 
 
 def _check_dropout(dropout: object) -> None:

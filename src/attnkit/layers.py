@@ -404,7 +404,8 @@ class MultiHeadAttention(_Attention):
                     "attn_mask, mask_mod and score_mod are not supported (their positions would not be the rows' own)"
                 )
             k, v, valid_lens, attn_mask = cache.update(k, v, valid_lens, is_causal)
-            is_causal = False  # now in valid_lens or attn_mask, by each row's own positions
+            if valid_lens is not None or attn_mask is not None:
+                is_causal = False  # now in valid_lens or attn_mask, by each row's own positions
         elif cache is not None:
             raise TypeError(f"cache must be an attnkit.KVCache or attnkit.CrossKVCache, got {type(cache).__name__}")
         masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
