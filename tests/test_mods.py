@@ -1075,3 +1075,69 @@ def test_nan_in_a_live_query_stays_nan_and_is_not_taken_for_an_empty_row(backend
     q[0, 0, 1, 2] = float("nan")
     out = attnkit.scaled_dot_product_attention(q, k, v, mask_mod=mods.sliding_window(5), backend=backend).output
     assert torch.isnan(out[0, 0, 1]).all() and not torch.isnan(out[0, 0, [0, 2]]).any()
+
+
+@pytest.mark.parametrize("backend", ("reference", "chunked"))
+def test_a_score_mod_singular_where_the_mask_hides_gives_finite_gradients(backend):
+    """As FlexAttention: hidden pairs pass no gradient back through the score_mod (1 / (i - j) on the diagonal,
+    which the mask hides, would give 0 * inf)."""
+    q = torch.randn(1, 1, 6, 4, dtype=torch.float64, requires_grad=True)
+    out = attnkit.scaled_dot_product_attention(
+        q, q, q, mask_mod=lambda b, h, i, j: i > j, score_mod=lambda s, b, h, i, j: s / (i - j), backend=backend
+    ).output
+    (grad,) = torch.autograd.grad(out.sum(), q)
+    assert torch.isfinite(out).all() and torch.isfinite(grad).all()
+
+
+def test_chunked_refuses_a_backward_after_what_the_mask_reads_changed_in_place():
+    ids = torch.tensor([[0] * 8 + [1] * 8])
+    q = torch.randn(1, 2, 16, 4, requires_grad=True)
+    out = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=mods.document(ids), backend="chunked").output
+    ids[0] = torch.tensor([0] * 2 + [1] * 14)  # a reused buffer, refilled before the backward pass
+    with pytest.raises(RuntimeError, match="modified in place between the forward and the backward"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("backend", ("reference", "sdpa", "chunked"))
+def test_modifier_results_that_only_broadcast_are_taken(backend):
+    """PyTorch's noop_mask returns a 0-dim True; a bias may ignore the score: both broadcast to the block."""
+    q = torch.randn(1, 2, 5, 4, dtype=torch.float64)
+    everything = attnkit.scaled_dot_product_attention(q, q, q, backend=backend).output
+    noop = attnkit.scaled_dot_product_attention(
+        q, q, q, mask_mod=lambda b, h, i, j: torch.ones((), dtype=torch.bool), backend=backend
+    ).output
+    assert max_err(noop, everything) <= OUT_TOL64
+    if backend != "sdpa":
+        bias = attnkit.scaled_dot_product_attention(
+            q, q, q, score_mod=lambda s, b, h, i, j: -(i - j).abs().double(), backend=backend
+        ).output
+        want = attnkit.scaled_dot_product_attention(
+            q, q, q, score_mod=lambda s, b, h, i, j: s * 0 - (i - j).abs(), backend="reference"
+        ).output
+        assert max_err(bias, want) <= OUT_TOL64
+
+
+def test_a_score_mod_given_as_a_mask_mod_is_named():
+    q = torch.randn(1, 1, 3, 4)
+    with pytest.raises(TypeError, match="alibi is a score_mod: pass it as score_mod="):
+        attnkit.scaled_dot_product_attention(q, q, q, mask_mod=mods.alibi(torch.ones(1)))
+    with pytest.raises(TypeError, match="sliding_window is a mask_mod: pass it as mask_mod="):
+        attnkit.scaled_dot_product_attention(q, q, q, score_mod=mods.sliding_window(2))
+    with pytest.raises(TypeError, match="and_masks: every argument must be a mask_mod"):
+        mods.and_masks(mods.softcap(2.0))
+
+
+def test_sizes_take_numpy_and_tensor_numbers_and_refuse_absurd_ones():
+    import numpy as np
+
+    assert mods.sliding_window(np.int64(4)).window == 4
+    assert mods.softcap(np.float32(5.0)).cap == 5.0 and mods.softcap(torch.tensor(5.0)).cap == 5.0
+    with pytest.raises(ValueError, match="window must be at most 2\\*\\*62"):
+        mods.sliding_window(10**30)
+
+
+def test_sinks_cannot_be_dropped_silently():
+    with pytest.raises(ValueError, match="no attention sinks"):
+        attnkit.MultiHeadAttention(8, 2, sinks=True).to_torch()
+    with pytest.raises(TypeError, match=r"DotProductAttention\(sinks=H\) takes the number of heads"):
+        attnkit.DotProductAttention(sinks=True)

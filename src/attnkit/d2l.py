@@ -406,7 +406,9 @@ class MultiHeadAttention(nn.Module):
                     keys.unflatten(0, (B, H)), values.unflatten(0, (B, H)), valid_lens, is_causal
                 )  # (B, H, Lk', d) twice; valid_lens (B, Lq) or attn_mask (B, 1, Lq, Lk') over them
                 keys, values = k.flatten(0, 1), v.flatten(0, 1)  # (B*H, Lk', d): views, the heads are contiguous
-                is_causal = False  # now in valid_lens or attn_mask, by each row's own positions
+                if valid_lens is not None or attn_mask is not None:
+                    is_causal = False  # now in valid_lens or attn_mask, by each row's own positions
+                # else the rows are aligned (all hold Lk' keys): is_causal as given, bottom right, is exact
         tracer = trace.active()
         if valid_lens is not None:
             repeated = torch.repeat_interleave(valid_lens, repeats=H, dim=0)  # (B*H,) or (B*H, Lq)

@@ -190,6 +190,11 @@ class DotProductAttention(_Attention):
     """
 
     def __init__(self, dropout: float = 0.0, *, backend: str = "auto", sinks: int | None = None) -> None:
+        if isinstance(sinks, bool):
+            raise TypeError(
+                f"DotProductAttention(sinks=H) takes the number of heads to learn a sink for (1 for 3-dim inputs), "
+                f"got {sinks!r}: this layer cannot know its heads before its first call"
+            )
         if sinks is not None:
             _check_sizes(sinks=sinks)
         super().__init__(dropout, backend, sinks)
@@ -468,6 +473,8 @@ class MultiHeadAttention(_Attention):
                 f"to_torch: torch.nn.MultiheadAttention has no grouped-query attention "
                 f"(num_kv_heads={self.num_kv_heads}, num_heads={self.num_heads})"
             )
+        if self.sinks is not None:
+            raise ValueError("to_torch: torch.nn.MultiheadAttention has no attention sinks (this layer has sinks=True)")
         projections = (self.W_q, self.W_k, self.W_v)
         if any(isinstance(p, nn.LazyLinear) and p.has_uninitialized_params() for p in projections):
             raise ValueError("to_torch: input sizes are not known yet; call the module once or give the sizes")

@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -172,6 +173,7 @@ class sliding_window(MaskMod):  # noqa: N801 - a function-like name, as FlexAtte
 
     def __post_init__(self) -> None:
         _check_whole("window", self.window, minimum=1)
+        object.__setattr__(self, "window", int(self.window))  # a NumPy integer becomes a Python one
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         distance = q_idx + self.offset - kv_idx  # p - j
@@ -408,8 +410,12 @@ class softcap(ScoreMod):  # noqa: N801
     offset: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.cap, bool) or not isinstance(self.cap, (int, float)) or not 0 < self.cap < math.inf:
+        cap = self.cap
+        if isinstance(cap, Tensor) and cap.numel() == 1 and not cap.requires_grad:
+            cap = cap.item()
+        if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not 0 < float(cap) < math.inf:
             raise ValueError(f"softcap: cap must be a positive finite number, got {self.cap!r}")
+        object.__setattr__(self, "cap", float(cap))
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return torch.tanh(score / self.cap) * self.cap
@@ -426,18 +432,25 @@ def evaluate_mask(mask_mod: MaskFn, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx:
         TypeError: the function does not return a boolean tensor.
     """
     shape = _block_shape(b, h, q_idx, kv_idx)
+    if isinstance(mask_mod, ScoreMod):
+        raise TypeError(f"{type(mask_mod).__name__} is a score_mod: pass it as score_mod=, not as a mask_mod")
     out = _on_block(mask_mod, (b, h, q_idx, kv_idx), shape, "mask_mod")
     if out.dtype != torch.bool:
         raise TypeError(f"mask_mod must return a boolean tensor (True = may attend), got dtype {out.dtype}")
-    return out
+    return out.reshape((1,) * (len(shape) - out.dim()) + tuple(out.shape))  # as many dims as the block (a 0-dim True)
 
 
 def evaluate_score(score_mod: ScoreFn, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
     """``score_mod`` on a block of scores, ``(B, H, Lq', Lk')``, in the scores' dtype and shape."""
+    if isinstance(score_mod, MaskMod):
+        raise TypeError(f"{type(score_mod).__name__} is a mask_mod: pass it as mask_mod=, not as a score_mod")
     out = _on_block(score_mod, (score, b, h, q_idx, kv_idx), score.shape, "score_mod")
     if not out.is_floating_point():
         raise TypeError(f"score_mod must return the scores (floating point), got dtype {out.dtype}")
-    return out.to(score.dtype).expand(score.shape)
+    out = out.to(score.dtype)
+    # a result that only broadcasts (say, a bias that ignores the score) becomes a block of its own: backends write
+    # into it, which an expanded view would refuse
+    return out if out.shape == score.shape else out.expand(score.shape).clone()
 
 
 def _on_block(fn: Callable[..., Any], args: tuple[Tensor, ...], shape: Sequence[int], what: str) -> Tensor:
@@ -576,6 +589,11 @@ def _reaches(start: Any, targets: set[int]) -> bool:
     return False
 
 
+def read_tensors(fn: object) -> list[Tensor]:
+    """The tensors a mask_mod or score_mod reads from outside (see :func:`grad_inputs`)."""
+    return _closed_over(fn, depth=3)
+
+
 def _closed_over(fn: object, depth: int) -> list[Tensor]:
     """The tensors a function reads from outside: a built-in's, a closure's cells and the globals it names, a
     module's parameters and buffers, a bound method's object, a ``functools.partial``'s arguments."""
@@ -614,6 +632,8 @@ def _aligned(mod: Any, offset: int) -> Any:
 def _range_bounds(ids: Tensor, ranges: Tensor) -> tuple[Tensor, Tensor]:
     """The smallest and largest id in each range of positions, per example: ``(n, B|1)`` each, on the CPU."""
     ids = ids.detach().cpu()  # (B|1, L)
+    if not len(ranges):
+        return ids.new_zeros(0, ids.shape[0]), ids.new_zeros(0, ids.shape[0])
     lo = torch.stack([ids[:, a:z].amin(dim=1) for a, z in ranges.tolist()])  # (n, B|1)
     hi = torch.stack([ids[:, a:z].amax(dim=1) for a, z in ranges.tolist()])  # (n, B|1)
     return lo, hi
@@ -623,13 +643,15 @@ def _check_mods(mods: tuple[Any, ...], name: str) -> tuple[Any, ...]:
     if not mods:
         raise ValueError(f"{name} needs at least one mask_mod")
     for m in mods:
-        if not callable(m):
+        if not callable(m) or isinstance(m, ScoreMod):
             raise TypeError(f"{name}: every argument must be a mask_mod function, got {type(m).__name__}")
     return mods
 
 
 def _check_whole(name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be a whole number, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    if int(value) > 2**62:
+        raise ValueError(f"{name} must be at most 2**62, got {value}")

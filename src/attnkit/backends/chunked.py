@@ -129,7 +129,10 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     if call.score_mod is not None and torch.is_grad_enabled():
         closed_over = mods.grad_inputs(call.score_mod, _probe(q, dtype))
     scorer = Scorer(wf, scale, call.score_mod, B, H)
-    out = _OnlineSoftmax.apply(q.to(dtype), kf, vf, wf, sinks, mask, scorer, block, *closed_over)  # (B, H, Lq, Dv)
+    watched = _Watched.of(mask, call.score_mod) if torch.is_grad_enabled() else None
+    out = _OnlineSoftmax.apply(
+        q.to(dtype), kf, vf, wf, sinks, mask, scorer, block, watched, *closed_over
+    )  # (B, H, Lq, Dv)
     return out.to(q.dtype), None
 
 
@@ -176,6 +179,7 @@ class _OnlineSoftmax(torch.autograd.Function):
         mask: Mask,
         scorer: Scorer,
         block: int,
+        watched: _Watched | None,
         *closed_over: Tensor,
     ) -> Tensor:
         sink_logits = None if sinks is None else _sink_logits(sinks, mask, q.shape)  # (B, H, Lq)
@@ -184,12 +188,15 @@ class _OnlineSoftmax(torch.autograd.Function):
         accumulate(state, q, k, v, mask, scorer, spans)
         out, lse = state.result()  # (B, H, Lq, Dv), (B, H, Lq)
         ctx.save_for_backward(q, k, v, w_v, sinks, out, lse, *closed_over)
-        ctx.mask, ctx.scorer, ctx.spans = mask, scorer, spans
+        ctx.mask, ctx.scorer, ctx.spans, ctx.watched = mask, scorer, spans, watched
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, w_v, sinks, out, lse, *closed_over = ctx.saved_tensors
+        if ctx.watched is not None:
+            ctx.watched.check()
         mask: Mask = ctx.mask
         dout = dout.to(out.dtype)
         delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
@@ -201,7 +208,33 @@ class _OnlineSoftmax(torch.autograd.Function):
             # d lse / d sink = the sink's weight, exp(sink - lse); d out / d sink = -(sink's weight) * out
             weight = torch.exp(_sink_logits(sinks, mask, q.shape) - lse)  # (B, H, Lq)
             dsinks = -(weight * delta).sum(dim=(0, 2))  # (H,)
-        return (grads.dq, grads.dk, grads.dv, grads.dw, dsinks, None, None, None, *closed_grads)
+        return (grads.dq, grads.dk, grads.dv, grads.dw, dsinks, None, None, None, None, *closed_grads)
+
+
+class _Watched:
+    """The tensors the backward pass reads again through the mask and the modifiers (lengths, masks, a mask_mod's
+    ids, what a score_mod closes over), with their versions at the forward pass: the recomputing backward would
+    silently use new values if one were changed in place in between, where autograd raises."""
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        self.versions = [(t, t._version) for t in tensors]
+
+    @classmethod
+    def of(cls, mask: Mask, score_mod: mods.ScoreFn | None) -> _Watched:
+        tensors = [t for t in (mask.valid_lens, mask.bool_mask, mask.bias) if t is not None]
+        for fn in (mask.mask_mod, score_mod):
+            if fn is not None:
+                tensors += mods.read_tensors(fn)
+        return cls(tensors)
+
+    def check(self) -> None:
+        for t, version in self.versions:
+            if t._version != version:
+                raise RuntimeError(
+                    f"a tensor of shape {tuple(t.shape)} that this attention call reads (a mask, lengths, or what its "
+                    f"mask_mod or score_mod closes over) was modified in place between the forward and the backward "
+                    f"pass; the chunked backend reads it again to recompute: clone it before changing it"
+                )
 
 
 def _sink_logits(sinks: Tensor, mask: Mask, shape: torch.Size) -> Tensor:
@@ -392,6 +425,8 @@ def accumulate_grads(
                 if g is not None:
                     acc += g
             ds = through[0] if through[0] is not None else torch.zeros_like(ds)  # (B, H, n, blk)
+            if allowed is not None:  # as FlexAttention: a score_mod singular where the mask hides (1 / (i - j) on
+                ds = ds.masked_fill(~allowed, 0.0)  # the diagonal) gives 0 * inf there; hidden pairs have no gradient
         if w_v is None:
             dq_r += (ds @ kb) * scale  # (B, H, n, D)
             grads.dk[:, :, j0:j1] += (ds.transpose(-2, -1) @ qr) * scale  # (B, H, blk, D)

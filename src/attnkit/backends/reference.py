@@ -95,11 +95,17 @@ def attention_weights(
     empty_rows = mask.liveness[1] is not None  # some query may see no key
     if score_mod is not None:
         idx = mods.indices(B, H, (0, Lq), (0, Lk), q.device)  # b (B,1,1,1), h (1,H,1,1), q_idx, kv_idx
+        raw = scores
         scores = mods.evaluate_score(score_mod, scores, *idx)  # (B, H, Lq, Lk)
         hidden = torch.isneginf(scores.detach())  # a score_mod's -inf hides the key, as in FlexAttention
         if bool(hidden.any()):
             allowed = ~hidden if allowed is None else allowed & ~hidden  # (B, H, Lq, Lk)
             empty_rows = True
+        if raw.requires_grad and allowed is not None:
+            # as FlexAttention: hidden pairs pass no gradient back through the score_mod (one singular there,
+            # 1 / (i - j) on a hidden diagonal, would give 0 * inf)
+            hidden_pairs = ~allowed
+            raw.register_hook(lambda g: g.masked_fill(hidden_pairs, 0.0))
     if sinks is not None:
         return _softmax_with_sinks(scores, allowed, bias, _sink_logits(sinks.to(dtype), mask))
     return softmax_with_mask(
