@@ -198,3 +198,17 @@ def test_mistakes_are_value_errors_that_say_what_fits():
         mha(torch.randn(3, 1, E), torch.randn(3, 1, E), torch.randn(3, 1, E), is_causal=True, cache=cache)
     with pytest.raises(TypeError, match="cache must be an attnkit.KVCache or attnkit.CrossKVCache"):
         mha(x, x, x, cache={})
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+def test_nan_in_prompt_padding_never_reaches_a_decode_step(backend):
+    """Padded prompt positions are projected and written past each row's length; whatever they hold (NaN here)
+    never reaches an output, at the prefill or at any later step (dead keys that are not finite are zeroed)."""
+    mha = _model(2, torch.float64, backend)
+    prompt, gen = _data(torch.float64)
+    poisoned = prompt.clone()
+    for b, n in enumerate(LENS.tolist()):
+        poisoned[b, n:] = float("nan")
+    runs = [_decode(mha, KVCache(), p, gen, 1) for p in (prompt, poisoned)]
+    for clean, dirty in zip(*runs, strict=True):
+        assert torch.equal(clean, dirty)

@@ -278,6 +278,8 @@ class Mask:
             mask_mod = mods.bind(mask_mod, batch=B, heads=H, num_queries=Lq, num_keys=Lk, device=device)
         if not isinstance(is_causal, bool):
             raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+        if is_causal and Lq <= 1:
+            is_causal = False  # one query stands at the last key and sees them all (a decode step): no mask to build
         lens = None
         if valid_lens is not None:
             if isinstance(valid_lens, Tensor) and valid_lens.shape not in ((B,), (B, Lq)):
