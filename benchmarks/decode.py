@@ -24,7 +24,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 import attnkit
+from results import finish
 
 TARGETS = {"step_vs_bandwidth": 2.0, "full_vs_step": 20.0, "book_vs_cached": 5.0}
 
@@ -286,14 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = args.only or ["step", "generate", "gqa", "demo"]
     measures = {"step": measure_step, "generate": measure_generate, "gqa": measure_gqa, "demo": measure_demo}
     results = {name: measures[name]() for name in wanted}
-    print(report(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    missed = missed_targets(results)
-    for line in missed:
-        print(f"target missed: {line}")
-    return 1 if missed else 0
+    return finish(results, report(results), missed_targets(results), args.json)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from torch import Tensor
 
 import attnkit
 from attnkit import mods
+from results import finish
 
 B, H, D = 1, 8, 64
 WINDOW = 256
@@ -306,14 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         results["accuracy"] = measure_accuracy()
     if "packed" in wanted:
         results["packed"] = measure_packed(args.repeats)
-    print(report(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    missed = missed_targets(results)
-    for line in missed:
-        print(f"target missed: {line}")
-    return 1 if missed else 0
+    return finish(results, report(results), missed_targets(results), args.json)
 
 
 def missed_targets(results: dict[str, Any]) -> list[str]:
