@@ -212,3 +212,16 @@ def test_nan_in_prompt_padding_never_reaches_a_decode_step(backend):
     runs = [_decode(mha, KVCache(), p, gen, 1) for p in (prompt, poisoned)]
     for clean, dirty in zip(*runs, strict=True):
         assert torch.equal(clean, dirty)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_prefill_of_empty_rows_gives_zeros_and_an_empty_batch_runs(kind):
+    mha = _model(2, torch.float64)
+    x = torch.randn(2, 3, E, dtype=torch.float64)
+    cache = KVCache(**KINDS[kind])
+    out = mha(x, x, x, torch.tensor([0, 0]), is_causal=True, cache=cache)  # every row empty: all padding
+    assert torch.equal(out, mha.W_o(torch.zeros_like(x)))
+    step = mha(x[:, :1], x[:, :1], x[:, :1], is_causal=True, cache=cache)  # then the first real token
+    assert max_err(step, mha(x[:, :1], x[:, :1], x[:, :1], is_causal=True)) <= 1e-12
+    none = torch.randn(0, 2, E, dtype=torch.float64)
+    assert mha(none, none, none, is_causal=True, cache=KVCache(**KINDS[kind])).shape == (0, 2, E)

@@ -1141,3 +1141,13 @@ def test_sinks_cannot_be_dropped_silently():
         attnkit.MultiHeadAttention(8, 2, sinks=True).to_torch()
     with pytest.raises(TypeError, match=r"DotProductAttention\(sinks=H\) takes the number of heads"):
         attnkit.DotProductAttention(sinks=True)
+
+
+@pytest.mark.parametrize("backend", ("reference", "sdpa", "chunked"))
+@pytest.mark.parametrize(
+    "make", [lambda: mods.document(torch.zeros(0, 3, dtype=torch.long)), lambda: mods.prefix_lm(torch.zeros(0))]
+)
+def test_an_empty_batch_with_a_per_example_mask_mod(backend, make):
+    q = torch.randn(0, 1, 3, 4)
+    out = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=make(), backend=backend).output
+    assert out.shape == (0, 1, 3, 4)

@@ -121,7 +121,7 @@ class KVCache:
         is_real = steps < real[:, None]  # (B, Lq)
         if self.window is not None:
             return self._sliding(k_new, v_new, positions, is_real, is_causal)
-        self._make_room(int(self.lengths.max()) + Lq if self.max_len is None else None, Lq)
+        self._make_room(_longest(self.lengths) + Lq if self.max_len is None else None, Lq)
         assert self.keys is not None and self.values is not None
         # Padded tokens are written too, past the row's new length: unseen, and overwritten by the row's next tokens.
         index = positions[:, None, :, None]  # (B, 1, Lq, 1)
@@ -133,8 +133,10 @@ class KVCache:
         seen = torch.where(is_real, seen, 0)  # (B, Lq): padded queries see nothing
         if self.max_len is not None:
             return self.keys, self.values, seen, None  # static shapes: the whole storage, masked by lengths
-        shortest, longest = (int(n) for n in self.lengths.aminmax())
-        keys, values = self.keys[:, :, :longest], self.values[:, :, :longest]  # (B, Hkv, Lk, D|Dv)
+        shortest, longest = (int(n) for n in self.lengths.aminmax()) if B else (0, 0)  # one sync for both
+        # at least one key: a prefill where every row is empty gives zeros (its queries are all padding, they see none)
+        Lk = max(longest, 1)
+        keys, values = self.keys[:, :, :Lk], self.values[:, :, :Lk]  # (B, Hkv, Lk, D|Dv)
         if new_lens is None and shortest == longest:
             return keys, values, None, None  # aligned rows: is_causal (bottom right) is exact, no mask to build
         return keys, values, seen, None
@@ -175,7 +177,7 @@ class KVCache:
         C = self.keys.shape[2]
         if needed is None:  # static
             if not torch.compiler.is_compiling():
-                longest = int(self.lengths.max())
+                longest = _longest(self.lengths)
                 if longest + Lq > C:
                     raise ValueError(
                         f"this static cache holds max_len={C} positions per row; a row already holds {longest} "
@@ -218,6 +220,11 @@ class KVCache:
             self.slot_positions[b, slots] = positions[b, first:n]
         self.lengths = self.lengths + is_real.sum(dim=1)  # (B,)
         return keys, values, None, allowed[:, None]  # attn_mask (B, 1, Lq, W + Lq)
+
+
+def _longest(lengths: Tensor) -> int:
+    """The longest row's length (0 for a batch of no rows)."""
+    return int(lengths.max()) if lengths.numel() else 0
 
 
 class CrossKVCache:

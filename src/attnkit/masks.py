@@ -479,7 +479,7 @@ class Mask:
         keys = torch.zeros(*lead, Lk, dtype=torch.bool, device=device)  # (B|1, H|1, Lk)
         rows = torch.zeros(*lead, Lq, dtype=torch.bool, device=device)  # (B|1, H|1, Lq)
         row_step = min(max(Lq, 1), LIVENESS_ROWS)
-        col_step = max(1, min(LIVENESS_ROWS, LIVENESS_BLOCK_ELEMENTS // (lead.numel() * row_step)))
+        col_step = max(1, min(LIVENESS_ROWS, LIVENESS_BLOCK_ELEMENTS // max(1, lead.numel() * row_step)))
         row_ranges, col_ranges = _ranges(Lq, row_step), _ranges(Lk, col_step)  # (nq, 2), (nk, 2)
         known = self.tiles(row_ranges, col_ranges)
         for (r0, r1), some, every in zip(row_ranges.tolist(), known.some.tolist(), known.every.tolist(), strict=True):

@@ -219,8 +219,8 @@ class document(MaskMod):  # noqa: N801
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         # one row of ids serves every example: indexed without b, so the result does not vary by example
-        ids_q = self.ids_q[b, q_idx] if self.ids_q.shape[0] > 1 else self.ids_q[0][q_idx]
-        ids_k = self.keys[b, kv_idx] if self.keys.shape[0] > 1 else self.keys[0][kv_idx]
+        ids_q = self.ids_q[b, q_idx] if self.ids_q.shape[0] != 1 else self.ids_q[0][q_idx]
+        ids_k = self.keys[b, kv_idx] if self.keys.shape[0] != 1 else self.keys[0][kv_idx]
         return ids_q == ids_k
 
     def bind(self, *, batch: int, heads: int, num_queries: int, num_keys: int, device: torch.device | None) -> MaskMod:
@@ -269,7 +269,7 @@ class prefix_lm(MaskMod):  # noqa: N801
             raise ValueError(f"prefix_lm: prefix_lens must have shape (B,), got {tuple(lens.shape)}")
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        prefix = self.prefix_lens[b] if self.prefix_lens.shape[0] > 1 else self.prefix_lens[0]
+        prefix = self.prefix_lens[b] if self.prefix_lens.shape[0] != 1 else self.prefix_lens[0]
         return (kv_idx < prefix) | (kv_idx <= q_idx + self.offset)
 
     def bind(self, *, batch: int, heads: int, num_queries: int, num_keys: int, device: torch.device | None) -> MaskMod:
