@@ -237,6 +237,7 @@ class Mask:
         self.bias_shift = bias_shift  # (B|1, H|1, Lq, 1) subtracted from the bias, or None
         self.mask_mod = mask_mod  # mask_mod(b, h, q_idx, kv_idx) -> bool, built-ins bound to Lq, Lk; or None
         self.device = device
+        self.plans: dict[tuple[int, ...], object] = {}  # chunked's key-block plans, made once a call
 
     @classmethod
     def build(
@@ -342,10 +343,6 @@ class Mask:
             or (self.mask_mod is not None and (not isinstance(self.mask_mod, mods.MaskMod) or self.mask_mod.opaque))
         )
 
-    def block(self, j0: int, j1: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor | None, Tensor | None]:
-        """``tile(0, Lq, j0, j1, dtype)``: every row, keys ``[j0, j1)``."""
-        return self.tile(0, self.num_queries, j0, j1, dtype)
-
     def tile(
         self, r0: int, r1: int, j0: int, j1: int, dtype: torch.dtype = torch.float32, *, every: bool = False
     ) -> tuple[Tensor | None, Tensor | None]:
@@ -373,10 +370,6 @@ class Mask:
                 part = torch.where(torch.isneginf(part), part, part.clamp(-limit, limit))
             bias = part.to(dtype)
         return allowed, bias
-
-    def allowed_block(self, j0: int, j1: int) -> Tensor | None:
-        """``allowed_tile(0, Lq, j0, j1)``."""
-        return self.allowed_tile(0, self.num_queries, j0, j1)
 
     def allowed_tile(self, r0: int, r1: int, j0: int, j1: int) -> Tensor | None:
         """``allowed`` alone for queries ``[r0, r1)`` and keys ``[j0, j1)``, broadcastable to
@@ -438,7 +431,7 @@ class Mask:
         row_max: Tensor | None = None
         for j0, j1 in self._scan_blocks():
             part = bias[..., j0:j1]  # (B|1, H|1, Lq, blk)
-            allowed = self.allowed_block(j0, j1)
+            allowed = self.allowed_tile(0, self.num_queries, j0, j1)
             if allowed is not None:
                 part = torch.where(allowed, part, float("-inf"))  # (B|1, H|1, Lq, blk)
             block_max = part.amax(dim=-1, keepdim=True)  # (B|1, H|1, Lq, 1)
@@ -447,8 +440,14 @@ class Mask:
         return row_max.masked_fill(torch.isneginf(row_max), 0.0)  # (B|1, H|1, Lq, 1)
 
     def full(self, dtype: torch.dtype = torch.float32) -> tuple[Tensor | None, Tensor | None]:
-        """``block(0, Lk)``: the whole mask, for the backends that hold ``Lq x Lk`` anyway."""
-        return self.block(0, self.num_keys, dtype)
+        """``tile(0, Lq, 0, Lk)``: the whole mask, for the backends that hold ``Lq x Lk`` anyway."""
+        return self.tile(0, self.num_queries, 0, self.num_keys, dtype)
+
+    def sink_logits(self, sinks: Tensor) -> Tensor:
+        """Each row's sink logit, ``(B|1, H, Lq|1, 1)``: the head's (``sinks (H,)``), less the row's bias shift, which
+        keeps the softmax with the sink what it is without the shift."""
+        sink = sinks.view(1, -1, 1, 1)  # (1, H, 1, 1)
+        return sink if self.bias_shift is None else sink - self.bias_shift.to(sink.dtype)  # (B|1, H, Lq|1, 1)
 
     @functools.cached_property
     def liveness(self) -> tuple[Tensor | None, Tensor | None]:
@@ -521,12 +520,6 @@ class Mask:
             past = (torch.arange(Lq, device=device) + (Lk - Lq + 1)).clamp(0, Lk)  # (Lq,): keys j <= i + Lk - Lq
             n = past.view(1, 1, Lq) if n is None else torch.minimum(n, past)  # (B|1, 1, Lq)
         return n
-
-    def longest_key_prefix(self) -> int:
-        """How many leading keys can be seen at all: keys past ``max(valid_lens)`` never are."""
-        if self.valid_lens is None:
-            return self.num_keys
-        return int(self.valid_lens.max()) if self.valid_lens.numel() else 0
 
 
 def _ranges(length: int, step: int) -> Tensor:

@@ -238,12 +238,9 @@ class _Watched:
 
 
 def _sink_logits(sinks: Tensor, mask: Mask, shape: torch.Size) -> Tensor:
-    """Each row's sink logit ``(B, H, Lq)``: the head's, less the row's bias shift (the softmax is unchanged)."""
+    """Each row's sink logit (:meth:`Mask.sink_logits`), as the running softmax holds its rows: ``(B, H, Lq)``."""
     B, H, Lq, _ = shape
-    sink = sinks.view(1, H, 1)  # (1, H, 1)
-    if mask.bias_shift is not None:
-        sink = sink - mask.bias_shift[..., 0].to(sink.dtype)  # (B|1, H, Lq)
-    return sink.expand(B, H, Lq)  # (B, H, Lq)
+    return mask.sink_logits(sinks)[..., 0].expand(B, H, Lq)  # (B|1, H, Lq|1, 1) -> (B, H, Lq)
 
 
 class BlockMask(Protocol):
@@ -277,6 +274,17 @@ def key_blocks(mask: BlockMask, num_queries: int, cols: tuple[int, int], block: 
     """The blocks of ``block`` keys in ``cols`` that some query may see, each with the span of rows that may see it
     (worked out for blocks of :data:`ROW_STEP` rows, from index ranges: nothing is evaluated). Causal attention
     skips the rows above the diagonal, a sliding window all but a band, packed documents all but one document."""
+    plans = getattr(mask, "plans", None)  # a Mask keeps its plans: dispatch and the backend share one
+    key = (num_queries, *cols, block)
+    if plans is not None and key in plans:
+        return plans[key]  # type: ignore[no-any-return]
+    spans = _plan(mask, num_queries, cols, block)
+    if plans is not None:
+        plans[key] = spans
+    return spans
+
+
+def _plan(mask: BlockMask, num_queries: int, cols: tuple[int, int], block: int) -> list[Span]:
     rows = _ranges((0, num_queries), ROW_STEP)  # (nq, 2)
     col_ranges = _ranges(cols, block)  # (nk, 2)
     if not len(rows) or not len(col_ranges):

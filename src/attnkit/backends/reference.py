@@ -107,17 +107,10 @@ def attention_weights(
             hidden_pairs = ~allowed
             raw.register_hook(lambda g: g.masked_fill(hidden_pairs, 0.0))
     if sinks is not None:
-        return _softmax_with_sinks(scores, allowed, bias, _sink_logits(sinks.to(dtype), mask))
+        return _softmax_with_sinks(scores, allowed, bias, mask.sink_logits(sinks.to(dtype)))
     return softmax_with_mask(
         scores, allowed, bias, inplace=not grad, scratch=w_v is None and score_mod is None, empty_rows=empty_rows
     )  # (B, H, Lq, Lk)
-
-
-def _sink_logits(sinks: Tensor, mask: Mask) -> Tensor:
-    """Each row's sink logit, ``(B|1, H, Lq|1, 1)``: the head's, less the row's bias shift (:mod:`attnkit.masks`),
-    which keeps the softmax with the sink unchanged."""
-    sink = sinks.view(1, -1, 1, 1)  # (1, H, 1, 1)
-    return sink if mask.bias_shift is None else sink - mask.bias_shift.to(sink.dtype)  # (B|1, H, Lq|1, 1)
 
 
 def _softmax_with_sinks(scores: Tensor, allowed: Tensor | None, bias: Tensor | None, sink: Tensor) -> Tensor:
