@@ -289,3 +289,23 @@ def test_padded_batches_run_by_length_and_match_the_math(causal):
     assert (out[2] == 0).all()
     for grad, true in zip(grads, true_grads, strict=True):
         assert max_err(grad, true) <= GRAD_TOL * max(1.0, true.abs().max().item())
+
+
+def test_padded_batches_group_only_when_the_skipped_work_pays_for_the_calls(monkeypatch):
+    """One call per run of equal lengths skips the padding's work but adds calls: a decode step (one query) over
+    a few hundred keys runs as one masked call, a batch of long padded rows as one call per length; both match."""
+    from attnkit.backends import sdpa
+
+    calls = []
+    kernel = sdpa.F.scaled_dot_product_attention
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    g = torch.Generator().manual_seed(5)
+    for Lq, Lk, expected_calls in ((1, 400, 1), (512, 512, 8)):
+        q = torch.randn(8, 4, Lq, 64, generator=g)
+        k, v = torch.randn(8, 4, Lk, 64, generator=g), torch.randn(8, 4, Lk, 64, generator=g)
+        lens = Lk // 2 + torch.arange(8) * (Lk // 16)  # (8,) distinct lengths in [Lk/2, Lk)
+        calls.clear()
+        out = attnkit.scaled_dot_product_attention(q, k, v, valid_lens=lens, backend="sdpa").output
+        assert len(calls) == expected_calls, (Lq, Lk, len(calls))
+        truth, _ = math_attention(q.double(), k.double(), v.double(), valid_lens=lens)
+        assert max_err(out, truth) <= OUT_TOL

@@ -225,3 +225,38 @@ def test_a_prefill_of_empty_rows_gives_zeros_and_an_empty_batch_runs(kind):
     assert max_err(step, mha(x[:, :1], x[:, :1], x[:, :1], is_causal=True)) <= 1e-12
     none = torch.randn(0, 2, E, dtype=torch.float64)
     assert mha(none, none, none, is_causal=True, cache=KVCache(**KINDS[kind])).shape == (0, 2, E)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("chunk", [1, 6])
+def test_aligned_rows_decode_equals_the_full_forward(kind, chunk):
+    """Prompts of one length and no valid_lens (a growing cache then appends slices, with no mask): every step
+    equals the full causal forward; then a call with valid_lens makes the rows ragged and they stay right."""
+    mha = _model(2, torch.float64)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 30, E, generator=g, dtype=torch.float64)
+    cache = KVCache(**KINDS[kind])
+    outs = [mha(x[:, :6], x[:, :6], x[:, :6], is_causal=True, cache=cache)]
+    outs += [mha(c, c, c, is_causal=True, cache=cache) for c in x[:, 6:18].split(chunk, dim=1)]
+    window = KINDS[kind].get("window")
+    mask_mod = None if window is None else mods.sliding_window(window)
+    want = mha(x[:, :18], x[:, :18], x[:, :18], is_causal=True, mask_mod=mask_mod)
+    assert max_err(torch.cat(outs, dim=1), want) <= 1e-12
+    ragged = mha(x[:, 18:20], x[:, 18:20], x[:, 18:20], torch.tensor([2, 1]), is_causal=True, cache=cache)
+    assert cache.lengths.tolist() == [20, 19]
+    for b, n in enumerate((20, 19)):
+        row = mha(x[b : b + 1, :n], x[b : b + 1, :n], x[b : b + 1, :n], is_causal=True, mask_mod=mask_mod)
+        assert max_err(ragged[b, : n - 18], row[0, 18:n]) <= 1e-12
+
+
+def test_padding_is_stored_as_zeros():
+    """What a padded prompt position held (NaN here) is not kept: the cache stores zeros past each row's length,
+    so a decode step has no dead key to zero."""
+    mha = _model(2, torch.float64)
+    prompt, _ = _data(torch.float64)
+    prompt[0, 5:] = float("nan")
+    cache = KVCache()
+    mha(prompt, prompt, prompt, LENS, is_causal=True, cache=cache)
+    for b, n in enumerate(LENS.tolist()):
+        assert torch.equal(cache.keys[b, :, n:], torch.zeros_like(cache.keys[b, :, n:]))
+        assert torch.equal(cache.values[b, :, n:], torch.zeros_like(cache.values[b, :, n:]))

@@ -68,6 +68,7 @@ class KVCache:
         self.values: Tensor | None = None  # (B, Hkv, C, Dv)
         self.lengths: Tensor | None = None  # (B,) int64: positions appended to each row so far
         self.slot_positions: Tensor | None = None  # sliding: (B, W) the position each slot holds, -1 if none
+        self._aligned: int | None = None  # growing: the length every row has, when known without a device read
 
     @property
     def kind(self) -> str:
@@ -89,6 +90,7 @@ class KVCache:
             self.lengths.zero_()
             return
         self.keys = self.values = self.lengths = self.slot_positions = None
+        self._aligned = None
 
     def __repr__(self) -> str:
         size = "" if self.keys is None else f", {tuple(self.keys.shape)}, {self.nbytes} bytes"
@@ -115,6 +117,8 @@ class KVCache:
         B, Hkv, Lq, _ = k_new.shape
         self._start(k_new, v_new)
         assert self.lengths is not None
+        if self._aligned is not None and new_lens is None:
+            return self._append_aligned(k_new, v_new, self._aligned)
         real = self._new_lengths(new_lens, B, Lq, k_new.device)  # (B,)
         steps = torch.arange(Lq, device=k_new.device)  # (Lq,)
         positions = self.lengths[:, None] + steps  # (B, Lq): where each new token stands in its row
@@ -123,7 +127,11 @@ class KVCache:
             return self._sliding(k_new, v_new, positions, is_real, is_causal)
         self._make_room(_longest(self.lengths) + Lq if self.max_len is None else None, Lq)
         assert self.keys is not None and self.values is not None
-        # Padded tokens are written too, past the row's new length: unseen, and overwritten by the row's next tokens.
+        if new_lens is not None:
+            # Padded tokens are written as zeros, past the row's new length: unseen, overwritten by the row's next
+            # tokens, and finite, so that a backend has no dead key to zero (whatever the padding held, NaN too).
+            k_new = torch.where(is_real[:, None, :, None], k_new, 0.0)  # (B, Hkv, Lq, D)
+            v_new = torch.where(is_real[:, None, :, None], v_new, 0.0)  # (B, Hkv, Lq, Dv)
         index = positions[:, None, :, None]  # (B, 1, Lq, 1)
         self.keys.scatter_(2, index.expand(B, Hkv, Lq, self.keys.shape[3]), k_new.to(self.keys.dtype))
         self.values.scatter_(2, index.expand(B, Hkv, Lq, self.values.shape[3]), v_new.to(self.values.dtype))
@@ -137,9 +145,27 @@ class KVCache:
         # at least one key: a prefill where every row is empty gives zeros (its queries are all padding, they see none)
         Lk = max(longest, 1)
         keys, values = self.keys[:, :, :Lk], self.values[:, :, :Lk]  # (B, Hkv, Lk, D|Dv)
+        self._aligned = longest if shortest == longest else None
         if new_lens is None and shortest == longest:
             return keys, values, None, None  # aligned rows: is_causal (bottom right) is exact, no mask to build
         return keys, values, seen, None
+
+    def _append_aligned(
+        self, k_new: Tensor, v_new: Tensor, length: int
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """A growing cache whose rows all hold ``length`` positions, every new token real (decoding one sequence,
+        or a batch whose prompts were of one length): the new keys are written as one slice, with no index
+        tensors and no read of the lengths from the device, and the rows stay aligned."""
+        assert self.lengths is not None
+        Lq = k_new.shape[2]
+        self._make_room(length + Lq, Lq)
+        assert self.keys is not None and self.values is not None
+        self.keys[:, :, length : length + Lq] = k_new  # (B, Hkv, Lq, D) into (B, Hkv, C, D)
+        self.values[:, :, length : length + Lq] = v_new  # (B, Hkv, Lq, Dv) into (B, Hkv, C, Dv)
+        self.lengths = self.lengths + Lq  # (B,)
+        self._aligned = length + Lq
+        Lk = max(length + Lq, 1)
+        return self.keys[:, :, :Lk], self.values[:, :, :Lk], None, None  # is_causal as given is exact
 
     def _start(self, k_new: Tensor, v_new: Tensor) -> None:
         """At the first call: sizes, dtype and device from it; later calls must fit them."""
@@ -150,6 +176,7 @@ class KVCache:
             self.keys = k_new.new_zeros((B, Hkv, capacity, D))  # (B, Hkv, C, D)
             self.values = v_new.new_zeros((B, Hkv, capacity, Dv))  # (B, Hkv, C, Dv)
             self.lengths = torch.zeros(B, dtype=torch.long, device=k_new.device)  # (B,)
+            self._aligned = 0 if self.kind == "growing" else None
             if self.window is not None:
                 self.slot_positions = torch.full((B, self.window), -1, dtype=torch.long, device=k_new.device)
             return

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from attnkit import mods, trace
+from attnkit import _projection, mods, trace
 from attnkit.cache import CrossKVCache, KVCache
 from attnkit.functional import additive_attention, attention_weights, check_qkv, scaled_dot_product_attention
 
@@ -384,16 +384,21 @@ class MultiHeadAttention(_Attention):
         Lk = keys.shape[1]
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         tracer = trace.active()
-        q_flat = self.W_q(queries)  # (B, Lq, H*d)
-        q = q_flat.view(B, Lq, H, d).transpose(1, 2)  # (B, H, Lq, d)
-        split = [("queries", q_flat, q)]
         if isinstance(cache, CrossKVCache) and cache.keys is not None and cache.values is not None:
+            q_flat = _projection.linear(queries, self.W_q)  # (B, Lq, H*d)
             k, v, valid_lens = cache.keys, cache.values, cache.valid_lens  # projected at the first call
+            kv_split = []
         else:
-            k_flat, v_flat = self.W_k(keys), self.W_v(values)  # (B, Lk, Hkv*d) each
+            if _projection.same(queries, keys) and _projection.same(keys, values):  # self-attention: one product
+                q_flat, k_flat, v_flat = _projection.stacked(queries, (self.W_q, self.W_k, self.W_v), self)
+            else:
+                q_flat = _projection.linear(queries, self.W_q)  # (B, Lq, H*d)
+                k_flat, v_flat = _projection.linear(keys, self.W_k), _projection.linear(values, self.W_v)
             k = k_flat.view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
             v = v_flat.view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
-            split += [("keys", k_flat, k), ("values", v_flat, v)]
+            kv_split = [("keys", k_flat, k), ("values", v_flat, v)]
+        q = q_flat.view(B, Lq, H, d).transpose(1, 2)  # (B, H, Lq, d)
+        split = [("queries", q_flat, q), *kv_split]
         if tracer is not None:
             for name, flat, heads in split:
                 tracer.add("split heads", [flat], heads, f"{name}: (B, L, H*d) -> (B, H, L, d)")
@@ -419,7 +424,7 @@ class MultiHeadAttention(_Attention):
         merged = out.transpose(1, 2).reshape(B, Lq, H * d)  # (B, H, Lq, d) -> (B, Lq, H*d)
         if tracer is not None:
             tracer.add("merge heads", [out], merged, "(B, H, Lq, d) -> (B, Lq, H*d)")
-        return self.W_o(merged)  # (B, Lq, num_hiddens)
+        return _projection.linear(merged, self.W_o)  # (B, Lq, num_hiddens)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, masks: Masks) -> Tensor:
         """Attention on the split heads: ``(B, H, Lq, d)``, ``(B, Hkv, Lk, d)`` twice -> ``(B, H, Lq, d)``."""

@@ -466,12 +466,13 @@ class Mask:
         """
         Lq, Lk = self.num_queries, self.num_keys
         device = self.device
-        if self.bool_mask is None and not self.bias_has_neg_inf and self.mask_mod is None:
+        if self._prefixes_only:
             n = self._prefix_lengths(device)  # (B|1, 1, Lq|1) keys [0, n) seen by each row, or None
             if n is None:
                 return None, None
             rows = (n > 0).expand(*n.shape[:2], Lq)  # (B|1, 1, Lq)
-            longest = n.amax(dim=-1, keepdim=True) if Lq else n.new_zeros(n.shape[0], 1, 1)  # (B|1, 1, 1)
+            longest = self.live_key_counts  # (B|1, 1, 1)
+            assert longest is not None
             keys = torch.arange(Lk, device=device) < longest  # (B|1, 1, Lk)
             return _none_if_all(keys), _none_if_all(rows)
         lead = self._lead_shape()
@@ -493,6 +494,23 @@ class Mask:
                     keys[..., j0:j1] |= allowed.any(dim=-2)
                     rows[..., r0:r1] |= allowed.any(dim=-1)
         return _none_if_all(keys), _none_if_all(rows)
+
+    @property
+    def _prefixes_only(self) -> bool:
+        """Only ``valid_lens`` and ``is_causal`` hide keys (a float bias without ``-inf`` hides none)."""
+        return self.bool_mask is None and not self.bias_has_neg_inf and self.mask_mod is None
+
+    @functools.cached_property
+    def live_key_counts(self) -> Tensor | None:
+        """``(B|1, 1, 1)`` long: when only ``valid_lens`` and ``is_causal`` hide keys, the live keys of each
+        example are ``[0, n)`` (its longest row's prefix) and the dead ones a suffix; ``None`` for other masks
+        and when every key is live."""
+        if not self._prefixes_only:
+            return None
+        n = self._prefix_lengths(self.device)  # (B|1, 1, Lq|1) or None
+        if n is None:
+            return None
+        return n.amax(dim=-1, keepdim=True) if self.num_queries else n.new_zeros(n.shape[0], 1, 1)  # (B|1, 1, 1)
 
     def _scan_blocks(self) -> Iterator[tuple[int, int]]:
         """Key ranges ``[j0, j1)`` for a pass over the whole combined mask, each at most

@@ -44,23 +44,22 @@ def zero_dead(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, Tens
         if live_keys.shape[1] not in (1, Hkv):
             # a per-query-head mask with grouped key/value heads: a key/value head is live if any of its group is
             live_keys = live_keys.unflatten(1, (Hkv, -1)).any(dim=2)  # (B|1, Hkv, Lk)
-        if not _finite_suffixes(live_keys, k, v):
+        if not _finite_suffixes(mask, k, v):
             k = torch.where(live_keys[..., None], k, zero)  # (B, Hkv, Lk, D)
             v = torch.where(live_keys[..., None], v, zero)  # (B, Hkv, Lk, Dv)
     return q, k, v
 
 
-def _finite_suffixes(live_keys: Tensor, k: Tensor, v: Tensor) -> bool:
-    """True when the dead keys form a suffix of each row (padding, a cache past each row's length) and hold only
-    finite keys and values: then they need no zeroing (``0 * finite`` is 0, and a hidden key gets no gradient).
-    Only the band from the shortest row's end on is read, not the whole cache (a decode step of a ragged batch
-    would otherwise copy all of it)."""
+def _finite_suffixes(mask: Mask, k: Tensor, v: Tensor) -> bool:
+    """True when the dead keys form a suffix of each example (only ``valid_lens`` and ``is_causal`` hide keys:
+    padding, a cache past each row's length) and hold only finite keys and values: then they need no zeroing
+    (``0 * finite`` is 0, and a hidden key gets no gradient). Only the band from the shortest example's end on is
+    read, not the whole cache (a decode step of a ragged batch would otherwise copy all of it)."""
     if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
         return False  # zeroed, so that a dead key's gradient is exactly zero whatever it holds
-    rows = live_keys.reshape(-1, live_keys.shape[-1])  # (B|1 * Hkv|1, Lk)
-    n = rows.sum(dim=-1)  # (rows,): live keys in each row
-    if not bool(torch.equal(rows, torch.arange(rows.shape[-1], device=rows.device) < n[:, None])):
-        return False  # not a prefix of live keys in every row
-    shortest = int(n.min())
-    # one reduction each: a sum is finite only if every term is (a finite sum that overflows reads as not: zeroed)
-    return bool(torch.isfinite(k[:, :, shortest:].sum())) and bool(torch.isfinite(v[:, :, shortest:].sum()))
+    counts = mask.live_key_counts  # (B|1, 1, 1) or None
+    if counts is None:
+        return False
+    shortest = int(counts.min())
+    # one reduction: a sum is finite only if every term is (a finite sum that overflows reads as not: zeroed)
+    return bool(torch.isfinite(k[:, :, shortest:].sum() + v[:, :, shortest:].sum()))
