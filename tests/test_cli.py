@@ -214,6 +214,8 @@ def fake_result(kind):
         "weights": weights,
         "source_labels": ["1", "2", "3", "<pad>"],
         "target_labels": ["3", "2", "1", "<eos>"],
+        "record": {"attention": [weights]},
+        "layer_tokens": {"attention": (["<bos>", "3", "2", "1"], ["1", "2", "3", "<pad>"])},
     }
     return demo.DemoResult(kind, 1.0, 0.1, 10, [(5, 1.0), (10, 0.5)], [(10, 1.0)], example)
 
@@ -424,7 +426,7 @@ def test_demo_makes_no_folder_until_the_pictures_are_drawn(capsys, tmp_path, mon
     code, stdout, err = main(capsys, "demo", "--quick", "--out", out)
     assert code == 0, err
     assert seen == [False] * (1 + len(demo.KINDS))
-    names = ["additive-attention.png", "multihead-attention.png", "training.png"]
+    names = sorted(demo.PICTURES)  # the heatmaps, the training curves and a viewer page per model
     assert sorted(p.name for p in out.iterdir()) == names
     assert all(str(out / name) in stdout for name in names)
     assert [p.name for p in tmp_path.iterdir()] == ["new"] and [p.name for p in out.parent.iterdir()] == ["pictures"]

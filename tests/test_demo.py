@@ -6,10 +6,12 @@ import subprocess
 import sys
 
 import matplotlib.image
+import numpy as np
 import pytest
 import torch
 
-from attnkit import demo
+from attnkit import cli, demo, viewer
+from pages import blob, payload
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +68,19 @@ def test_demo_command_quick(tmp_path):
         line = next(line for line in text.splitlines() if line.startswith(f"{kind}: "))
         assert float(line.split("%")[0].split()[-1]) >= 90.0
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["additive-attention.png", "multihead-attention.png", "training.png"]
+    assert names == [
+        "additive-attention.html",
+        "additive-attention.png",
+        "multihead-attention.html",
+        "multihead-attention.png",
+        "training.png",
+    ]
     for name in names:
         assert str(out / name) in text
+        if name.endswith(".html"):  # a viewer page of every attention module (tests/test_view_browser.py opens one)
+            layers = payload(out / name)["layers"]
+            assert len(layers) == (1 if name.startswith("additive") else 6)
+            continue
         image = matplotlib.image.imread(out / name)
         assert image.shape[0] > 200 and image.shape[1] > 300 and image[..., :3].std() > 0.05
 
@@ -91,3 +103,44 @@ def test_the_transformer_generates_with_its_caches_the_tokens_of_whole_prefix_de
     lens = torch.tensor([8, 3, 5, 1, 8, 6])
     src[torch.arange(8)[None] >= lens[:, None]] = demo.PAD
     assert torch.equal(demo._greedy(model, src, lens, 9), demo._greedy(model, src, lens, 9, cache=False))
+
+
+@pytest.mark.parametrize("kind", demo.KINDS)
+def test_attnkit_view_shows_the_record_of_each_demo_model(quick_results, kind, tmp_path, capsys):
+    """The example's record: the encoder, the decoder reading its greedy output whole, then (the Transformer) the
+    same decoding step by step through its caches, whose rows are those of the whole call; `attnkit view` reads it
+    saved with torch.save, and the demo's tokens label each module's queries and keys."""
+    ex = quick_results[kind].example
+    torch.save(ex["record"], tmp_path / "record.pt")
+    code = cli.main(["view", str(tmp_path / "record.pt"), "--out", str(tmp_path / "page.html")])
+    assert (code, capsys.readouterr().err) == (0, "")
+    data = payload(tmp_path / "page.html")
+    T, S = len(ex["source"]) + 1, len(ex["source_labels"])
+    calls = {layer["name"]: layer["calls"] for layer in data["layers"]}
+    if kind == "additive":
+        assert list(calls) == ["attention"] and [(c["lq"], c["lk"]) for c in calls["attention"]] == [(T, S)]
+    else:
+        blocks = ("encoder.0.attention", "encoder.1.attention")
+        decoder = [f"decoder.{i}.{part}" for i in range(2) for part in ("self_attention", "cross_attention")]
+        assert list(calls) == [*blocks, *decoder]
+        assert all([(c["lq"], c["lk"]) for c in calls[name]] == [(S, S)] for name in blocks)
+        steps = calls["decoder.1.self_attention"]
+        assert [(c["lq"], c["lk"]) for c in steps] == [(T, T), *((1, t + 1) for t in range(T))]
+        whole = np.frombuffer(blob(data, steps[0]["data"]), dtype="<f4").reshape(4, T, T)
+        for t in range(T):
+            step = np.frombuffer(blob(data, steps[1 + t]["data"]), dtype="<f4").reshape(4, t + 1)
+            np.testing.assert_allclose(step, whole[:, t, : t + 1], atol=1e-5)
+        assert [(c["lq"], c["lk"]) for c in calls["decoder.1.cross_attention"]] == [(T, S), *[(1, S)] * T]
+    labelled = payload(viewer.view(ex["record"], layer_tokens=ex["layer_tokens"]))
+    read = ["<bos>", *(str(d) for d in ex["prediction"])][:T]
+    for layer in labelled["layers"]:
+        for c in layer["calls"]:
+            queries = labelled["tokens"][c["q"]][c["qoff"] : c["qoff"] + c["lq"]]
+            keys = labelled["tokens"][c["k"]][: c["lk"]]
+            if layer["name"].startswith("encoder"):
+                assert queries == keys == ex["source_labels"]
+            else:
+                assert keys == (
+                    ex["source_labels"] if "cross" in layer["name"] or kind == "additive" else read[: c["lk"]]
+                )
+                assert queries == read[c["qoff"] : c["qoff"] + c["lq"]]

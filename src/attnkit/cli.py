@@ -3,6 +3,7 @@
     attnkit info                                  versions, threads, which backends run here (and why not)
     attnkit trace {dot,additive,multihead} [...]  the shape trace of a freshly built layer
     attnkit heatmap WEIGHTS_FILE --out FILE        draw weights saved with torch.save or numpy.save
+    attnkit view WEIGHTS_FILE --out FILE.html      an interactive page of weights or a record (one HTML file)
     attnkit demo [--out DIR] [--seed N] [--quick]  the book's examples, then train two models and draw them
     attnkit bench [--quick] [--json F] [--compare F] [--plot F]   attnkit against torch and the book
 
@@ -149,6 +150,27 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--xlabel", default="keys")
     h.add_argument("--ylabel", default="queries")
     h.add_argument("--title", default=None)
+
+    v = commands.add_parser(
+        "view",
+        help="an interactive page of attention weights: one self-contained HTML file",
+        description=(
+            "Write one HTML file (script, style and weights inside; it makes no request) with a head view, a model "
+            "view and a matrix view. WEIGHTS_FILE: (Lq, Lk), (H, Lq, Lk) or (layers, H, Lq, Lk) weights saved with "
+            "torch.save or numpy.save, or a record: torch.save({name: rec.calls(name) for name in rec}, FILE) "
+            "after attnkit.record_weights. Large inputs are reduced (each row keeps its largest weights), and the "
+            "page says so."
+        ),
+    )
+    v.add_argument("weights_file", metavar="WEIGHTS_FILE")
+    v.add_argument("--out", required=True, help="the page to write (.html)")
+    tokens_help = "separated by spaces ('the cat sat'), or @FILE with one token per line"
+    v.add_argument("--tokens", help=f"tokens of queries and keys (self-attention): {tokens_help}")
+    v.add_argument("--query-tokens", help=f"tokens of the queries (cross-attention): {tokens_help}")
+    v.add_argument("--key-tokens", help=f"tokens of the keys (cross-attention): {tokens_help}")
+    v.add_argument("--kv-heads", type=_positive, default=None, help="key/value heads (grouped-query attention)")
+    v.add_argument("--example", type=_length, default=0, help="the row of a record's batch to show (default 0)")
+    v.add_argument("--title", default=None, help="the page's title (default: the file's name)")
 
     d = commands.add_parser("demo", help="the book's examples, then train two models and draw what they learned")
     d.add_argument(
@@ -302,7 +324,9 @@ def cmd_heatmap(args: argparse.Namespace) -> None:
     print(out)
 
 
-def _load_weights(path: Path) -> torch.Tensor:
+def _load_weights(path: Path, *, record: bool = False) -> Any:
+    """The tensor in ``path`` (``.npy``, or anything else as ``torch.save``'s), as float32; with ``record``, also a
+    record saved as ``{module name: tensor or list of tensors}`` (each checked the same way)."""
     try:
         if path.suffix == ".npy":
             import numpy as np
@@ -318,18 +342,84 @@ def _load_weights(path: Path) -> torch.Tensor:
             f"{path}: cannot read weights: not a tensor saved with torch.save or an array saved with numpy.save"
             f" ({type(e).__name__})"
         ) from None
+    if record and isinstance(data, dict):
+        if not data:
+            raise UsageError(f"{path}: the record holds no layers (an empty dict)")
+        loaded = {}
+        for name, value in data.items():
+            if not isinstance(name, str):
+                raise UsageError(f"{path}: a record's keys are module names (strings), got {_shown(repr(name))}")
+            calls = value if isinstance(value, (list, tuple)) else [value]
+            if not calls:
+                raise UsageError(f"{path}: layer {_shown(name)} has no calls (an empty list)")
+            loaded[name] = [_weights_tensor(path, c, f"layer {_shown(name)}: ") for c in calls]
+        return loaded
     if not isinstance(data, torch.Tensor):
-        raise UsageError(f"{path}: expected one tensor or array of weights, got a {type(data).__name__}")
+        wanted = "one tensor or array of weights" + (", or a dict {layer name: tensors}" if record else "")
+        raise UsageError(f"{path}: expected {wanted}, got a {type(data).__name__}")
+    return _weights_tensor(path, data, "")
+
+
+def _weights_tensor(path: Path, data: Any, where: str) -> torch.Tensor:
+    if not isinstance(data, torch.Tensor):
+        raise UsageError(f"{path}: {where}expected a tensor of weights, got a {type(data).__name__}")
     if data.layout != torch.strided or data.device.type != "cpu":
         raise UsageError(
-            f"{path}: weights must be a dense tensor of numbers, got a {data.layout} tensor on {data.device} "
+            f"{path}: {where}weights must be a dense tensor of numbers, got a {data.layout} tensor on {data.device} "
             f"(save weights.to_dense().cpu())"
         )
     if not (data.is_floating_point() or data.dtype in (torch.int32, torch.int64)):
-        raise UsageError(f"{path}: weights must be real numbers, got dtype {data.dtype}")
+        raise UsageError(f"{path}: {where}weights must be real numbers, got dtype {data.dtype}")
     if data.numel() == 0:
-        raise UsageError(f"{path}: the weights are empty, shape {tuple(data.shape)}")
+        raise UsageError(f"{path}: {where}the weights are empty, shape {tuple(data.shape)}")
     return data.float()
+
+
+# ---------------------------------------------------------------------------------------------------- view
+
+
+def cmd_view(args: argparse.Namespace) -> None:
+    _require("view", "numpy")
+    from attnkit import viewer
+
+    source = _input_file(args.weights_file, "WEIGHTS_FILE")
+    out = _output_file(args.out, "--out", (".html", ".htm"))
+    tokens, query_tokens, key_tokens = (
+        None if text is None else _tokens(text, option)
+        for text, option in (
+            (args.tokens, "--tokens"),
+            (args.query_tokens, "--query-tokens"),
+            (args.key_tokens, "--key-tokens"),
+        )
+    )
+    weights = _load_weights(source, record=True)
+    try:
+        viewer.view(
+            weights,
+            tokens,
+            query_tokens,
+            key_tokens,
+            kv_heads=args.kv_heads,
+            example=args.example,
+            title=args.title or source.name,
+            path=out,
+        )
+    except (ValueError, TypeError) as e:  # shapes, token counts, kv heads, example: the user's to read, in one line
+        raise UsageError(f"{source}: {_one_line(e)}") from None
+    except OSError as e:  # the disk filled up, the folder went away: nothing was left behind
+        raise UsageError(f"--out {out}: cannot write ({e.strerror or _one_line(e)})") from None
+    print(out)
+
+
+def _tokens(text: str, option: str) -> list[str]:
+    """Tokens from the command line: separated by white space, or ``@FILE``, one token per line (UTF-8)."""
+    if not text.startswith("@"):
+        return text.split()
+    path = _input_file(text[1:], option)
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{option} {_shown(text)}: cannot be read as UTF-8 text ({type(e).__name__})") from None
 
 
 # ---------------------------------------------------------------------------------------------------- demo
@@ -659,6 +749,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
     "info": cmd_info,
     "trace": cmd_trace,
     "heatmap": cmd_heatmap,
+    "view": cmd_view,
     "demo": cmd_demo,
     "bench": cmd_bench,
 }

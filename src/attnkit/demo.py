@@ -52,8 +52,12 @@ PAD, BOS, EOS = 10, 11, 12  # tokens 0..9 are the digits themselves
 LABELS = [str(digit) for digit in range(10)] + ["<pad>", "<bos>", "<eos>"]
 VOCAB = len(LABELS)
 KINDS = ("additive", "multihead")
-# The files draw() writes: a heatmap per kind, then the training curves.
-PICTURES = (*(f"{kind}-attention.png" for kind in KINDS), "training.png")
+# The files draw() writes: a heatmap per kind, the training curves, then a viewer page per kind.
+PICTURES = (
+    *(f"{kind}-attention.png" for kind in KINDS),
+    "training.png",
+    *(f"{kind}-attention.html" for kind in KINDS),
+)
 
 
 @dataclass
@@ -71,7 +75,12 @@ class DemoResult:
             ``"prediction"`` (digits, no padding or ``<eos>``), ``"weights"`` (cross-attention weights of
             teacher-forced decoding of the right output: ``(1, T, S)`` for ``"additive"``, ``(H, T, S)`` from the
             last decoder layer for ``"multihead"``; ``S`` counts the padding, ``T`` the digits and ``<eos>``),
-            ``"source_labels"`` (``S`` strings, ``"<pad>"`` included) and ``"target_labels"`` (``T`` strings).
+            ``"source_labels"`` (``S`` strings, ``"<pad>"`` included) and ``"target_labels"`` (``T`` strings);
+            ``"record"``, every attention call of the model on that sequence, ``{module name: [(1, H, Lq, Lk) or
+            (1, Lq, Lk) per call]}``: the encoder, the decoder reading its own greedy output whole, then (the
+            Transformer) the same decoding one step at a time through its caches; ``"layer_tokens"``, the tokens
+            of each module's queries and keys for :func:`attnkit.viewer.view` (decoder positions are labelled with
+            the token they read).
     """
 
     kind: str
@@ -475,12 +484,30 @@ def _example(model: _Seq2Seq, src: Tensor, lens: Tensor, length: int) -> dict[st
     with torch.no_grad(), record_weights(model) as record:
         model.eval()(src, lens, tgt_in)
     weights = record[model.cross_attention_name]  # (1, T, S) additive, (1, H, T, S) multihead
+    source_labels = [LABELS[token] for token in src[0].tolist()]
+    # For the viewer: the model decoding by itself, its own greedy output read back whole (the same numbers as
+    # step by step), then, for the Transformer, step by step through its caches.
+    read = [BOS, *predicted[:length]]  # (T,): what decoder position t reads
+    with torch.no_grad(), record_weights(model) as everything:
+        memory = model.encode(src, lens)
+        model.decode(memory, lens, torch.tensor([read]))
+        if isinstance(model, _TransformerSeq2Seq):
+            model.generate(memory, lens, length + 1)
+    read_labels = [LABELS[token] for token in read]
+    layer_tokens: dict[str, Any] = {}
+    for name in everything:
+        if "cross_attention" in name or name == "attention":
+            layer_tokens[name] = (read_labels, source_labels)  # decoder queries, source keys
+        else:
+            layer_tokens[name] = read_labels if name.startswith("decoder") else source_labels
     return {
         "source": src[0, :length].tolist(),
         "prediction": prediction,
         "weights": weights[0] if weights.dim() == 4 else weights,  # (1, T, S) or (H, T, S)
-        "source_labels": [LABELS[token] for token in src[0].tolist()],
+        "source_labels": source_labels,
         "target_labels": [LABELS[token] for token in tgt_out[0].tolist()],
+        "record": {name: everything.calls(name) for name in everything},
+        "layer_tokens": layer_tokens,
     }
 
 
@@ -526,8 +553,9 @@ def replay_book_examples(echo: Callable[[str], None], seed: int = 0) -> None:
 
 
 def draw(results: dict[str, DemoResult], out_dir: Path) -> list[Path]:
-    """Heatmaps of what each model attends to, and the loss curves, written into ``out_dir``. Returns the paths."""
-    from attnkit import plot
+    """Heatmaps of what each model attends to, the loss curves, and a viewer page of every attention call of each
+    model on its example (:func:`attnkit.viewer.view`), written into ``out_dir``. Returns the paths."""
+    from attnkit import plot, viewer
 
     paths = []
     for kind, result in results.items():
@@ -554,9 +582,21 @@ def draw(results: dict[str, DemoResult], out_dir: Path) -> list[Path]:
     ax_loss.set(xlabel="step", ylabel="training loss", yscale="log", title="loss")
     ax_acc.set(xlabel="step", ylabel="exact-sequence accuracy", ylim=(0, 1.01), title="held-out accuracy")
     ax_acc.legend()
-    path = out_dir / PICTURES[-1]
+    path = out_dir / "training.png"
     plot.save_figure(fig, path)
     paths.append(path)
+
+    for kind, result in results.items():
+        ex = result.example
+        source = "".join(str(d) for d in ex["source"])
+        path = out_dir / f"{kind}-attention.html"
+        viewer.view(
+            ex["record"],
+            layer_tokens=ex["layer_tokens"],
+            title=f"attnkit demo, {kind}: {source} -> {''.join(str(d) for d in ex['prediction'])}",
+            path=path,
+        )
+        paths.append(path)
     return paths
 
 

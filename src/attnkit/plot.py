@@ -12,6 +12,9 @@ would do anyway, and the figure's title says so). NaN and infinite entries are d
 left out of the colour scale. The options are bounded too: a figure is kept within :data:`MAX_INCHES` inches each
 way (a larger ``figsize`` is shrunk to fit), and tick labels and titles are cut to :data:`MAX_LABEL` characters
 (with an ellipsis) for display.
+
+For an interactive page instead of a picture (head view, model view and matrix view in one self-contained HTML
+file), see :func:`view`, from :mod:`attnkit.viewer`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,19 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["MAX_CELLS", "MAX_INCHES", "MAX_LABEL", "MAX_PANELS", "plot_attention", "save_figure", "show_heatmaps"]
+from attnkit.viewer import AttentionView, view
+
+__all__ = [
+    "MAX_CELLS",
+    "MAX_INCHES",
+    "MAX_LABEL",
+    "MAX_PANELS",
+    "AttentionView",
+    "plot_attention",
+    "save_figure",
+    "show_heatmaps",
+    "view",
+]
 
 # Lq/Lk query/key length, H heads, rows/cols of a grid of heatmaps
 

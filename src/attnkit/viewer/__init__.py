@@ -1,0 +1,172 @@
+"""An interactive attention viewer: one self-contained HTML file (``attnkit view``, :func:`attnkit.plot.view`).
+
+The page holds everything it needs: its script and style are inline, the weights are embedded in it, and a
+Content-Security-Policy forbids it any request, so it opens from disk, offline, in any browser, and a notebook
+shows it inline (:meth:`AttentionView._repr_html_`, in an iframe of its own). Three views of one record:
+
+* **heads**: query tokens on the left, key tokens on the right, a line for each weight (opacity = weight, one
+  colour per head; lines for weights under 0.01 are not drawn). Click a head to hide or show it (click its key/value
+  group's label for the whole group); hover a token to see only its lines, the tokens on the other side lit by
+  weight, and the keys a mask hides hatched.
+* **model**: a grid of small matrices, layers by heads; click one to open it in the matrix view.
+* **matrix**: one head's weights, large, with the tokens on the axes; the value under the mouse.
+
+Padding and masked positions are drawn apart from low weights: attnkit gives a weight of exactly 0 where a
+mask hides a key (and nowhere else, but for float32 underflow at scores more than about 100 below the row's
+largest), so a cell of exactly 0 is drawn hatched grey, a key that no query sees (padding past ``valid_lens``)
+is struck out, as is a query that sees no key. Heads that share a key/value head (``kv_heads``, grouped-query
+attention) are grouped and coloured alike. Query and key tokens are separate lists (cross-attention). A
+record's calls of one module (a whole sequence, then decoding steps through a cache) are browsed with a slider;
+a module called fewer times shows its last call.
+
+Size: up to 1,048,576 weights in all, every weight is kept exactly (float32). Past that, each row keeps its
+largest weights (as many as fit 4,000,000 in all, at least 1), rounded to 1/255 of its matrix's largest, with
+their key positions; the page says so, and how much of each row's weight the kept ones hold. The model view's
+small matrices are averaged to 64 cells a side at most. A 12 layers x 12 heads x 1024 x 1024 record makes a
+file of 17 MB (see the README for the measured size and time to interactive).
+"""
+
+from __future__ import annotations
+
+import errno
+import html
+import json
+import os
+import re
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from attnkit.viewer import _data
+from attnkit.viewer._data import EXACT_CELLS, MAX_ENTRIES, THUMB
+
+__all__ = ["EXACT_CELLS", "MAX_ENTRIES", "THUMB", "AttentionView", "view"]
+
+
+@dataclass(frozen=True)
+class AttentionView:
+    """A viewer page: ``html`` is the whole file; ``path`` where it was written (``None`` when not written);
+    ``notes`` what the page says it reduced or left out."""
+
+    html: str
+    path: Path | None
+    notes: tuple[str, ...]
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the page to ``path`` atomically (a temporary file beside it, renamed into place).
+
+        Raises:
+            FileNotFoundError: when the folder does not exist (naming ``path``).
+            OSError: when it cannot be written (nothing is left behind).
+        """
+        return _write(Path(path), self.html)
+
+    def _repr_html_(self) -> str:
+        """The page in an iframe of its own (a notebook cell shows it inline; its script and style stay apart
+        from the notebook's)."""
+        return (
+            f'<iframe srcdoc="{html.escape(self.html, quote=True)}" style="width: 100%; height: 720px; '
+            'border: 1px solid #ccc" sandbox="allow-scripts"></iframe>'
+        )
+
+
+def view(
+    weights: Any,
+    tokens: Sequence[Any] | None = None,
+    query_tokens: Sequence[Any] | None = None,
+    key_tokens: Sequence[Any] | None = None,
+    *,
+    path: str | os.PathLike[str] | None = None,
+    layer_tokens: Mapping[str, Any] | None = None,
+    kv_heads: int | Mapping[str, int] | None = None,
+    example: int = 0,
+    title: str | None = None,
+) -> AttentionView:
+    """An interactive page of attention weights: head view, model view and matrix view, in one HTML file.
+
+    Args:
+        weights: a record from :func:`attnkit.record_weights` (each module a layer, its calls on a slider; a
+            mapping ``{name: (B, H, Lq, Lk) or (B, Lq, Lk) tensor, or a list of them, one per call}`` is read
+            the same way, e.g. ``torch.save({n: rec.calls(n) for n in rec}, f)`` loaded back), or a tensor or
+            array of weights ``(Lq, Lk)``, ``(H, Lq, Lk)`` or ``(layers, H, Lq, Lk)``. Weights are finite and
+            ``>= 0``; exactly 0 is drawn as masked.
+        tokens: the tokens of a self-attention sequence, for queries and keys. A call with ``Lk`` keys is labelled
+            with the first ``Lk`` and its queries with the last ``Lq`` of those (a decoding step through a cache
+            stands at the end of its keys), so the list must be as long as the longest call's keys.
+        query_tokens, key_tokens: cross-attention: keys as above; a call's queries continue those of the layer's
+            call before (a whole sequence, or a prefill, then steps of one), starting over when the list is used
+            up; the list must be as long as the queries reach.
+        path: write the page there (atomically: a temporary file, renamed into place); ``None``: only return it.
+        layer_tokens: ``{layer name: tokens or (query_tokens, key_tokens)}`` for models whose layers see
+            different sequences (an encoder-decoder); other layers get ``tokens``/``query_tokens``/``key_tokens``.
+        kv_heads: key/value heads (grouped-query attention), for every layer or ``{layer name: number}``: query
+            head ``h`` shares key/value head ``h // (H // kv_heads)``; the page groups and colours them so.
+        example: the row of a record's batch to show.
+        title: the page's title.
+
+    Returns:
+        An :class:`AttentionView` (``.html``, ``.path``, ``.notes``; a notebook shows it inline).
+
+    Raises:
+        ValueError: for weights of another shape, empty, negative or not finite; token lists that do not match
+            the positions they label (naming the layer and the lengths); an ``example`` past the batch; a
+            ``kv_heads`` that does not divide the heads; layer names that are not in the record.
+        TypeError: for weights or tokens of the wrong type (a string where a list of tokens is wanted).
+        FileNotFoundError, OSError: when ``path`` cannot be written (nothing is left behind).
+
+    Example:
+        >>> page = view(torch.softmax(torch.randn(2, 3, 3), -1), tokens=["the", "cat", "sat"])
+        >>> page.html.startswith("<!DOCTYPE html>"), page.notes
+        (True, ())
+    """
+    layers, notes = _data.collect(weights, example)
+    _data.assign_tokens(layers, tokens, query_tokens, key_tokens, layer_tokens)
+    _data.check_groups(layers, kv_heads)
+    heading = title if title is not None else "attention"
+    payload = _data.encode(layers, heading, notes)
+    page = AttentionView(_html(payload, heading), None, tuple(payload["notes"]))
+    if path is not None:
+        return AttentionView(page.html, page.save(path), page.notes)
+    return page
+
+
+def _asset(name: str) -> str:
+    return resources.files("attnkit.viewer").joinpath(name).read_text(encoding="utf-8")
+
+
+def _html(payload: dict[str, Any], title: str) -> str:
+    # "<" as \u003c: no "</script>" or "<!--" inside the data can end or change its script element
+    data = json.dumps(payload, separators=(",", ":"), allow_nan=False).replace("<", "\\u003c")
+    parts = {
+        "title": html.escape(title),
+        "style": _asset("viewer.css"),
+        "script": _asset("viewer.js"),
+        "data": data,
+    }
+    pieces = re.split(r"\{\{(\w+)\}\}", _asset("page.html"))  # text, marker, text, marker, ..., text
+    return "".join(parts[p] if i % 2 else p for i, p in enumerate(pieces))
+
+
+def _write(target: Path, text: str) -> Path:
+    folder = target.parent
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise FileNotFoundError(errno.ENOENT, f"cannot write {str(target)!r}: the folder {str(folder)!r} {what}")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".", suffix=target.suffix, dir=folder)
+    except OSError as e:  # the folder cannot be written: name the user's path, not the temporary one
+        raise type(e)(e.errno, f"cannot write {str(target)!r}: {e.strerror}") from e
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes it private; a plain open() would not
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target

@@ -1,0 +1,446 @@
+"""What the viewer page holds: the weights read into layers and calls, each call's tokens, and the bytes the page
+decodes (see :mod:`attnkit.viewer` for what the page shows and what is reduced when).
+
+Nothing here knows about HTML: :func:`collect` and :func:`assign_tokens` check what the user gave and
+:func:`encode` turns it into one JSON-ready dictionary, the page's only input.
+"""
+
+from __future__ import annotations
+
+import base64
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+# H heads, Lq/Lk query/key length, B batch, k weights kept per row, tq/tk thumbnail rows/columns
+
+EXACT_CELLS = 1 << 20  # up to this many weights on a page, every one is kept as it is (float32)
+MAX_ENTRIES = 4_000_000  # past that, the page keeps at most this many (the largest of each row, 3 bytes each)
+MAX_MASK_BYTES = 4 << 20  # distinct mask bitmaps kept, in bytes; past that a matrix's masked cells are not known
+THUMB = 64  # a model-view thumbnail has at most this many cells a side (a longer side is averaged in bins)
+MAX_KEYS = 65535  # key positions are uint16 on the page
+MAX_TOKEN = 60  # characters of a token shown; a longer one is cut, ending in an ellipsis
+
+
+@dataclass
+class Layer:
+    """One attention module (or one layer of a 4-D tensor): its calls, each ``(H, Lq, Lk)``, in order."""
+
+    name: str
+    calls: list[np.ndarray]
+    groups: int = 1  # key/value heads: query heads h and h' share one when h // (H // groups) is the same
+    # per call: (query tokens or None, offset of the call's first query in them, key tokens or None)
+    tokens: list[tuple[list[str] | None, int, list[str] | None]] = field(default_factory=list)
+
+
+def collect(weights: Any, example: int) -> tuple[list[Layer], list[str]]:
+    """The layers to show and notes on what was left out.
+
+    A mapping (a :class:`~attnkit.layers.WeightRecord`, or ``{name: tensor or list of tensors}`` as saved with
+    ``torch.save``) holds, per module, calls of ``(B, H, Lq, Lk)`` or ``(B, Lq, Lk)`` (one head): ``example``
+    picks the batch row. A tensor or array is ``(Lq, Lk)``, ``(H, Lq, Lk)`` or ``(layers, H, Lq, Lk)``.
+    """
+    if isinstance(example, bool) or not isinstance(example, int):
+        raise TypeError(f"example must be a whole number (a row of the batch), got {example!r}")
+    if isinstance(weights, Mapping):
+        return _from_record(weights, example)
+    if example != 0:
+        raise ValueError(
+            f"example={example} picks a row of a record's batch; a tensor of weights has no batch (it is "
+            "(Lq, Lk), (H, Lq, Lk) or (layers, H, Lq, Lk)): select the row first"
+        )
+    w = _array(weights, "weights")
+    if w.ndim not in (2, 3, 4):
+        raise ValueError(f"weights must be (Lq, Lk), (H, Lq, Lk) or (layers, H, Lq, Lk), got shape {w.shape}")
+    _check_values(w, "weights")
+    w = w.reshape((1,) * (4 - w.ndim) + w.shape)  # (layers, H, Lq, Lk)
+    if len(w) == 1:
+        return [Layer("attention", [w[0]])], []
+    return [Layer(f"layer {i}", [w[i]]) for i in range(len(w))], []
+
+
+def _from_record(record: Mapping, example: int) -> tuple[list[Layer], list[str]]:
+    if not record:
+        raise ValueError("the record holds no weights: nothing was called inside record_weights, or no module in it")
+    calls_of = getattr(record, "calls", None)
+    read: list[tuple[str, list[np.ndarray], list[tuple[int, int] | None]]] = []  # name, calls, storage per call
+    for name in record:
+        if not isinstance(name, str):
+            raise TypeError(f"a record's keys are module names (strings), got {name!r}")
+        value = calls_of(name) if callable(calls_of) else record[name]
+        calls = list(value) if isinstance(value, (list, tuple)) else [value]
+        shown = name or "(model)"
+        if not calls:
+            raise ValueError(f"layer {shown!r}: no calls recorded")
+        kept: list[np.ndarray] = []
+        ptrs: list[tuple[int, int] | None] = []
+        for c, t in enumerate(calls):
+            where = f"layer {shown!r}" + (f" call {c}" if len(calls) > 1 else "")
+            w = _array(t, where)
+            if w.ndim not in (3, 4):
+                raise ValueError(
+                    f"{where}: a record holds (B, H, Lq, Lk) or (B, Lq, Lk) weights per call, got shape {w.shape}"
+                )
+            if not 0 <= example < w.shape[0]:
+                raise ValueError(f"example {example} does not exist: {where} has a batch of {w.shape[0]}: {w.shape}")
+            row = w[example] if w.ndim == 4 else w[example][None]  # (H, Lq, Lk)
+            _check_values(row, where)
+            kept.append(row)
+            ptrs.append((t.untyped_storage().data_ptr(), w.ndim) if isinstance(t, torch.Tensor) else None)
+        read.append((shown, kept, ptrs))
+    # attnkit.d2l.MultiHeadAttention reports its weights twice, in attnkit's layout (B, H, Lq, Lk) and, through its
+    # inner attention (called first), as the book's (B*H, Lq, Lk): one tensor, two views. Shown once, as (B, H, ...).
+    four_dims: dict[tuple[int, ...], str] = {}
+    for shown, _, ptrs in read:
+        storage = _storage(ptrs, 4)
+        if storage is not None:
+            four_dims.setdefault(storage, shown)
+    layers, notes = [], []
+    for shown, kept, ptrs in read:
+        storage = _storage(ptrs, 3)
+        twin = None if storage is None else four_dims.get(storage)
+        if twin is not None:
+            notes.append(f"layer {shown!r} holds the weights of {twin!r} in the book's layout; shown once")
+        else:
+            layers.append(Layer(shown, kept))
+    return layers, notes
+
+
+def _storage(ptrs: list[tuple[int, int] | None], ndim: int) -> tuple[int, ...] | None:
+    """The storage addresses of a layer's calls when every call is a tensor of ``ndim`` dims, else ``None``."""
+    addresses = []
+    for p in ptrs:
+        if p is None or p[1] != ndim:
+            return None
+        addresses.append(p[0])
+    return tuple(addresses)
+
+
+def _array(x: Any, name: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        if x.is_complex() or x.dtype == torch.bool:
+            raise TypeError(f"{name}: weights must be real numbers, got dtype {x.dtype}")
+        return x.detach().to("cpu", torch.float32).numpy()
+    if isinstance(x, np.ndarray) and (x.dtype.kind not in "fiu"):
+        raise TypeError(f"{name}: weights must be real numbers, got dtype {x.dtype}")
+    try:
+        return np.asarray(x, dtype=np.float32)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}: weights must be a tensor or an array of numbers, got {type(x).__name__}") from e
+
+
+def _check_values(w: np.ndarray, name: str) -> None:
+    if 0 in w.shape:
+        raise ValueError(f"{name}: the weights are empty, shape {w.shape}")
+    if w.shape[-1] > MAX_KEYS:
+        raise ValueError(f"{name}: {w.shape[-1]} keys, more than the {MAX_KEYS} the viewer shows: shape {w.shape}")
+    bad = ~np.isfinite(w)
+    if bad.any():
+        raise ValueError(f"{name}: {int(bad.sum())} weights are NaN or infinite, of shape {w.shape}")
+    low = float(w.min())
+    if low < 0:
+        raise ValueError(f"{name}: weights must be >= 0 (attention weights), the smallest is {low:g}: shape {w.shape}")
+
+
+# ---------------------------------------------------------------------------------------------------- tokens
+
+
+def labels(tokens: Any, name: str) -> list[str]:
+    """``tokens`` as strings cut for display, or a TypeError naming ``name``."""
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray, torch.Tensor)):
+        raise TypeError(f"{name} must be a sequence of tokens (a list, e.g. text.split()), got {type(tokens).__name__}")
+    out = []
+    for t in tokens:
+        text = str(t.item() if isinstance(t, (np.generic, torch.Tensor)) else t)
+        out.append(text if len(text) <= MAX_TOKEN else text[: MAX_TOKEN - 1] + "\u2026")
+    return out
+
+
+def assign_tokens(
+    layers: list[Layer],
+    tokens: Any,
+    query_tokens: Any,
+    key_tokens: Any,
+    layer_tokens: Mapping[str, Any] | None,
+) -> None:
+    """Give every call of every layer its query and key tokens (``Layer.tokens``), by the rules of
+    :func:`attnkit.viewer.view`; a list that does not cover exactly the positions of the calls it labels is a
+    ValueError naming it, the layer and the lengths."""
+    if tokens is not None and (query_tokens is not None or key_tokens is not None):
+        raise ValueError("give tokens (the same for queries and keys) or query_tokens/key_tokens, not both")
+    both = None if tokens is None else labels(tokens, "tokens")
+    q_all = None if query_tokens is None else labels(query_tokens, "query_tokens")
+    k_all = None if key_tokens is None else labels(key_tokens, "key_tokens")
+    per_layer = dict(layer_tokens or {})
+    names = [layer.name for layer in layers]
+    unknown = [n for n in per_layer if n not in names]
+    if unknown:
+        raise ValueError(f"layer_tokens names layers that are not shown: {unknown}; the layers are {names}")
+    for layer in layers:
+        if layer.name in per_layer:
+            given = per_layer[layer.name]
+            what = f"layer_tokens[{layer.name!r}]"
+            if _is_pair(given):
+                q, k = labels(given[0], what + "[0]"), labels(given[1], what + "[1]")
+                _label(layer, None, q, k, (what + "[0]", what + "[1]"))
+            else:
+                _label(layer, labels(given, what), None, None, (what, what))
+        else:
+            _label(
+                layer, both, q_all, k_all, ("tokens", "tokens") if both is not None else ("query_tokens", "key_tokens")
+            )
+
+
+def _is_pair(given: Any) -> bool:
+    """``(query tokens, key tokens)`` rather than one list of tokens."""
+    return (
+        isinstance(given, (tuple, list))
+        and len(given) == 2
+        and all(isinstance(g, (Sequence, np.ndarray, torch.Tensor)) and not isinstance(g, (str, bytes)) for g in given)
+    )
+
+
+def _label(
+    layer: Layer, both: list[str] | None, q: list[str] | None, k: list[str] | None, what: tuple[str, str]
+) -> None:
+    """Set ``layer.tokens``. Keys are always the first ``Lk`` of the key list (a cache only grows). Queries:
+    self-attention (``both``, or no tokens on a layer whose calls fit it) stands at the end of the keys (bottom
+    right, as a cache's new positions); otherwise each call's queries continue the previous call's, starting over
+    when the list is used up (a whole sequence, then decoding steps of one query each)."""
+    shapes = [c.shape[1:] for c in layer.calls]  # (Lq, Lk) per call
+    lk_max = max(lk for _, lk in shapes)
+    lq_max = max(lq for lq, _ in shapes)
+    where = f"layer {layer.name!r}"
+    many = len(shapes) > 1
+    shape_text = ", ".join(f"({lq}, {lk})" for lq, lk in shapes[:4]) + (", ..." if len(shapes) > 4 else "")
+    keys = both if both is not None else k
+    if keys is not None and len(keys) != lk_max:
+        raise ValueError(
+            f"{what[1]} has {len(keys)} tokens but {where} has {lk_max} keys"
+            + (" in its longest call" if many else "")
+            + f": (Lq, Lk) {shape_text}"
+        )
+    self_attention = both is not None or (q is None and k is None and all(lq <= lk for lq, lk in shapes))
+    layer.tokens = []
+    if self_attention:
+        for lq, lk in shapes:
+            if lq > lk:
+                raise ValueError(
+                    f"{what[0]}: {where} has a call with more queries than keys, (Lq, Lk) ({lq}, {lk}): "
+                    "give query_tokens and key_tokens"
+                )
+            layer.tokens.append((both, lk - lq, keys))
+        return
+    length = len(q) if q is not None else lq_max
+    if q is not None and lq_max > length:
+        raise ValueError(
+            f"{what[0]} has {len(q)} tokens but {where} has {lq_max} queries"
+            + (" in its longest call" if many else "")
+            + f": (Lq, Lk) {shape_text}"
+        )
+    position, reach = 0, 0
+    for lq, _ in shapes:
+        if position + lq > length:
+            position = 0
+        layer.tokens.append((q, position, keys))
+        position += lq
+        reach = max(reach, position)
+        if position == length:
+            position = 0
+    if q is not None and reach != length:
+        raise ValueError(
+            f"{what[0]} has {len(q)} tokens but the queries of {where} reach {reach}: (Lq, Lk) {shape_text}"
+        )
+
+
+def check_groups(layers: list[Layer], kv_heads: Any) -> None:
+    """Set ``Layer.groups`` from ``kv_heads``: a whole number for every layer, or ``{layer name: number}``."""
+    if kv_heads is None:
+        return
+    per_layer = dict(kv_heads) if isinstance(kv_heads, Mapping) else {layer.name: kv_heads for layer in layers}
+    names = [layer.name for layer in layers]
+    unknown = [n for n in per_layer if n not in names]
+    if unknown:
+        raise ValueError(f"kv_heads names layers that are not shown: {unknown}; the layers are {names}")
+    for layer in layers:
+        if layer.name not in per_layer:
+            continue
+        value = per_layer[layer.name]
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            groups = operator.index(value)
+        except TypeError as e:
+            raise TypeError(f"kv_heads must be a whole number of key/value heads, got {value!r}") from e
+        H = layer.calls[0].shape[0]
+        if groups < 1 or H % groups:
+            raise ValueError(
+                f"kv_heads={groups} must divide the {H} heads of layer {layer.name!r} (query heads h share key/value "
+                f"head h // (H // kv_heads))"
+            )
+        layer.groups = groups
+
+
+# -------------------------------------------------------------------------------------------------- encoding
+
+
+class _Blobs:
+    """The page's byte strings, base64, each stored once (identical masks are shared)."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+        self._ids: dict[bytes, int] = {}
+        self.nbytes = 0
+
+    def add(self, data: bytes, *, share: bool = False) -> int:
+        if share and data in self._ids:
+            return self._ids[data]
+        self.items.append(base64.b64encode(data).decode("ascii"))
+        self.nbytes += len(data)
+        if share:
+            self._ids[data] = len(self.items) - 1
+        return len(self.items) - 1
+
+
+def encode(layers: list[Layer], title: str, notes: list[str]) -> dict[str, Any]:
+    """The page's data: layers, calls, token lists and base64 blobs (see viewer.js for how each is read)."""
+    H_max = max(c.shape[0] for layer in layers for c in layer.calls)
+    cells = sum(c.size for layer in layers for c in layer.calls)
+    rows = sum(c.shape[0] * c.shape[1] for layer in layers for c in layer.calls)
+    lk_max = max(c.shape[2] for layer in layers for c in layer.calls)
+    exact = cells <= EXACT_CELLS
+    k = lk_max if exact else max(1, min(lk_max, MAX_ENTRIES // rows))
+    blobs = _Blobs()
+    lists: dict[tuple[str, ...], int] = {}
+    mask_budget = [MAX_MASK_BYTES]
+    stats: dict[str, Any] = {"kept": [], "least": 1.0, "thumbs": False, "masks_dropped": 0}
+
+    def list_id(tokens: list[str] | None) -> int | None:
+        if tokens is None:
+            return None
+        return lists.setdefault(tuple(tokens), len(lists))
+
+    out_layers = []
+    for layer in layers:
+        calls = []
+        for w, (q, q_offset, kt) in zip(layer.calls, layer.tokens, strict=True):
+            call = _encode_call(w, exact, k, blobs, mask_budget, stats)
+            call.update(q=list_id(q), qoff=q_offset, k=list_id(kt))
+            calls.append(call)
+        H = layer.calls[0].shape[0]
+        same_heads = all(c.shape[0] == H for c in layer.calls)
+        if not same_heads:
+            raise ValueError(
+                f"layer {layer.name!r}: its calls have different numbers of heads: {[c.shape[0] for c in layer.calls]}"
+            )
+        out_layers.append({"name": layer.name, "heads": H, "groups": layer.groups, "calls": calls})
+
+    notes = list(notes)
+    if not exact:
+        kept = np.concatenate(stats["kept"]) if stats["kept"] else np.ones(1)
+        notes.append(
+            f"Reduced: {cells:,} weights are more than the {EXACT_CELLS:,} a page keeps exactly, so each row keeps its "
+            f"{k} largest weights (of up to {lk_max} keys), rounded to 1/255 of its matrix's largest; the kept "
+            f"weights hold {kept.mean():.1%} of a row's weight on average, {stats['least']:.1%} at least. A cell not "
+            "kept is drawn white, and the value under the mouse says so."
+        )
+    if stats["thumbs"]:
+        notes.append(f"Model view: the small matrices average bins of cells, {THUMB} a side at most.")
+    if stats["masks_dropped"]:
+        notes.append(
+            f"Masked cells are not known for {stats['masks_dropped']} matrices (distinct masks past "
+            f"{MAX_MASK_BYTES >> 20} MiB): there a hidden key looks like a weight of 0."
+        )
+    return {
+        "title": title,
+        "notes": notes,
+        "exact": exact,
+        "k": k,
+        "heads": H_max,
+        "tokens": [list(t) for t in lists],
+        "layers": out_layers,
+        "blobs": blobs.items,
+    }
+
+
+def _encode_call(
+    w: np.ndarray, exact: bool, k: int, blobs: _Blobs, mask_budget: list[int], stats: dict[str, Any]
+) -> dict[str, Any]:
+    """One call's weights ``(H, Lq, Lk)``: exact float32, or the largest ``k`` of each row as uint8 with their
+    uint16 key positions (all of them, without positions, when ``k >= Lk``), its masks, padding and thumbnails."""
+    H, Lq, Lk = w.shape
+    zero = w == 0  # (H, Lq, Lk): attnkit gives exactly 0 where a mask hides a key
+    scale = float(w.max()) or 1.0
+    call: dict[str, Any] = {"lq": Lq, "lk": Lk, "scale": scale}
+    call["padk"] = _ranges(zero.all(axis=(0, 1)))  # keys no query of any head sees: padding
+    call["padq"] = _ranges(zero.all(axis=(0, 2)))  # queries that see no key
+    if exact:
+        call["enc"] = "f32"
+        call["data"] = blobs.add(w.astype("<f4").tobytes())
+    else:
+        masks = []
+        for h in range(H):
+            if not zero[h].any():
+                masks.append(-1)
+                continue
+            bits = np.packbits(zero[h], axis=None, bitorder="little").tobytes()  # (ceil(Lq * Lk / 8),)
+            if bits not in blobs._ids and len(bits) > mask_budget[0]:
+                masks.append(-2)
+                stats["masks_dropped"] += 1
+                continue
+            if bits not in blobs._ids:
+                mask_budget[0] -= len(bits)
+            masks.append(blobs.add(bits, share=True))
+        call["masks"] = masks
+        codes = lambda x: np.rint(x / scale * 255).astype(np.uint8)  # noqa: E731
+        sums = w.sum(-1, dtype=np.float64)  # (H, Lq)
+        if k >= Lk:
+            call["enc"] = "u8"
+            call["data"] = blobs.add(codes(w).tobytes())  # (H, Lq, Lk)
+            stats["kept"].append(np.ones(1))
+        else:
+            top = torch.from_numpy(w).topk(k, dim=-1, sorted=True)  # (H, Lq, k) each
+            values, index = top.values.numpy(), top.indices.numpy()
+            threshold = codes(values[..., -1])  # (H, Lq): the k-th largest of each row
+            data = index.astype("<u2").tobytes() + codes(values).tobytes() + threshold.tobytes()
+            call["enc"], call["kc"] = "topk", k
+            call["data"] = blobs.add(data)  # (H, Lq, k) uint16, (H, Lq, k) uint8, (H, Lq) uint8
+            live = sums > 0
+            fraction = values.sum(-1, dtype=np.float64)[live] / sums[live]  # (rows that see a key,)
+            stats["kept"].append(fraction)
+            if fraction.size:
+                stats["least"] = min(stats["least"], float(fraction.min()))
+    thumb, tq, tk = _thumbnail(w, zero)
+    stats["thumbs"] = stats["thumbs"] or (tq, tk) != (Lq, Lk)
+    call.update(thumb=blobs.add(thumb.tobytes()), tq=tq, tk=tk)
+    call["hmax"] = [float(m) for m in w.max(axis=(1, 2))]
+    return call
+
+
+def _ranges(flags: np.ndarray) -> list[list[int]]:
+    """``[[start, stop], ...]`` of the runs of True in a 1-D bool array."""
+    padded = np.concatenate([[False], flags, [False]])
+    edges = np.flatnonzero(padded[1:] != padded[:-1])  # starts and stops, alternating
+    return edges.reshape(-1, 2).tolist()
+
+
+def _thumbnail(w: np.ndarray, zero: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """``(H, tq, tk)`` uint8: each bin's mean weight over its head's largest, as 1..255; 0 where every cell of
+    the bin is masked (exactly 0)."""
+    H, Lq, Lk = w.shape
+    mean, hidden = w.astype(np.float64), zero.astype(np.float64)
+    for axis in (1, 2):
+        n = mean.shape[axis]
+        if n > THUMB:
+            edges = np.linspace(0, n, THUMB + 1).round().astype(np.intp)  # (THUMB + 1,)
+            counts = np.diff(edges).reshape((-1,) + (1,) * (2 - axis))  # (THUMB, 1) or (THUMB,)
+            mean = np.add.reduceat(mean, edges[:-1], axis=axis) / counts  # that axis: n -> THUMB
+            hidden = np.add.reduceat(hidden, edges[:-1], axis=axis) / counts
+    top = w.max(axis=(1, 2)).astype(np.float64)[:, None, None]  # (H, 1, 1)
+    codes = 1 + np.rint(mean / np.where(top > 0, top, 1.0) * 254)  # (H, tq, tk), 1..255
+    codes[hidden == 1] = 0
+    return codes.astype(np.uint8), mean.shape[1], mean.shape[2]

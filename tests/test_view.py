@@ -1,0 +1,316 @@
+"""The viewer's page, read back in Python: what it holds (exact weights, or each row's largest with their positions,
+masks, padding, tokens per call), how tokens are given to decoding steps and cross-attention, the mistakes it
+refuses, and `attnkit view` on the command line. What the page does in a browser: tests/test_view_browser.py."""
+
+from __future__ import annotations
+
+import html
+
+import numpy as np
+import pytest
+import torch
+
+import attnkit
+from attnkit import cli, d2l, viewer
+from attnkit.plot import view
+from attnkit.viewer import _data
+from pages import blob, payload
+
+
+def causal_weights(H, L, generator=None, valid=None):
+    """Causal softmax weights ``(H, L, L)`` (exact zeros above the diagonal, and past ``valid`` keys)."""
+    scores = torch.randn(H, L, L, generator=generator)
+    allowed = torch.ones(L, L, dtype=torch.bool).tril()
+    if valid is not None:
+        allowed[:, valid:] = False
+        allowed[:valid, 0] = True
+    w = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.nan_to_num(w, nan=0.0)
+
+
+def test_a_small_page_keeps_every_weight_exactly_as_float32():
+    w = torch.softmax(torch.randn(3, 4, 5, 6), -1)  # (layers, H, Lq, Lk)
+    page = view(w, query_tokens=list("abcde"), key_tokens=list("uvwxyz"))
+    data = payload(page)
+    assert data["exact"] and page.notes == ()
+    assert [layer["name"] for layer in data["layers"]] == ["layer 0", "layer 1", "layer 2"]
+    for i, layer in enumerate(data["layers"]):
+        (call,) = layer["calls"]
+        assert (layer["heads"], call["lq"], call["lk"], call["enc"]) == (4, 5, 6, "f32")
+        got = np.frombuffer(blob(data, call["data"]), dtype="<f4").reshape(4, 5, 6)
+        assert np.array_equal(got, w[i].numpy())
+        assert data["tokens"][call["q"]] == list("abcde") and data["tokens"][call["k"]] == list("uvwxyz")
+
+
+@pytest.mark.parametrize(("shape", "layers", "heads"), [((5, 7), 1, 1), ((3, 5, 7), 1, 3), ((2, 3, 5, 7), 2, 3)])
+def test_a_tensor_of_two_three_or_four_dims(shape, layers, heads):
+    data = payload(view(torch.rand(shape)))
+    assert len(data["layers"]) == layers and data["layers"][0]["heads"] == heads
+    call = data["layers"][0]["calls"][0]
+    assert (call["lq"], call["lk"], call["q"], call["k"]) == (5, 7, None, None)  # no tokens: positions
+
+
+def test_a_large_record_keeps_each_rows_largest_weights_and_says_so(monkeypatch):
+    monkeypatch.setattr(_data, "EXACT_CELLS", 100)
+    monkeypatch.setattr(_data, "MAX_ENTRIES", 2 * 3 * 9 * 4)  # 4 per row
+    g = torch.Generator().manual_seed(0)
+    w = torch.stack([causal_weights(3, 9, g), causal_weights(3, 9, g)])  # (2, 3, 9, 9)
+    data = payload(view(w))
+    assert not data["exact"] and data["k"] == 4
+    assert any(note.startswith("Reduced: 486 weights") and "4 largest weights" in note for note in data["notes"])
+    masks = set()
+    for i, layer in enumerate(data["layers"]):
+        (call,) = layer["calls"]
+        assert call["enc"] == "topk" and call["kc"] == 4
+        raw = blob(data, call["data"])
+        n = 3 * 9 * 4
+        index = np.frombuffer(raw[: 2 * n], dtype="<u2").reshape(3, 9, 4)
+        codes = np.frombuffer(raw[2 * n : 3 * n], dtype=np.uint8).reshape(3, 9, 4)
+        threshold = np.frombuffer(raw[3 * n :], dtype=np.uint8).reshape(3, 9)
+        values, expected = w[i].topk(4, dim=-1)
+        assert np.array_equal(index, expected.numpy())
+        assert np.abs(codes * call["scale"] / 255 - values.numpy()).max() <= call["scale"] / 510 + 1e-7
+        assert np.array_equal(threshold, np.rint(values[..., -1].numpy() / call["scale"] * 255))
+        for h, mask in enumerate(call["masks"]):  # the causal mask: one bitmap, shared by every head and layer
+            bits = np.unpackbits(np.frombuffer(blob(data, mask), np.uint8), bitorder="little")[:81].reshape(9, 9)
+            assert np.array_equal(bits.astype(bool), (w[i, h] == 0).numpy())
+            masks.add(mask)
+    assert len(masks) == 1
+
+
+def test_keeping_every_key_of_a_row_stores_no_positions(monkeypatch):
+    monkeypatch.setattr(_data, "EXACT_CELLS", 10)
+    w = torch.softmax(torch.randn(2, 3, 4), -1)
+    data = payload(view(w))
+    call = data["layers"][0]["calls"][0]
+    assert call["enc"] == "u8" and call["masks"] == [-1, -1]  # no weight is exactly 0: nothing masked
+    codes = np.frombuffer(blob(data, call["data"]), np.uint8).reshape(2, 3, 4)
+    assert np.abs(codes * call["scale"] / 255 - w.numpy()).max() <= call["scale"] / 510 + 1e-7
+
+
+def test_padding_and_masked_positions_come_from_exact_zeros_of_a_record():
+    mha = attnkit.MultiHeadAttention(16, 4, num_kv_heads=2)
+    x = torch.randn(2, 6, 16)
+    with attnkit.record_weights(mha) as rec:
+        mha(x, x, x, torch.tensor([4, 6]), is_causal=True)
+    data = payload(view(rec, tokens=list("abcdef"), kv_heads=2, example=0))
+    (layer,) = data["layers"]
+    (call,) = layer["calls"]
+    assert (layer["name"], layer["heads"], layer["groups"]) == ("(model)", 4, 2)
+    assert call["padk"] == [[4, 6]] and call["padq"] == []  # keys past valid_lens; every query sees key 0
+    weights = np.frombuffer(blob(data, call["data"]), dtype="<f4").reshape(4, 6, 6)
+    assert np.array_equal(weights == 0, np.broadcast_to(~np.tri(6, dtype=bool) | (np.arange(6) >= 4), (4, 6, 6)))
+    assert payload(view(rec, example=1))["layers"][0]["calls"][0]["padk"] == []
+
+
+def test_decoding_steps_through_a_cache_are_calls_whose_queries_stand_at_the_end_of_their_keys():
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(16, 2).eval()
+    cache = attnkit.KVCache()
+    x = torch.randn(1, 7, 16)
+    with attnkit.record_weights(mha) as rec, torch.no_grad():
+        mha(x[:, :3], x[:, :3], x[:, :3], is_causal=True, cache=cache)  # prefill 3
+        for t in range(3, 7):
+            mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], is_causal=True, cache=cache)
+    tokens = ["the", "cat", "sat", "on", "the", "mat", "."]
+    data = payload(view(rec, tokens=tokens))
+    calls = data["layers"][0]["calls"]
+    assert [(c["lq"], c["lk"], c["qoff"]) for c in calls] == [(3, 3, 0), (1, 4, 3), (1, 5, 4), (1, 6, 5), (1, 7, 6)]
+    assert all(data["tokens"][c["q"]] == tokens and c["q"] == c["k"] for c in calls)
+    # a step's weights are those of the whole causal forward's row
+    with attnkit.record_weights(mha) as whole, torch.no_grad():
+        mha(x, x, x, is_causal=True)
+    step = np.frombuffer(blob(data, calls[2]["data"]), dtype="<f4").reshape(2, 1, 5).copy()
+    torch.testing.assert_close(torch.from_numpy(step[:, 0]), whole[""][0, :, 4, :5])
+
+
+def test_cross_attention_queries_continue_from_call_to_call():
+    source, target = list("abcde"), list("XYZ")
+    record = {"cross": [torch.rand(1, 2, 3, 5), *(torch.rand(1, 2, 1, 5) for _ in range(3))]}
+    data = payload(view(record, query_tokens=target, key_tokens=source))
+    calls = data["layers"][0]["calls"]
+    assert [c["qoff"] for c in calls] == [0, 0, 1, 2]  # the whole target, then one step each
+    assert all(data["tokens"][c["q"]] == target and data["tokens"][c["k"]] == source for c in calls)
+
+
+def test_layer_tokens_label_an_encoder_decoder():
+    record = {
+        "encoder": torch.rand(1, 2, 5, 5),
+        "decoder": torch.rand(1, 2, 3, 3),
+        "cross": torch.rand(1, 2, 3, 5),
+    }
+    src, tgt = list("abcde"), list("XYZ")
+    data = payload(view(record, layer_tokens={"encoder": src, "decoder": tgt, "cross": (tgt, src)}))
+    got = [(data["tokens"][c["q"]], data["tokens"][c["k"]]) for c in (layer["calls"][0] for layer in data["layers"])]
+    assert got == [(src, src), (tgt, tgt), (tgt, src)]
+
+
+def test_the_books_inner_attention_is_shown_once():
+    mha = d2l.MultiHeadAttention(16, 16, 16, 16, 2, 0.0).eval()
+    x = torch.randn(2, 4, 16)
+    with attnkit.record_weights(mha) as rec:
+        mha(x, x, x, torch.tensor([3, 4]))
+    assert set(rec) == {"", "attention"}  # (B, H, Lq, Lk) and the book's (B*H, Lq, Lk) of one tensor
+    page = view(rec)
+    assert [layer["name"] for layer in payload(page)["layers"]] == ["(model)"]
+    assert page.notes == ("layer 'attention' holds the weights of '(model)' in the book's layout; shown once",)
+
+
+def test_grouped_query_heads_and_their_mistakes():
+    w = torch.rand(2, 6, 3, 3)
+    data = payload(view(w, kv_heads={"layer 1": 3}))
+    assert [layer["groups"] for layer in data["layers"]] == [1, 3]
+    with pytest.raises(ValueError, match=r"kv_heads=4 must divide the 6 heads of layer 'layer 0'"):
+        view(w, kv_heads=4)
+    with pytest.raises(ValueError, match=r"kv_heads names layers that are not shown: \['nope'\]"):
+        view(w, kv_heads={"nope": 2})
+    with pytest.raises(TypeError, match="kv_heads must be a whole number"):
+        view(w, kv_heads=1.5)
+
+
+@pytest.mark.parametrize(
+    ("weights", "kwargs", "error", "message"),
+    [
+        (
+            torch.rand(5),
+            {},
+            ValueError,
+            r"weights must be \(Lq, Lk\), \(H, Lq, Lk\) or \(layers, H, Lq, Lk\), got shape \(5,\)",
+        ),
+        (torch.rand(3, 0), {}, ValueError, r"the weights are empty, shape \(3, 0\)"),
+        (torch.tensor([[0.5, float("nan")]]), {}, ValueError, "1 weights are NaN or infinite"),
+        (torch.tensor([[0.5, -0.25]]), {}, ValueError, "weights must be >= 0 .* the smallest is -0.25"),
+        (torch.rand(3, 4), {"tokens": list("abc")}, ValueError, "tokens has 3 tokens but layer 'attention' has 4 keys"),
+        (torch.rand(3, 4), {"tokens": list("abcd")}, None, None),  # 3 queries at the end of 4 keys: fine
+        (torch.rand(5, 4), {"tokens": list("abcd")}, ValueError, "more queries than keys, .Lq, Lk. .5, 4."),
+        (torch.rand(3, 4), {"query_tokens": list("abcd")}, ValueError, "query_tokens has 4 tokens but the queries of"),
+        (
+            torch.rand(3, 4),
+            {"query_tokens": list("ab")},
+            ValueError,
+            "query_tokens has 2 tokens but layer 'attention' has 3 queries",
+        ),
+        (torch.rand(3, 4), {"tokens": "abcd"}, TypeError, "tokens must be a sequence of tokens"),
+        (torch.rand(3, 4), {"tokens": list("abcd"), "key_tokens": list("abcd")}, ValueError, "not both"),
+        (torch.rand(3, 4), {"layer_tokens": {"x": list("abcd")}}, ValueError, r"layer_tokens names layers .*\['x'\]"),
+        (torch.rand(3, 4), {"example": 1}, ValueError, "a tensor of weights has no batch"),
+        (
+            {"m": torch.rand(2, 3, 4)},
+            {"example": 2},
+            ValueError,
+            r"example 2 does not exist: layer 'm' has a batch of 2",
+        ),
+        ({"m": torch.rand(3, 4)}, {}, ValueError, r"a record holds \(B, H, Lq, Lk\) or \(B, Lq, Lk\)"),
+        ({"m": [torch.rand(1, 2, 3, 4), torch.rand(1, 3, 1, 4)]}, {}, ValueError, "different numbers of heads"),
+        ({}, {}, ValueError, "the record holds no weights"),
+        ("weights", {}, TypeError, "must be a tensor or an array of numbers, got str"),
+        (torch.ones(2, 2, dtype=torch.bool), {}, TypeError, "real numbers, got dtype torch.bool"),
+        (torch.rand(1, 70000), {}, ValueError, "70000 keys, more than the 65535"),
+    ],
+)
+def test_mistakes_are_errors_that_name_the_values(weights, kwargs, error, message):
+    if error is None:
+        view(weights, **kwargs)
+        return
+    with pytest.raises(error, match=message):
+        view(weights, **kwargs)
+
+
+def test_the_page_is_self_contained_and_its_data_cannot_end_its_script():
+    tokens = ["</script><script>alert(1)</script>", "<!--", "b"]
+    page = view(torch.rand(3, 3), tokens=tokens, title="<b>t</b>")
+    text = page.html
+    assert text.startswith("<!DOCTYPE html>") and text.count("</script>") == 2  # the data's and the program's
+    assert "default-src 'none'" in text  # a Content-Security-Policy forbids every request
+    for reference in ("src=", "href=", "<link", "@import", "url(", "fetch(", "XMLHttpRequest", "import(", "://"):
+        assert reference not in text, reference
+    assert payload(page)["tokens"] == [tokens] and "<title>&lt;b&gt;t&lt;/b&gt;</title>" in text
+
+
+def test_a_notebook_shows_the_page_in_an_iframe_of_its_own():
+    page = view(torch.rand(2, 2))
+    frame = page._repr_html_()
+    assert frame.startswith('<iframe srcdoc="') and 'sandbox="allow-scripts"' in frame
+    assert html.unescape(frame.split('srcdoc="')[1].split('" style=')[0]) == page.html
+
+
+def test_writing_is_atomic(tmp_path, monkeypatch):
+    page = view(torch.rand(2, 2), path=tmp_path / "a.html")
+    assert page.path == tmp_path / "a.html" and (tmp_path / "a.html").read_text(encoding="utf-8") == page.html
+    with pytest.raises(FileNotFoundError, match="the folder .* does not exist"):
+        view(torch.rand(2, 2), path=tmp_path / "missing" / "b.html")
+
+    def fail(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(viewer.os, "replace", fail)
+    with pytest.raises(OSError, match="No space left"):
+        view(torch.rand(2, 2), path=tmp_path / "c.html")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.html"]
+
+
+# ------------------------------------------------------------------------------------------ command line
+
+
+def run(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_view_command_on_a_tensor_a_record_and_a_numpy_file(capsys, tmp_path):
+    torch.save(torch.softmax(torch.randn(2, 3, 5, 5), -1), tmp_path / "w.pt")
+    code, out, err = run(capsys, "view", tmp_path / "w.pt", "--out", tmp_path / "w.html", "--tokens", "a b c d e")
+    assert (code, err, out.strip()) == (0, "", str(tmp_path / "w.html"))
+    data = payload((tmp_path / "w.html").read_text(encoding="utf-8"))
+    assert len(data["layers"]) == 2 and data["tokens"] == [list("abcde")] and data["title"] == "w.pt"
+
+    mha = attnkit.MultiHeadAttention(16, 4, num_kv_heads=2)
+    q, kv = torch.randn(2, 3, 16), torch.randn(2, 5, 16)
+    with attnkit.record_weights(mha) as rec:
+        mha(q, kv, kv)
+    torch.save({name: rec.calls(name) for name in rec}, tmp_path / "rec.pt")
+    (tmp_path / "keys.txt").write_text("k 0\nk 1\nk 2\nk 3\nk 4\n", encoding="utf-8")
+    argv = ("view", tmp_path / "rec.pt", "--out", tmp_path / "rec.html", "--kv-heads", "2", "--example", "1")
+    code, _, err = run(capsys, *argv, "--query-tokens", "x y z", "--key-tokens", f"@{tmp_path / 'keys.txt'}")
+    assert (code, err) == (0, "")
+    data = payload((tmp_path / "rec.html").read_text(encoding="utf-8"))
+    call = data["layers"][0]["calls"][0]
+    assert data["layers"][0]["groups"] == 2 and data["tokens"][call["k"]] == ["k 0", "k 1", "k 2", "k 3", "k 4"]
+    weights = np.frombuffer(blob(data, call["data"]), dtype="<f4").reshape(4, 3, 5)
+    assert np.array_equal(weights, rec[""][1].numpy())
+
+    np.save(tmp_path / "w.npy", np.full((2, 2), 0.5, dtype=np.float32))
+    assert run(capsys, "view", tmp_path / "w.npy", "--out", tmp_path / "n.html")[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("make", "args", "fragment"),
+    [
+        (lambda d: torch.save(torch.rand(3, 4), d / "w.pt"), ("--tokens", "a b c"), "tokens has 3 tokens but"),
+        (lambda d: torch.save(torch.rand(5), d / "w.pt"), (), "got shape (5,)"),
+        (lambda d: torch.save(torch.rand(6, 2, 2), d / "w.pt"), ("--kv-heads", "4"), "kv_heads=4 must divide the 6"),
+        (lambda d: torch.save({"m": [torch.rand(1, 2, 2)]}, d / "w.pt"), ("--example", "3"), "example 3 does not"),
+        (lambda d: torch.save({"m": []}, d / "w.pt"), (), "layer 'm' has no calls"),
+        (lambda d: torch.save({"m": "x"}, d / "w.pt"), (), "expected a tensor of weights, got a str"),
+        (lambda d: torch.save([torch.rand(2, 2)], d / "w.pt"), (), "expected one tensor or array of weights"),
+        (lambda d: (d / "w.pt").write_bytes(b"junk"), (), "cannot read weights"),
+        (lambda d: torch.save(torch.rand(2, 2), d / "w.pt"), ("--tokens", "@nope.txt"), "nope.txt: no such file"),
+        (
+            lambda d: ((d / "t.txt").write_bytes(b"\xff\xfe"), torch.save(torch.rand(2, 2), d / "w.pt")),
+            ("--tokens", "@{d}/t.txt"),
+            "cannot be read as UTF-8",
+        ),
+        (lambda d: torch.save(torch.rand(2, 2), d / "w.pt"), ("--kv-heads", "0"), "--kv-heads"),
+        (lambda d: torch.save(torch.rand(2, 2), d / "w.pt"), ("--out", "{d}/w.png"), "the extension must be"),
+    ],
+)
+def test_view_command_mistakes_are_one_line_and_leave_no_file(capsys, tmp_path, make, args, fragment):
+    make(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    args = tuple(a.replace("{d}", str(tmp_path)) for a in args)
+    out = () if "--out" in args else ("--out", tmp_path / "page.html")
+    code, stdout, err = run(capsys, "view", tmp_path / "w.pt", *out, *args)
+    assert code == 2 and stdout == "" and err.startswith("attnkit: error: ") and err.count("\n") == 1, err
+    assert fragment in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
