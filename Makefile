@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-all lint bench memory ring clean
+.PHONY: venv browser demo test test-all lint bench memory ring clean
 
 venv: $(STAMP)
 
@@ -14,13 +14,24 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[plot,cli,dev]'
 	touch $(STAMP)
 
+# Debian's chromium, which tests/test_view_browser.py drives through playwright (no browser is downloaded: only the
+# package registries are reachable). Installed with apt-get when missing and we are root, as on CI; otherwise said.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "installing Debian's chromium for the viewer's browser tests"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+		else \
+			echo "chromium is missing and cannot be installed here (not root): the browser tests will fail under CI=true, skip otherwise"; \
+		fi; }
+
 demo: $(STAMP)
 	$(BIN)/attnkit demo
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
 
-test-all: $(STAMP)
+test-all: $(STAMP) browser
 	$(BIN)/python -m pytest -q -m ''
 
 lint: $(STAMP)

@@ -19,6 +19,9 @@ attention) are grouped and coloured alike. Query and key tokens are separate lis
 record's calls of one module (a whole sequence, then decoding steps through a cache) are browsed with a slider;
 a module called fewer times shows its last call.
 
+The address may choose what the page opens on: ``page.html#view=matrix&layer=3&head=1``, or
+``#layer=5&step=2&hover=q3&off=0,1`` (the head view with query 3 hovered and heads 0 and 1 hidden).
+
 Size: up to 1,048,576 weights in all, every weight is kept exactly (float32). Past that, each row keeps its
 largest weights (as many as fit 4,000,000 in all, at least 1), rounded to 1/255 of its matrix's largest, with
 their key positions; the page says so, and how much of each row's weight the kept ones hold. The model view's

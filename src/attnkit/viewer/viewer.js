@@ -143,6 +143,8 @@
     S.layer = int("layer", D.layers.length) ?? 0;
     S.step = int("step", steps) ?? 0;
     S.head = int("head", D.layers[S.layer].heads) ?? 0;
+    const hover = /^([qk])(\d+)$/.exec(p.get("hover") || ""); // a token of the head view, e.g. hover=q3
+    if (hover) S.hover = { side: hover[1], i: parseInt(hover[2], 10) };
     for (const h of (p.get("off") || "").split(",")) {
       const v = parseInt(h, 10);
       if (v >= 0 && v < D.layers[S.layer].heads) S.off[S.layer].add(v);
@@ -285,6 +287,7 @@
     );
     const c = callOf(l);
     if (!hv || hv.l !== l || hv.c !== c) buildTokens(l, c);
+    if (S.hover && S.hover.i >= (S.hover.side === "q" ? hv.m.lq : hv.m.lk)) S.hover = null;
     drawLines();
     highlight();
   }

@@ -1,0 +1,254 @@
+"""The viewer in a real browser: Debian's chromium (`make browser` installs it; `make test` depends on it), headless,
+driven by playwright pointed at that binary. Each page is opened from disk (file://) with the network off; every
+test checks that the page made no request but its own file and logged no error, then clicks and hovers and checks
+what changed against the weights computed here. Time to interactive: from the start of loading to a click on a
+head answered (the lines redrawn), on a 12 layers x 12 heads x 1024 x 1024 record (benchmarks/viewer.py reports
+it with more loads)."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import pytest
+import torch
+
+import attnkit
+from attnkit import demo
+from attnkit.plot import view
+
+CHROMIUM = shutil.which("chromium")
+LINE_MIN = 0.01  # viewer.js draws a line for a weight of at least this
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if CHROMIUM is None:
+        why = "Debian's chromium is not installed (`make browser` installs it, as root)"
+        if os.environ.get("CI"):  # CI runs `make test`, which installs it: missing there is a failure, not a skip
+            pytest.fail(why)
+        pytest.skip(why)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM)
+        yield chromium
+        chromium.close()
+
+
+class Opened:
+    """A page opened from disk, with what it asked for and what it logged."""
+
+    def __init__(self, page, url: str) -> None:
+        self.page, self.url = page, url
+        self.requests: list[str] = []
+        self.errors: list[str] = []
+        page.on("request", lambda r: self.requests.append(r.url))
+        page.on("console", lambda m: self.errors.append(m.text) if m.type in ("error", "warning") else None)
+        page.on("pageerror", lambda e: self.errors.append(str(e)))
+
+    def lines(self) -> int:
+        return int(self.page.get_attribute("#hv-lines", "data-lines"))
+
+    def tokens(self, side: str, cls: str | None = None) -> list[str]:
+        column = "#hv-queries" if side == "q" else "#hv-keys"
+        return self.page.locator(f"{column} .tok{'.' + cls if cls else ''}").all_text_contents()
+
+
+@contextmanager
+def opened(browser, path: Path, fragment: str = "", *, viewport=(1200, 900)) -> Iterator[Opened]:
+    context = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]}, offline=True)
+    try:
+        page = context.new_page()
+        url = path.resolve().as_uri()
+        o = Opened(page, url)
+        page.goto(url + fragment)
+        page.wait_for_selector("html[data-ready]", state="attached")
+        yield o
+        assert o.errors == []
+        assert o.requests == [url], o.requests  # the page itself, and nothing else
+    finally:
+        context.close()
+
+
+def count(w: torch.Tensor) -> int:
+    """The lines the head view draws for weights ``w``."""
+    return int((w.double() >= LINE_MIN).sum())
+
+
+@pytest.fixture(scope="module")
+def gqa_record():
+    """A causal, padded (valid_lens 5 of 7) record of grouped-query attention: 4 heads, 2 key/value heads."""
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(16, 4, num_kv_heads=2)
+    x = torch.randn(2, 7, 16)
+    with attnkit.record_weights(mha) as rec:
+        mha(x, x, x, torch.tensor([5, 7]), is_causal=True)
+    return rec
+
+
+TOKENS = ["</script>", "the", "cat", "sat", "on", "<pad>", "<pad>"]
+
+
+def test_head_view_hover_shows_a_tokens_lines_and_clicks_hide_heads(browser, gqa_record, tmp_path):
+    w = gqa_record[""][0]  # (H, Lq, Lk)
+    view(gqa_record, tokens=TOKENS, kv_heads=2, path=tmp_path / "p.html")
+    with opened(browser, tmp_path / "p.html") as o:
+        page = o.page
+        assert o.tokens("q") == TOKENS and o.tokens("k") == TOKENS  # the "</script>" token is text
+        assert o.tokens("k", "pad") == ["<pad>", "<pad>"]  # keys past valid_lens: padding
+        assert o.lines() == count(w) > 0
+
+        page.hover("#hv-queries .tok[data-i='3']")  # one query: its lines, its masked keys
+        assert o.lines() == count(w[:, 3])
+        assert o.tokens("q", "active") == ["sat"]
+        assert o.tokens("k", "masked") == ["on", "<pad>", "<pad>"]  # causal and padding: exactly 0 in every head
+        lit = page.locator("#hv-keys .tok.lit").all_text_contents()
+        assert lit == [TOKENS[j] for j in range(7) if w[:, 3, j].max() >= LINE_MIN]
+
+        page.hover("#hv-keys .tok[data-i='1']")  # one key: the lines into it
+        assert o.lines() == count(w[:, :, 1])
+        assert o.tokens("q", "masked") == ["</script>"]  # query 0 cannot see key 1
+        page.mouse.move(5, 5)  # off the tokens: every line again
+        assert o.lines() == count(w)
+
+        page.click("#head-toggles .head[data-head='0']")
+        assert page.get_attribute("#head-toggles .head[data-head='0']", "class").split() == ["head", "off"]
+        assert o.lines() == count(w[1:])
+        page.click("#head-toggles .group-label >> text=kv 1")  # heads 2 and 3 share key/value head 1
+        assert page.locator("#head-toggles .head.off").all_text_contents() == ["0", "2", "3"]
+        assert o.lines() == count(w[1:2])
+        page.click("#head-toggles .head[data-head='0']")
+        assert o.lines() == count(w[:2])
+    with opened(browser, tmp_path / "p.html", "#hover=q3&off=0,1") as o:  # an address that chooses the state
+        assert o.tokens("q", "active") == ["sat"] and o.lines() == count(w[2:, 3])
+
+
+def test_model_view_opens_a_matrix_whose_cells_tell_their_weight(browser, tmp_path):
+    torch.manual_seed(1)
+    scores = torch.randn(3, 4, 5, 6)  # (layers, H, Lq, Lk)
+    scores[..., 4] = float("-inf")  # a key no query sees: padding
+    w = scores.softmax(-1)
+    view(w, query_tokens=list("abcde"), key_tokens=list("uvwxyz"), path=tmp_path / "p.html")
+    with opened(browser, tmp_path / "p.html") as o:
+        page = o.page
+        page.click("#tabs button[data-view='model']")
+        assert page.locator("#grid canvas.thumb").count() == 3 * 4
+        page.click("#grid canvas.thumb[data-layer='1'][data-head='2']")
+        assert page.is_visible("#matrix-view") and not page.is_visible("#model-view")
+        assert page.input_value("#layer") == "1"
+        assert page.get_attribute("#matrix-heads .head[data-head='2']", "class").split() == ["head", "chosen"]
+        assert page.locator("#mx-keys span.pad").all_text_contents() == ["y"]
+        box = page.locator("#mx-canvas").bounding_box()
+        cell = box["width"] / 6
+        for i, j in ((0, 0), (3, 5), (2, 4)):
+            page.mouse.move(box["x"] + (j + 0.5) * cell, box["y"] + (i + 0.5) * cell)
+            tip = page.inner_text("#tip")
+            assert tip.startswith(f'query {i} "{"abcde"[i]}" -> key {j} "{"uvwxyz"[j]}"')
+            expected = "masked: padding, no query sees this key" if j == 4 else f"weight {w[1, 2, i, j].item():.4f}"
+            assert tip.endswith(expected), tip
+        page.click("#matrix-heads .head[data-head='3']")
+        page.mouse.move(box["x"] + 0.5 * cell, box["y"] + 0.5 * cell)
+        assert page.inner_text("#tip").endswith(f"weight {w[1, 3, 0, 0].item():.4f}")
+
+
+def test_decoding_steps_are_browsed_with_the_slider(browser, tmp_path):
+    torch.manual_seed(2)
+    mha = attnkit.MultiHeadAttention(16, 2).eval()
+    cache = attnkit.KVCache()
+    x = torch.randn(1, 7, 16)
+    with attnkit.record_weights(mha) as rec, torch.no_grad():
+        mha(x[:, :3], x[:, :3], x[:, :3], is_causal=True, cache=cache)
+        for t in range(3, 7):
+            mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], is_causal=True, cache=cache)
+    calls = rec.calls("")
+    tokens = ["the", "cat", "sat", "on", "the", "mat", "."]
+    view(rec, tokens=tokens, path=tmp_path / "p.html")
+    with opened(browser, tmp_path / "p.html") as o:
+        page = o.page
+        assert page.is_visible("#step") and page.get_attribute("#step", "max") == "4"
+        assert o.tokens("q") == ["the", "cat", "sat"] and o.lines() == count(calls[0][0])
+        page.fill("#step", "2")  # the second decoding step: query "the" (position 4) over 5 keys
+        assert page.inner_text("#step-label") == "3 of 5: 1 x 5"
+        assert o.tokens("q") == ["the"] and o.tokens("k") == tokens[:5]
+        assert o.lines() == count(calls[2][0])
+        top = page.locator("#hv-queries .tok").bounding_box()["y"]
+        assert top == page.locator("#hv-keys .tok[data-i='4']").bounding_box()["y"]  # level with its own key
+
+
+def test_cross_attention_shows_separate_query_and_key_tokens(browser, tmp_path):
+    w = torch.softmax(torch.randn(2, 3, 5), -1)
+    view(
+        w, query_tokens=["Le", "chat", "<eos>"], key_tokens=["the", "cat", "sat", "down", "."], path=tmp_path / "p.html"
+    )
+    with opened(browser, tmp_path / "p.html") as o:
+        assert o.tokens("q") == ["Le", "chat", "<eos>"]
+        assert o.tokens("k") == ["the", "cat", "sat", "down", "."]
+        o.page.hover("#hv-queries .tok[data-i='2']")
+        assert o.lines() == count(w[:, 2])
+
+
+def test_a_demo_page_opens_and_its_screenshot_is_not_blank(browser, tmp_path):
+    result = demo.train("multihead", quick=True)
+    demo.draw({"multihead": result}, tmp_path)
+    T = len(result.example["source"]) + 1
+    with opened(browser, tmp_path / "multihead-attention.html", "#layer=3") as o:  # decoder.0.cross_attention
+        page = o.page
+        assert page.locator("#layer option").count() == 6 and page.get_attribute("#step", "max") == str(T)
+        assert o.tokens("q")[0] == "<bos>" and o.tokens("k") == result.example["source_labels"]
+        shot = matplotlib.image.imread(io.BytesIO(page.screenshot()))[..., :3]  # (900, 1200, 3)
+        assert shot.shape[:2] == (900, 1200) and shot.std() > 0.05
+        assert len(np.unique((shot * 255).astype(np.uint8).reshape(-1, 3), axis=0)) > 50
+        lines = matplotlib.image.imread(io.BytesIO(page.locator("#hv-lines").screenshot()))[..., :3]
+        assert (lines.min(-1) < 0.9).mean() > 0.02  # the lines are drawn: not a white canvas
+        for view_name in ("model", "matrix"):
+            page.click(f"#tabs button[data-view='{view_name}']")
+            assert page.is_visible(f"#{view_name}-view")
+
+
+def synthetic_record(layers: int, heads: int, L: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Causal softmax weights, one (1, heads, L, L) call per layer, sharp heads and flat ones."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = ~torch.ones(L, L, dtype=torch.bool).tril()
+    temperature = torch.linspace(0.5, 4.0, heads)[:, None, None]
+    record = {}
+    for layer in range(layers):
+        scores = torch.randn(1, heads, L, L, generator=g) * temperature  # (1, H, L, L)
+        record[f"layers.{layer}.attention"] = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+    return record
+
+
+def time_to_interactive(browser, path: Path) -> tuple[float, float]:
+    """Seconds from the start of loading to the page's first view drawn, and to a click on a head answered."""
+    context = browser.new_context(viewport={"width": 1200, "height": 900}, offline=True)
+    try:
+        page = context.new_page()
+        o = Opened(page, path.resolve().as_uri())
+        start = time.perf_counter()
+        page.goto(o.url, wait_until="commit")
+        page.wait_for_selector("html[data-ready]", state="attached")
+        ready = time.perf_counter() - start
+        before = page.get_attribute("#hv-lines", "data-candidates")
+        page.click("#head-toggles .head[data-head='0']")
+        page.wait_for_selector(f"#hv-lines:not([data-candidates='{before}'])", state="attached")
+        answered = time.perf_counter() - start
+        assert "Reduced: " in page.inner_text("#notes")  # the page says what it left out
+        assert o.errors == [] and o.requests == [o.url]
+        return ready, answered
+    finally:
+        context.close()
+
+
+def test_a_12_layer_12_head_record_of_1024_tokens_is_under_25_mb_and_interactive_in_2_s(browser, tmp_path):
+    page = view(synthetic_record(12, 12, 1024), path=tmp_path / "big.html")
+    size = page.path.stat().st_size
+    assert size < 25e6, f"{size / 1e6:.1f} MB"
+    times = [time_to_interactive(browser, page.path) for _ in range(3)]
+    assert min(t[1] for t in times) < 2.0, times  # the fastest of three loads: the machine may be shared
