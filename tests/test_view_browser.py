@@ -63,14 +63,17 @@ class Opened:
 
 
 @contextmanager
-def opened(browser, path: Path, fragment: str = "", *, viewport=(1200, 900)) -> Iterator[Opened]:
-    context = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]}, offline=True)
+def opened(browser, path: Path, fragment: str = "", *, ready: bool = True) -> Iterator[Opened]:
+    """``path`` opened in a fresh offline context; on leaving, no error logged and nothing asked for but ``path``.
+    ``ready``: wait for the viewer to draw its first view (a host page of an iframe has none of its own)."""
+    context = browser.new_context(viewport={"width": 1200, "height": 900}, offline=True)
     try:
         page = context.new_page()
         url = path.resolve().as_uri()
         o = Opened(page, url)
         page.goto(url + fragment)
-        page.wait_for_selector("html[data-ready]", state="attached")
+        if ready:
+            page.wait_for_selector("html[data-ready]", state="attached")
         yield o
         assert o.errors == []
         assert o.requests == [url], o.requests  # the page itself, and nothing else
@@ -193,6 +196,18 @@ def test_cross_attention_shows_separate_query_and_key_tokens(browser, tmp_path):
         assert o.tokens("k") == ["the", "cat", "sat", "down", "."]
         o.page.hover("#hv-queries .tok[data-i='2']")
         assert o.lines() == count(w[:, 2])
+
+
+def test_a_notebook_cell_shows_the_page_in_its_iframe(browser, tmp_path):
+    w = torch.softmax(torch.randn(2, 4, 4), -1)
+    cell = view(w, tokens=list("abcd"))._repr_html_()  # what Jupyter puts in the output cell
+    (tmp_path / "notebook.html").write_text(f"<!DOCTYPE html><html><body>{cell}</body></html>", encoding="utf-8")
+    with opened(browser, tmp_path / "notebook.html", ready=False) as o:
+        frame = o.page.frame_locator("iframe")
+        frame.locator("html[data-ready]").wait_for(state="attached")
+        assert frame.locator("#hv-keys .tok").all_text_contents() == list("abcd")
+        frame.locator("#hv-queries .tok[data-i='1']").hover()
+        assert int(frame.locator("#hv-lines").get_attribute("data-lines")) == count(w[:, 1])
 
 
 def test_a_demo_page_opens_and_its_screenshot_is_not_blank(browser, tmp_path):
