@@ -201,7 +201,12 @@ def test_grouped_query_heads_and_their_mistakes():
             r"example 2 does not exist: layer 'm' has a batch of 2",
         ),
         ({"m": torch.rand(3, 4)}, {}, ValueError, r"a record holds \(B, H, Lq, Lk\) or \(B, Lq, Lk\)"),
-        ({"m": [torch.rand(1, 2, 3, 4), torch.rand(1, 3, 1, 4)]}, {}, ValueError, "different numbers of heads"),
+        (
+            {"m": [torch.rand(1, 2, 3, 4), torch.rand(1, 3, 1, 4)]},
+            {},
+            ValueError,
+            "call 1: the calls of a layer have one number of heads, got 3 after 2",
+        ),
         ({}, {}, ValueError, "the record holds no weights"),
         ("weights", {}, TypeError, "must be a tensor or an array of numbers, got str"),
         (torch.ones(2, 2, dtype=torch.bool), {}, TypeError, "real numbers, got dtype torch.bool"),

@@ -89,6 +89,11 @@ def _from_record(record: Mapping, example: int) -> tuple[list[Layer], list[str]]
                 raise ValueError(f"example {example} does not exist: {where} has a batch of {w.shape[0]}: {w.shape}")
             row = w[example] if w.ndim == 4 else w[example][None]  # (H, Lq, Lk)
             _check_values(row, where)
+            if kept and row.shape[0] != kept[0].shape[0]:
+                raise ValueError(
+                    f"{where}: the calls of a layer have one number of heads, got {row.shape[0]} after "
+                    f"{kept[0].shape[0]}: {w.shape}"
+                )
             kept.append(row)
             ptrs.append((t.untyped_storage().data_ptr(), w.ndim) if isinstance(t, torch.Tensor) else None)
         read.append((shown, kept, ptrs))
@@ -332,11 +337,6 @@ def encode(layers: list[Layer], title: str, notes: list[str]) -> dict[str, Any]:
             call.update(q=list_id(q), qoff=q_offset, k=list_id(kt))
             calls.append(call)
         H = layer.calls[0].shape[0]
-        same_heads = all(c.shape[0] == H for c in layer.calls)
-        if not same_heads:
-            raise ValueError(
-                f"layer {layer.name!r}: its calls have different numbers of heads: {[c.shape[0] for c in layer.calls]}"
-            )
         out_layers.append({"name": layer.name, "heads": H, "groups": layer.groups, "calls": calls})
 
     notes = list(notes)
