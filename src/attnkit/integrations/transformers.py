@@ -1,0 +1,173 @@
+"""attnkit as an attention implementation of Hugging Face ``transformers`` (5.x).
+
+Example::
+
+    from attnkit.integrations import transformers as attnkit_hf
+
+    attnkit_hf.register()  # once per process: "attnkit" in transformers' attention and mask interfaces
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")
+    model.set_attn_implementation("attnkit")  # or switch a loaded model
+
+    with attnkit.record_weights(model) as rec:  # every layer's weights, the outputs from the fused backend
+        model(input_ids, attention_mask=attention_mask)
+    rec["model.layers.0.self_attn"]  # (B, H, Lq, Lk)
+
+What the model passes and what attnkit makes of it:
+
+* the attention mask: transformers builds it as for its ``sdpa`` implementation (boolean, ``True`` = may attend,
+  ``(B, 1, Lq, Lk)``, or none at all where ``is_causal`` says everything), which is attnkit's own convention. A float
+  mask (a model's own, or a 4-D mask a user passed) has transformers' "minimum float" entries read as hidden
+  (``-inf``), the rest kept as a bias. Rows that may see nothing (the queries of left padding) give zeros, never
+  NaN; eager gives them uniform weights over the padding, sdpa whatever its kernel gives.
+* causality: the module's ``is_causal`` (or the call's), applied as transformers' sdpa does: only with several
+  queries and no mask; a static cache's prefill (more key slots than queries, the rest empty) sees the first ``Lq``.
+* ``scaling`` (``1/sqrt(d)`` when the model gives none), ``dropout`` (the model passes 0 in eval mode),
+  grouped-query heads (``Hkv`` key/value heads, shared by ``H / Hkv`` query heads, never repeated in memory),
+  ``softcap`` (Gemma 2: :class:`attnkit.mods.softcap`), ``s_aux`` (gpt-oss's attention sinks: attnkit's ``sinks``),
+  ``position_bias`` (T5: a bias added to the scores, with gradients), ``sliding_window`` (already in the mask
+  transformers builds; without a mask, :class:`attnkit.mods.sliding_window`).
+* the backend: attnkit's dispatch (``backend="auto"``), or the one :func:`register` names.
+* weights: with ``output_attentions=True`` the layer also returns them (computed beside the fused output, in
+  ``(B, H, Lq, Lk)``); inside :func:`attnkit.record_weights` every call reports them, detached, without changing
+  how the output is computed.
+
+Not covered: paged attention (transformers' continuous batching), models whose attention does not go through
+``AttentionInterface``, and flash-attention-only arguments (``cu_seq_lens``: packed batches go through the mask).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnkit import mods
+from attnkit.functional import attention_weights, scaled_dot_product_attention
+from attnkit.layers import report_weights
+
+try:
+    import transformers as _transformers  # noqa: F401 - checked here so that the error says what to install
+except ImportError as err:  # pragma: no cover - the tests install it
+    raise ImportError(
+        "attnkit.integrations.transformers needs Hugging Face transformers: pip install 'attnkit[transformers]'"
+    ) from err
+
+_collector: Any
+try:  # transformers 5.x: the outputs a model's forward is collecting (a ContextVar), to know if weights are wanted
+    from transformers.utils.output_capturing import _active_collector as _collector
+except ImportError:  # pragma: no cover - other versions: only the output_attentions flag passed down
+    _collector = None
+
+__all__ = ["NAME", "attention_forward", "register"]
+
+# B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim
+
+NAME = "attnkit"
+
+
+def register(name: str = NAME, *, backend: str = "auto") -> str:
+    """Register attnkit as the attention implementation ``name`` in transformers (its ``AttentionInterface``, and
+    its ``AttentionMaskInterface`` with the masks it builds for ``sdpa``). Returns ``name``, for
+    ``attn_implementation=name``. Registering again replaces the earlier one (another ``backend``)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    forward = functools.partial(attention_forward, backend=backend)
+    functools.update_wrapper(forward, attention_forward)
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    softcap: float | None = None,
+    s_aux: Tensor | None = None,
+    position_bias: Tensor | None = None,
+    sliding_window: int | None = None,
+    *,
+    backend: str = "auto",
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """transformers' attention-function signature: ``query (B, H, Lq, D)``, ``key (B, Hkv, Lk, D)``,
+    ``value (B, Hkv, Lk, Dv)`` -> ``(output (B, Lq, H, Dv), weights (B, H, Lq, Lk) or None)``."""
+    Lq, Lk = query.shape[2], key.shape[2]
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    causal = causal and Lq > 1 and attention_mask is None  # as transformers' sdpa: the mask says it otherwise
+    if causal and Lk > Lq:
+        # a static cache's prefill: the slots past the queries are empty; transformers' causal is top-left
+        key, value = key[:, :, :Lq], value[:, :, :Lq]  # (B, Hkv, Lq, D|Dv)
+        position_bias = None if position_bias is None else position_bias[..., :Lq]  # (B|1, H, Lq, Lq)
+        Lk = Lq
+    score_mod: mods.ScoreFn | None = mods.softcap(softcap) if softcap else None
+    if position_bias is not None and position_bias.requires_grad and backend == "chunked":
+        # chunked differentiates what a score_mod closes over, not a dense float mask: the bias as a table
+        score_mod, position_bias = _bias_table(position_bias, score_mod), None
+    masks: dict[str, Any] = {
+        "attn_mask": _as_attnkit_mask(attention_mask, position_bias, Lk),
+        "is_causal": causal,
+        "mask_mod": mods.sliding_window(sliding_window) if sliding_window and causal else None,
+        "score_mod": score_mod,
+        "sinks": s_aux,
+        "scale": scaling,
+    }
+    out = scaled_dot_product_attention(
+        query, key, value, dropout_p=float(dropout), backend=backend, **masks
+    ).output  # (B, H, Lq, Dv)
+    weights = attention_weights(query, key, **masks) if _weights_wanted(kwargs) else None  # (B, H, Lq, Lk)
+
+    def recorded() -> Tensor:  # called only inside attnkit.record_weights
+        if weights is not None:
+            return weights
+        with torch.no_grad():
+            return attention_weights(query, key, **masks)  # (B, H, Lq, Lk)
+
+    report_weights(module, recorded)
+    return out.transpose(1, 2).contiguous(), weights  # (B, Lq, H, Dv)
+
+
+def _weights_wanted(kwargs: dict[str, Any]) -> bool:
+    """Whether the model asked for the weights (``output_attentions=True``): some models pass the flag down to the
+    attention function, the others only collect the layers' outputs (transformers' output-capturing hooks, whose
+    open collection says which outputs it wants)."""
+    if kwargs.get("output_attentions"):
+        return True
+    collecting: dict[str, Any] = (_collector.get() if _collector is not None else None) or {}
+    return any("attentions" in k for k in collecting)
+
+
+def _bias_table(table: Tensor, then: mods.ScoreFn | None) -> mods.ScoreFn:
+    """A score_mod adding ``table (B|1, H, Lq, Lk)`` (T5's position bias), after ``then`` if given."""
+    one_example = table.shape[0] == 1
+
+    def add_bias(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        score = score if then is None else then(score, b, h, q_idx, kv_idx)
+        return score + table[b * 0 if one_example else b, h, q_idx, kv_idx]
+
+    return add_bias
+
+
+def _as_attnkit_mask(mask: Tensor | None, position_bias: Tensor | None, Lk: int) -> Tensor | None:
+    """transformers' mask and T5's ``position_bias`` as one attnkit ``attn_mask``: boolean (``True`` = may
+    attend) as it comes, or a float bias with ``-inf`` where transformers put its minimum float."""
+    if mask is not None:
+        mask = mask[..., :Lk]  # (B|1, 1|H, Lq, Lk): some models build it for the whole cache
+        if mask.dtype != torch.bool:
+            hidden = mask <= torch.finfo(mask.dtype).min / 2  # transformers' "minus infinity"
+            bias = mask.masked_fill(hidden, 0.0)
+            bias = bias if position_bias is None else bias + position_bias  # (B|1, 1|H, Lq, Lk)
+            return bias.masked_fill(hidden, float("-inf"))  # (B|1, 1|H, Lq, Lk)
+    if position_bias is None or mask is None:
+        return position_bias if mask is None else mask
+    return position_bias.masked_fill(~mask, float("-inf"))  # (B|1, H, Lq, Lk)

@@ -1,0 +1,291 @@
+"""attnkit as an attention implementation of Hugging Face transformers, on the models' own code: tiny Llama (GQA),
+GPT-2, BERT, BART and T5 built from configs with random weights (no downloads), against transformers' own ``eager``
+and ``sdpa``: logits and hidden states, gradients of every parameter, weights (``output_attentions`` and
+``record_weights``), right and left padding, and ``generate()`` with transformers' cache. Every attnkit backend."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import attnkit
+from mathref import max_err
+
+transformers = pytest.importorskip("transformers")
+from attnkit.integrations import transformers as attnkit_hf  # noqa: E402
+
+# B batch, L length, V vocabulary
+
+V, B, L = 96, 3, 11
+# float32 through 2 layers of 64 features: a few ulps of the activations, which are O(1-10)
+LOGIT_TOL = 5e-5
+GRAD_TOL = 5e-4  # relative to the largest gradient entry of the parameter
+WEIGHT_TOL = 1e-5
+BACKENDS = ("auto", "reference", "sdpa", "chunked")
+
+
+def _register() -> dict[str, str]:
+    return {b: attnkit_hf.register("attnkit" if b == "auto" else f"attnkit-{b}", backend=b) for b in BACKENDS}
+
+
+NAMES = _register()
+
+
+def _llama() -> Any:
+    return transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query: 2 query heads per key/value head
+        max_position_embeddings=64,
+    )
+
+
+def _gpt2() -> Any:
+    return transformers.GPT2LMHeadModel, transformers.GPT2Config(
+        vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64
+    )
+
+
+def _bert() -> Any:
+    return transformers.BertForMaskedLM, transformers.BertConfig(
+        vocab_size=V,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+    )
+
+
+def _bart() -> Any:
+    return transformers.BartForConditionalGeneration, transformers.BartConfig(
+        vocab_size=V,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_position_embeddings=64,
+    )
+
+
+def _t5() -> Any:
+    return transformers.T5ForConditionalGeneration, transformers.T5Config(
+        vocab_size=V,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        decoder_start_token_id=0,
+    )
+
+
+MODELS: dict[str, Callable[[], Any]] = {"llama": _llama, "gpt2": _gpt2, "bert": _bert, "bart": _bart, "t5": _t5}
+DECODER_ONLY = ("llama", "gpt2")
+SEQ2SEQ = ("bart", "t5")
+
+
+def _models(kind: str, impls: tuple[str, ...]) -> dict[str, Any]:
+    """The same random weights under each attention implementation, in eval mode (no dropout)."""
+    cls, config = MODELS[kind]()
+    torch.manual_seed(0)
+    first = cls._from_config(config, attn_implementation="eager").eval()
+    out = {"eager": first}
+    for impl in impls:
+        if impl != "eager":
+            m = cls._from_config(MODELS[kind]()[1], attn_implementation=impl).eval()  # a config of its own each
+            m.load_state_dict(first.state_dict())
+            out[impl] = m
+    for impl, m in out.items():
+        assert m.config._attn_implementation == impl, (impl, m.config._attn_implementation)
+    return out
+
+
+def _batch(kind: str, padding: str) -> dict[str, torch.Tensor]:
+    """Token ids and a 0/1 mask of lengths 11, 7, 4 (right or left padded); seq2seq models get decoder ids too."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (B, L), generator=g)
+    lens = torch.tensor([L, 7, 4])
+    pos = torch.arange(L)
+    real = pos < lens[:, None] if padding == "right" else pos >= (L - lens)[:, None]  # (B, L)
+    batch = {"input_ids": ids.masked_fill(~real, 0), "attention_mask": real.long()}
+    if kind in SEQ2SEQ:
+        batch["decoder_input_ids"] = torch.randint(3, V, (B, 5), generator=g)
+    return batch
+
+
+def _real_rows(kind: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B, Lq) bool: the output positions every implementation must agree on (padding queries are each one's own)."""
+    if kind in SEQ2SEQ:
+        return torch.ones_like(batch["decoder_input_ids"], dtype=torch.bool)
+    return batch["attention_mask"].bool()
+
+
+@pytest.mark.parametrize(
+    ("kind", "padding"), [(kind, "right") for kind in MODELS] + [(kind, "left") for kind in DECODER_ONLY]
+)
+def test_outputs_and_hidden_states_equal_eager_and_sdpa(kind, padding):
+    models = _models(kind, ("sdpa", *NAMES.values()))
+    batch = _batch(kind, padding)
+    rows = _real_rows(kind, batch)
+    with torch.no_grad():
+        outs = {name: m(**batch, output_hidden_states=True) for name, m in models.items()}
+    truth = outs["eager"]
+    for name, out in outs.items():
+        assert torch.isfinite(out.logits).all(), name  # padded rows included: no NaN anywhere
+        assert max_err(out.logits[rows], truth.logits[rows]) <= LOGIT_TOL, name
+        hidden = out.decoder_hidden_states if kind in SEQ2SEQ else out.hidden_states
+        truth_hidden = truth.decoder_hidden_states if kind in SEQ2SEQ else truth.hidden_states
+        for h, t in zip(hidden, truth_hidden, strict=True):
+            assert max_err(h[rows], t[rows]) <= LOGIT_TOL, name
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_gradients_of_every_parameter_equal_eager(kind):
+    padding = "left" if kind in DECODER_ONLY else "right"
+    models = _models(kind, (NAMES["auto"], NAMES["chunked"]))
+    batch = _batch(kind, padding)
+    rows = _real_rows(kind, batch)
+    g = torch.Generator().manual_seed(2)
+    upstream = None
+    grads = {}
+    for name, m in models.items():
+        m.zero_grad()
+        logits = m(**batch).logits
+        upstream = torch.randn(logits.shape, generator=g) if upstream is None else upstream
+        (logits[rows] * upstream[rows]).sum().backward()
+        grads[name] = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    truth = grads.pop("eager")
+    for name, got in grads.items():
+        assert got.keys() == truth.keys(), name
+        for n, t in truth.items():
+            assert max_err(got[n], t) <= GRAD_TOL * max(1.0, t.abs().max().item()), (name, n)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_weights_recorded_from_the_fused_path_and_output_attentions_equal_eager(kind):
+    padding = "left" if kind in DECODER_ONLY else "right"
+    models = _models(kind, (NAMES["sdpa"],))
+    eager, fused = models["eager"], models[NAMES["sdpa"]]
+    batch = _batch(kind, padding)
+    with torch.no_grad():
+        truth = eager(**batch, output_attentions=True)
+        with attnkit.record_weights(fused) as rec:
+            out = fused(**batch)
+        returned = fused(**batch, output_attentions=True)
+    assert torch.equal(out.logits, returned.logits)  # recording changes nothing in the output
+    encoder_rows = batch["attention_mask"].bool()  # (B, L): the real queries of the (self-attending) inputs
+    for field, names, rows in _attention_fields(kind, list(rec.keys()), encoder_rows):
+        want, given = getattr(truth, field), getattr(returned, field)
+        assert len(names) == len(want) == len(given) > 0, (field, list(rec.keys()))
+        for name, t, r in zip(names, want, given, strict=True):
+            w = rec[name]  # (B, H, Lq, Lk)
+            assert max_err(w.transpose(1, 2)[rows], t.transpose(1, 2)[rows]) <= WEIGHT_TOL, name
+            assert max_err(r, w) <= WEIGHT_TOL, name
+
+
+def _attention_fields(kind: str, names: list[str], encoder_rows: torch.Tensor) -> list[tuple[str, list[str], Any]]:
+    """(output field, recorded module names in layer order, real query rows) for each kind of attention."""
+    cross_words = ("encoder_attn", "EncDecAttention", "crossattention")
+    cross = [n for n in names if any(w in n for w in cross_words)]
+    own = [n for n in names if n not in cross]
+    if kind not in SEQ2SEQ:
+        return [("attentions", own, encoder_rows)]
+    every = torch.ones(B, 5, dtype=torch.bool)  # the decoder's inputs are not padded
+    return [
+        ("encoder_attentions", [n for n in own if "encoder" in n], encoder_rows),
+        ("decoder_attentions", [n for n in own if "decoder" in n], every),
+        ("cross_attentions", cross, every),
+    ]
+
+
+@pytest.mark.parametrize("kind", [*DECODER_ONLY, *SEQ2SEQ])
+def test_generate_gives_the_same_tokens_with_the_cache(kind):
+    padding = "left" if kind in DECODER_ONLY else "right"
+    models = _models(kind, ("sdpa", NAMES["auto"], NAMES["chunked"]))
+    batch = _batch(kind, padding)
+    batch.pop("decoder_input_ids", None)
+    tokens = {
+        name: m.generate(**batch, max_new_tokens=8, do_sample=False, pad_token_id=0) for name, m in models.items()
+    }
+    for name, t in tokens.items():
+        assert torch.equal(t, tokens["eager"]), name
+
+
+def test_left_padded_rows_give_zeros_not_nan():
+    """The queries of left padding see nothing: attnkit gives them zero attention output (eager: uniform weights
+    over the padding, still finite), so nothing downstream turns NaN, in float16 too."""
+    models = _models("llama", (NAMES["auto"],))
+    m = models[NAMES["auto"]]
+    batch = _batch("llama", "left")
+    with torch.no_grad(), attnkit.record_weights(m) as rec:
+        out = m(**batch, output_hidden_states=True)
+    assert all(torch.isfinite(h).all() for h in out.hidden_states)
+    w = rec["model.layers.0.self_attn"]  # (B, H, Lq, Lk)
+    pad = ~batch["attention_mask"].bool()  # (B, L)
+    assert (w[pad[:, None, :].expand(w.shape[:3])] == 0).all()
+
+
+def test_softcap_sinks_and_sliding_window_map_to_attnkit():
+    """The arguments other models pass (Gemma 2's softcap, gpt-oss's sinks, Mistral's window without a mask) become
+    attnkit's score_mod, sinks and mask_mod: the function equals attnkit's own call with them."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 9, 8, generator=g) for _ in range(3))
+    sinks = torch.randn(4, generator=g)
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    out, weights = attnkit_hf.attention_forward(
+        Module(), q, k, v, None, scaling=0.3, softcap=5.0, s_aux=sinks, sliding_window=3, output_attentions=True
+    )
+    want = attnkit.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        is_causal=True,
+        scale=0.3,
+        score_mod=attnkit.mods.softcap(5.0),
+        sinks=sinks,
+        mask_mod=attnkit.mods.sliding_window(3),
+        backend="reference",
+        need_weights=True,
+    )
+    assert max_err(out, want.output.transpose(1, 2)) <= 1e-6
+    assert max_err(weights, want.weights) <= 1e-6
+    assert (weights[..., 5, :2] == 0).all()  # outside the window
+
+
+def test_a_float_mask_with_transformers_minimum_hides_and_keeps_the_bias():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=g) for _ in range(3))
+    bias = torch.randn(1, 1, 3, 3, generator=g)
+    hidden = torch.tensor([[False, True, True], [False, False, True], [True, True, True]])
+    hf_mask = bias.masked_fill(hidden, torch.finfo(torch.float32).min)
+
+    class Module(torch.nn.Module):
+        is_causal = False
+
+    out, weights = attnkit_hf.attention_forward(Module(), q, k, v, hf_mask, output_attentions=True)
+    assert (weights[..., hidden] == 0).all() and (out[:, 2] == 0).all()  # row 2 sees nothing: zeros, not uniform
+    want = attnkit.scaled_dot_product_attention(
+        q, k, v, attn_mask=bias.masked_fill(hidden, float("-inf")), need_weights=True
+    )
+    assert max_err(weights, want.weights) <= 1e-6
+
+
+def test_import_attnkit_does_not_import_transformers():
+    code = "import sys, attnkit, attnkit.integrations; assert 'transformers' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
