@@ -23,6 +23,7 @@ import torch
 import attnkit
 from attnkit import demo
 from attnkit.plot import view
+from attnkit.viewer import _data
 
 CHROMIUM = shutil.which("chromium")
 LINE_MIN = 0.01  # viewer.js draws a line for a weight of at least this
@@ -160,6 +161,33 @@ def test_model_view_opens_a_matrix_whose_cells_tell_their_weight(browser, tmp_pa
         page.click("#matrix-heads .head[data-head='3']")
         page.mouse.move(box["x"] + 0.5 * cell, box["y"] + 0.5 * cell)
         assert page.inner_text("#tip").endswith(f"weight {w[1, 3, 0, 0].item():.4f}")
+
+
+def test_a_reduced_page_tells_masked_cells_from_weights_it_did_not_keep(browser, gqa_record, tmp_path, monkeypatch):
+    monkeypatch.setattr(_data, "EXACT_CELLS", 10)  # as a large record: each row keeps its 3 largest, as uint8
+    monkeypatch.setattr(_data, "MAX_ENTRIES", 4 * 7 * 3)
+    w = gqa_record[""][0]  # (H, Lq, Lk)
+    kept = w.topk(3, dim=-1)
+    view(gqa_record, tokens=TOKENS, path=tmp_path / "p.html")
+    with opened(browser, tmp_path / "p.html", "#view=matrix&head=1") as o:
+        page = o.page
+        assert "each row keeps its 3 largest weights" in page.inner_text("#notes")
+        box = page.locator("#mx-canvas").bounding_box()
+        cell = box["width"] / 7
+        for i, j in ((4, 0), (4, 1), (4, 2), (4, 3), (4, 4), (2, 3), (2, 5), (6, 6)):
+            page.mouse.move(box["x"] + (j + 0.5) * cell, box["y"] + (i + 0.5) * cell)
+            tip = page.inner_text("#tip")
+            if w[1, i, j] == 0:
+                assert tip.endswith("masked: padding, no query sees this key" if j >= 5 else "hidden from this query")
+            elif j in kept.indices[1, i]:  # rounded to 1/255 of the call's largest weight
+                unit = float(w.max()) / 255
+                assert f"weight ~{round(w[1, i, j].item() / unit) * unit:.4f} (+-{unit / 2:.4f})" in tip, tip
+            else:
+                assert "not kept: below" in tip and "the least of the row's 3 kept" in tip, tip
+        page.click("#tabs button[data-view='head']")
+        page.hover("#hv-queries .tok[data-i='3']")  # masks from the page's bitmaps
+        assert o.tokens("k", "masked") == ["on", "<pad>", "<pad>"]
+        assert o.lines() == sum(int((kept.values[h, 3].double() >= LINE_MIN).sum()) for h in range(4))
 
 
 def test_decoding_steps_are_browsed_with_the_slider(browser, tmp_path):

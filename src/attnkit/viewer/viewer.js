@@ -650,7 +650,7 @@
       s.style.top = i * cs + cs / 2 - 8 + "px";
       queries.appendChild(s);
     }
-    const notKept = m.kc ? ' &nbsp; white: not kept (below the row\'s largest ' + m.kc + ")" : "";
+    const notKept = m.kc ? ` &nbsp; white: not kept (each row keeps its ${m.kc} largest)` : "";
     $("colorbar").innerHTML =
       `0 <span class="bar" style="background: linear-gradient(to right, #fff, rgb(${BLUE.join(",")}))"></span> ` +
       `${fmt(top)} (head ${h}'s largest) &nbsp; <span class="swatch masked" style="display:inline-block;width:14px;` +
@@ -664,7 +664,7 @@
       lines.push(m.padk[j] ? "masked: padding, no query sees this key" : "masked: hidden from this query");
     } else {
       const w = m.value(h, i, j);
-      if (w < 0) lines.push(`not kept: below ${fmt(m.threshold(h, i))}, the row's ${m.kc}th largest`);
+      if (w < 0) lines.push(`not kept: below ${fmt(m.threshold(h, i))}, the least of the row's ${m.kc} kept`);
       else lines.push(`weight ${m.f ? fmt(w) : "~" + fmt(w) + " (+-" + fmt(m.unit / 2) + ")"}`);
     }
     return lines.join("\n");
