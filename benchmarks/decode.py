@@ -3,13 +3,13 @@
 
 * ``step``: one decode step of ``MultiHeadAttention(512, 8)`` at a context of 4096 (a growing cache prefilled in
   one call), B=1, float32, no grad; against (a) the time to read the cache and the layer's weights once at this
-  machine's read bandwidth, measured in the same run (``x.sum()`` over 1 GiB: the physical limit of a step is
-  reading what it must read), target at most 2x; and (b) recomputing the full causal forward over the 4097
-  positions, target at least 20x slower than the step.
-* ``generate``: a 2-layer decoder-only model (hidden 256, 4 heads), B=8 ragged prompts of 128-256 tokens
-  (right-padded, no left padding), 256 tokens generated greedily: with a ``KVCache`` per layer, against the book's
-  loop, which keeps every layer's raw inputs and re-projects them all at each step. Target: at least 5x, with
-  identical tokens.
+  machine's read bandwidth, measured in the same run (``x.sum()`` over 1 GiB after each round of 10 steps: the
+  physical limit of a step is reading what it must read; the median of the rounds' ratios), target at most 2x;
+  and (b) recomputing the full causal forward over the 4097 positions, target at least 20x slower than the step.
+* ``generate``: a 2-layer decoder-only model (hidden 512 and 8 heads, the step's layer; and hidden 256, 4 heads,
+  reported beside it), B=8 ragged prompts of 128-256 tokens (right-padded, no left padding), 256 tokens generated
+  greedily: with a ``KVCache`` per layer, against the book's loop, which keeps every layer's raw inputs and
+  re-projects them all at each step. Target: at least 5x (on the first model), with identical tokens.
 * ``gqa``: the cache of ``num_kv_heads=2`` of 8 heads holds a quarter of the bytes of the full-head cache.
 * ``demo``: the Transformer of ``attnkit demo`` (untrained: the timing does not depend on the weights) generating
   21 tokens for 256 sources, with its caches and by decoding the whole prefix again at every step.
@@ -51,40 +51,48 @@ def median_seconds(run: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
-    """Bytes per second this machine reads from memory: ``x.sum()`` over a float32 tensor of ``gib`` GiB."""
-    x = torch.ones(int(gib * 2**30 / 4))
-    return x.nbytes / median_seconds(lambda: x.sum(), repeats)
-
-
 @torch.no_grad()
-def measure_step(context: int = 4096, repeats: int = 50) -> dict[str, Any]:
+def measure_step(context: int = 4096, rounds: int = 9, steps_per_round: int = 10) -> dict[str, Any]:
+    """Rounds of ``steps_per_round`` decode steps, each round followed by one read of 1 GiB: this machine's
+    bandwidth moves (a shared host), so each round's step is set against the bandwidth measured beside it, and the
+    ratio is the median of the rounds'."""
     torch.manual_seed(0)
     mha = attnkit.MultiHeadAttention(512, 8).eval()
-    x = torch.randn(1, context + repeats + 2, 512)  # (1, L, E)
+    total = rounds * (steps_per_round + 1) + 1
+    x = torch.randn(1, context + total, 512)  # (1, L, E)
     cache = attnkit.KVCache()
     mha(x[:, :context], x[:, :context], x[:, :context], is_causal=True, cache=cache)  # prefill
-    steps = iter(range(context, context + repeats + 2))
+    steps = iter(range(context, context + total))
 
     def step() -> None:
         t = next(steps)
-        mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], is_causal=True, cache=cache)
+        xt = x[:, t : t + 1]  # (1, 1, E)
+        mha(xt, xt, xt, is_causal=True, cache=cache)
 
-    step_s = median_seconds(step, repeats)
+    weights = sum(p.nbytes for p in mha.parameters())
+    cache_bytes = 2 * 8 * (context + total // 2) * 64 * 4  # keys and values a step reads: (1, 8, L, 64) float32
+    big = torch.ones(2**28)  # 1 GiB
+    big.sum()
+    step_times, bandwidths = [], []
+    for _ in range(rounds):
+        step_times.append(median_seconds(step, steps_per_round))
+        start = time.perf_counter()
+        big.sum()
+        bandwidths.append(big.nbytes / (time.perf_counter() - start))
+    ratios = [s * b / (cache_bytes + weights) for s, b in zip(step_times, bandwidths, strict=True)]
     full = x[:, : context + 1]
     full_s = median_seconds(lambda: mha(full, full, full, is_causal=True), 3)
-    weights = sum(p.nbytes for p in mha.parameters())
-    L = context + repeats // 2
-    cache_bytes = 2 * 8 * L * 64 * 4  # keys and values a step reads: (1, 8, L, 64) float32 each
-    bandwidth = read_bandwidth()
-    limit = (cache_bytes + weights) / bandwidth
+    step_s, bandwidth = statistics.median(step_times), statistics.median(bandwidths)
     return {
         "step_s": step_s,
+        "step_s_range": [min(step_times), max(step_times)],
         "full_forward_s": full_s,
         "bandwidth_gb_s": bandwidth / 1e9,
+        "bandwidth_gb_s_range": [min(bandwidths) / 1e9, max(bandwidths) / 1e9],
         "bytes_read": cache_bytes + weights,
-        "read_once_s": limit,
-        "step_vs_bandwidth": step_s / limit,
+        "read_once_s": (cache_bytes + weights) / bandwidth,
+        "step_vs_bandwidth": statistics.median(ratios),
+        "step_vs_bandwidth_rounds": ratios,
         "full_vs_step": full_s / step_s,
     }
 
@@ -164,9 +172,18 @@ def generate_book(model: TinyLM, prompts: Tensor, lens: Tensor, steps: int) -> T
     return torch.cat(out, dim=1)
 
 
+# The models generating: (hidden, heads). The target is checked on the first, whose layer is the step's
+# MultiHeadAttention(512, 8); the second, smaller one is reported beside it.
+GENERATORS = ((512, 8), (256, 4))
+
+
 def measure_generate(repeats: int = 3) -> dict[str, Any]:
+    return {f"{hidden}x{heads}": measure_generator(hidden, heads, repeats) for hidden, heads in GENERATORS}
+
+
+def measure_generator(hidden: int, heads: int, repeats: int) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = TinyLM().eval()
+    model = TinyLM(hidden=hidden, heads=heads).eval()
     B, P, steps = 8, 256, 256
     g = torch.Generator().manual_seed(1)
     lens = torch.randint(128, P + 1, (B,), generator=g)
@@ -181,6 +198,8 @@ def measure_generate(repeats: int = 3) -> dict[str, Any]:
             times[name].append(time.perf_counter() - start)
     cached_s, book_s = statistics.median(times["cached"]), statistics.median(times["book"])
     return {
+        "hidden": hidden,
+        "heads": heads,
         "prompt_lens": lens.tolist(),
         "identical_tokens": bool(torch.equal(cached, book)),
         "cached_s": cached_s,
@@ -227,29 +246,34 @@ def report(r: dict[str, Any]) -> str:
             "",
             "| what | value |",
             "|---|---:|",
-            f"| decode step (median of 50) | {s['step_s'] * 1e3:.2f} ms |",
-            f"| read bandwidth (x.sum() over 1 GiB) | {s['bandwidth_gb_s']:.1f} GB/s |",
+            f"| decode step (median of the rounds' medians) | {s['step_s'] * 1e3:.2f} ms "
+            f"({s['step_s_range'][0] * 1e3:.2f}-{s['step_s_range'][1] * 1e3:.2f}) |",
+            f"| read bandwidth (x.sum() over 1 GiB after each round) | {s['bandwidth_gb_s']:.1f} GB/s "
+            f"({s['bandwidth_gb_s_range'][0]:.1f}-{s['bandwidth_gb_s_range'][1]:.1f}) |",
             f"| bytes a step must read (cache + weights) | {s['bytes_read'] / 2**20:.1f} MiB |",
             f"| reading them once at that bandwidth | {s['read_once_s'] * 1e3:.2f} ms |",
             f"| full causal forward over 4097 positions | {s['full_forward_s'] * 1e3:.0f} ms |",
             "",
-            f"step / reading once: {s['step_vs_bandwidth']:.2f}x (target <= {TARGETS['step_vs_bandwidth']})",
+            f"step / reading once: {s['step_vs_bandwidth']:.2f}x, median of the rounds "
+            f"({min(s['step_vs_bandwidth_rounds']):.2f}-{max(s['step_vs_bandwidth_rounds']):.2f}) "
+            f"(target <= {TARGETS['step_vs_bandwidth']})",
             f"full forward / step: {s['full_vs_step']:.0f}x (target >= {TARGETS['full_vs_step']})",
             "",
         ]
     if "generate" in r:
-        gen = r["generate"]
+        gens = list(r["generate"].values())
         lines += [
-            f"256 tokens after ragged prompts {gen['prompt_lens']}, B=8, 2 layers, hidden 256:",
+            f"256 tokens after ragged prompts {gens[0]['prompt_lens']}, B=8, 2 layers:",
             "",
-            f"| cached | {gen['cached_s']:.2f} s |",
-            "|---|---:|",
-            f"| book's loop (re-projects every layer's inputs each step) | {gen['book_s']:.2f} s |",
-            "",
-            f"book / cached: {gen['book_vs_cached']:.1f}x (target >= {TARGETS['book_vs_cached']}); identical tokens: "
-            f"{gen['identical_tokens']}",
-            "",
+            "| model | cached | book's loop (re-projects all inputs each step) | book / cached | same tokens |",
+            "|---|---:|---:|---:|---|",
         ]
+        lines += [
+            f"| hidden {g['hidden']}, {g['heads']} heads | {g['cached_s']:.2f} s | {g['book_s']:.2f} s | "
+            f"{g['book_vs_cached']:.1f}x | {g['identical_tokens']} |"
+            for g in gens
+        ]
+        lines += ["", f"target: book / cached >= {TARGETS['book_vs_cached']} for hidden 512, 8 heads", ""]
     if "gqa" in r:
         q = r["gqa"]
         lines += [
@@ -271,10 +295,14 @@ def missed_targets(r: dict[str, Any]) -> list[str]:
         missed.append(f"step / reading once {r['step']['step_vs_bandwidth']:.2f} > {TARGETS['step_vs_bandwidth']}")
     if "step" in r and r["step"]["full_vs_step"] < TARGETS["full_vs_step"]:
         missed.append(f"full forward / step {r['step']['full_vs_step']:.0f} < {TARGETS['full_vs_step']}")
-    if "generate" in r and (r["generate"]["book_vs_cached"] < TARGETS["book_vs_cached"]):
-        missed.append(f"book / cached {r['generate']['book_vs_cached']:.1f} < {TARGETS['book_vs_cached']}")
-    if "generate" in r and not r["generate"]["identical_tokens"]:
-        missed.append("the cached generation's tokens differ from the book loop's")
+    if "generate" in r:
+        hidden, heads = GENERATORS[0]
+        gen = r["generate"][f"{hidden}x{heads}"]
+        if gen["book_vs_cached"] < TARGETS["book_vs_cached"]:
+            missed.append(f"book / cached {gen['book_vs_cached']:.1f} < {TARGETS['book_vs_cached']}")
+        for name, g in r["generate"].items():
+            if not g["identical_tokens"]:
+                missed.append(f"{name}: the cached generation's tokens differ from the book loop's")
     return missed
 
 
