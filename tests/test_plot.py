@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
 import warnings
 
@@ -222,14 +223,14 @@ def test_saving_into_a_missing_folder_names_the_users_path(tmp_path):
 
 def test_a_target_name_at_the_length_limit_saves(tmp_path, monkeypatch):
     names = []
-    real = plot.tempfile.mkstemp
+    real = tempfile.mkstemp
 
     def spy(*args, **kwargs):
         fd, name = real(*args, **kwargs)
         names.append(name)
         return fd, name
 
-    monkeypatch.setattr(plot.tempfile, "mkstemp", spy)
+    monkeypatch.setattr(tempfile, "mkstemp", spy)  # the module attnkit._files writes through
     target = tmp_path / ("a" * 251 + ".png")  # 255 bytes, the usual limit of a name
     plot.save_figure(plot.plot_attention(torch.rand(3, 4)), target)
     assert [p.name for p in tmp_path.iterdir()] == [target.name]

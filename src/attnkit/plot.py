@@ -19,11 +19,9 @@ file), see :func:`view`, from :mod:`attnkit.viewer`.
 
 from __future__ import annotations
 
-import errno
 import math
 import operator
 import os
-import tempfile
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnkit._files import write_atomically
 from attnkit.viewer import AttentionView, view
 
 __all__ = [
@@ -277,25 +276,10 @@ def save_figure(fig: Any, path: str | os.PathLike[str], *, dpi: int = 100) -> Pa
             f"dpi {dpi} would make a {width:g} x {height:g} inch figure {width * dpi:.0f} x {height * dpi:.0f} "
             f"pixels, more than {_MAX_PIXELS} a side: choose dpi <= {int(_MAX_PIXELS / max(width, height))}"
         )
-    folder = target.parent
-    if not folder.is_dir():
-        what = "is not a folder" if folder.exists() else "does not exist"
-        raise FileNotFoundError(errno.ENOENT, f"cannot write {str(target)!r}: the folder {str(folder)!r} {what}")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".", suffix=target.suffix, dir=folder)
-    except OSError as e:  # the folder cannot be written: name the user's path, not the temporary one
-        raise type(e)(e.errno, f"cannot write {str(target)!r}: {e.strerror}") from e
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format=fmt, dpi=dpi)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; a plain open() would not
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        return write_atomically(target, lambda f: fig.savefig(f, format=fmt, dpi=dpi))
     finally:
         _pyplot().close(fig)
-    return target
 
 
 def _figsize(figsize: Any) -> tuple[float, float]:
@@ -400,12 +384,6 @@ def _ticks(axis: Any, n: int, labels: Sequence[str] | None, *, each: bool) -> No
     axis.set_major_locator(MaxNLocator(nbins=8, integer=True))
     if labels is not None:
         axis.set_major_formatter(FuncFormatter(lambda x, _: labels[int(x)] if x == int(x) and 0 <= x < n else ""))
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _as_array(x: Any, name: str) -> np.ndarray:

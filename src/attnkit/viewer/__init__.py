@@ -31,18 +31,17 @@ file of 17 MB (see the README for the measured size and time to interactive).
 
 from __future__ import annotations
 
-import errno
 import html
 import json
 import os
 import re
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from attnkit._files import write_atomically
 from attnkit.viewer import _data
 from attnkit.viewer._data import EXACT_CELLS, MAX_ENTRIES, THUMB
 
@@ -65,7 +64,7 @@ class AttentionView:
             FileNotFoundError: when the folder does not exist (naming ``path``).
             OSError: when it cannot be written (nothing is left behind).
         """
-        return _write(Path(path), self.html)
+        return write_atomically(Path(path), lambda f: f.write(self.html.encode("utf-8")))
 
     def _repr_html_(self) -> str:
         """The page in an iframe of its own (a notebook cell shows it inline; its script and style stay apart
@@ -151,25 +150,3 @@ def _html(payload: dict[str, Any], title: str) -> str:
     }
     pieces = re.split(r"\{\{(\w+)\}\}", _asset("page.html"))  # text, marker, text, marker, ..., text
     return "".join(parts[p] if i % 2 else p for i, p in enumerate(pieces))
-
-
-def _write(target: Path, text: str) -> Path:
-    folder = target.parent
-    if not folder.is_dir():
-        what = "is not a folder" if folder.exists() else "does not exist"
-        raise FileNotFoundError(errno.ENOENT, f"cannot write {str(target)!r}: the folder {str(folder)!r} {what}")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".", suffix=target.suffix, dir=folder)
-    except OSError as e:  # the folder cannot be written: name the user's path, not the temporary one
-        raise type(e)(e.errno, f"cannot write {str(target)!r}: {e.strerror}") from e
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes it private; a plain open() would not
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
