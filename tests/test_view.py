@@ -103,6 +103,21 @@ def test_padding_and_masked_positions_come_from_exact_zeros_of_a_record():
     assert payload(view(rec, example=1))["layers"][0]["calls"][0]["padk"] == []
 
 
+def test_a_record_says_which_layers_group_their_heads():
+    """record_weights keeps each grouped-query layer's key/value heads; the page groups by them unasked."""
+    model = torch.nn.ModuleDict(
+        {"gqa": attnkit.MultiHeadAttention(16, 4, num_kv_heads=2), "full": attnkit.MultiHeadAttention(16, 4)}
+    )
+    x = torch.randn(1, 5, 16)
+    with attnkit.record_weights(model) as rec:
+        for m in model.values():
+            m(x, x, x)
+    assert rec.kv_heads == {"gqa": 2}
+    groups = {layer["name"]: layer["groups"] for layer in payload(view(rec))["layers"]}
+    assert groups == {"gqa": 2, "full": 1}
+    assert payload(view(rec, kv_heads={"full": 4}))["layers"][0]["groups"] == 1  # given: only what is given
+
+
 def test_decoding_steps_through_a_cache_are_calls_whose_queries_stand_at_the_end_of_their_keys():
     torch.manual_seed(0)
     mha = attnkit.MultiHeadAttention(16, 2).eval()

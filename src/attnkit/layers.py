@@ -43,10 +43,13 @@ class WeightRecord(dict):
     def __init__(self) -> None:
         super().__init__()
         self._calls: dict[str, list[Tensor]] = {}
+        self.kv_heads: dict[str, int] = {}  # modules with grouped-query heads: their key/value heads
 
-    def add(self, name: str, weights: Tensor) -> None:
+    def add(self, name: str, weights: Tensor, kv_heads: int | None = None) -> None:
         self._calls.setdefault(name, []).append(weights)
         self[name] = weights
+        if kv_heads is not None and weights.dim() == 4 and kv_heads < weights.shape[1]:
+            self.kv_heads[name] = kv_heads
 
     def calls(self, name: str) -> list[Tensor]:
         return list(self._calls.get(name, []))
@@ -71,7 +74,9 @@ class _Recording:
 _RECORDINGS: ContextVar[tuple[_Recording, ...]] = ContextVar("attnkit_recordings", default=())
 
 
-def report_weights(module: nn.Module, weights: Tensor | Callable[[], Tensor] | None) -> None:
+def report_weights(
+    module: nn.Module, weights: Tensor | Callable[[], Tensor] | None, *, kv_heads: int | None = None
+) -> None:
     """Give the attention weights of one call of ``module`` to every recording, open in this thread or task,
     that records it. Attention modules call this after each forward.
 
@@ -79,6 +84,8 @@ def report_weights(module: nn.Module, weights: Tensor | Callable[[], Tensor] | N
         module: the module that ran.
         weights: the pre-dropout weights, or a function that computes them, called once, only if recorded;
             ``None`` (a call without weights) records nothing.
+        kv_heads: the call's key/value heads, when fewer than its query heads (grouped-query attention): kept in
+            ``record.kv_heads`` (the viewer groups the heads by it).
     """
     recordings = _RECORDINGS.get()
     if not recordings or weights is None:  # the cost while nothing records: one lookup
@@ -88,7 +95,7 @@ def report_weights(module: nn.Module, weights: Tensor | Callable[[], Tensor] | N
         return
     kept = (weights if isinstance(weights, Tensor) else weights()).detach()
     for record, name in wanted:
-        record.add(name, kept)
+        record.add(name, kept, kv_heads)
 
 
 @contextlib.contextmanager
@@ -171,7 +178,7 @@ class _Attention(nn.Module):
             with torch.no_grad(), trace.paused():
                 return attention_weights(q, k, w_v=w_v, sinks=self.sinks, **masks._asdict())
 
-        report_weights(self, weights)
+        report_weights(self, weights, kv_heads=k.shape[1] if k.dim() == 4 else None)
 
 
 class DotProductAttention(_Attention):

@@ -133,7 +133,7 @@ def attention_forward(
         with torch.no_grad():
             return attention_weights(query, key, **masks)  # (B, H, Lq, Lk)
 
-    report_weights(module, recorded)
+    report_weights(module, recorded, kv_heads=key.shape[1])
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, H, Dv)
 
 

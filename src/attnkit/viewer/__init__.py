@@ -105,7 +105,8 @@ def view(
         layer_tokens: ``{layer name: tokens or (query_tokens, key_tokens)}`` for models whose layers see
             different sequences (an encoder-decoder); other layers get ``tokens``/``query_tokens``/``key_tokens``.
         kv_heads: key/value heads (grouped-query attention), for every layer or ``{layer name: number}``: query
-            head ``h`` shares key/value head ``h // (H // kv_heads)``; the page groups and colours them so.
+            head ``h`` shares key/value head ``h // (H // kv_heads)``; the page groups and colours them so. By
+            default, what a ``record_weights`` record says of its layers (``record.kv_heads``).
         example: the row of a record's batch to show.
         title: the page's title.
 
@@ -126,6 +127,10 @@ def view(
     """
     layers, notes = _data.collect(weights, example)
     _data.assign_tokens(layers, tokens, query_tokens, key_tokens, layer_tokens)
+    if kv_heads is None:  # a record knows the grouped-query layers it recorded (those still shown)
+        shown = {layer.name for layer in layers}
+        known = {(n or "(model)"): k for n, k in getattr(weights, "kv_heads", {}).items()}  # as layers are named
+        kv_heads = {n: k for n, k in known.items() if n in shown} or None
     _data.check_groups(layers, kv_heads)
     heading = title if title is not None else "attention"
     payload = _data.encode(layers, heading, notes)
