@@ -289,3 +289,36 @@ def test_a_float_mask_with_transformers_minimum_hides_and_keeps_the_bias():
 def test_import_attnkit_does_not_import_transformers():
     code = "import sys, attnkit, attnkit.integrations; assert 'transformers' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_model_whose_attention_bypasses_the_interface_is_refused():
+    """Bloom computes its attention itself and adds the mask to its own scores: attnkit's boolean mask would mask
+    nothing. Its class says so (_supports_attention_backend = False): refused, not silently wrong."""
+    config = transformers.BloomConfig(vocab_size=V, hidden_size=64, n_layer=2, n_head=4)
+    model = transformers.BloomForCausalLM._from_config(config, attn_implementation=NAMES["auto"]).eval()
+    with pytest.raises(ValueError, match="computes its attention itself"):
+        model(torch.randint(3, V, (1, 8)))
+
+
+def test_register_refuses_an_unknown_backend_and_transformers_own_names():
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+        attnkit_hf.register("attnkit-typo", backend="nonsense")
+    with pytest.raises(ValueError, match="one of transformers' own attention implementations"):
+        attnkit_hf.register("sdpa")
+    assert attnkit_hf.register(NAMES["auto"]) == NAMES["auto"]  # attnkit's own name: registered again
+
+
+def test_a_static_cache_prefill_returns_weights_over_every_slot():
+    """A static cache's prefill brings more key slots than queries (the rest empty): the output is computed over
+    the first Lq keys, as transformers' sdpa does, and the weights come back over every slot, as eager's."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 5, 8)
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    out, weights = attnkit_hf.attention_forward(Module(), q, k, v, None, output_attentions=True)
+    want = attnkit.scaled_dot_product_attention(q, k[:, :, :3], v[:, :, :3], is_causal=True, need_weights=True)
+    assert weights.shape == (1, 4, 3, 5) and (weights[..., 3:] == 0).all()
+    assert max_err(weights[..., :3], want.weights) <= 1e-6
+    assert max_err(out, want.output.transpose(1, 2)) <= 1e-6

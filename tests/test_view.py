@@ -334,3 +334,17 @@ def test_view_command_mistakes_are_one_line_and_leave_no_file(capsys, tmp_path, 
     assert code == 2 and stdout == "" and err.startswith("attnkit: error: ") and err.count("\n") == 1, err
     assert fragment in err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_the_model_itself_is_named_as_the_record_names_it_and_a_folder_is_not_a_page(tmp_path):
+    mha = attnkit.MultiHeadAttention(16, 4)
+    x = torch.randn(1, 3, 16)
+    with attnkit.record_weights(mha) as rec:
+        mha(x, x, x)
+    layer = payload(view(rec, kv_heads={"": 2}, layer_tokens={"": list("abc")}))["layers"][0]
+    assert (layer["name"], layer["groups"]) == ("(model)", 2)
+    with pytest.raises(IsADirectoryError, match=r"cannot write .*: it is a folder"):
+        view(rec, path=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(TypeError, match="title must be a string"):
+        view(rec, title=123)

@@ -15,9 +15,12 @@ def write_atomically(target: Path, write: Callable[[BinaryIO], object]) -> Path:
     target name near the file system's limit still fits), then renamed onto it: a failure leaves nothing behind.
 
     Raises:
+        IsADirectoryError: ``target`` is a folder.
         FileNotFoundError: the folder does not exist (naming ``target``).
         OSError: the folder cannot be written (naming ``target``, not the temporary file).
     """
+    if target.is_dir():
+        raise IsADirectoryError(errno.EISDIR, f"cannot write {str(target)!r}: it is a folder")
     folder = target.parent
     if not folder.is_dir():
         what = "is not a folder" if folder.exists() else "does not exist"

@@ -38,10 +38,13 @@ Not covered: paged attention (transformers' continuous batching), models whose a
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from attnkit import mods
 from attnkit.functional import attention_weights, scaled_dot_product_attention
@@ -67,20 +70,73 @@ __all__ = ["NAME", "attention_forward", "register"]
 NAME = "attnkit"
 
 
+# The names register() gave: registering one again replaces it; transformers' own names are never replaced.
+_REGISTERED: set[str] = set()
+
+
 def register(name: str = NAME, *, backend: str = "auto") -> str:
     """Register attnkit as the attention implementation ``name`` in transformers (its ``AttentionInterface``, and
     its ``AttentionMaskInterface`` with the masks it builds for ``sdpa``). Returns ``name``, for
-    ``attn_implementation=name``. Registering again replaces the earlier one (another ``backend``)."""
+    ``attn_implementation=name``. Registering again replaces the earlier one (another ``backend``).
+
+    A model whose attention does not go through ``AttentionInterface`` (its code never looks the function up:
+    Bloom, CodeGen, XGLM, ...) is refused at its first forward pass with a ValueError: it would build attnkit's
+    masks and then add them to its own scores, unmasked.
+
+    Raises:
+        ValueError: an empty name, a name transformers already uses for its own implementation, or a backend
+            attnkit does not have.
+    """
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from attnkit.dispatch import BACKENDS
 
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if name in AttentionInterface._global_mapping and name not in _REGISTERED:
+        raise ValueError(f"{name!r} is one of transformers' own attention implementations: choose another name")
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
     forward = functools.partial(attention_forward, backend=backend)
     functools.update_wrapper(forward, attention_forward)
     AttentionInterface.register(name, forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, _mask)
+    _REGISTERED.add(name)
     return name
+
+
+def _mask(*args: Any, config: Any = None, **kwargs: Any) -> Tensor | None:
+    """transformers' sdpa mask (boolean, ``True`` = may attend, or ``None`` where ``is_causal`` says it), after
+    checking that the model's attention goes through ``AttentionInterface`` (the config names the model)."""
+    from transformers.masking_utils import sdpa_mask
+
+    if config is not None and not _goes_through_the_interface(type(config)):
+        raise ValueError(
+            f"this {config.model_type!r} model computes its attention itself, not through transformers' "
+            "AttentionInterface: attnkit cannot be its attention implementation (its mask would be added to the "
+            "model's own scores, unmasked); use 'eager' or 'sdpa'"
+        )
+    return sdpa_mask(*args, config=config, **kwargs)
+
+
+_THROUGH_THE_INTERFACE: dict[type, bool] = {}  # by config class
+
+
+def _goes_through_the_interface(config_class: type) -> bool:
+    """False when the code of the model transformers maps this config to never looks up its attention function
+    (``ALL_ATTENTION_FUNCTIONS``: Bloom, CodeGen, XGLM, GPT-J, GPT-Neo, MPT); True otherwise, and when the model
+    or its code cannot be found (given the benefit of the doubt). The classes' ``_supports_attention_backend``
+    cannot tell: BART, T5 and Whisper leave it False and go through the interface."""
+    from transformers import AutoModel
+
+    if config_class not in _THROUGH_THE_INTERFACE:
+        try:
+            code = inspect.getsource(sys.modules[AutoModel._model_mapping[config_class].__module__])
+        except (KeyError, ValueError, OSError, TypeError):
+            code = "ALL_ATTENTION_FUNCTIONS"
+        _THROUGH_THE_INTERFACE[config_class] = "ALL_ATTENTION_FUNCTIONS" in code
+    return _THROUGH_THE_INTERFACE[config_class]
 
 
 def attention_forward(
@@ -103,6 +159,7 @@ def attention_forward(
     """transformers' attention-function signature: ``query (B, H, Lq, D)``, ``key (B, Hkv, Lk, D)``,
     ``value (B, Hkv, Lk, Dv)`` -> ``(output (B, Lq, H, Dv), weights (B, H, Lq, Lk) or None)``."""
     Lq, Lk = query.shape[2], key.shape[2]
+    slots = Lk  # the weights come back over every key slot, as eager's
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     causal = causal and Lq > 1 and attention_mask is None  # as transformers' sdpa: the mask says it otherwise
     if causal and Lk > Lq:
@@ -125,13 +182,18 @@ def attention_forward(
     out = scaled_dot_product_attention(
         query, key, value, dropout_p=float(dropout), backend=backend, **masks
     ).output  # (B, H, Lq, Dv)
-    weights = attention_weights(query, key, **masks) if _weights_wanted(kwargs) else None  # (B, H, Lq, Lk)
+
+    def weights_over_slots() -> Tensor:
+        w = attention_weights(query, key, **masks)  # (B, H, Lq, Lk)
+        return w if Lk == slots else F.pad(w, (0, slots - Lk))  # (B, H, Lq, slots): empty slots weigh 0
+
+    weights = weights_over_slots() if _weights_wanted(kwargs) else None
 
     def recorded() -> Tensor:  # called only inside attnkit.record_weights
         if weights is not None:
             return weights
         with torch.no_grad():
-            return attention_weights(query, key, **masks)  # (B, H, Lq, Lk)
+            return weights_over_slots()
 
     report_weights(module, recorded, kv_heads=key.shape[1])
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, H, Dv)

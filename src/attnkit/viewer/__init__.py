@@ -19,6 +19,13 @@ attention) are grouped and coloured alike. Query and key tokens are separate lis
 record's calls of one module (a whole sequence, then decoding steps through a cache) are browsed with a slider;
 a module called fewer times shows its last call.
 
+Token placement: a call's keys take the first ``Lk`` tokens and its queries, with self-attention tokens, the last
+``Lq`` of those: right for whole sequences and for decoding one sequence through a growing cache
+(:class:`attnkit.KVCache()`, transformers' default cache). A static cache (keys = every slot of ``max_len``), a
+sliding one (keys in ring order) or a ragged batch's shorter rows (their queries stand at their own length, not at
+the longest row's) are drawn with the positions of that rule, not the rows' own: view their weights per call, or a
+batch of one.
+
 The address may choose what the page opens on: ``page.html#view=matrix&layer=3&head=1``, or
 ``#layer=5&step=2&hover=q3&off=0,1`` (the head view with query 3 hovered and heads 0 and 1 hidden).
 
@@ -126,6 +133,9 @@ def view(
         (True, ())
     """
     layers, notes = _data.collect(weights, example)
+    if title is not None and not isinstance(title, str):
+        raise TypeError(f"title must be a string, got {type(title).__name__}: {title!r}")
+    layer_tokens, kv_heads = (_model_named(m) for m in (layer_tokens, kv_heads))
     _data.assign_tokens(layers, tokens, query_tokens, key_tokens, layer_tokens)
     if kv_heads is None:  # a record knows the grouped-query layers it recorded (those still shown)
         shown = {layer.name for layer in layers}
@@ -142,6 +152,13 @@ def view(
 
 def _asset(name: str) -> str:
     return resources.files("attnkit.viewer").joinpath(name).read_text(encoding="utf-8")
+
+
+def _model_named(per_layer: Any) -> Any:
+    """A ``{layer name: ...}`` mapping with the record's name of the model itself, ``""``, as the page names it."""
+    if not isinstance(per_layer, Mapping):
+        return per_layer
+    return {(name or "(model)") if isinstance(name, str) else name: value for name, value in per_layer.items()}
 
 
 def _html(payload: dict[str, Any], title: str) -> str:
