@@ -467,7 +467,7 @@ class Mask:
         Lq, Lk = self.num_queries, self.num_keys
         device = self.device
         if self._prefixes_only:
-            n = self._prefix_lengths(device)  # (B|1, 1, Lq|1) keys [0, n) seen by each row, or None
+            n = self._prefix_lengths  # (B|1, 1, Lq|1) keys [0, n) seen by each row, or None
             if n is None:
                 return None, None
             rows = (n > 0).expand(*n.shape[:2], Lq)  # (B|1, 1, Lq)
@@ -504,10 +504,10 @@ class Mask:
     def live_key_counts(self) -> Tensor | None:
         """``(B|1, 1, 1)`` long: when only ``valid_lens`` and ``is_causal`` hide keys, the live keys of each
         example are ``[0, n)`` (its longest row's prefix) and the dead ones a suffix; ``None`` for other masks
-        and when every key is live."""
+        and when neither ``valid_lens`` nor ``is_causal`` is given."""
         if not self._prefixes_only:
             return None
-        n = self._prefix_lengths(self.device)  # (B|1, 1, Lq|1) or None
+        n = self._prefix_lengths  # (B|1, 1, Lq|1) or None
         if n is None:
             return None
         return n.amax(dim=-1, keepdim=True) if self.num_queries else n.new_zeros(n.shape[0], 1, 1)  # (B|1, 1, 1)
@@ -529,13 +529,14 @@ class Mask:
             parts.append(torch.Size(by_mod or (self.batch, self.heads)))
         return torch.broadcast_shapes(*parts, (1, 1))
 
-    def _prefix_lengths(self, device: torch.device | None) -> Tensor | None:
+    @functools.cached_property
+    def _prefix_lengths(self) -> Tensor | None:
         """``n``, ``(B|1, 1, Lq|1)`` long: by ``valid_lens`` and ``is_causal`` alone, row ``i`` sees keys
         ``[0, n[i])``; ``None`` when neither is given."""
         n = None if self.valid_lens is None else self.valid_lens[..., 0]  # (B, 1, 1 | Lq)
         if self.is_causal:
             Lq, Lk = self.num_queries, self.num_keys
-            past = (torch.arange(Lq, device=device) + (Lk - Lq + 1)).clamp(0, Lk)  # (Lq,): keys j <= i + Lk - Lq
+            past = (torch.arange(Lq, device=self.device) + (Lk - Lq + 1)).clamp(0, Lk)  # (Lq,): keys j <= i + Lk - Lq
             n = past.view(1, 1, Lq) if n is None else torch.minimum(n, past)  # (B|1, 1, Lq)
         return n
 
