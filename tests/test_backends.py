@@ -309,3 +309,28 @@ def test_padded_batches_group_only_when_the_skipped_work_pays_for_the_calls(monk
         assert len(calls) == expected_calls, (Lq, Lk, len(calls))
         truth, _ = math_attention(q.double(), k.double(), v.double(), valid_lens=lens)
         assert max_err(out, truth) <= OUT_TOL
+
+
+@pytest.mark.parametrize("masking", MASKINGS)
+@pytest.mark.parametrize(("Lq", "group"), [(1, 1), (1, 4), (4, 4), (7, 2)])
+def test_a_decode_step_over_a_cache_runs_as_two_products_and_matches_the_math(monkeypatch, masking, Lq, group):
+    """A few queries over keys and values stored positions last (a KVCache's memory), without autograd: sdpa runs
+    its decode step (no call of the fused kernel) and matches float64 under every masking; with autograd, or with
+    more queries, the fused kernel runs, on a contiguous copy."""
+    from attnkit.backends import sdpa
+    from attnkit.cache import positions_last
+
+    calls = []
+    kernel = sdpa.F.scaled_dot_product_attention
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(a) or kernel(*a, **kw))
+    q, k, v, g = make_inputs(Lq, 203, 40, group, seed=Lq * group + len(masking))
+    kw = make_masking(masking, Lq, 203, g)
+    k, v = positions_last(k), positions_last(v)
+    truth, _ = math_attention(q.double(), k.double(), v.double(), **kw)
+    with torch.no_grad():
+        out = attnkit.scaled_dot_product_attention(q, k, v, backend="sdpa", **kw).output
+    assert calls == [], masking
+    assert max_err(out, truth) <= OUT_TOL, masking
+    out, _ = _run("sdpa", q, k, v, kw, torch.ones_like(truth))
+    assert calls and all(t.stride(-1) == 1 for a in calls for t in a[1:3])
+    assert max_err(out, truth) <= OUT_TOL, masking

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit.backends import chunked
+from attnkit.cache import positions_last
 from mathref import allowed_mask, max_err
 from mathref import attention as math_attention
 
@@ -45,6 +46,8 @@ def calls(draw):
             hidden = torch.rand(shape, generator=g) < draw(st.floats(0.0, 1.0))
             kw["attn_mask"] = kw["attn_mask"].masked_fill(hidden, float("-inf"))
     kw["is_causal"] = draw(st.booleans())
+    if draw(st.booleans()):  # a KVCache's memory (positions last): few queries then run sdpa's decode step
+        k, v = positions_last(k), positions_last(v)
     block = draw(st.integers(1, 80))
     return q, k, v, kw, block
 
@@ -73,11 +76,10 @@ def _dead_positions(q, k, kw):
 
 def _poisoned(q, k, v, dead_keys, dead_rows):
     nan = float("nan")
-    return (
-        q.masked_fill(dead_rows[..., None], nan),
-        k.masked_fill(dead_keys[..., None], nan),
-        v.masked_fill(dead_keys[..., None], nan),
-    )
+    k2, v2 = k.masked_fill(dead_keys[..., None], nan), v.masked_fill(dead_keys[..., None], nan)
+    if k2.stride() != k.stride():  # the layout drawn (positions last), kept
+        k2, v2 = positions_last(k2), positions_last(v2)
+    return q.masked_fill(dead_rows[..., None], nan), k2, v2
 
 
 def _forward_backward(fn, tensors, grad_out):
@@ -116,6 +118,10 @@ def test_nan_where_no_query_may_see_never_leaks(call, additive):
             assert torch.isfinite(grad).all(), f"d{name}: {where}"
             torch.testing.assert_close(grad, clean, rtol=0, atol=0, msg=f"d{name}: {where}")
             assert not grad.masked_select(dead[..., None]).any(), f"d{name} at poisoned positions: {where}"
+        with torch.no_grad():  # inference: the paths that run without autograd (sdpa's decode step)
+            clean_out, out = fn(q, k, v), fn(*dirty)
+        assert torch.isfinite(out).all(), f"{where}, no grad"
+        torch.testing.assert_close(out, clean_out, rtol=0, atol=0, msg=f"{where}, no grad")
     weights = attnkit.scaled_dot_product_attention(*dirty, need_weights=True, **kw).weights
     assert weights is not None and torch.isfinite(weights).all()
     assert not weights.masked_select(dead_rows[..., None]).any()  # rows with no key: zero weights

@@ -33,7 +33,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from attnkit import functional, layers, masks, trace
 from attnkit._checks import describe
-from attnkit.cache import CrossKVCache, KVCache
+from attnkit.cache import CrossKVCache, KVCache, stored
 
 __all__ = [
     "AdditiveAttention",
@@ -397,8 +397,8 @@ class MultiHeadAttention(nn.Module):
             keys = self.transpose_qkv(self.W_k(keys))  # (B*H, Lk, h/H)
             values = self.transpose_qkv(self.W_v(values))  # (B*H, Lk, h/H)
             if isinstance(cache, CrossKVCache):
-                cache.keys = keys.unflatten(0, (B, H))  # (B*H, Lk, d) -> (B, H, Lk, d)
-                cache.values = values.unflatten(0, (B, H))  # (B, H, Lk, d)
+                cache.keys = stored(keys.unflatten(0, (B, H)))  # (B*H, Lk, d) -> (B, H, Lk, d)
+                cache.values = stored(values.unflatten(0, (B, H)))  # (B, H, Lk, d)
                 cache.valid_lens = valid_lens
             elif isinstance(cache, KVCache):
                 # The cache's own logic (one copy of it): append each row's new positions, return all it holds

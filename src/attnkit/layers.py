@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import _projection, mods, trace
-from attnkit.cache import CrossKVCache, KVCache
+from attnkit.cache import CrossKVCache, KVCache, stored
 from attnkit.functional import additive_attention, attention_weights, check_qkv, scaled_dot_product_attention
 
 __all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention", "WeightRecord", "record_weights"]
@@ -413,7 +413,7 @@ class MultiHeadAttention(_Attention):
             attn_mask = attn_mask.unsqueeze(1)  # (B, Lq, Lk) -> (B, 1, Lq, Lk)
         if isinstance(cache, CrossKVCache):
             if cache.keys is None:
-                cache.keys, cache.values, cache.valid_lens = k, v, valid_lens
+                cache.keys, cache.values, cache.valid_lens = stored(k), stored(v), valid_lens
         elif isinstance(cache, KVCache):
             if attn_mask is not None or mask_mod is not None or score_mod is not None:
                 raise ValueError(

@@ -36,6 +36,8 @@ def zero_dead(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, Tens
     Every backend calls this before it computes.
     """
     live_keys, live_rows = mask.liveness  # (B|1, H|1, Lk), (B|1, H|1, Lq), or None when all are live
+    if live_rows is None and live_keys is None:
+        return q, k, v  # (a decode step's common case: no allocation)
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     if live_rows is not None:
         q = torch.where(live_rows[..., None], q, zero)  # (B, H, Lq, D)
