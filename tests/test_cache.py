@@ -51,11 +51,20 @@ def _decode(mha, cache, prompt, gen, chunk):
     return [torch.cat([first[b, :n], *(s[b] for s in steps)]) for b, n in enumerate(LENS.tolist())]
 
 
+@pytest.fixture(params=["positions_last", "heads_rows"])
+def layout(request, monkeypatch):
+    """Both layouts a cache stores (cache.POSITIONS_LAST_FROM decides by size; these caches are small)."""
+    from attnkit import cache
+
+    monkeypatch.setattr(cache, "POSITIONS_LAST_FROM", 0 if request.param == "positions_last" else 10**9)
+    return request.param
+
+
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
 @pytest.mark.parametrize("chunk", [1, 17, T])
-def test_incremental_decoding_equals_the_full_forward_of_each_row(kind, backend, num_kv_heads, chunk):
+def test_incremental_decoding_equals_the_full_forward_of_each_row(kind, backend, num_kv_heads, chunk, layout):
     mha = _model(num_kv_heads, torch.float32, backend)
     prompt, gen = _data(torch.float32)
     got = _decode(mha, KVCache(**KINDS[kind]), prompt, gen, chunk)
@@ -262,12 +271,24 @@ def test_padding_is_stored_as_zeros():
         assert torch.equal(cache.values[b, :, n:], torch.zeros_like(cache.values[b, :, n:]))
 
 
+def test_a_cpu_cache_of_4096_positions_or_more_stores_them_last():
+    from attnkit import cache
+
+    assert cache.POSITIONS_LAST_FROM == 4096
+    small, large = cache.stored(torch.randn(1, 2, 5, 8), 4095), cache.stored(torch.randn(1, 2, 5, 8), 4096)
+    assert small.stride() == (2 * 4095 * 8, 4095 * 8, 8, 1) and large.stride() == (2 * 4096 * 8, 4096 * 8, 1, 4096)
+    assert not small[:, :, 5:].any() and not large[:, :, 5:].any()  # zeros past what was given
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_cpu_cache_stores_positions_last_and_its_decode_step_is_two_products(kind, monkeypatch):
-    """Keys and values are kept with the positions as the last dimension in memory, for every kind of cache and
-    the cross-attention one, and an MHA decode step over them runs sdpa's decode step, not the fused kernel (which
-    reads that layout 8x slower); its output equals the full forward's."""
+    """Keys and values are kept with the positions as the last dimension in memory (here from the first position
+    on), for every kind of cache and the cross-attention one, and an MHA decode step over them runs sdpa's decode
+    step, not the fused kernel (which reads that layout 8x slower); its output equals the full forward's."""
+    from attnkit import cache as caches
     from attnkit.backends import sdpa
+
+    monkeypatch.setattr(caches, "POSITIONS_LAST_FROM", 0)
 
     calls = []
     kernel = sdpa.F.scaled_dot_product_attention
@@ -288,3 +309,41 @@ def test_a_cpu_cache_stores_positions_last_and_its_decode_step_is_two_products(k
     for b, n in enumerate(LENS.tolist()):
         got = torch.cat([s[b] for s in steps])  # (T, E)
         assert max_err(got, want[b][n:]) <= OUT_TOL32
+
+
+def test_a_reset_static_cache_keeps_nothing_of_the_last_batch_nan_included():
+    """A static cache keeps its storage across reset(), zeroed: a NaN that a real token of the last batch brought
+    (its own row's outputs are NaN then) is not in the band past the new rows' lengths."""
+    mha = _model(2, torch.float64, "sdpa")
+    prompt, gen = _data(torch.float64)
+    poisoned = gen.clone()
+    poisoned[:, 10] = float("nan")  # the 11th generated token of every row: real, stored at length_b + 10
+    cache = KVCache(max_len=40)
+    with torch.no_grad():
+        _decode(mha, cache, prompt, poisoned, 1)
+        cache.reset()
+        again = _decode(mha, cache, prompt, gen[:, :3], 1)  # shorter rows: the NaN lies past them
+        fresh = _decode(mha, KVCache(max_len=40), prompt, gen[:, :3], 1)
+    for got, want in zip(again, fresh, strict=True):
+        assert torch.isfinite(got).all() and torch.equal(got, want)
+
+
+def test_a_cache_step_tells_the_backends_its_keys_are_zeros_past_each_row(monkeypatch):
+    """Over a KVCache the band past each row's length is zeros by construction, so zero_dead does not read it (on
+    a ragged decode step it was the largest cost after the products); outside a cache call it is checked."""
+    from attnkit.backends import common
+
+    seen = []
+    check = common._finite_suffixes
+    monkeypatch.setattr(
+        common, "_finite_suffixes", lambda *a: seen.append(common._ZERO_PAST_LENGTHS.get()) or check(*a)
+    )
+    mha = _model(2, torch.float32, "sdpa")
+    prompt, gen = _data(torch.float32)
+    with torch.no_grad():
+        _decode(mha, KVCache(), prompt, gen[:, :2], 1)  # ragged: valid_lens masks every step
+        assert seen and all(seen)
+        seen.clear()
+        q, k = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 9, 8)
+        attnkit.scaled_dot_product_attention(q, k, k, valid_lens=torch.tensor([9, 3, 5]), backend="sdpa")
+    assert seen == [False] and not common._ZERO_PAST_LENGTHS.get()

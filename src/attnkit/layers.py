@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import _projection, mods, trace
+from attnkit.backends.common import zero_past_lengths
 from attnkit.cache import CrossKVCache, KVCache, stored
 from attnkit.functional import additive_attention, attention_weights, check_qkv, scaled_dot_product_attention
 
@@ -426,7 +427,8 @@ class MultiHeadAttention(_Attention):
         elif cache is not None:
             raise TypeError(f"cache must be an attnkit.KVCache or attnkit.CrossKVCache, got {type(cache).__name__}")
         masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
-        out = self._attend(q, k, v, masks)  # (B, H, Lq, d)
+        with zero_past_lengths(isinstance(cache, KVCache)):
+            out = self._attend(q, k, v, masks)  # (B, H, Lq, d)
         self._record(q, k, masks)
         merged = out.transpose(1, 2).reshape(B, Lq, H * d)  # (B, H, Lq, d) -> (B, Lq, H*d)
         if tracer is not None:

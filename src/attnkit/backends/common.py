@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+
 import torch
 from torch import Tensor
 
 from attnkit.masks import Mask
 
 # B batch, H heads, Hkv key/value heads, L length, D head dim
+
+# True while attention runs over what a KVCache returned: past each row's length its keys and values are zeros
+# (it allocates zeros, writes padded tokens as zeros, and a reset static cache is zeroed), so the band past the
+# shortest row needs no check. On a ragged decode step that check was the largest cost after the products.
+_ZERO_PAST_LENGTHS: ContextVar[bool] = ContextVar("attnkit_zero_past_lengths", default=False)
+
+
+@contextlib.contextmanager
+def zero_past_lengths(known: bool) -> Iterator[None]:
+    """Inside the block, when ``known``: the keys and values attended over are zeros past the lengths the mask's
+    ``valid_lens`` gives (a :class:`~attnkit.KVCache`'s promise), so :func:`zero_dead` does not read them."""
+    token = _ZERO_PAST_LENGTHS.set(known)
+    try:
+        yield
+    finally:
+        _ZERO_PAST_LENGTHS.reset(token)
 
 
 def repeat_kv(x: Tensor, heads: int) -> Tensor:
@@ -62,6 +82,8 @@ def _finite_suffixes(mask: Mask, k: Tensor, v: Tensor) -> bool:
     counts = mask.live_key_counts  # (B|1, 1, 1) or None
     if counts is None:
         return False
+    if _ZERO_PAST_LENGTHS.get():
+        return True
     shortest = int(counts.min())
     # one reduction: a sum is finite only if every term is (a finite sum that overflows reads as not: zeroed)
     return bool(torch.isfinite(k[:, :, shortest:].sum() + v[:, :, shortest:].sum()))
