@@ -271,20 +271,24 @@ def test_padding_is_stored_as_zeros():
         assert torch.equal(cache.values[b, :, n:], torch.zeros_like(cache.values[b, :, n:]))
 
 
-def test_a_cpu_cache_of_4096_positions_or_more_stores_them_last():
+def test_a_cpu_cache_stores_positions_last_from_its_threshold_in_the_decode_dtypes():
     from attnkit import cache
 
-    assert cache.POSITIONS_LAST_FROM == 4096
-    small, large = cache.stored(torch.randn(1, 2, 5, 8), 4095), cache.stored(torch.randn(1, 2, 5, 8), 4096)
-    assert small.stride() == (2 * 4095 * 8, 4095 * 8, 8, 1) and large.stride() == (2 * 4096 * 8, 4096 * 8, 1, 4096)
+    n = cache.POSITIONS_LAST_FROM
+    x = torch.randn(1, 2, 5, 8)
+    small, large = cache.stored(x, n - 1), cache.stored(x, n)
+    assert small.stride() == (2 * (n - 1) * 8, (n - 1) * 8, 8, 1) and large.stride() == (2 * n * 8, n * 8, 1, n)
+    assert torch.equal(small[:, :, :5], x) and torch.equal(large[:, :, :5], x)
     assert not small[:, :, 5:].any() and not large[:, :, 5:].any()  # zeros past what was given
+    half = cache.stored(x.bfloat16(), n)  # the decode step takes float32 and float64 only: SDPA's layout
+    assert half.stride() == (2 * n * 8, n * 8, 8, 1)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_cpu_cache_stores_positions_last_and_its_decode_step_is_two_products(kind, monkeypatch):
     """Keys and values are kept with the positions as the last dimension in memory (here from the first position
     on), for every kind of cache and the cross-attention one, and an MHA decode step over them runs sdpa's decode
-    step, not the fused kernel (which reads that layout 8x slower); its output equals the full forward's."""
+    step, not the fused kernel (which reads that layout slower); its output equals the full forward's."""
     from attnkit import cache as caches
     from attnkit.backends import sdpa
 
@@ -301,9 +305,13 @@ def test_a_cpu_cache_stores_positions_last_and_its_decode_step_is_two_products(k
         calls.clear()
         steps = [mha(x, x, x, is_causal=True, cache=cache) for x in gen.split(1, dim=1)]
         assert calls == []
-        want = _full_rows(mha, prompt, gen, KINDS[kind].get("window"))
         cross = CrossKVCache()
-        mha(gen[:, :1], prompt, prompt, LENS, cache=cross)
+        mha(gen[:, :1], prompt, prompt, LENS, cache=cross)  # projects the memory (and attends over the projection)
+        calls.clear()
+        crossed = mha(gen[:, 1:2], prompt, prompt, LENS, cache=cross)  # a step over what it stored
+        assert calls == []
+        want = _full_rows(mha, prompt, gen, KINDS[kind].get("window"))
+        assert max_err(crossed, mha(gen[:, 1:2], prompt, prompt, LENS)) <= OUT_TOL32
     for stored in (cache.keys, cache.values, cross.keys, cross.values):
         assert stored is not None and stored.stride(2) == 1 and stored.stride(3) == stored.shape[2]
     for b, n in enumerate(LENS.tolist()):
@@ -335,15 +343,59 @@ def test_a_cache_step_tells_the_backends_its_keys_are_zeros_past_each_row(monkey
 
     seen = []
     check = common._finite_suffixes
-    monkeypatch.setattr(
-        common, "_finite_suffixes", lambda *a: seen.append(common._ZERO_PAST_LENGTHS.get()) or check(*a)
-    )
+    monkeypatch.setattr(common, "_finite_suffixes", lambda *a: seen.append((common._ZERO_PAST.get(), check(*a))))
     mha = _model(2, torch.float32, "sdpa")
     prompt, gen = _data(torch.float32)
     with torch.no_grad():
         _decode(mha, KVCache(), prompt, gen[:, :2], 1)  # ragged: valid_lens masks every step
-        assert seen and all(seen)
+        assert seen and all(lengths is not None and skipped for lengths, skipped in seen)
         seen.clear()
         q, k = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 9, 8)
         attnkit.scaled_dot_product_attention(q, k, k, valid_lens=torch.tensor([9, 3, 5]), backend="sdpa")
-    assert seen == [False] and not common._ZERO_PAST_LENGTHS.get()
+    assert [lengths for lengths, _ in seen] == [None] and common._ZERO_PAST.get() is None
+
+
+@pytest.mark.parametrize("layout", ["positions_last", "heads_rows"], indirect=True)
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+def test_a_row_with_no_new_token_over_a_past_holding_inf_gives_zeros(backend, layout):
+    """The promise is about each row's length: a row whose new tokens are all padding sees no key, so all its
+    keys are dead, including its real past ones, which hold inf here: they are zeroed, and its output is zero."""
+    mha = _model(2, torch.float64, backend)
+    x = torch.randn(2, 4, E, dtype=torch.float64)
+    x[1, 2] = float("inf")  # a real token of row 1: its key and value are not finite
+    cache = KVCache()
+    with torch.no_grad():
+        mha(x, x, x, torch.tensor([4, 4]), is_causal=True, cache=cache)
+        step = mha(x[:, :1], x[:, :1], x[:, :1], torch.tensor([1, 0]), is_causal=True, cache=cache)
+    assert torch.equal(step[1], mha.W_o(torch.zeros(1, E, dtype=torch.float64)))
+    assert torch.isfinite(step[0]).all()
+
+
+def test_a_static_cache_resets_between_batches_under_autograd_and_inference_mode():
+    """reset() gives new zeroed tensors of the same shapes: the last batch's backward may still come (its graph
+    holds the old ones), a second batch trains, and a cache filled in inference mode resets outside it."""
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(16, 4, num_kv_heads=2)
+    cache = KVCache(max_len=32)
+    x, s = torch.randn(2, 5, 16), torch.randn(2, 1, 16)
+    for _ in range(2):  # two batches, each reset before its backward
+        loss = mha(x, x, x, is_causal=True, cache=cache).sum() + mha(s, s, s, is_causal=True, cache=cache).sum()
+        cache.reset()
+        loss.backward()
+        assert cache.capacity == 32 and not cache.keys.any() and cache.lengths.tolist() == [0, 0]
+    cache = KVCache(max_len=32)
+    with torch.inference_mode():
+        mha(x, x, x, is_causal=True, cache=cache)
+    cache.reset()
+    with torch.no_grad():
+        assert max_err(mha(x, x, x, is_causal=True, cache=cache), mha(x, x, x, is_causal=True)) <= OUT_TOL32
+
+
+@pytest.mark.parametrize("layout", ["positions_last", "heads_rows"], indirect=True)
+def test_a_batch_of_no_rows_decodes(layout):
+    mha = _model(2, torch.float32, "sdpa")
+    none = torch.randn(0, 3, E)
+    cache = KVCache(max_len=40)
+    with torch.no_grad():
+        mha(none, none, none, torch.zeros(0, dtype=torch.long), is_causal=True, cache=cache)
+        assert mha(none[:, :1], none[:, :1], none[:, :1], is_causal=True, cache=cache).shape == (0, 1, E)

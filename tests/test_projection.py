@@ -89,3 +89,20 @@ def test_self_attention_decode_equals_separate_projections() -> None:
     torch.testing.assert_close(stacked, separate, **TOL)
     assert _projection.same(x[:, t : t + 1], x[:, t : t + 1])
     assert not _projection.same(x[:, t : t + 1], x[:, t + 1 : t + 2])
+
+
+def test_a_write_through_data_between_generations_is_seen() -> None:
+    """The stacked weights live on the KVCache, one generation: an EMA-style update through ``.data`` (which
+    PyTorch does not count as a change) between two generations, with a new cache or after reset(), is used."""
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(32, 4).eval()
+    x = torch.randn(2, 5, 32)  # (B, L, E)
+    for fresh in (lambda c: attnkit.KVCache(), lambda c: c.reset() or c):
+        cache = attnkit.KVCache()
+        with torch.no_grad():
+            mha(x, x, x, is_causal=True, cache=cache)
+            for p in mha.parameters():
+                p.data.mul_(0.5).add_(0.1)  # the EMA update
+            cache = fresh(cache)
+            got = mha(x, x, x, is_causal=True, cache=cache)
+            torch.testing.assert_close(got, mha(x, x, x.clone(), is_causal=True), **TOL)

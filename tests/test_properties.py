@@ -46,16 +46,17 @@ def calls(draw):
             hidden = torch.rand(shape, generator=g) < draw(st.floats(0.0, 1.0))
             kw["attn_mask"] = kw["attn_mask"].masked_fill(hidden, float("-inf"))
     kw["is_causal"] = draw(st.booleans())
-    if draw(st.booleans()):  # a KVCache's memory (positions last): few queries then run sdpa's decode step
-        k, v = positions_last(k), positions_last(v)
+    # the keys' and values' memory: (B, Hkv, L, D), or positions last (a long KVCache's; few queries then run
+    # sdpa's decode step)
+    layout = draw(st.sampled_from([torch.Tensor.contiguous, positions_last]))
     block = draw(st.integers(1, 80))
-    return q, k, v, kw, block
+    return q, layout(k), layout(v), kw, block, layout
 
 
 @settings(max_examples=150, deadline=None)
 @given(calls())
 def test_all_backends_agree_with_the_math(call):
-    q, k, v, kw, block = call
+    q, k, v, kw, block, _ = call
     truth, _ = math_attention(q.double(), k.double(), v.double(), **kw)
     for backend in BACKENDS:
         with chunked.settings(block_size=block):
@@ -74,11 +75,9 @@ def _dead_positions(q, k, kw):
     return dead_keys, dead_rows
 
 
-def _poisoned(q, k, v, dead_keys, dead_rows):
+def _poisoned(q, k, v, dead_keys, dead_rows, layout):
     nan = float("nan")
-    k2, v2 = k.masked_fill(dead_keys[..., None], nan), v.masked_fill(dead_keys[..., None], nan)
-    if k2.stride() != k.stride():  # the layout drawn (positions last), kept
-        k2, v2 = positions_last(k2), positions_last(v2)
+    k2, v2 = (layout(t.masked_fill(dead_keys[..., None], nan)) for t in (k, v))  # in the layout drawn
     return q.masked_fill(dead_rows[..., None], nan), k2, v2
 
 
@@ -95,10 +94,10 @@ def test_nan_where_no_query_may_see_never_leaks(call, additive):
     """NaN in every key and value no query may see and in every query that may see no key, under any combination
     of valid_lens, boolean or float (-inf) mask and causal: outputs, weights and all gradients stay finite, equal
     those of clean inputs exactly, and the poisoned positions get zero gradients, in every backend."""
-    q, k, v, kw, block = call
+    q, k, v, kw, block, layout = call
     dead_keys, dead_rows = _dead_positions(q, k, kw)
     assume(bool(dead_keys.any() or dead_rows.any()))
-    dirty = _poisoned(q, k, v, dead_keys, dead_rows)
+    dirty = _poisoned(q, k, v, dead_keys, dead_rows, layout)
     grad_out = torch.randn(*q.shape[:3], v.shape[-1])
     w_v = torch.randn(q.shape[-1])
     for backend in ("reference", "chunked") if additive else BACKENDS:
@@ -140,7 +139,7 @@ def _assert_untouched(snapshot):
 @settings(max_examples=40, deadline=None)
 @given(calls())
 def test_no_input_is_modified(call):
-    q, k, v, kw, block = call
+    q, k, v, kw, block, _ = call
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     w_v = torch.randn(q.shape[-1], requires_grad=True)
     snapshot = _snapshot([q, k, v, w_v, *kw.values()])

@@ -2,15 +2,17 @@
 
 A decode step multiplies one row (or a few) by each weight matrix, and so reads every weight once for very little
 arithmetic. On CPU, PyTorch hands a product of one row to a single-threaded matrix-vector routine that reads the
-weights at a fraction of the machine's bandwidth, and a few rows fare little better (measured, 2 cores, weights
-from memory: ``(1, 512) @ (512, 1536)`` 0.27-0.34 ms, 0.14-0.19 ms as two halves in one batched product; 8 rows
-0.23-0.29 ms, 0.15-0.19 ms; at 64 rows alike). Two things help, with results equal up to float rounding:
+weights at a fraction of the machine's bandwidth, and a few rows fare little better (``python
+benchmarks/decode.py --only layout`` times ``(1, 512) @ (512, 1536)`` with the weights from memory each way). Two
+things help, with results equal up to float rounding:
 
 * self-attention's three projections of one input as one product with the weights stacked (one call, one pass
-  over the input), the stacked weights kept until a parameter changes;
+  over the input), when decoding with a :class:`~attnkit.KVCache`: the stacked weights are kept on the cache (one
+  generation; ``reset()`` drops them) until a parameter is replaced, moved or changed in place. A write through
+  ``.data`` (an EMA update written so) is not counted by PyTorch as a change: it is seen from the next cache, or
+  after ``reset()``, which is why the weights are not kept on the layer itself;
 * on CPU, at most :data:`SMALL_ROWS` rows: the weight split in two halves, multiplied as a batch of two, so that
-  both cores read; the stacked weights are kept transposed, ``(E, O)``, which both cores read faster still
-  (``(1, 512) @ (512, 1536)`` from memory: 0.15 ms where the ``(O, E)`` halves take 0.23 ms, ``F.linear`` 0.38 ms).
+  both cores read; the stacked weights are kept transposed, ``(E, O)``, which both cores read faster still.
 
 Only without autograd (inference, decoding) and for plain ``nn.Linear`` modules without hooks: anything else
 (training, LoRA-style wrappers, hooks) calls the modules as they are.
@@ -55,9 +57,12 @@ def linear(x: Tensor, m: nn.Linear) -> Tensor:
     return _product(x, m.weight, m.bias)
 
 
-def stacked(x: Tensor, modules: tuple[nn.Linear, ...], owner: nn.Module) -> list[Tensor]:
+def stacked(x: Tensor, modules: tuple[nn.Linear, ...], owner: object | None) -> list[Tensor]:
     """``[m(x) for m in modules]`` as one product: ``(..., E) -> [(..., O_i)]`` (views of one tensor). The stacked
-    weights are kept on ``owner`` until a parameter is replaced, moved or changed in place."""
+    weights are kept on ``owner`` until a parameter is replaced, moved or changed in place; without an owner, one
+    product per module."""
+    if owner is None:
+        return [linear(x, m) for m in modules]
     if not plain(*modules):
         return [m(x) for m in modules]
     params = [p for m in modules for p in (m.weight, m.bias) if p is not None]
@@ -75,7 +80,7 @@ def stacked(x: Tensor, modules: tuple[nn.Linear, ...], owner: nn.Module) -> list
                     [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules]
                 )  # (sum O_i,)
         kept = (key, weight, bias)
-        object.__setattr__(owner, "_stacked_projection", kept)  # not a parameter or buffer: never saved
+        owner._stacked_projection = kept  # type: ignore[attr-defined]
     out = _product(x, kept[1], kept[2])  # (..., sum O_i)
     return list(out.split([m.out_features for m in modules], dim=-1))
 

@@ -23,9 +23,9 @@ Grouped-query layers store only their ``num_kv_heads`` heads: :attr:`KVCache.nby
 ``2 * B * Hkv * capacity * D * itemsize``. :class:`CrossKVCache` keeps an encoder's projected keys and values (and
 its ``valid_lens``) for cross-attention: projected once, reused every step.
 
-Both hold keys and values as ``(B, Hkv, C, D)`` tensors; on CPU, from 4096 positions, their memory keeps each
-head's features as rows of positions (:func:`positions_last`), the layout in which a long decode step reads them
-fastest (``backends.sdpa``).
+Both hold keys and values as ``(B, Hkv, C, D)`` tensors; on CPU, in float32 or float64, from a capacity of 4096
+positions, their memory keeps each head's features as rows of positions (:func:`positions_last`), the layout in
+which a long decode step reads them fastest (``backends.sdpa``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from attnkit._checks import describe
+from attnkit.backends import sdpa
 from attnkit.masks import as_lengths
 
 __all__ = ["CrossKVCache", "KVCache"]
@@ -46,8 +47,8 @@ def positions_last(x: Tensor, capacity: int | None = None) -> Tensor:
     is ``(B, Hkv, D, C)``: the positions are the last, contiguous dimension.
 
     A decode step's scores ``q @ k^T`` and output ``weights @ v`` then stream each head's rows of positions on
-    both cores: over a 4096-position cache on 2 CPU cores, 0.6x the time of PyTorch's SDPA kernel over the
-    ``(B, Hkv, C, D)`` memory, which reads the cache at about half the bandwidth (``benchmarks/decode.py``, step).
+    both cores, where PyTorch's SDPA kernel over the ``(B, Hkv, C, D)`` memory reads a long cache at about half
+    that speed (``python benchmarks/decode.py --only layout``).
     """
     B, Hkv, L, D = x.shape
     C = L if capacity is None else capacity
@@ -56,21 +57,21 @@ def positions_last(x: Tensor, capacity: int | None = None) -> Tensor:
     return torch.cat([x.transpose(2, 3), rest], dim=3).transpose(2, 3)  # (B, Hkv, C, D) over (B, Hkv, D, C)
 
 
-# Caches of at least this many positions per row are stored positions last on CPU. Measured, one decode step's
-# attention over keys and values from memory (2 cores, 8 heads of 64): at 4096 positions, B=1, the two products
-# over positions-last rows take 0.6x the time of SDPA over (B, Hkv, C, D) memory; at 2048 1.09x, at 512 1.37x; at
-# B=8 over 400 positions 1.28x, over 1024 0.86x. Short rows cost more in per-head calls than they save in reading.
+# Caches of a capacity of at least this many positions per row are stored positions last on CPU (in the dtypes
+# the decode step takes). `python benchmarks/decode.py --only layout` times one decode step's attention over keys
+# and values from memory both ways: the two products over positions-last rows win from about 4096 positions at
+# B=1 and lose at 512-2048 (short rows cost more in per-head calls than they save in reading).
 POSITIONS_LAST_FROM = 4096
 
 
 def stored(x: Tensor, capacity: int | None = None) -> Tensor:
     """A copy of ``x (B, Hkv, L, D)`` as the caches store keys and values (zeros past ``L`` up to ``capacity``):
-    :func:`positions_last` on CPU from :data:`POSITIONS_LAST_FROM` positions, where attnkit's decode step reads
-    that layout faster; otherwise the ``(B, Hkv, C, D)`` memory that PyTorch's fused kernels read (on CUDA they
-    have their own decoding kernels)."""
+    :func:`positions_last` on CPU in float32 or float64 for a capacity of :data:`POSITIONS_LAST_FROM` positions or
+    more, where attnkit's decode step reads that layout faster; otherwise the ``(B, Hkv, C, D)`` memory that
+    PyTorch's fused kernels read (on CUDA they have their own decoding kernels)."""
     B, Hkv, L, D = x.shape
     C = L if capacity is None else capacity
-    if x.device.type == "cpu" and C >= POSITIONS_LAST_FROM:
+    if x.device.type == "cpu" and x.dtype in sdpa.DECODE_DTYPES and C >= POSITIONS_LAST_FROM:
         return positions_last(x, C)
     return torch.cat([x, x.new_zeros((B, Hkv, C - L, D))], dim=2)  # (B, Hkv, C, D)
 
@@ -107,6 +108,7 @@ class KVCache:
         self.lengths: Tensor | None = None  # (B,) int64: positions appended to each row so far
         self.slot_positions: Tensor | None = None  # sliding: (B, W) the position each slot holds, -1 if none
         self._aligned: int | None = None  # growing: the length every row has, when known without a device read
+        self._stacked_projection: tuple | None = None  # the layer's stacked q/k/v weights (attnkit._projection)
 
     @property
     def kind(self) -> str:
@@ -123,10 +125,16 @@ class KVCache:
         return 0 if self.keys is None or self.values is None else self.keys.nbytes + self.values.nbytes
 
     def reset(self) -> None:
-        """Empty the cache for a new batch of sequences (a static cache keeps its storage, zeroed)."""
+        """Empty the cache for a new batch of sequences (a static cache keeps its shapes, with zeros)."""
+        self._stacked_projection = None  # the weights may have changed since, through .data too
         if self.kind == "static" and self.lengths is not None and self.keys is not None and self.values is not None:
-            # zeros past every row's length, as update() promises: nothing of the last batch, NaN included, stays
-            self.keys.zero_(), self.values.zero_(), self.lengths.zero_()
+            # zeros past every row's length, as update() promises: nothing of the last batch, NaN included, stays.
+            # New tensors of the same shapes, not written in place: the last batch's graph (a backward still to
+            # come) or inference mode may hold the old ones.
+            C = self.keys.shape[2]
+            self.keys = stored(self.keys[:, :, :0].detach(), C)  # (B, Hkv, C, D)
+            self.values = stored(self.values[:, :, :0].detach(), C)  # (B, Hkv, C, Dv)
+            self.lengths = torch.zeros_like(self.lengths)  # (B,)
             return
         self.keys = self.values = self.lengths = self.slot_positions = None
         self._aligned = None
@@ -152,7 +160,7 @@ class KVCache:
             ``Lk`` keys, every new token real): then ``is_causal`` as given, aligned to the bottom right, is exact,
             and the attention call builds no mask (decoding one sequence always takes this path). Padded queries
             see no key (their output is zero). Past each row's length the keys and values are zeros (the layers
-            tell the backends so: :func:`attnkit.backends.common.zero_past_lengths`).
+            tell the backends so: :func:`attnkit.backends.common.zero_past`).
         """
         B, Hkv, Lq, _ = k_new.shape
         self._start(k_new, v_new)
@@ -213,8 +221,8 @@ class KVCache:
         Dv = v_new.shape[3]
         if self.keys is None or self.values is None or self.lengths is None:
             capacity = self.window or self.max_len or max(Lq, 16)
-            self.keys = stored(k_new[:, :, :0], capacity)  # (B, Hkv, C, D)
-            self.values = stored(v_new[:, :, :0], capacity)  # (B, Hkv, C, Dv)
+            self.keys = stored(k_new[:, :, :0].detach(), capacity)  # (B, Hkv, C, D)
+            self.values = stored(v_new[:, :, :0].detach(), capacity)  # (B, Hkv, C, Dv)
             self.lengths = torch.zeros(B, dtype=torch.long, device=k_new.device)  # (B,)
             self._aligned = 0 if self.kind == "growing" else None
             if self.window is not None:
@@ -307,7 +315,7 @@ class CrossKVCache:
 
     def __init__(self) -> None:
         self.keys: Tensor | None = None  # (B, Hkv, Lk, D), as stored()
-        self.values: Tensor | None = None  # (B, Hkv, Lk, Dv), positions last in memory
+        self.values: Tensor | None = None  # (B, Hkv, Lk, Dv), as stored()
         self.valid_lens: Tensor | None = None  # the encoder's, as first given
 
     @property

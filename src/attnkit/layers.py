@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import _projection, mods, trace
-from attnkit.backends.common import zero_past_lengths
+from attnkit.backends.common import zero_past
 from attnkit.cache import CrossKVCache, KVCache, stored
 from attnkit.functional import additive_attention, attention_weights, check_qkv, scaled_dot_product_attention
 
@@ -398,7 +398,9 @@ class MultiHeadAttention(_Attention):
             kv_split = []
         else:
             if _projection.same(queries, keys) and _projection.same(keys, values):  # self-attention: one product
-                q_flat, k_flat, v_flat = _projection.stacked(queries, (self.W_q, self.W_k, self.W_v), self)
+                # the stacked weights live on the cache: one generation (see _projection)
+                owner = cache if isinstance(cache, KVCache) else None
+                q_flat, k_flat, v_flat = _projection.stacked(queries, (self.W_q, self.W_k, self.W_v), owner)
             else:
                 q_flat = _projection.linear(queries, self.W_q)  # (B, Lq, H*d)
                 k_flat, v_flat = _projection.linear(keys, self.W_k), _projection.linear(values, self.W_v)
@@ -427,7 +429,7 @@ class MultiHeadAttention(_Attention):
         elif cache is not None:
             raise TypeError(f"cache must be an attnkit.KVCache or attnkit.CrossKVCache, got {type(cache).__name__}")
         masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
-        with zero_past_lengths(isinstance(cache, KVCache)):
+        with zero_past(cache.lengths if isinstance(cache, KVCache) else None):
             out = self._attend(q, k, v, masks)  # (B, H, Lq, d)
         self._record(q, k, masks)
         merged = out.transpose(1, 2).reshape(B, Lq, H * d)  # (B, H, Lq, d) -> (B, Lq, H*d)

@@ -13,21 +13,22 @@ from attnkit.masks import Mask
 
 # B batch, H heads, Hkv key/value heads, L length, D head dim
 
-# True while attention runs over what a KVCache returned: past each row's length its keys and values are zeros
-# (it allocates zeros, writes padded tokens as zeros, and a reset static cache is zeroed), so the band past the
-# shortest row needs no check. On a ragged decode step that check was the largest cost after the products.
-_ZERO_PAST_LENGTHS: ContextVar[bool] = ContextVar("attnkit_zero_past_lengths", default=False)
+# While attention runs over what a KVCache returned: each row's length (B,), past which its keys and values are
+# zeros (the cache allocates zeros, writes padded tokens as zeros, and a reset static cache is zeroed), so that
+# the band past the mask's live keys needs no check where it lies past those lengths. On a ragged decode step that
+# check was the largest cost after the products.
+_ZERO_PAST: ContextVar[Tensor | None] = ContextVar("attnkit_zero_past", default=None)
 
 
 @contextlib.contextmanager
-def zero_past_lengths(known: bool) -> Iterator[None]:
-    """Inside the block, when ``known``: the keys and values attended over are zeros past the lengths the mask's
-    ``valid_lens`` gives (a :class:`~attnkit.KVCache`'s promise), so :func:`zero_dead` does not read them."""
-    token = _ZERO_PAST_LENGTHS.set(known)
+def zero_past(lengths: Tensor | None) -> Iterator[None]:
+    """Inside the block, the keys and values attended over are zeros past ``lengths (B,)`` in each example (a
+    :class:`~attnkit.KVCache`'s promise; ``None``: nothing known), so :func:`zero_dead` does not read them."""
+    token = _ZERO_PAST.set(lengths)
     try:
         yield
     finally:
-        _ZERO_PAST_LENGTHS.reset(token)
+        _ZERO_PAST.reset(token)
 
 
 def repeat_kv(x: Tensor, heads: int) -> Tensor:
@@ -82,8 +83,9 @@ def _finite_suffixes(mask: Mask, k: Tensor, v: Tensor) -> bool:
     counts = mask.live_key_counts  # (B|1, 1, 1) or None
     if counts is None:
         return False
-    if _ZERO_PAST_LENGTHS.get():
-        return True
+    zeros_from = _ZERO_PAST.get()  # (B,) or None
+    if zeros_from is not None and bool((counts.view(-1) >= zeros_from).all()):
+        return True  # every dead key lies past its example's length: zeros
     shortest = int(counts.min())
     # one reduction: a sum is finite only if every term is (a finite sum that overflows reads as not: zeroed)
     return bool(torch.isfinite(k[:, :, shortest:].sum() + v[:, :, shortest:].sum()))

@@ -7,10 +7,13 @@ that is a bias (:class:`attnkit.mods.alibi`) is added to it. No sinks, no other 
 Rows with nothing to attend to are given every key inside the kernel and zeroed afterwards, so that no
 version of PyTorch can turn them into NaN, and their gradients are exactly zero.
 
-A decode step on CPU (a few queries, no autograd, keys and values stored positions-last as a
-:class:`~attnkit.KVCache` stores them) runs as two matrix products instead: PyTorch's CPU kernel reads a cache
-at about half the memory's bandwidth, and it is what the step waits for. The scores are ``(B, H, Lq, Lk)`` with
-``Lq`` a handful: linear in the context, as the fused kernel.
+A decode step on CPU runs as two matrix products instead (:func:`_few_queries` says when: at most
+:data:`FEW_QUERIES` queries per key/value head, float32 or float64, no dropout, nothing that needs a gradient,
+and keys and values whose memory has the positions last, as a :class:`~attnkit.KVCache` of 4096 positions or more
+stores them): over such a cache PyTorch's CPU kernel reads at about half the speed of the two products
+(``python benchmarks/decode.py --only layout``). The scores are ``(B, H, Lq, Lk)`` with ``Lq`` a handful, linear
+in the context as the fused kernel; only the keys up to the longest example's last live one are read; dead rows
+are zeroed as above.
 """
 
 from __future__ import annotations
@@ -40,9 +43,11 @@ GROUP_BELOW = 0.875
 CALL_COST_MACS = 2**17
 
 # A call of at most this many queries per key/value head (grouped-query heads count each) is a decode step: two
-# matrix products over positions-last keys and values (see the module docstring). Over a 4096-position cache,
-# B=1, 8 heads of 64 on 2 CPU cores: 0.6x the time of SDPA's kernel (benchmarks/decode.py, step).
+# matrix products over positions-last keys and values (see the module docstring; `python benchmarks/decode.py
+# --only layout` times them against SDPA's kernel).
 FEW_QUERIES = 16
+# The dtypes it runs in (a cache stores positions last only for these: attnkit.cache.stored).
+DECODE_DTYPES = (torch.float32, torch.float64)
 
 # `enable_gqa` arrived in PyTorch 2.5; before it, key/value heads are repeated here.
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -59,22 +64,23 @@ SUPPORTS = Supports(
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v, mask, scale, dropout_p = call.q, call.k, call.v, call.mask, call.scale, call.dropout_p
     H, Hkv = q.shape[1], k.shape[1]
-    gqa: dict[str, Any] = {}
-    if H != Hkv and not _few_queries(call):
-        if _HAS_GQA:
-            gqa = {"enable_gqa": True}
-        else:
-            k, v = repeat_kv(k, H), repeat_kv(v, H)  # (B, H, Lk, D), (B, H, Lk, Dv)
     Lq, Lk = mask.num_queries, mask.num_keys
     score_bias = None
     if call.score_mod is not None:
         assert isinstance(call.score_mod, mods.ScoreMod)  # SUPPORTS: a bias
         B, H = q.shape[:2]
         score_bias = call.score_mod.bias(*mods.indices(B, H, (0, Lq), (0, Lk), q.device))  # (B|1, H|1, Lq, Lk)
-    if _few_queries(call):
+    if _few_queries(call, score_bias):
         return _decode_step(q, k, v, mask, scale, score_bias), None
+    gqa: dict[str, Any] = {}
+    if H != Hkv:
+        if _HAS_GQA:
+            gqa = {"enable_gqa": True}
+        else:
+            k, v = repeat_kv(k, H), repeat_kv(v, H)  # (B, H, Lk, D), (B, H, Lk, Dv)
     if k.stride(-1) != 1 or v.stride(-1) != 1:
-        # positions last (a cache's memory), many queries: the fused kernel runs 8x slower on it than on a copy
+        # positions last (a cache's memory), many queries: the fused kernel reads that layout several times
+        # slower than a copy (`python benchmarks/decode.py --only layout`, prefill row)
         k, v = k.contiguous(), v.contiguous()  # (B, Hkv, Lk, D), (B, Hkv, Lk, Dv)
     lengths = None if score_bias is not None else _key_lengths(mask)
     if lengths and _worth_grouping(lengths, Lk, Lq, H * (q.shape[-1] + v.shape[-1])):
@@ -93,10 +99,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
         return out, None
 
     q, k, v = zero_dead(q, k, v, mask)
-    allowed, bias = mask.full(q.dtype)  # (B|1, H|1, Lq|1, Lk) each, or None
-    if score_bias is not None:
-        score_bias = score_bias.to(q.dtype)
-        bias = score_bias if bias is None else bias + score_bias  # (B|1, H|1, Lq, Lk)
+    allowed, bias = _allowed_and_bias(mask, q.dtype, score_bias)  # (B|1, H|1, Lq|1, Lk) each, or None
     _, live_rows = mask.liveness  # (B|1, H|1, Lq) or None when every row sees some key
     if bias is None:
         attn_mask = allowed
@@ -118,14 +121,28 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     return out, None
 
 
-def _few_queries(call: Call) -> bool:
-    """A decode step the two matrix products run faster than the fused kernel (see the module docstring)."""
-    q, k, v = call.q, call.k, call.v
+def _allowed_and_bias(mask: Mask, dtype: torch.dtype, score_bias: Tensor | None) -> tuple[Tensor | None, ...]:
+    """The mask as ``allowed`` and a float ``bias`` (the mask's and a bias score_mod's, summed), each
+    ``(B|1, H|1, Lq|1, Lk)`` or ``None``."""
+    allowed, bias = mask.full(dtype)
+    if score_bias is not None:
+        score_bias = score_bias.to(dtype)
+        bias = score_bias if bias is None else bias + score_bias  # (B|1, H|1, Lq, Lk)
+    return allowed, bias
+
+
+def _few_queries(call: Call, score_bias: Tensor | None) -> bool:
+    """A decode step the two matrix products run (see the module docstring): nothing here needs a gradient, since
+    the softmax runs in place."""
+    q, k, v, bias = call.q, call.k, call.v, call.mask.bias
     return (
         q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.float64)
+        and q.dtype in DECODE_DTYPES
         and call.dropout_p == 0.0
-        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+        and not (
+            torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in (q, k, v, bias, score_bias, call.sinks))
+        )
         and k.stride(2) == 1
         and v.stride(2) == 1
         and q.shape[1] // k.shape[1] * q.shape[2] <= FEW_QUERIES
@@ -135,21 +152,29 @@ def _few_queries(call: Call) -> bool:
 def _decode_step(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float, score_bias: Tensor | None) -> Tensor:
     """Attention for a few queries over positions-last keys and values: scores, the masked softmax, the output.
 
-    A group of query heads shares one product with its key/value head, so that each is read once."""
+    A group of query heads shares one product with its key/value head, so that each is read once. When only
+    ``valid_lens`` and ``is_causal`` hide keys, the keys past the longest example's live prefix (a static cache's
+    unused storage) are not read."""
     B, H, Lq, D = q.shape
-    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    Hkv, Dv = k.shape[1], v.shape[3]
     q, k, v = zero_dead(q, k, v, mask)
-    rows = H // Hkv * Lq
+    allowed, bias = _allowed_and_bias(mask, q.dtype, score_bias)  # (B|1, H|1, Lq|1, Lk) each, or None
+    counts = mask.live_key_counts  # (B|1, 1, 1) or None
+    if counts is not None and counts.numel() and not torch.compiler.is_compiling():  # (compiled: static shapes)
+        n = max(1, int(counts.max()))
+        k, v = k[:, :, :n], v[:, :, :n]  # (B, Hkv, n, D), (B, Hkv, n, Dv)
+        allowed = None if allowed is None else allowed[..., :n]  # (B|1, H|1, Lq|1, n)
+        bias = None if bias is None else bias[..., :n]  # (B|1, H|1, Lq|1, n)
+    Lk, rows = k.shape[2], H // Hkv * Lq
     grouped = (q * scale).reshape(B * Hkv, rows, D)  # (B*Hkv, G*Lq, D): head h = kv * G + g
     # bmm on (B*Hkv)-batched views, not matmul on 4-D ones: 0.1 ms less a step over 4096 positions
     scores = torch.bmm(grouped, k.transpose(2, 3).flatten(0, 1)).view(B, H, Lq, Lk)  # (B, H, Lq, Lk)
-    allowed, bias = mask.full(q.dtype)  # (B|1, H|1, Lq|1, Lk) each, or None
-    if score_bias is not None:
-        score_bias = score_bias.to(q.dtype)
-        bias = score_bias if bias is None else bias + score_bias  # (B|1, H|1, Lq, Lk)
-    weights = softmax_with_mask(scores, allowed, bias, inplace=True, empty_rows=mask.liveness[1] is not None)
+    _, live_rows = mask.liveness  # (B|1, H|1, Lq) or None when every row sees some key
+    weights = softmax_with_mask(scores, allowed, bias, inplace=True, empty_rows=live_rows is not None)
     out = torch.bmm(weights.view(B * Hkv, rows, Lk), v.flatten(0, 1))  # (B*Hkv, G*Lq, Dv)
-    return out.view(B, H, Lq, Dv)
+    out = out.view(B, H, Lq, Dv)  # (B, H, Lq, Dv)
+    # dead rows are zeros whatever their keys and values hold, as in the fused path
+    return out if live_rows is None else out.masked_fill(~live_rows[..., None], 0.0)
 
 
 def _key_lengths(mask: Mask) -> list[int] | None:
