@@ -47,8 +47,8 @@ def positions_last(x: Tensor, capacity: int | None = None) -> Tensor:
     is ``(B, Hkv, D, C)``: the positions are the last, contiguous dimension.
 
     A decode step's scores ``q @ k^T`` and output ``weights @ v`` then stream each head's rows of positions on
-    both cores, where PyTorch's SDPA kernel over the ``(B, Hkv, C, D)`` memory reads a long cache at about half
-    that speed (``python benchmarks/decode.py --only layout``).
+    both cores: 0.6x-1.0x the time of PyTorch's SDPA kernel over the ``(B, Hkv, C, D)`` memory at 4096-8192
+    positions (``python benchmarks/decode.py --only layout``).
     """
     B, Hkv, L, D = x.shape
     C = L if capacity is None else capacity

@@ -10,10 +10,10 @@ version of PyTorch can turn them into NaN, and their gradients are exactly zero.
 A decode step on CPU runs as two matrix products instead (:func:`_few_queries` says when: at most
 :data:`FEW_QUERIES` queries per key/value head, float32 or float64, no dropout, nothing that needs a gradient,
 and keys and values whose memory has the positions last, as a :class:`~attnkit.KVCache` of 4096 positions or more
-stores them): over such a cache PyTorch's CPU kernel reads at about half the speed of the two products
-(``python benchmarks/decode.py --only layout``). The scores are ``(B, H, Lq, Lk)`` with ``Lq`` a handful, linear
-in the context as the fused kernel; only the keys up to the longest example's last live one are read; dead rows
-are zeroed as above.
+stores them): from memory, the two products take 0.6x-1.0x the time of PyTorch's CPU kernel over the usual
+layout at 4096-8192 positions (``python benchmarks/decode.py --only layout``). The scores are ``(B, H, Lq, Lk)``
+with ``Lq`` a handful, linear in the context as the fused kernel; only the keys up to the longest example's last
+live one are read; dead rows are zeroed as above.
 """
 
 from __future__ import annotations
@@ -159,7 +159,8 @@ def _decode_step(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float, scor
     Hkv, Dv = k.shape[1], v.shape[3]
     q, k, v = zero_dead(q, k, v, mask)
     allowed, bias = _allowed_and_bias(mask, q.dtype, score_bias)  # (B|1, H|1, Lq|1, Lk) each, or None
-    counts = mask.live_key_counts  # (B|1, 1, 1) or None
+    # valid_lens: is_causal alone hides no key of a decode step's last query (bottom right)
+    counts = None if mask.valid_lens is None else mask.live_key_counts  # (B|1, 1, 1) or None
     if counts is not None and counts.numel() and not torch.compiler.is_compiling():  # (compiled: static shapes)
         n = max(1, int(counts.max()))
         k, v = k[:, :, :n], v[:, :, :n]  # (B, Hkv, n, D), (B, Hkv, n, Dv)
