@@ -65,14 +65,17 @@ POSITIONS_LAST_FROM = 4096
 
 
 def stored(x: Tensor, capacity: int | None = None) -> Tensor:
-    """A copy of ``x (B, Hkv, L, D)`` as the caches store keys and values (zeros past ``L`` up to ``capacity``):
+    """``x (B, Hkv, L, D)`` as the caches store keys and values (zeros past ``L`` up to ``capacity``), a copy:
     :func:`positions_last` on CPU in float32 or float64 for a capacity of :data:`POSITIONS_LAST_FROM` positions or
     more, where attnkit's decode step reads that layout faster; otherwise the ``(B, Hkv, C, D)`` memory that
-    PyTorch's fused kernels read (on CUDA they have their own decoding kernels)."""
+    PyTorch's fused kernels read (on CUDA they have their own decoding kernels), where ``x`` itself is returned
+    when nothing is added."""
     B, Hkv, L, D = x.shape
     C = L if capacity is None else capacity
     if x.device.type == "cpu" and x.dtype in sdpa.DECODE_DTYPES and C >= POSITIONS_LAST_FROM:
         return positions_last(x, C)
+    if C == L:
+        return x  # the layout as it is: nothing to add (a CrossKVCache's projections, kept without a copy)
     return torch.cat([x, x.new_zeros((B, Hkv, C - L, D))], dim=2)  # (B, Hkv, C, D)
 
 

@@ -150,7 +150,9 @@ def _few_queries(call: Call, score_bias: Tensor | None) -> bool:
 
 
 def _decode_step(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float, score_bias: Tensor | None) -> Tensor:
-    """Attention for a few queries over positions-last keys and values: scores, the masked softmax, the output.
+    """Attention for a few queries over positions-last keys and values: scores, the masked softmax, the output:
+    ``q (B, H, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)``, ``score_bias (B|1, H|1, Lq, Lk)`` or
+    ``None`` -> ``(B, H, Lq, Dv)``.
 
     A group of query heads shares one product with its key/value head, so that each is read once. When only
     ``valid_lens`` and ``is_causal`` hide keys, the keys past the longest example's live prefix (a static cache's
