@@ -1,9 +1,14 @@
-"""Small checks every module's argument errors share (one wording for every message)."""
+"""Small checks and helpers every module shares (one wording for every message, one copy of each helper)."""
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
+
+# B batch, Lq query length, n number of blocks
 
 
 def describe(x: object) -> str:
@@ -13,7 +18,89 @@ def describe(x: object) -> str:
     return type(x).__name__
 
 
+def listed(t: Tensor, limit: int = 8) -> str:
+    """A tensor's first ``limit`` values, for a message or a note: ``[3, 3, 2, ...]``."""
+    flat = t.detach().flatten()
+    shown = flat[:limit].tolist()
+    text = ", ".join(str(int(v)) if float(v).is_integer() else f"{v:.3g}" for v in shown)
+    return f"[{text}{', ...' if flat.numel() > limit else ''}]"
+
+
+def short(t: Tensor) -> str:
+    """A tensor for an error message: its shape and first values, ``(3,) tensor [4, 0, 2]``."""
+    return f"{tuple(t.shape)} tensor {listed(t)}"
+
+
 def check_device(name: str, t: Tensor, device: torch.device | None) -> None:
     """``t`` is on ``device`` (when one is given), or a ``ValueError`` naming both."""
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but the inputs are on {device}")
+
+
+def check_whole(name: str, value: object, *, minimum: int = 1) -> int:
+    """A whole number (Python's or NumPy's) from ``minimum`` to ``2**62``, returned as an ``int``.
+
+    Raises:
+        TypeError: not a whole number (``True`` and ``2.0`` are not).
+        ValueError: out of range, naming ``name`` and the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a whole number, got {value!r}")
+    number = int(value)
+    if number < minimum:
+        if minimum == 1:
+            raise ValueError(f"{name} must be positive, got {value}: a whole number, at least 1")
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    if number > 2**62:
+        raise ValueError(f"{name} must be at most 2**62, got {value}")
+    return number
+
+
+def check_dropout(dropout: object, name: str = "dropout") -> float:
+    """A probability in ``[0, 1)`` (Python's or NumPy's real number), returned as a ``float``."""
+    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):
+        raise TypeError(f"{name} must be a number in [0, 1), got {dropout!r}")
+    if not 0.0 <= float(dropout) < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {dropout}")
+    return float(dropout)
+
+
+def as_lengths(valid_lens: Tensor, name: str, num_keys: int, device: torch.device | None = None) -> Tensor:
+    """Check lengths are whole numbers in ``[0, num_keys]`` on ``device``; return them as int64 (never in place)."""
+    if not isinstance(valid_lens, Tensor):
+        raise TypeError(f"{name} must be a tensor of lengths, got {describe(valid_lens)}")
+    if valid_lens.dtype == torch.bool or valid_lens.is_complex():
+        raise TypeError(f"{name} must hold whole numbers (integer or float dtype), got dtype {valid_lens.dtype}")
+    if valid_lens.dim() not in (1, 2):
+        raise ValueError(f"{name} must have shape (B,) or (B, Lq), got {tuple(valid_lens.shape)}")
+    check_device(name, valid_lens, device)
+    if valid_lens.numel() == 0:
+        return valid_lens.long()
+    if valid_lens.is_floating_point():
+        # One reduction (one host sync) for all three checks keeps small calls cheap.
+        whole = valid_lens == valid_lens.round()
+        if not bool(whole.all()):
+            bad = valid_lens[~whole][0].item()
+            raise ValueError(f"{name} must hold whole numbers, got {bad} in {short(valid_lens)}")
+    lo, hi = valid_lens.aminmax()
+    if lo < 0:
+        raise ValueError(f"{name} must not be negative, got {lo.item()} in {short(valid_lens)}")
+    if hi > num_keys:
+        raise ValueError(
+            f"{name} may be at most the number of keys ({num_keys}), got {hi.item()} in {short(valid_lens)}"
+        )
+    return valid_lens.long()
+
+
+def broadcasts(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``target`` without growing it (no more dims, each 1 or equal)."""
+    return len(shape) <= len(target) and all(
+        s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False)
+    )
+
+
+def ranges(start: int, stop: int, step: int) -> Tensor:
+    """``[start, stop)`` cut into consecutive blocks of ``step`` positions (the last may be shorter): ``(n, 2)``
+    int64 ``[first, end)`` pairs, on the CPU."""
+    starts = torch.arange(start, stop, step)  # (n,)
+    return torch.stack([starts, (starts + step).clamp(max=stop)], dim=1)  # (n, 2)

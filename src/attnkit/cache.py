@@ -33,9 +33,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit._checks import describe
+from attnkit._checks import as_lengths, describe
 from attnkit.backends import sdpa
-from attnkit.masks import as_lengths
 
 __all__ = ["CrossKVCache", "KVCache"]
 

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from attnkit import functional, layers, masks, trace
-from attnkit._checks import describe
+from attnkit._checks import as_lengths, describe, listed
 from attnkit.cache import CrossKVCache, KVCache, stored
 
 __all__ = [
@@ -76,7 +76,7 @@ def sequence_mask(X: Tensor, valid_len: Tensor, value: float = 0) -> Tensor:
             f"sequence_mask: valid_len must have shape (N,) = ({X.shape[0]},), one length per row of X, got "
             f"valid_len {tuple(valid_len.shape)}, X {tuple(X.shape)}"
         )
-    valid_len = masks.as_lengths(valid_len, "valid_len", X.shape[1])  # whole numbers in [0, L]
+    valid_len = as_lengths(valid_len, "valid_len", X.shape[1])  # whole numbers in [0, L]
     keep = masks.sequence_mask(valid_len, X.shape[1])  # (N, L)
     keep = keep.view(*keep.shape, *([1] * (X.dim() - 2)))  # (N, L, 1, ...)
     return X.masked_fill(~keep, value)
@@ -413,7 +413,7 @@ class MultiHeadAttention(nn.Module):
         if valid_lens is not None:
             repeated = torch.repeat_interleave(valid_lens, repeats=H, dim=0)  # (B*H,) or (B*H, Lq)
             if tracer is not None:
-                note = f"{trace.short(valid_lens)} -> {trace.short(repeated, limit=24)}"
+                note = f"{listed(valid_lens, limit=12)} -> {listed(repeated, limit=24)}"
                 tracer.add("repeat valid_lens", [valid_lens], repeated, note)
             valid_lens = repeated
         if attn_mask is not None:  # a sliding cache's mask, by position
@@ -458,7 +458,7 @@ class MultiHeadAttention(nn.Module):
                     f"(right-padded), or None; the cache masks its keys itself (is_causal=True for a causal "
                     f"mask), got {describe(valid_lens)}"
                 )
-            masks.as_lengths(valid_lens, "valid_lens", Lq)  # whole numbers in [0, Lq], shown as given
+            as_lengths(valid_lens, "valid_lens", Lq)  # whole numbers in [0, Lq], shown as given
 
     def _weights_by_head(self) -> Tensor:
         """The weights of the last call in attnkit's layout: ``.attention.attention_weights``, heads unfolded."""
@@ -571,7 +571,7 @@ def _check_valid_lens(valid_lens: object, B: int, Lq: int, Lk: int, name: str = 
         raise ValueError(
             f"{name} must have shape (B,) = ({B},) or (B, Lq) = ({B}, {Lq}), got {tuple(valid_lens.shape)}"
         )
-    masks.as_lengths(valid_lens, name, Lk)  # whole numbers in [0, Lk], shown as given
+    as_lengths(valid_lens, name, Lk)  # whole numbers in [0, Lk], shown as given
 
 
 def _check_dropout(dropout: object) -> None:

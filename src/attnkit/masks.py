@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit._checks import check_device, describe
+from attnkit._checks import as_lengths, broadcasts, check_device, describe, ranges
 from attnkit.mods import MaskFn
 
 __all__ = ["FloatMaskWarning", "Mask", "causal_mask", "masked_softmax", "sequence_mask"]
@@ -480,7 +480,7 @@ class Mask:
         rows = torch.zeros(*lead, Lq, dtype=torch.bool, device=device)  # (B|1, H|1, Lq)
         row_step = min(max(Lq, 1), LIVENESS_ROWS)
         col_step = max(1, min(LIVENESS_ROWS, LIVENESS_BLOCK_ELEMENTS // max(1, lead.numel() * row_step)))
-        row_ranges, col_ranges = _ranges(Lq, row_step), _ranges(Lk, col_step)  # (nq, 2), (nk, 2)
+        row_ranges, col_ranges = ranges(0, Lq, row_step), ranges(0, Lk, col_step)  # (nq, 2), (nk, 2)
         known = self.tiles(row_ranges, col_ranges)
         for (r0, r1), some, every in zip(row_ranges.tolist(), known.some.tolist(), known.every.tolist(), strict=True):
             for (j0, j1), maybe, all_of in zip(col_ranges.tolist(), some, every, strict=True):
@@ -539,12 +539,6 @@ class Mask:
             past = (torch.arange(Lq, device=self.device) + (Lk - Lq + 1)).clamp(0, Lk)  # (Lq,): keys j <= i + Lk - Lq
             n = past.view(1, 1, Lq) if n is None else torch.minimum(n, past)  # (B|1, 1, Lq)
         return n
-
-
-def _ranges(length: int, step: int) -> Tensor:
-    """``[start, stop)`` of consecutive blocks of ``step`` positions covering ``[0, length)``: ``(n, 2)`` int64."""
-    starts = torch.arange(0, length, step)  # (n,)
-    return torch.stack([starts, (starts + step).clamp(max=length)], dim=1)  # (n, 2)
 
 
 def _none_if_all(live: Tensor) -> Tensor | None:
@@ -608,33 +602,6 @@ def _causal_block(Lq: int, Lk: int, j0: int, j1: int, device: torch.device | str
     return cols <= rows + (Lk - Lq)  # (Lq, blk)
 
 
-def as_lengths(valid_lens: Tensor, name: str, num_keys: int, device: torch.device | None = None) -> Tensor:
-    """Check lengths are whole numbers in ``[0, num_keys]`` on ``device``; return them as int64 (never in place)."""
-    if not isinstance(valid_lens, Tensor):
-        raise TypeError(f"{name} must be a tensor of lengths, got {describe(valid_lens)}")
-    if valid_lens.dtype == torch.bool or valid_lens.is_complex():
-        raise TypeError(f"{name} must hold whole numbers (integer or float dtype), got dtype {valid_lens.dtype}")
-    if valid_lens.dim() not in (1, 2):
-        raise ValueError(f"{name} must have shape (B,) or (B, Lq), got {tuple(valid_lens.shape)}")
-    check_device(name, valid_lens, device)
-    if valid_lens.numel() == 0:
-        return valid_lens.long()
-    if valid_lens.is_floating_point():
-        # One reduction (one host sync) for all three checks keeps small calls cheap.
-        whole = valid_lens == valid_lens.round()
-        if not bool(whole.all()):
-            bad = valid_lens[~whole][0].item()
-            raise ValueError(f"{name} must hold whole numbers, got {bad} in {short(valid_lens)}")
-    lo, hi = valid_lens.aminmax()
-    if lo < 0:
-        raise ValueError(f"{name} must not be negative, got {lo.item()} in {short(valid_lens)}")
-    if hi > num_keys:
-        raise ValueError(
-            f"{name} may be at most the number of keys ({num_keys}), got {hi.item()} in {short(valid_lens)}"
-        )
-    return valid_lens.long()
-
-
 def _as_4d_mask(attn_mask: Tensor, B: int, H: int, Lq: int, Lk: int, mask_dims: int) -> Tensor:
     """A view of ``attn_mask`` with 4 dims, broadcastable to ``(B, H, Lq, Lk)``."""
     if not isinstance(attn_mask, Tensor):
@@ -646,17 +613,8 @@ def _as_4d_mask(attn_mask: Tensor, B: int, H: int, Lq: int, Lk: int, mask_dims: 
         )
     target = (B, Lq, Lk) if mask_dims == 3 else (B, H, Lq, Lk)
     shape = tuple(attn_mask.shape)
-    fits = len(shape) <= len(target) and all(
-        s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False)
-    )
-    if not fits:
+    if not broadcasts(shape, target):
         names = "(B, Lq, Lk)" if mask_dims == 3 else "(B, H, Lq, Lk)"
         raise ValueError(f"attn_mask of shape {shape} is not broadcastable to {names} = {target}")
     m = attn_mask.reshape((1,) * (mask_dims - len(shape)) + shape)  # (B|1, [H|1,] Lq|1, Lk|1)
     return m.unsqueeze(1) if mask_dims == 3 else m  # (B|1, H|1, Lq|1, Lk|1)
-
-
-def short(t: Tensor) -> str:
-    values = t.flatten()[:8].tolist()
-    more = ", ..." if t.numel() > 8 else ""
-    return f"{tuple(t.shape)} tensor [{', '.join(str(v) for v in values)}{more}]"

@@ -29,8 +29,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit._checks import describe
-from attnkit.masks import as_lengths
+from attnkit._checks import as_lengths, describe
 
 __all__ = ["Packed", "pack", "unpack"]
 

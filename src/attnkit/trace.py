@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnkit._checks import listed
+
 __all__ = ["Step", "Trace", "active", "paused", "trace_shapes"]
 
 # The innermost trace open in this thread or task; the traces around it are reached through Trace._outer.
@@ -228,17 +230,10 @@ def _shape(x: Tensor | Shape) -> Shape:
     return tuple(x.shape) if isinstance(x, Tensor) else tuple(x)
 
 
-def short(t: Tensor, limit: int = 12) -> str:
-    """A tensor's values for a note: ``[3, 3, 3, 2]``, cut after ``limit`` values."""
-    values = t.flatten().tolist()
-    text = ", ".join(str(int(v)) if float(v).is_integer() else f"{v:.3g}" for v in values[:limit])
-    return f"[{text}{', ...' if len(values) > limit else ''}]"
-
-
 def describe_masks(valid_lens: Tensor | None, attn_mask: Tensor | None, is_causal: bool) -> str:
     parts = []
     if valid_lens is not None:
-        parts.append(f"valid_lens {short(valid_lens)}")
+        parts.append(f"valid_lens {listed(valid_lens, limit=12)}")
     if attn_mask is not None:
         kind = "bool" if attn_mask.dtype == torch.bool else "float"
         parts.append(f"{kind} attn_mask {tuple(attn_mask.shape)}")

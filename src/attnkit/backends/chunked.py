@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
+from attnkit._checks import ranges
 from attnkit.backends.common import additive_scores, repeat_kv, zero_dead
 from attnkit.backends.contract import Call, Supports
 from attnkit.masks import Mask, compute_dtype
@@ -285,8 +286,8 @@ def key_blocks(mask: BlockMask, num_queries: int, cols: tuple[int, int], block: 
 
 
 def _plan(mask: BlockMask, num_queries: int, cols: tuple[int, int], block: int) -> list[Span]:
-    rows = _ranges((0, num_queries), ROW_STEP)  # (nq, 2)
-    col_ranges = _ranges(cols, block)  # (nk, 2)
+    rows = ranges(0, num_queries, ROW_STEP)  # (nq, 2)
+    col_ranges = ranges(*cols, block)  # (nk, 2)
     if not len(rows) or not len(col_ranges):
         return []
     known = mask.tiles(rows, col_ranges)  # (nq, nk) each
@@ -299,12 +300,6 @@ def _plan(mask: BlockMask, num_queries: int, cols: tuple[int, int], block: int) 
         every = bool(known.every[first : last + 1, c].all())
         spans.append(Span(j0, j1, int(rows[first, 0]), int(rows[last, 1]), every))
     return spans
-
-
-def _ranges(bounds: tuple[int, int], step: int) -> Tensor:
-    start, stop = bounds
-    starts = torch.arange(start, stop, step)  # (n,)
-    return torch.stack([starts, (starts + step).clamp(max=stop)], dim=1)  # (n, 2)
 
 
 class RunningSoftmax(NamedTuple):

@@ -50,13 +50,14 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
+from attnkit._checks import as_lengths, ranges, short
 from attnkit.backends import chunked
 from attnkit.backends.chunked import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads, key_blocks
 from attnkit.backends.common import repeat_kv
 from attnkit.distributed import comm
 from attnkit.distributed.sequence import LAYOUTS, check_layout, length, positions, segments
 from attnkit.functional import check_qkv, check_scale
-from attnkit.masks import LIVENESS_BLOCK_ELEMENTS, LIVENESS_ROWS, as_lengths, compute_dtype, short
+from attnkit.masks import LIVENESS_BLOCK_ELEMENTS, LIVENESS_ROWS, compute_dtype
 
 __all__ = ["ring_attention"]
 
@@ -273,11 +274,11 @@ def _agree(ring: comm.Ring, request: Request, timeout: float | timedelta | None,
     q_ranges = segments(num_queries, ring.size, layout_name)
     k_ranges = segments(num_keys, ring.size, layout_name)
     for r, other in enumerate(theirs):
-        for name, n, ranges, total in (
+        for name, n, held, total in (
             ("queries", "Lq_r", q_ranges, num_queries),
             ("keys", "Lk_r", k_ranges, num_keys),
         ):
-            expected = length(ranges[r])
+            expected = length(held[r])
             if other[n] != expected:
                 raise ValueError(
                     f"ring_attention: rank {r} holds {other[n]} {name}, but the {layout_name} split of {total} "
@@ -581,7 +582,7 @@ def _live_keys(plan: _Plan, device: torch.device) -> Tensor:
     mask = _StepMask(plan, [(0, Lq)], mine, (0, Lq), (0, Lk_r), device)
     row_step = min(Lq, LIVENESS_ROWS)
     col_step = max(1, min(LIVENESS_ROWS, LIVENESS_BLOCK_ELEMENTS // (B * H * row_step)))
-    rows, cols = _cut((0, Lq), row_step), _cut((0, Lk_r), col_step)  # (nq, 2), (nk, 2)
+    rows, cols = ranges(0, Lq, row_step), ranges(0, Lk_r, col_step)  # (nq, 2), (nk, 2)
     known = mask.tiles(rows, cols)
     done = known.every.any(dim=0)  # (nk,): key tiles some row tile sees in full
     for c in done.nonzero()[:, 0].tolist():
@@ -595,13 +596,6 @@ def _live_keys(plan: _Plan, device: torch.device) -> Tensor:
         live[..., j0:j1] |= allowed.any(dim=-2)  # (B|1, H|1, blk) into (B, H, blk)
         done[c] = bool(live[..., j0:j1].all())
     return live
-
-
-def _cut(bounds: tuple[int, int], step: int) -> Tensor:
-    """``[start, stop)`` cut into consecutive pieces of ``step`` positions: ``(n, 2)`` int64 ``[start, stop)``."""
-    start, stop = bounds
-    starts = torch.arange(start, stop, step)  # (n,)
-    return torch.stack([starts, (starts + step).clamp(max=stop)], dim=1)  # (n, 2)
 
 
 def _forward_block(state: RunningSoftmax, q: Tensor, kv: Tensor, src: int, plan: _Plan) -> None:
@@ -703,8 +697,8 @@ def _narrow(
     """The part of the rectangle of query positions ``rows`` and key positions ``cols`` (``[start, stop)``) that
     the masks' tiles do not hide, or ``None`` when they hide all of it (a sliding window's far blocks, another
     document): one call of :meth:`_Plan.tiles` on a grid of :data:`_GRID` pieces a side."""
-    row_pieces = _cut(rows, -(-(rows[1] - rows[0]) // _GRID))  # (nr, 2), nr <= _GRID
-    col_pieces = _cut(cols, -(-(cols[1] - cols[0]) // _GRID))  # (nc, 2), nc <= _GRID
+    row_pieces = ranges(*rows, -(-(rows[1] - rows[0]) // _GRID))  # (nr, 2), nr <= _GRID
+    col_pieces = ranges(*cols, -(-(cols[1] - cols[0]) // _GRID))  # (nc, 2), nc <= _GRID
     some = plan.tiles(row_pieces, col_pieces).some  # (nr, nc)
     seen_rows, seen_cols = some.any(dim=1).nonzero()[:, 0], some.any(dim=0).nonzero()[:, 0]
     if not len(seen_rows):

@@ -1,0 +1,126 @@
+"""The modifiers' types: the mask_mod and score_mod signatures, what a mask says of a grid of blocks
+(:class:`Tiles`), and the base classes of the built-ins, which can bind themselves to a call's sizes."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["MaskFn", "MaskMod", "ScoreFn", "ScoreMod", "Tiles", "bind", "check_callable"]
+
+# B batch, H heads, Lq/Lk query/key length, nq/nk number of row/column blocks
+
+MaskFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """What a mask says of a grid of blocks, from their index ranges: ``some[r, c]``, some pair of row block ``r``
+    and column block ``c`` may be visible (``False``: the block is hidden, skip it); ``every[r, c]``, every pair
+    is visible (the block needs no mask). Both ``(nq, nk)`` bool, on the CPU."""
+
+    some: Tensor
+    every: Tensor
+
+    @classmethod
+    def unknown(cls, nq: int, nk: int) -> Tiles:
+        """Nothing known without looking at the block: maybe visible, maybe not."""
+        return cls(torch.ones(nq, nk, dtype=torch.bool), torch.zeros(nq, nk, dtype=torch.bool))
+
+    def __and__(self, other: Tiles) -> Tiles:
+        return Tiles(self.some & other.some, self.every & other.every)
+
+    def __or__(self, other: Tiles) -> Tiles:
+        return Tiles(self.some | other.some, self.every | other.every)
+
+
+class MaskMod:
+    """A built-in mask_mod: callable as ``mask_mod(b, h, q_idx, kv_idx)``, and able to say which blocks it hides.
+
+    ``offset`` is ``Lk - Lq`` of the call it is bound to (:meth:`bind`): query ``i`` stands at key ``i + offset``.
+    """
+
+    offset: int = 0
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def bind(self, *, batch: int, heads: int, num_queries: int, num_keys: int, device: torch.device | None) -> MaskMod:
+        """A copy for one call: aligned to its lengths, its tensors checked against its sizes and device.
+
+        Raises:
+            ValueError: tensors whose shapes or device do not fit the call.
+        """
+        return _aligned(self, num_keys - num_queries)
+
+    def tiles(self, rows: Tensor, cols: Tensor) -> Tiles:
+        """What this mask says of the blocks with row ranges ``rows`` ``(nq, 2)`` and column ranges ``cols``
+        ``(nk, 2)`` (``[start, stop)``, CPU int64), for every batch element and head."""
+        return Tiles.unknown(len(rows), len(cols))
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The tensors it reads."""
+        return ()
+
+    def depends_on(self, batch: int, heads: int) -> tuple[int, int]:
+        """``(B|1, H|1)``: the leading shape of the mask it gives for a block (whether it varies by example, by
+        head), which sets the size of the dense mask a fused kernel would be given."""
+        return batch, heads
+
+    @property
+    def opaque(self) -> bool:
+        """Some of it (a user's function inside) is known only by evaluating it: :meth:`tiles` says "maybe"."""
+        return False
+
+
+class ScoreMod:
+    """A built-in score_mod: callable as ``score_mod(score, b, h, q_idx, kv_idx)``; ``offset`` as in
+    :class:`MaskMod`."""
+
+    offset: int = 0
+
+    def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def bind(self, *, batch: int, heads: int, num_queries: int, num_keys: int, device: torch.device | None) -> ScoreMod:
+        """A copy for one call (see :meth:`MaskMod.bind`)."""
+        return _aligned(self, num_keys - num_queries)
+
+    def bias(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor | None:
+        """The score_mod as a bias added to the score, when it is one (so that a fused kernel can take it as a
+        float mask); ``None`` when it is not."""
+        return None
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return ()
+
+
+def bind(mod: Any, **sizes: Any) -> Any:
+    """A built-in bound to a call's sizes (aligned and checked); a user function as it is."""
+    return mod.bind(**sizes) if isinstance(mod, (MaskMod, ScoreMod)) else mod
+
+
+def check_callable(name: str, fn: object) -> None:
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be a function ({_SIGNATURES[name]}), got {type(fn).__name__}")
+
+
+_SIGNATURES = {
+    "mask_mod": "mask_mod(b, h, q_idx, kv_idx) -> bool",
+    "score_mod": "score_mod(score, b, h, q_idx, kv_idx) -> score",
+}
+
+
+def _aligned(mod: Any, offset: int) -> Any:
+    """A copy of a built-in (or of a subclass of one, a dataclass or not) with its ``offset`` set."""
+    if dataclasses.is_dataclass(mod) and not isinstance(mod, type):
+        return dataclasses.replace(mod, offset=offset)
+    aligned = copy.copy(mod)
+    aligned.offset = offset
+    return aligned

@@ -1,0 +1,100 @@
+"""Running a modifier on a block: with the broadcasting index tensors FlexAttention's functions take, or element
+by element through ``torch.vmap`` when a function does not take blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnkit._checks import broadcasts
+from attnkit.mods.base import MaskFn, MaskMod, ScoreFn, ScoreMod
+
+__all__ = ["evaluate_mask", "evaluate_score", "indices"]
+
+# B batch, H heads, Lq'/Lk' the rows and columns of a block
+
+
+def evaluate_mask(mask_mod: MaskFn, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """``mask_mod`` on a block of broadcasting index tensors, as a bool tensor broadcastable to the block;
+    through ``torch.vmap`` element by element when the function does not take blocks.
+
+    Raises:
+        TypeError: the function does not return a boolean tensor.
+    """
+    shape = _block_shape(b, h, q_idx, kv_idx)
+    if isinstance(mask_mod, ScoreMod):
+        raise TypeError(f"{type(mask_mod).__name__} is a score_mod: pass it as score_mod=, not as a mask_mod")
+    out = _on_block(mask_mod, (b, h, q_idx, kv_idx), shape, "mask_mod")
+    if out.dtype != torch.bool:
+        raise TypeError(f"mask_mod must return a boolean tensor (True = may attend), got dtype {out.dtype}")
+    return out.reshape((1,) * (len(shape) - out.dim()) + tuple(out.shape))  # as many dims as the block (a 0-dim True)
+
+
+def evaluate_score(score_mod: ScoreFn, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """``score_mod`` on a block of scores, ``(B, H, Lq', Lk')``, in the scores' dtype and shape."""
+    if isinstance(score_mod, MaskMod):
+        raise TypeError(f"{type(score_mod).__name__} is a mask_mod: pass it as mask_mod=, not as a score_mod")
+    out = _on_block(score_mod, (score, b, h, q_idx, kv_idx), score.shape, "score_mod")
+    if not out.is_floating_point():
+        raise TypeError(f"score_mod must return the scores (floating point), got dtype {out.dtype}")
+    out = out.to(score.dtype)
+    # a result that only broadcasts (say, a bias that ignores the score) becomes a block of its own: backends write
+    # into it, which an expanded view would refuse
+    return out if out.shape == score.shape else out.expand(score.shape).clone()
+
+
+def _on_block(fn: Callable[..., Any], args: tuple[Tensor, ...], shape: Sequence[int], what: str) -> Tensor:
+    try:
+        out = fn(*args)
+        if isinstance(out, Tensor) and broadcasts(out.shape, shape):
+            return out
+    except (RuntimeError, IndexError, TypeError, ValueError) as error:
+        first: Exception | None = error
+    else:
+        first = None
+    try:  # element by element, as FlexAttention runs it
+        out = _vmapped(fn, args, shape)
+    except Exception as error:
+        if first is not None:
+            raise first from None
+        got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(
+            f"{what} must return a tensor that broadcasts to the block {tuple(shape)}, got {got}"
+        ) from error
+    if not isinstance(out, Tensor) or tuple(out.shape) != tuple(shape):
+        got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(
+            f"{what} must return one value per (b, h, q_idx, kv_idx): run element by element, it gave {got} for "
+            f"the block {tuple(shape)}"
+        )
+    return out
+
+
+def _vmapped(fn: Callable[..., Any], args: tuple[Tensor, ...], shape: Sequence[int]) -> Tensor:
+    """``fn`` on every element, through nested ``torch.vmap`` over the four index axes (FlexAttention's way)."""
+    *score, b, h, q_idx, kv_idx = args
+    flat = [b.reshape(-1), h.reshape(-1), q_idx.reshape(-1), kv_idx.reshape(-1)]  # (B,), (H,), (Lq',), (Lk',)
+    g = fn
+    for axis in (3, 2, 1, 0):  # innermost first: kv, q, h, b; the score, when given, varies along every one
+        dims = tuple(0 if i == axis else None for i in range(4))
+        g = torch.vmap(g, in_dims=(0, *dims) if score else dims)
+    if score:
+        return g(score[0].expand(*shape), *flat)  # (B, H, Lq', Lk')
+    return g(*flat)  # (B, H, Lq', Lk')
+
+
+def _block_shape(*indices: Tensor) -> torch.Size:
+    return torch.broadcast_shapes(*(t.shape for t in indices))
+
+
+def indices(batch: int, heads: int, rows: tuple[int, int], cols: tuple[int, int], device: torch.device | None) -> tuple:
+    """The broadcasting index tensors of a block: ``b (B, 1, 1, 1)``, ``h (1, H, 1, 1)``, ``q_idx (1, 1, n, 1)`` for
+    rows ``[r0, r1)``, ``kv_idx (1, 1, 1, m)`` for columns ``[j0, j1)``."""
+    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)  # (B, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, heads, 1, 1)  # (1, H, 1, 1)
+    q_idx = torch.arange(*rows, device=device).view(1, 1, -1, 1)  # (1, 1, n, 1)
+    kv_idx = torch.arange(*cols, device=device).view(1, 1, 1, -1)  # (1, 1, 1, m)
+    return b, h, q_idx, kv_idx
