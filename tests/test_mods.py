@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import attnkit
 import mathref
 from attnkit import dispatch, mods
-from attnkit.backends import chunked
+from attnkit.backends import chunked, online
 from attnkit.functional import attention_weights
 from attnkit.masks import Mask
 from mathref import max_err
@@ -692,7 +692,7 @@ def _visit(L_q, L_k, block, **kw):
 def _expected_spans(L_q, L_k, block, visible):
     """For each block of keys, the row span the plan should give: the blocks of ROW_STEP rows holding a row that
     may see one of its keys (``visible`` (Lq, Lk) bool, from the definition)."""
-    step, spans = chunked.ROW_STEP, []
+    step, spans = online.ROW_STEP, []
     for j0 in range(0, L_k, block):
         j1 = min(j0 + block, L_k)
         rows = visible[:, j0:j1].any(dim=1).nonzero()[:, 0]
@@ -704,7 +704,7 @@ def _expected_spans(L_q, L_k, block, visible):
 
 def _plan(L_q, L_k, block, **kw):
     mask = Mask.build(batch=1, heads=1, num_queries=L_q, num_keys=L_k, **kw)
-    return [(s.j0, s.j1, s.r0, s.r1) for s in chunked.key_blocks(mask, L_q, (0, L_k), block)]
+    return [(s.j0, s.j1, s.r0, s.r1) for s in online.key_blocks(mask, L_q, (0, L_k), block)]
 
 
 def test_sliding_window_visits_only_the_band():
@@ -745,7 +745,7 @@ def test_causal_skips_the_upper_triangle():
         for r0, r1, j0, j1 in visits.blocks:
             assert visible[r0 : r1 + 1, j0 : j1 + 1].any(), (L_q, L_k, r0, r1, j0, j1)
         # the visible triangle, and at most a block of keys by a block of rows more along the diagonal
-        assert visits.elements <= visible.sum() + L_k * (chunked.ROW_STEP + block), (L_q, L_k)
+        assert visits.elements <= visible.sum() + L_k * (online.ROW_STEP + block), (L_q, L_k)
         assert visits.elements < 0.8 * L_q * L_k
 
 

@@ -25,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from attnkit.backends import ALL, chunked
+from attnkit.backends import ALL, chunked, online
 from attnkit.backends.contract import Call
 
 __all__ = ["ADDITIVE_CHUNK_ELEMENTS", "BACKENDS", "SPARSE_BELOW", "available_backends", "choose", "watch"]
@@ -128,7 +128,7 @@ def _sparse(call: Call) -> bool:
     mask = call.mask
     if mask.mask_mod is None or not mask.num_queries or not mask.num_keys:
         return False
-    spans = chunked.key_blocks(mask, mask.num_queries, (0, mask.num_keys), chunked.current_settings().block_size)
+    spans = online.key_blocks(mask, mask.num_queries, (0, mask.num_keys), chunked.current_settings().block_size)
     visited = sum((s.r1 - s.r0) * (s.j1 - s.j0) for s in spans)
     return visited <= SPARSE_BELOW * mask.num_queries * mask.num_keys
 

@@ -52,8 +52,8 @@ from torch import Tensor
 from attnkit import mods
 from attnkit._checks import as_lengths, ranges, short
 from attnkit.backends import chunked
-from attnkit.backends.chunked import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads, key_blocks
 from attnkit.backends.common import repeat_kv
+from attnkit.backends.online import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads, key_blocks
 from attnkit.distributed import comm
 from attnkit.distributed.sequence import LAYOUTS, check_layout, length, positions, segments
 from attnkit.functional import check_qkv, check_scale

@@ -1,0 +1,317 @@
+"""The online softmax over blocks of keys (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022): the engine
+the ``chunked`` backend and ring attention (:mod:`attnkit.distributed`) share.
+
+A block plan (:func:`key_blocks`) lists the blocks of keys some query may see, each with the rows that may see it,
+from index ranges alone (:meth:`attnkit.masks.Mask.tiles`). :func:`accumulate` folds each block into a
+:class:`RunningSoftmax` (a running row maximum ``m``, normaliser ``l`` and unnormalised output ``acc``), and
+:func:`accumulate_grads` adds each block's gradients, recomputing its weights from the row log-sum-exp. Only one
+``rows x block`` slice of scores (``rows x block x D`` features for additive scoring) is alive at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+from attnkit import mods
+from attnkit._checks import ranges
+from attnkit.backends.common import additive_scores
+
+__all__ = [
+    "EXP_FLOOR",
+    "ROW_STEP",
+    "BlockMask",
+    "Grads",
+    "RunningSoftmax",
+    "Scorer",
+    "Span",
+    "accumulate",
+    "accumulate_grads",
+    "key_blocks",
+]
+
+# B batch, H heads, Lq/Lk query/key length, D head dim, Dv value head dim, blk keys in one block, n rows of a span
+
+# Which query rows each block of keys needs is worked out for blocks of this many rows (from index ranges only).
+ROW_STEP = 64
+
+# exp() of a score this far below its row's largest is taken as exp(EXP_FLOOR) = 1.8e-35: far below what float32 or
+# float64 resolve beside the largest term (1), and 4-6x faster on CPUs, whose vector exp leaves its fast path for
+# inputs that underflow (masked scores, filled with finfo.min, then are zeroed). benchmarks/flex.py, "window".
+EXP_FLOOR = -80.0
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """How the scores of a block are made: ``scale * q . k`` (``w_v`` None) or ``w_v . tanh(q + k)``, then the
+    ``score_mod``, called with the block's indices (``batch`` and ``heads`` for ``b`` and ``h``)."""
+
+    w_v: Tensor | None
+    scale: float
+    score_mod: mods.ScoreFn | None = None
+    batch: int = 1
+    heads: int = 1
+
+    def __call__(
+        self, q: Tensor, k_blk: Tensor, rows: tuple[int, int], cols: tuple[int, int]
+    ) -> tuple[Tensor, Tensor | None]:
+        """Scores ``(B, H, n, blk)`` of queries ``rows`` against keys ``cols``, and the tanh features of additive
+        scoring (for the backward pass)."""
+        s, features = _scores(q, k_blk, self.w_v, self.scale)  # (B, H, n, blk)
+        if self.score_mod is not None:
+            s = mods.evaluate_score(self.score_mod, s, *self.indices(rows, cols, q.device))
+        return s, features
+
+    def indices(self, rows: tuple[int, int], cols: tuple[int, int], device: torch.device) -> tuple[Tensor, ...]:
+        return mods.indices(self.batch, self.heads, rows, cols, device)
+
+
+class BlockMask(Protocol):
+    """What :func:`accumulate` needs of a mask (:class:`attnkit.masks.Mask` is one): ``tile`` gives ``allowed``
+    and ``bias`` for the queries ``[r0, r1)`` and keys ``[j0, j1)``, each broadcastable to ``(B, H, n, blk)`` or
+    ``None``; ``tiles`` says, from index ranges only, which blocks are hidden or visible in full; ``opaque``: some
+    part is known only by looking at it (then a block whose mask allows nothing is skipped after all)."""
+
+    def tile(
+        self, r0: int, r1: int, j0: int, j1: int, dtype: torch.dtype = ..., *, every: bool = ...
+    ) -> tuple[Tensor | None, Tensor | None]: ...
+
+    def tiles(self, rows: Tensor, cols: Tensor) -> mods.Tiles: ...
+
+    @property
+    def opaque(self) -> bool: ...
+
+
+class Span(NamedTuple):
+    """One block of keys ``[j0, j1)`` and the rows ``[r0, r1)`` that may see some of it; ``every``: every one of
+    these rows sees every one of these keys (no mask to build)."""
+
+    j0: int
+    j1: int
+    r0: int
+    r1: int
+    every: bool
+
+
+def key_blocks(mask: BlockMask, num_queries: int, cols: tuple[int, int], block: int) -> list[Span]:
+    """The blocks of ``block`` keys in ``cols`` that some query may see, each with the span of rows that may see it
+    (worked out for blocks of :data:`ROW_STEP` rows, from index ranges: nothing is evaluated). Causal attention
+    skips the rows above the diagonal, a sliding window all but a band, packed documents all but one document."""
+    plans = getattr(mask, "plans", None)  # a Mask keeps its plans: dispatch and the backend share one
+    key = (num_queries, *cols, block)
+    if plans is not None and key in plans:
+        return plans[key]  # type: ignore[no-any-return]
+    spans = _plan(mask, num_queries, cols, block)
+    if plans is not None:
+        plans[key] = spans
+    return spans
+
+
+def _plan(mask: BlockMask, num_queries: int, cols: tuple[int, int], block: int) -> list[Span]:
+    rows = ranges(0, num_queries, ROW_STEP)  # (nq, 2)
+    col_ranges = ranges(*cols, block)  # (nk, 2)
+    if not len(rows) or not len(col_ranges):
+        return []
+    known = mask.tiles(rows, col_ranges)  # (nq, nk) each
+    spans = []
+    for c, (j0, j1) in enumerate(col_ranges.tolist()):
+        seen = known.some[:, c].nonzero()[:, 0]  # the row blocks that may see some of these keys
+        if not len(seen):
+            continue
+        first, last = int(seen[0]), int(seen[-1])
+        every = bool(known.every[first : last + 1, c].all())
+        spans.append(Span(j0, j1, int(rows[first, 0]), int(rows[last, 1]), every))
+    return spans
+
+
+class RunningSoftmax(NamedTuple):
+    """The state of an online softmax over the rows of ``q``, updated in place block after block."""
+
+    m: Tensor  # (B, H, Lq) running row max
+    l: Tensor  # (B, H, Lq) running normaliser  # noqa: E741
+    acc: Tensor  # (B, H, Lq, Dv) running unnormalised output
+
+    @classmethod
+    def start(cls, q: Tensor, dv: int, sink_logits: Tensor | None = None) -> RunningSoftmax:
+        """Nothing summed yet; with ``sink_logits`` ``(B, H, Lq)``, the sink is summed first (its value is 0)."""
+        B, H, Lq, _ = q.shape
+        acc = q.new_zeros((B, H, Lq, dv))
+        if sink_logits is not None:
+            return cls(sink_logits.clone(), q.new_ones((B, H, Lq)), acc)
+        return cls(q.new_full((B, H, Lq), torch.finfo(q.dtype).min), q.new_zeros((B, H, Lq)), acc)
+
+    def rows(self, r0: int, r1: int) -> RunningSoftmax:
+        """A view of rows ``[r0, r1)``; updating it updates this state."""
+        return RunningSoftmax(self.m[:, :, r0:r1], self.l[:, :, r0:r1], self.acc[:, :, r0:r1])
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        """The output ``(B, H, Lq, Dv)`` and the row log-sum-exp ``(B, H, Lq)``; both 0 in rows with no key (a row
+        whose sum is NaN, from NaN in its own query, stays NaN, as in the reference: it is no row without keys)."""
+        empty = self.l == 0  # (B, H, Lq): rows that summed no key
+        l = self.l.clamp_min(torch.finfo(self.l.dtype).tiny)  # noqa: E741  (NaN stays NaN)
+        out = torch.where(empty[..., None], 0.0, self.acc / l[..., None])  # (B, H, Lq, Dv)
+        # 0 for empty rows keeps exp(s - lse) at exactly 0 there in the backward pass.
+        lse = torch.where(empty, 0.0, self.m + torch.log(l))  # (B, H, Lq)
+        return out, lse
+
+
+class Grads(NamedTuple):
+    """Gradient accumulators for :func:`accumulate_grads`, added to in place."""
+
+    dq: Tensor  # (B, H, Lq, D)
+    dk: Tensor  # (B, H, Lk, D)
+    dv: Tensor  # (B, H, Lk, Dv)
+    dw: Tensor | None  # (D,) for additive scoring
+
+
+def accumulate(
+    state: RunningSoftmax, q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, scorer: Scorer, spans: list[Span]
+) -> None:
+    """Fold the key blocks ``spans`` of ``k, v`` into ``state``, each into the rows that may see it.
+
+    Args:
+        state: the running softmax of the rows of ``q``, updated in place.
+        q: ``(B, H, Lq, D)``; k: ``(B, H, Lk, D)``; v: ``(B, H, Lk, Dv)``, in the compute dtype.
+        mask: ``mask.tile(r0, r1, j0, j1)`` says which rows may see which keys of ``k``.
+        scorer: makes a block's scores; spans: from :func:`key_blocks`.
+    """
+    for span in spans:
+        seen = _block_mask(mask, span, q.dtype)
+        if seen is None:
+            continue  # a user's mask_mod or a boolean mask hides the whole block
+        j0, j1, r0, r1, allowed, bias = seen
+        rows = state.rows(r0, r1)  # (B, H, n, ...) views
+        s, _ = scorer(q[:, :, r0:r1], k[:, :, j0:j1], (r0, r1), (j0, j1))  # (B, H, n, blk)
+        allowed = _hidden_by_score(s, allowed, scorer)
+        s = _masked(s, allowed, bias)
+        m_new = torch.maximum(rows.m, s.amax(dim=-1))  # running row max
+        alpha = torch.exp(rows.m - m_new)  # rescales what was summed so far
+        p = s.sub_(m_new[..., None]).clamp_min_(EXP_FLOOR).exp_()  # (B, H, n, blk), in the scores' memory
+        if allowed is not None:
+            p = p.masked_fill_(~allowed, 0.0)  # exactly 0, also in rows with nothing allowed yet
+        rows.l.mul_(alpha).add_(p.sum(dim=-1))  # running normaliser
+        rows.acc.mul_(alpha[..., None]).add_(p @ v[:, :, j0:j1])  # running unnormalised output
+        rows.m.copy_(m_new)
+
+
+def accumulate_grads(
+    grads: Grads,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: BlockMask,
+    scorer: Scorer,
+    spans: list[Span],
+    lse: Tensor,
+    dout: Tensor,
+    delta: Tensor,
+    closed_over: Sequence[Tensor] = (),
+    closed_grads: Sequence[Tensor] = (),
+) -> None:
+    """Add the gradients through the key blocks ``spans`` to ``grads``, recomputing each block's weights from
+    ``lse``.
+
+    Args:
+        grads: ``dq (B, H, Lq, D)``, ``dk (B, H, Lk, D)``, ``dv (B, H, Lk, Dv)``, ``dw (D,)``, added to in place.
+        q, k, v, mask, scorer, spans: as in :func:`accumulate`.
+        lse: ``(B, H, Lq)``, the row log-sum-exp over *all* keys (from :meth:`RunningSoftmax.result`).
+        dout: ``(B, H, Lq, Dv)``, the gradient of the output; delta: ``(B, H, Lq)``, ``(dout * out).sum(-1)``.
+        closed_over: tensors the score_mod reads that need gradients; closed_grads: theirs, added to in place.
+    """
+    w_v, scale = scorer.w_v, scorer.scale
+    for span in spans:
+        seen = _block_mask(mask, span, q.dtype)
+        if seen is None:
+            continue
+        j0, j1, r0, r1, allowed, bias = seen
+        qr, dq_r, dout_r = q[:, :, r0:r1], grads.dq[:, :, r0:r1], dout[:, :, r0:r1]  # (B, H, n, D|Dv)
+        kb, vb = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, H, blk, D), (B, H, blk, Dv)
+        raw, features = _scores(qr, kb, w_v, scale)  # (B, H, n, blk)
+        modded = None
+        if scorer.score_mod is not None:
+            with torch.enable_grad():  # the score_mod's own graph, to take its gradient through
+                raw = raw.detach().requires_grad_()
+                modded = mods.evaluate_score(scorer.score_mod, raw, *scorer.indices((r0, r1), (j0, j1), q.device))
+            s = modded.detach().clone()  # (B, H, n, blk), written to below
+        else:
+            s = raw
+        allowed = _hidden_by_score(s, allowed, scorer)
+        s = _masked(s, allowed, bias)
+        p = s.sub_(lse[:, :, r0:r1, None]).clamp_min_(EXP_FLOOR).exp_()  # (B, H, n, blk): the weights again
+        if allowed is not None:
+            p = p.masked_fill_(~allowed, 0.0)
+        grads.dv[:, :, j0:j1] += p.transpose(-2, -1) @ dout_r  # (B, H, blk, Dv)
+        dp = dout_r @ vb.transpose(-2, -1)  # (B, H, n, blk)
+        ds = p.mul_(dp.sub_(delta[:, :, r0:r1, None]))  # (B, H, n, blk): gradient of the (modified) scores
+        if modded is not None:
+            wanted = (raw, *closed_over)
+            through = torch.autograd.grad(modded, wanted, ds, retain_graph=bool(closed_over), allow_unused=True)
+            for acc, g in zip(closed_grads, through[1:], strict=True):
+                if g is not None:
+                    acc += g
+            ds = through[0] if through[0] is not None else torch.zeros_like(ds)  # (B, H, n, blk)
+            if allowed is not None:  # as FlexAttention: a score_mod singular where the mask hides (1 / (i - j) on
+                ds = ds.masked_fill(~allowed, 0.0)  # the diagonal) gives 0 * inf there; hidden pairs have no gradient
+        if w_v is None:
+            dq_r += (ds @ kb) * scale  # (B, H, n, D)
+            grads.dk[:, :, j0:j1] += (ds.transpose(-2, -1) @ qr) * scale  # (B, H, blk, D)
+        else:
+            assert features is not None and grads.dw is not None
+            grads.dw.add_(torch.einsum("bhij,bhijd->d", ds, features))
+            # d tanh = 1 - tanh^2, in place on the features slice to hold one slice only
+            dpre = features.mul_(features).neg_().add_(1.0).mul_(ds[..., None]).mul_(w_v)  # (B,H,n,blk,D)
+            dq_r += dpre.sum(dim=-2)  # (B, H, n, D)
+            grads.dk[:, :, j0:j1] += dpre.sum(dim=-3)  # (B, H, blk, D)
+
+
+def _block_mask(
+    mask: BlockMask, span: Span, dtype: torch.dtype
+) -> tuple[int, int, int, int, Tensor | None, Tensor | None] | None:
+    """``(j0, j1, r0, r1, allowed, bias)`` of a span; when the mask is opaque (known only by looking), the rows
+    narrowed to those that see some key of the block, and ``None`` when none does."""
+    j0, j1, r0, r1, every = span
+    allowed, bias = mask.tile(r0, r1, j0, j1, dtype, every=every)  # (B|1, H|1, n|1, blk) each, or None
+    if allowed is None or not mask.opaque:
+        return j0, j1, r0, r1, allowed, bias
+    seen = allowed.any(dim=-1)  # (B|1, H|1, n|1)
+    seen = seen.reshape(-1, seen.shape[-1]).any(dim=0)  # (n|1,): rows that see some key, in any example or head
+    where = seen.nonzero()[:, 0]
+    if not len(where):
+        return None
+    if allowed.shape[-2] == 1:  # the same for every row
+        return j0, j1, r0, r1, allowed, bias
+    a, z = int(where[0]), int(where[-1]) + 1
+    allowed = allowed[..., a:z, :]  # (B|1, H|1, n', blk)
+    bias = None if bias is None else bias[..., a:z, :]  # (B|1, H|1, n', blk)
+    return j0, j1, r0 + a, r0 + z, allowed, bias
+
+
+def _scores(q: Tensor, k_blk: Tensor, w_v: Tensor | None, scale: float) -> tuple[Tensor, Tensor | None]:
+    """Scores of one block, and for additive scoring the tanh features the backward pass needs."""
+    if w_v is None:
+        return (q @ k_blk.transpose(-2, -1)).mul_(scale), None  # (B, H, Lq, blk)
+    return additive_scores(q, k_blk, w_v)  # (B, H, Lq, blk), (B, H, Lq, blk, D)
+
+
+def _hidden_by_score(s: Tensor, allowed: Tensor | None, scorer: Scorer) -> Tensor | None:
+    """A score_mod's ``-inf`` hides the key (FlexAttention's rule, and the reference's): it joins ``allowed``, so
+    that a row it hides entirely gives zeros, whatever ``EXP_FLOOR`` makes of ``exp(-inf)``."""
+    if scorer.score_mod is None:
+        return allowed
+    hidden = torch.isneginf(s)  # (B, H, n, blk)
+    if not bool(hidden.any()):
+        return allowed
+    return ~hidden if allowed is None else allowed & ~hidden  # (B, H, n, blk)
+
+
+def _masked(s: Tensor, allowed: Tensor | None, bias: Tensor | None) -> Tensor:
+    """Add the bias and fill disallowed scores with the finite ``finfo.min`` (no ``inf - inf`` later), in place."""
+    if bias is not None:
+        s = s.add_(bias)
+    if allowed is not None:
+        s = s.masked_fill_(~allowed, torch.finfo(s.dtype).min)
+    return s
