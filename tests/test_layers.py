@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import attnkit
-from attnkit import d2l, dispatch, layers
+from attnkit import d2l, dispatch, recording
 from mathref import max_err
 
 
@@ -200,7 +200,7 @@ def test_records_closed_out_of_order_each_see_the_calls_made_while_open():
     assert [w.shape[1] for w in second.calls("")] == [3, 2]
 
 
-def _records_reachable_from(obj: object) -> list[layers.WeightRecord]:
+def _records_reachable_from(obj: object) -> list[recording.WeightRecord]:
     """The WeightRecords reachable from ``obj`` through modules, dicts, lists, tuples and sets."""
     found, seen, todo = [], set(), [obj]
     while todo:
@@ -208,7 +208,7 @@ def _records_reachable_from(obj: object) -> list[layers.WeightRecord]:
         if id(o) in seen:
             continue
         seen.add(id(o))
-        if isinstance(o, layers.WeightRecord):
+        if isinstance(o, recording.WeightRecord):
             found.append(o)
         elif isinstance(o, (nn.Module, dict, list, tuple, set)):
             todo.extend(gc.get_referents(o))

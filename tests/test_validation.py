@@ -469,3 +469,18 @@ def test_a_layer_given_a_mask_that_is_not_a_tensor_names_it():
     x = torch.randn(2, 3, 8)
     with pytest.raises(TypeError, match="attn_mask must be a tensor, got list"):
         mha(x, x, x, attn_mask=[[True] * 3] * 3)
+
+
+# --- wrong error types found by adversarial testing (issue 22, finding f) -----------------------------------
+
+
+def test_record_weights_of_something_that_is_not_a_module_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match=has("record_weights", "torch.nn.Module", "str")), attnkit.record_weights("x"):
+        pass
+
+
+@pytest.mark.parametrize("layer", [attnkit.MultiHeadAttention, attnkit.DotProductAttention, attnkit.AdditiveAttention])
+def test_a_dropout_that_is_not_a_number_is_a_type_error_naming_dropout(layer):
+    sizes = {attnkit.MultiHeadAttention: (8, 2), attnkit.DotProductAttention: (), attnkit.AdditiveAttention: (8,)}
+    with pytest.raises(TypeError, match=has("dropout", "'0.1'")):
+        layer(*sizes[layer], dropout="0.1")

@@ -8,9 +8,10 @@ from attnkit import mods, packing
 from attnkit.cache import CrossKVCache, KVCache
 from attnkit.dispatch import available_backends
 from attnkit.functional import AttentionOutput, additive_attention, scaled_dot_product_attention
-from attnkit.layers import AdditiveAttention, DotProductAttention, MultiHeadAttention, record_weights
+from attnkit.layers import AdditiveAttention, DotProductAttention, MultiHeadAttention
 from attnkit.masks import causal_mask, masked_softmax, sequence_mask
 from attnkit.packing import pack, unpack
+from attnkit.recording import record_weights
 from attnkit.trace import trace_shapes
 
 __version__ = "0.1.0"

@@ -56,6 +56,13 @@ def check_whole(name: str, value: object, *, minimum: int = 1) -> int:
     return number
 
 
+def check_sizes(**sizes: object) -> None:
+    """Each size given is a positive whole number (``None``: inferred at the first call)."""
+    for name, value in sizes.items():
+        if value is not None:
+            check_whole(name, value)
+
+
 def check_dropout(dropout: object, name: str = "dropout") -> float:
     """A probability in ``[0, 1)`` (Python's or NumPy's real number), returned as a ``float``."""
     if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):

@@ -30,6 +30,25 @@ from torch.nn import functional as F
 SMALL_ROWS = 16
 
 
+def make(in_features: int | None, out_features: int, *, bias: bool) -> nn.Linear:
+    """``nn.Linear``, or ``nn.LazyLinear`` (its input size inferred at the first call) when ``in_features`` is None."""
+    if in_features is None:
+        return nn.LazyLinear(out_features, bias=bias)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def check_features(name: str, x: Tensor, proj: nn.Linear) -> None:
+    """A wrong input feature size is a ValueError naming the expected size (not a matmul error)."""
+    if isinstance(proj, nn.LazyLinear) and proj.has_uninitialized_params():
+        return
+    expected = proj.weight.shape[1]
+    if x.shape[-1] != expected:
+        raise ValueError(
+            f"{name} must have {expected} features (the size this layer was built or first called with), "
+            f"got {x.shape[-1]}: {name} {tuple(x.shape)}"
+        )
+
+
 def plain(*modules: nn.Module) -> bool:
     """Whether the modules are plain ``nn.Linear`` layers without hooks, and autograd is not needed through them:
     then their products may be computed here instead of by calling them."""

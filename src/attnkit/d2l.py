@@ -31,9 +31,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from attnkit import functional, layers, masks, trace
-from attnkit._checks import as_lengths, describe, listed
+from attnkit import _projection, functional, masks, trace
+from attnkit._checks import as_lengths, check_dropout, check_sizes, describe, listed
 from attnkit.cache import CrossKVCache, KVCache, stored
+from attnkit.recording import report_weights
 
 __all__ = [
     "AdditiveAttention",
@@ -101,7 +102,7 @@ def transpose_qkv(X: Tensor, num_heads: int) -> Tensor:
         >>> transpose_qkv(torch.zeros(2, 3, 8), 2).shape
         torch.Size([4, 3, 4])
     """
-    layers._check_sizes(num_heads=num_heads)
+    check_sizes(num_heads=num_heads)
     if X.dim() != 3 or X.shape[-1] % num_heads:
         raise ValueError(
             f"transpose_qkv: X must be (B, L, num_heads * d) with num_heads={num_heads}, got {tuple(X.shape)}"
@@ -128,7 +129,7 @@ def transpose_output(X: Tensor, num_heads: int) -> Tensor:
         >>> torch.equal(transpose_output(transpose_qkv(X, 2), 2), X)
         True
     """
-    layers._check_sizes(num_heads=num_heads)
+    check_sizes(num_heads=num_heads)
     if X.dim() != 3 or X.shape[0] % num_heads:
         raise ValueError(
             f"transpose_output: X must be (B * num_heads, L, d) with num_heads={num_heads}, got {tuple(X.shape)}"
@@ -171,7 +172,7 @@ class DotProductAttention(nn.Module):
     def __init__(self, dropout: float, num_heads: int | None = None) -> None:
         # num_heads: accepted as in the book's newer signature, which does not use it either
         super().__init__()
-        _check_dropout(dropout)
+        check_dropout(dropout)
         self.dropout = nn.Dropout(dropout)
         self.attention_weights: Tensor | None = None
         # The last call's queries and keys (detached, not copied) and their version counters, for .scores
@@ -222,7 +223,7 @@ class DotProductAttention(nn.Module):
         self._scored, self._scores = (q, k, q._version, k._version), None
         # For looking at, as in the book; detached, so it holds no graph (copy.deepcopy works, memory is freed).
         self.attention_weights = weights.detach() if weights is not None else None
-        layers.report_weights(self, weights)  # for attnkit.record_weights
+        report_weights(self, weights)  # for attnkit.record_weights
         return out
 
 
@@ -265,16 +266,16 @@ class AdditiveAttention(nn.Module):
             inferred=("num_hiddens", "dropout"),
         )
         h, inferred = sizes["num_hiddens"], "key_size" not in sizes
-        self.W_k = layers._linear(sizes.get("key_size"), h, bias=False)
-        self.W_q = layers._linear(sizes.get("query_size"), h, bias=False)
-        self.w_v = layers._linear(None if inferred else h, 1, bias=False)
+        self.W_k = _projection.make(sizes.get("key_size"), h, bias=False)
+        self.W_q = _projection.make(sizes.get("query_size"), h, bias=False)
+        self.w_v = _projection.make(None if inferred else h, 1, bias=False)
         self.dropout = nn.Dropout(sizes["dropout"])
         self.attention_weights: Tensor | None = None
 
     def forward(self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None) -> Tensor:
         _check_book_inputs(queries, keys, values, same_features=False)
-        layers._check_features("queries", queries, self.W_q)
-        layers._check_features("keys", keys, self.W_k)
+        _projection.check_features("queries", queries, self.W_q)
+        _projection.check_features("keys", keys, self.W_k)
         q = self.W_q(queries)  # (B, Lq, h); the book calls W_q before W_k
         k = self.W_k(keys)  # (B, Lk, h)
         if _unbuilt(self.w_v):
@@ -292,7 +293,7 @@ class AdditiveAttention(nn.Module):
             need_weights=True,
         )
         self.attention_weights = weights.detach() if weights is not None else None  # as in DotProductAttention
-        layers.report_weights(self, self.attention_weights)  # for attnkit.record_weights
+        report_weights(self, self.attention_weights)  # for attnkit.record_weights
         return out
 
 
@@ -363,10 +364,10 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"num_hiddens ({h}) must be a multiple of num_heads ({sizes['num_heads']})")
         self.num_heads = sizes["num_heads"]
         self.attention = DotProductAttention(sizes["dropout"])
-        self.W_q = layers._linear(sizes.get("query_size"), h, bias=bias)
-        self.W_k = layers._linear(sizes.get("key_size"), h, bias=bias)
-        self.W_v = layers._linear(sizes.get("value_size"), h, bias=bias)
-        self.W_o = layers._linear(None if "key_size" not in sizes else h, h, bias=bias)
+        self.W_q = _projection.make(sizes.get("query_size"), h, bias=bias)
+        self.W_k = _projection.make(sizes.get("key_size"), h, bias=bias)
+        self.W_v = _projection.make(sizes.get("value_size"), h, bias=bias)
+        self.W_o = _projection.make(None if "key_size" not in sizes else h, h, bias=bias)
 
     def forward(
         self,
@@ -380,7 +381,7 @@ class MultiHeadAttention(nn.Module):
     ) -> Tensor:
         _check_book_inputs(queries, keys, values, same_features=False)
         for name, x, proj in (("queries", queries, self.W_q), ("keys", keys, self.W_k), ("values", values, self.W_v)):
-            layers._check_features(name, x, proj)
+            _projection.check_features(name, x, proj)
         if not isinstance(is_causal, bool):
             raise TypeError(f"is_causal must be True or False, got {is_causal!r}")
         # before the projections: a lazy layer draws nothing on a mistake
@@ -422,7 +423,7 @@ class MultiHeadAttention(nn.Module):
                 tracer.add("repeat attn_mask", [attn_mask], folded, "(B, 1, Lq, Lk) -> (B*H, Lq, Lk)")
             attn_mask = folded
         output = self.attention(queries, keys, values, valid_lens, attn_mask=attn_mask, is_causal=is_causal)
-        layers.report_weights(self, self._weights_by_head)  # for attnkit.record_weights, in its layout
+        report_weights(self, self._weights_by_head)  # for attnkit.record_weights, in its layout
         output_concat = self.transpose_output(output)  # (B*H, Lq, h/H) -> (B, Lq, h)
         return self.W_o(output_concat)
 
@@ -557,8 +558,8 @@ def _bind(
         raise TypeError(f"{cls}({', '.join(explicit)}) or {cls}({', '.join(inferred)}): {e}") from None
     bound.apply_defaults()
     sizes = dict(bound.arguments)
-    layers._check_sizes(**{n: v for n, v in sizes.items() if n not in ("dropout", "bias")})
-    _check_dropout(sizes["dropout"])
+    check_sizes(**{n: v for n, v in sizes.items() if n not in ("dropout", "bias")})
+    check_dropout(sizes["dropout"])
     return sizes
 
 
@@ -572,11 +573,3 @@ def _check_valid_lens(valid_lens: object, B: int, Lq: int, Lk: int, name: str = 
             f"{name} must have shape (B,) = ({B},) or (B, Lq) = ({B}, {Lq}), got {tuple(valid_lens.shape)}"
         )
     as_lengths(valid_lens, name, Lk)  # whole numbers in [0, Lk], shown as given
-
-
-def _check_dropout(dropout: object) -> None:
-    """``dropout`` is a probability in ``[0, 1)``, as attnkit's layers require."""
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
-        raise TypeError(f"dropout must be a number in [0, 1), got {dropout!r}")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout}")

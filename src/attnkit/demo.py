@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnkit.cache import CrossKVCache, KVCache
-from attnkit.layers import AdditiveAttention, MultiHeadAttention, record_weights
+from attnkit.layers import AdditiveAttention, MultiHeadAttention
+from attnkit.recording import record_weights
 
 __all__ = ["KINDS", "SEEDS", "DemoResult", "draw", "replay_book_examples", "train"]
 

@@ -1,136 +1,28 @@
 """Attention layers: DotProductAttention, AdditiveAttention, MultiHeadAttention.
 
 Keyword-friendly modules on top of :mod:`attnkit.functional`. Inputs are batch first, ``(B, L, features)``;
-inside, one layout ``(B, H, L, d)``. Masks follow :mod:`attnkit.masks` (``True`` = may attend).
-
-Weights are kept only when asked, so the fast path stays fast::
-
-    with attnkit.record_weights(model) as rec:
-        model(x)
-    rec["encoder.attention"]            # (B, H, Lq, Lk), pre-dropout, detached
-
-While recording, the differentiable output still comes from the fast backend; the weights are computed
-beside it by the reference backend, under ``torch.no_grad()``: they are for looking at, not for a loss.
-
-A recording belongs to the thread or asyncio task that opened it (the open recordings live in a
-:class:`contextvars.ContextVar`, never on the modules, so ``copy.deepcopy(model)`` copies none of it).
-Recordings nest and overlap: each one sees every call, made while it is open, of the modules it records.
+inside, one layout ``(B, H, L, d)``. Masks follow :mod:`attnkit.masks` (``True`` = may attend). Each layer reports
+its weights to :func:`attnkit.record_weights` (:mod:`attnkit.recording`), computed beside the fast path only while
+a recording is open.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from attnkit import _projection, mods, trace
+from attnkit._checks import check_dropout, check_sizes
 from attnkit.backends.common import zero_past
 from attnkit.cache import CrossKVCache, KVCache, stored
 from attnkit.functional import additive_attention, attention_weights, check_qkv, scaled_dot_product_attention
+from attnkit.recording import is_recording, report_weights
 
-__all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention", "WeightRecord", "record_weights"]
+__all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention"]
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, d head dim, h hidden size
-
-
-class WeightRecord(dict):
-    """``rec[name]``: the weights of the last call of the attention module called ``name`` in the model
-    (``""`` for the model itself); ``rec.calls(name)``: those of every call, in order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._calls: dict[str, list[Tensor]] = {}
-        self.kv_heads: dict[str, int] = {}  # modules with grouped-query heads: their key/value heads
-
-    def add(self, name: str, weights: Tensor, kv_heads: int | None = None) -> None:
-        self._calls.setdefault(name, []).append(weights)
-        self[name] = weights
-        if kv_heads is not None and weights.dim() == 4 and kv_heads < weights.shape[1]:
-            self.kv_heads[name] = kv_heads
-
-    def calls(self, name: str) -> list[Tensor]:
-        return list(self._calls.get(name, []))
-
-
-class _Recording:
-    """One open ``record_weights`` block: the record it fills, and the name of each module it records."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.record = WeightRecord()
-        named = list(model.named_modules())
-        self.names = {id(m): name for name, m in named}
-        # Held while the block is open, so that no module made meanwhile (a deepcopy) can reuse one of these ids.
-        self._modules = [m for _, m in named]
-
-    def close(self) -> None:
-        # A context copied inside the block (an asyncio task) may outlive it: it then records nothing.
-        self.names, self._modules = {}, []
-
-
-# The recordings open in this thread or task, outermost first.
-_RECORDINGS: ContextVar[tuple[_Recording, ...]] = ContextVar("attnkit_recordings", default=())
-
-
-def report_weights(
-    module: nn.Module, weights: Tensor | Callable[[], Tensor] | None, *, kv_heads: int | None = None
-) -> None:
-    """Give the attention weights of one call of ``module`` to every recording, open in this thread or task,
-    that records it. Attention modules call this after each forward.
-
-    Args:
-        module: the module that ran.
-        weights: the pre-dropout weights, or a function that computes them, called once, only if recorded;
-            ``None`` (a call without weights) records nothing.
-        kv_heads: the call's key/value heads, when fewer than its query heads (grouped-query attention): kept in
-            ``record.kv_heads`` (the viewer groups the heads by it).
-    """
-    recordings = _RECORDINGS.get()
-    if not recordings or weights is None:  # the cost while nothing records: one lookup
-        return
-    wanted = [(r.record, r.names[id(module)]) for r in recordings if id(module) in r.names]
-    if not wanted:
-        return
-    kept = (weights if isinstance(weights, Tensor) else weights()).detach()
-    for record, name in wanted:
-        record.add(name, kept, kv_heads)
-
-
-@contextlib.contextmanager
-def record_weights(model: nn.Module) -> Iterator[WeightRecord]:
-    """Record the pre-dropout attention weights of every attention module inside ``model``.
-
-    attnkit's layers and those of :mod:`attnkit.d2l` are recorded (a ``d2l.MultiHeadAttention`` in attnkit's
-    layout ``(B, H, Lq, Lk)``, and its inner ``.attention`` in the book's ``(B*H, Lq, Lk)``: one tensor, two
-    views). Only the calls of the thread or asyncio task that opened the block are recorded, and only those of
-    the modules inside ``model`` when it opened (a copy made inside the block is another module). Blocks nest
-    and overlap, on the same model or on a part of it: each records every call made while it is open.
-
-    Args:
-        model: any module; the attention modules inside it (or ``model`` itself) are recorded.
-
-    Yields:
-        A :class:`WeightRecord`, filled as the model runs; keys are module names from ``named_modules()``.
-
-    Example:
-        >>> mha = MultiHeadAttention(8, 2)
-        >>> x = torch.randn(1, 3, 8)
-        >>> with record_weights(mha) as rec:
-        ...     _ = mha(x, x, x, torch.tensor([2]))
-        >>> rec[""].shape, rec[""][0, 0, 0, 2].item()
-        (torch.Size([1, 2, 3, 3]), 0.0)
-    """
-    recording = _Recording(model)
-    _RECORDINGS.set((*_RECORDINGS.get(), recording))
-    try:
-        yield recording.record
-    finally:
-        recording.close()
-        # not a reset to the value before: blocks may close in any order (contextlib.ExitStack, generators)
-        _RECORDINGS.set(tuple(r for r in _RECORDINGS.get() if r is not recording))
 
 
 class Masks(NamedTuple):
@@ -150,29 +42,17 @@ class _Attention(nn.Module):
 
     def __init__(self, dropout: float, backend: str, sink_heads: int | None = None) -> None:
         super().__init__()
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.dropout = dropout
+        self.dropout = check_dropout(dropout)
         self.backend = backend
         # One learned attention-sink logit per head (gpt-oss), starting at 0; None without sinks.
         self.sinks = None if sink_heads is None else nn.Parameter(torch.zeros(sink_heads))
-
-    @property
-    def _recorder(self) -> tuple[WeightRecord, str] | None:
-        """``(record, name)`` of the first recording open in this thread or task that records this module, else
-        ``None`` (``RingMultiHeadAttention`` reads it to refuse). Nothing is stored on the module."""
-        for recording in _RECORDINGS.get():
-            name = recording.names.get(id(self))
-            if name is not None:
-                return recording.record, name
-        return None
 
     def _dropout_p(self) -> float:
         return self.dropout if self.training else 0.0
 
     def _record(self, q: Tensor, k: Tensor, masks: Masks, w_v: Tensor | None = None) -> None:
         """Compute the weights beside the fast path: detached, without the output (see the module docstring)."""
-        if not _RECORDINGS.get():  # the cost while nothing records: one lookup
+        if not is_recording():  # the cost while nothing records: one lookup
             return
 
         def weights() -> Tensor:
@@ -204,7 +84,7 @@ class DotProductAttention(_Attention):
                 f"got {sinks!r}: this layer cannot know its heads before its first call"
             )
         if sinks is not None:
-            _check_sizes(sinks=sinks)
+            check_sizes(sinks=sinks)
         super().__init__(dropout, backend, sinks)
 
     def forward(
@@ -261,10 +141,10 @@ class AdditiveAttention(_Attention):
         backend: str = "auto",
     ) -> None:
         super().__init__(dropout, backend)
-        _check_sizes(num_hiddens=num_hiddens, query_size=query_size, key_size=key_size)
+        check_sizes(num_hiddens=num_hiddens, query_size=query_size, key_size=key_size)
         self.num_hiddens = num_hiddens
-        self.W_q = _linear(query_size, num_hiddens, bias=False)
-        self.W_k = _linear(key_size, num_hiddens, bias=False)
+        self.W_q = _projection.make(query_size, num_hiddens, bias=False)
+        self.W_k = _projection.make(key_size, num_hiddens, bias=False)
         self.w_v = nn.Linear(num_hiddens, 1, bias=False)
 
     def forward(
@@ -283,8 +163,8 @@ class AdditiveAttention(_Attention):
         valid_lens ``(B,)`` or ``(B, Lq)``; mask_mod, score_mod as in :func:`attnkit.additive_attention`.
         Returns ``(B, Lq, dv)``."""
         check_qkv(queries, keys, values, ("queries", "keys", "values"), same_features=False)
-        _check_features("queries", queries, self.W_q)
-        _check_features("keys", keys, self.W_k)
+        _projection.check_features("queries", queries, self.W_q)
+        _projection.check_features("keys", keys, self.W_k)
         q = self.W_q(queries)  # (B, Lq, h)
         k = self.W_k(keys)  # (B, Lk, h)
         w_v = self.w_v.weight[0]  # (1, h) -> (h,)
@@ -338,10 +218,10 @@ class MultiHeadAttention(_Attention):
     ) -> None:
         if not isinstance(sinks, bool):
             raise TypeError(f"sinks must be True or False, got {sinks!r}")
-        _check_sizes(num_heads=num_heads)
+        check_sizes(num_heads=num_heads)
         super().__init__(dropout, backend, num_heads if sinks else None)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        _check_sizes(
+        check_sizes(
             num_hiddens=num_hiddens,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
@@ -357,9 +237,9 @@ class MultiHeadAttention(_Attention):
         self.head_dim = num_hiddens // num_heads
         kv_hiddens = num_kv_heads * self.head_dim
         self.bias = bias
-        self.W_q = _linear(query_size, num_hiddens, bias=bias)
-        self.W_k = _linear(key_size, kv_hiddens, bias=bias)
-        self.W_v = _linear(value_size, kv_hiddens, bias=bias)
+        self.W_q = _projection.make(query_size, num_hiddens, bias=bias)
+        self.W_k = _projection.make(key_size, kv_hiddens, bias=bias)
+        self.W_v = _projection.make(value_size, kv_hiddens, bias=bias)
         self.W_o = nn.Linear(num_hiddens, num_hiddens, bias=bias)
 
     def forward(
@@ -387,7 +267,7 @@ class MultiHeadAttention(_Attention):
         if queries.dim() != 3:
             raise ValueError(f"queries must be (B, Lq, query_size), got {tuple(queries.shape)}")
         for name, x, proj in (("queries", queries, self.W_q), ("keys", keys, self.W_k), ("values", values, self.W_v)):
-            _check_features(name, x, proj)
+            _projection.check_features(name, x, proj)
         B, Lq, _ = queries.shape
         Lk = keys.shape[1]
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -522,33 +402,3 @@ class MultiHeadAttention(_Attention):
                 m.in_proj_bias.copy_(torch.cat([self.W_q.bias, self.W_k.bias, self.W_v.bias]))  # (3E,)
                 m.out_proj.bias.copy_(self.W_o.bias)
         return m.train(self.training)
-
-
-def _check_sizes(**sizes: int | None) -> None:
-    """Sizes are positive whole numbers (``None``: inferred at the first call)."""
-    for name, value in sizes.items():
-        if value is None:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be a whole number, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{name} must be positive, got {value}")
-
-
-def _linear(in_features: int | None, out_features: int, *, bias: bool) -> nn.Linear:
-    """``nn.Linear``, or ``nn.LazyLinear`` (size inferred at the first call) when ``in_features`` is None."""
-    if in_features is None:
-        return nn.LazyLinear(out_features, bias=bias)
-    return nn.Linear(in_features, out_features, bias=bias)
-
-
-def _check_features(name: str, x: Tensor, proj: nn.Linear) -> None:
-    """A wrong input feature size is a ValueError naming the expected size (not a matmul error)."""
-    if isinstance(proj, nn.LazyLinear) and proj.has_uninitialized_params():
-        return
-    expected = proj.weight.shape[1]
-    if x.shape[-1] != expected:
-        raise ValueError(
-            f"{name} must have {expected} features (the size this layer was built or first called with), "
-            f"got {x.shape[-1]}: {name} {tuple(x.shape)}"
-        )

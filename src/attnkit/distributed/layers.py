@@ -14,6 +14,7 @@ from attnkit.distributed import comm
 from attnkit.distributed.ring import Request, _agree, _RingAttention
 from attnkit.distributed.sequence import check_layout
 from attnkit.layers import Masks, MultiHeadAttention
+from attnkit.recording import recorder
 
 __all__ = ["RingMultiHeadAttention", "sum_gradients"]
 
@@ -88,9 +89,9 @@ class RingMultiHeadAttention(MultiHeadAttention):
             )
         elif masks.score_mod is not None:
             refused = "RingMultiHeadAttention takes valid_lens, is_causal and mask_mod, not a score_mod"
-        elif self._recorder is not None:
+        elif (recorded := recorder(self)) is not None:
             refused = (
-                f"record_weights cannot record {self._recorder[1] or 'the model'!r}: the weights of "
+                f"record_weights cannot record {recorded[1] or 'the model'!r}: the weights of "
                 "RingMultiHeadAttention span the whole sequence, which no rank holds"
             )
         elif self._dropout_p() > 0:

@@ -48,7 +48,7 @@ from torch.nn import functional as F
 
 from attnkit import mods
 from attnkit.functional import attention_weights, scaled_dot_product_attention
-from attnkit.layers import report_weights
+from attnkit.recording import report_weights
 
 try:
     import transformers as _transformers  # noqa: F401 - checked here so that the error says what to install
