@@ -248,7 +248,7 @@ def measure_generator(hidden: int, heads: int, repeats: int) -> dict[str, Any]:
 
 @torch.no_grad()
 def measure_layout(repeats: int = 15) -> dict[str, Any]:
-    from attnkit.cache import positions_last
+    from attnkit.backends.decode import positions_last
 
     torch.manual_seed(0)
     evict = torch.ones(2**24)  # 64 MiB, twice the L3 cache
@@ -263,7 +263,7 @@ def measure_layout(repeats: int = 15) -> dict[str, Any]:
             lambda q=q, r=rows: attnkit.scaled_dot_product_attention(q, *r, backend="sdpa"), evict, repeats
         )
         last_s = cold_seconds(
-            lambda q=q, r=last: attnkit.scaled_dot_product_attention(q, *r, backend="sdpa"), evict, repeats
+            lambda q=q, r=last: attnkit.scaled_dot_product_attention(q, *r, backend="decode"), evict, repeats
         )
         steps[f"B={B} L={L}"] = {"sdpa_kernel_s": sdpa_s, "positions_last_s": last_s, "ratio": last_s / sdpa_s}
     q = torch.randn(1, H, 4096, D)

@@ -9,7 +9,7 @@ import torch
 from tests.mathref import max_err
 
 import attnkit
-from attnkit import mods
+from attnkit import dispatch, mods
 from attnkit.cache import CrossKVCache, KVCache
 
 # B batch, E hidden size, H heads, Hkv key/value heads, P padded prompt length, T generated tokens
@@ -53,14 +53,14 @@ def _decode(mha, cache, prompt, gen, chunk):
 
 @pytest.fixture(params=["positions_last", "heads_rows"])
 def layout(request, monkeypatch):
-    """Both layouts a cache stores (cache.POSITIONS_LAST_FROM decides by size; these caches are small)."""
-    from attnkit import cache
+    """Both layouts a cache stores (decode.POSITIONS_LAST_FROM decides by size; these caches are small)."""
+    from attnkit.backends import decode
 
-    monkeypatch.setattr(cache, "POSITIONS_LAST_FROM", 0 if request.param == "positions_last" else 10**9)
+    monkeypatch.setattr(decode, "POSITIONS_LAST_FROM", 0 if request.param == "positions_last" else 10**9)
     return request.param
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked", "auto"])  # auto: the decode backend's steps
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
 @pytest.mark.parametrize("chunk", [1, 17, T])
@@ -272,44 +272,45 @@ def test_padding_is_stored_as_zeros():
 
 
 def test_a_cpu_cache_stores_positions_last_from_its_threshold_in_the_decode_dtypes():
-    from attnkit import cache
+    from attnkit.backends import decode
 
-    n = cache.POSITIONS_LAST_FROM
+    n = decode.POSITIONS_LAST_FROM
     x = torch.randn(1, 2, 5, 8)
-    small, large = cache.stored(x, n - 1), cache.stored(x, n)
+    small, large = decode.storage(x, n - 1), decode.storage(x, n)
     assert small.stride() == (2 * (n - 1) * 8, (n - 1) * 8, 8, 1) and large.stride() == (2 * n * 8, n * 8, 1, n)
     assert torch.equal(small[:, :, :5], x) and torch.equal(large[:, :, :5], x)
     assert not small[:, :, 5:].any() and not large[:, :, 5:].any()  # zeros past what was given
-    half = cache.stored(x.bfloat16(), n)  # the decode step takes float32 and float64 only: SDPA's layout
+    half = decode.storage(x.bfloat16(), n)  # the decode step takes float32 and float64 only: SDPA's layout
     assert half.stride() == (2 * n * 8, n * 8, 8, 1)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_cpu_cache_stores_positions_last_and_its_decode_step_is_two_products(kind, monkeypatch):
     """Keys and values are kept with the positions as the last dimension in memory (here from the first position
-    on), for every kind of cache and the cross-attention one, and an MHA decode step over them runs sdpa's decode
-    step, not the fused kernel (which reads that layout slower); its output equals the full forward's."""
-    from attnkit import cache as caches
-    from attnkit.backends import sdpa
+    on), for every kind of cache and the cross-attention one, and an MHA decode step over them runs the decode
+    backend, not the fused kernel (which reads that layout slower); its output equals the full forward's."""
+    from attnkit.backends import decode, sdpa
 
-    monkeypatch.setattr(caches, "POSITIONS_LAST_FROM", 0)
+    monkeypatch.setattr(decode, "POSITIONS_LAST_FROM", 0)
 
     calls = []
     kernel = sdpa.F.scaled_dot_product_attention
     monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
-    mha = _model(2, torch.float32, "sdpa")
+    mha = _model(2, torch.float32, "auto")
     prompt, gen = _data(torch.float32)
     cache = KVCache(**KINDS[kind])
     with torch.no_grad():
         mha(prompt, prompt, prompt, LENS, is_causal=True, cache=cache)
         calls.clear()
-        steps = [mha(x, x, x, is_causal=True, cache=cache) for x in gen.split(1, dim=1)]
-        assert calls == []
+        with dispatch.watch() as ran:
+            steps = [mha(x, x, x, is_causal=True, cache=cache) for x in gen.split(1, dim=1)]
+        assert calls == [] and set(ran) == {"decode"}
         cross = CrossKVCache()
         mha(gen[:, :1], prompt, prompt, LENS, cache=cross)  # projects the memory (and attends over the projection)
         calls.clear()
-        crossed = mha(gen[:, 1:2], prompt, prompt, LENS, cache=cross)  # a step over what it stored
-        assert calls == []
+        with dispatch.watch() as ran:
+            crossed = mha(gen[:, 1:2], prompt, prompt, LENS, cache=cross)  # a step over what it stored
+        assert calls == [] and ran == ["decode"]
         want = _full_rows(mha, prompt, gen, KINDS[kind].get("window"))
         assert max_err(crossed, mha(gen[:, 1:2], prompt, prompt, LENS)) <= OUT_TOL32
     for stored in (cache.keys, cache.values, cross.keys, cross.values):

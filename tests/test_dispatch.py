@@ -109,6 +109,12 @@ def test_each_backend_runs_what_it_declares_and_refuses_the_rest(name):
         assert (attend(q, k, v, backend=name, **modifier).output - plain).abs().max() > 1e-3
 
     long = torch.randn(1, 4097, 8)  # 4097^2 pairs: over sdpa's dense-mask limit
+    seventeen = torch.randn(2, 17, 8)  # 17 queries, one head: more than a decode step's
+
+    def autograd():
+        leaf = q.clone().requires_grad_()
+        attend(leaf, k, v, backend=name).output.sum().backward()
+        assert leaf.grad is not None
 
     calls = {
         "additive scoring": lambda: attnkit.additive_attention(q, k, v, torch.randn(8), backend=name),
@@ -121,6 +127,9 @@ def test_each_backend_runs_what_it_declares_and_refuses_the_rest(name):
         "score_mod that is a bias": lambda: applied(score_mod=mods.alibi(torch.ones(1))),
         "sinks": lambda: applied(sinks=torch.full((1,), 2.0)),
         "a long mask_mod": lambda: attend(long, long, long, backend=name, mask_mod=mods.sliding_window(2)),
+        "autograd": autograd,
+        "17 queries per key/value head": lambda: attend(seventeen, k, v, backend=name),
+        "bfloat16": lambda: attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), backend=name),
     }
     declared = {
         "additive scoring": "additive" in supports.scoring,
@@ -133,6 +142,9 @@ def test_each_backend_runs_what_it_declares_and_refuses_the_rest(name):
         "score_mod that is a bias": supports.score_mod in ("any", "bias"),
         "sinks": supports.sinks,
         "a long mask_mod": supports.mask_mod and (supports.dense_mask_limit or 2**30) >= 4097**2,
+        "autograd": supports.grad,
+        "17 queries per key/value head": (supports.max_queries or 17) >= 17,
+        "bfloat16": supports.dtypes is None or torch.bfloat16 in supports.dtypes,
     }
     for what, run in calls.items():
         with dispatch.watch() as ran:

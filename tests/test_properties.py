@@ -7,8 +7,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import attnkit
-from attnkit.backends import chunked
-from attnkit.cache import positions_last
+from attnkit.backends import chunked, decode
+from attnkit.backends.decode import positions_last
 from mathref import allowed_mask, max_err
 from mathref import attention as math_attention
 
@@ -58,10 +58,15 @@ def calls(draw):
 def test_all_backends_agree_with_the_math(call):
     q, k, v, kw, block, _ = call
     truth, _ = math_attention(q.double(), k.double(), v.double(), **kw)
-    for backend in BACKENDS:
+    for backend in (*BACKENDS, "decode") if _a_decode_step(q, k) else BACKENDS:
         with chunked.settings(block_size=block):
             out, _ = attnkit.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
         assert max_err(out, truth) <= 1e-5, backend
+
+
+def _a_decode_step(q, k):
+    """Whether the decode backend runs this call (without autograd): few enough queries per key/value head."""
+    return q.shape[1] // k.shape[1] * q.shape[2] <= decode.FEW_QUERIES
 
 
 def _dead_positions(q, k, kw):
@@ -117,10 +122,16 @@ def test_nan_where_no_query_may_see_never_leaks(call, additive):
             assert torch.isfinite(grad).all(), f"d{name}: {where}"
             torch.testing.assert_close(grad, clean, rtol=0, atol=0, msg=f"d{name}: {where}")
             assert not grad.masked_select(dead[..., None]).any(), f"d{name} at poisoned positions: {where}"
-        with torch.no_grad():  # inference: the paths that run without autograd (sdpa's decode step)
+        with torch.no_grad():  # inference: the paths that run without autograd (the decode backend's, with auto)
             clean_out, out = fn(q, k, v), fn(*dirty)
         assert torch.isfinite(out).all(), f"{where}, no grad"
         torch.testing.assert_close(out, clean_out, rtol=0, atol=0, msg=f"{where}, no grad")
+    if not additive and _a_decode_step(q, k):
+        with torch.no_grad():
+            clean_out = attnkit.scaled_dot_product_attention(q, k, v, backend="decode", **kw).output
+            out = attnkit.scaled_dot_product_attention(*dirty, backend="decode", **kw).output
+        assert torch.isfinite(out).all(), "decode"
+        torch.testing.assert_close(out, clean_out, rtol=0, atol=0, msg="decode")
     weights = attnkit.scaled_dot_product_attention(*dirty, need_weights=True, **kw).weights
     assert weights is not None and torch.isfinite(weights).all()
     assert not weights.masked_select(dead_rows[..., None]).any()  # rows with no key: zero weights

@@ -23,9 +23,9 @@ Grouped-query layers store only their ``num_kv_heads`` heads: :attr:`KVCache.nby
 ``2 * B * Hkv * capacity * D * itemsize``. :class:`CrossKVCache` keeps an encoder's projected keys and values (and
 its ``valid_lens``) for cross-attention: projected once, reused every step.
 
-Both hold keys and values as ``(B, Hkv, C, D)`` tensors; on CPU, in float32 or float64, from a capacity of 4096
-positions, their memory keeps each head's features as rows of positions (:func:`positions_last`), the layout in
-which a long decode step reads them fastest (``backends.sdpa``).
+Both hold keys and values as ``(B, Hkv, C, D)`` tensors, in the memory layout the decode backend reads fastest
+(:func:`attnkit.backends.decode.storage`: on CPU, in float32 or float64, from a capacity of 4096 positions, each
+head's features as rows of positions).
 """
 
 from __future__ import annotations
@@ -34,48 +34,11 @@ import torch
 from torch import Tensor
 
 from attnkit._checks import as_lengths, describe
-from attnkit.backends import sdpa
+from attnkit.backends.decode import storage
 
 __all__ = ["CrossKVCache", "KVCache"]
 
 # B batch, Hkv key/value heads, D head dim, Lq new positions in this call, C capacity (positions stored), W window
-
-
-def positions_last(x: Tensor, capacity: int | None = None) -> Tensor:
-    """A copy of ``x (B, Hkv, L, D)`` (zeros past ``L`` up to ``capacity`` positions), the same shape, whose memory
-    is ``(B, Hkv, D, C)``: the positions are the last, contiguous dimension.
-
-    A decode step's scores ``q @ k^T`` and output ``weights @ v`` then stream each head's rows of positions on
-    both cores: 0.6x-1.0x the time of PyTorch's SDPA kernel over the ``(B, Hkv, C, D)`` memory at 4096-8192
-    positions (``python benchmarks/decode.py --only layout``).
-    """
-    B, Hkv, L, D = x.shape
-    C = L if capacity is None else capacity
-    rest = x.new_zeros((B, Hkv, D, C - L))  # (B, Hkv, D, C - L)
-    # one new tensor (no copy into a view of zeros: an in-place write into it, through autograd, would then fail)
-    return torch.cat([x.transpose(2, 3), rest], dim=3).transpose(2, 3)  # (B, Hkv, C, D) over (B, Hkv, D, C)
-
-
-# Caches of a capacity of at least this many positions per row are stored positions last on CPU (in the dtypes
-# the decode step takes). `python benchmarks/decode.py --only layout` times one decode step's attention over keys
-# and values from memory both ways: the two products over positions-last rows win from about 4096 positions at
-# B=1 and lose at 512-2048 (short rows cost more in per-head calls than they save in reading).
-POSITIONS_LAST_FROM = 4096
-
-
-def stored(x: Tensor, capacity: int | None = None) -> Tensor:
-    """``x (B, Hkv, L, D)`` as the caches store keys and values (zeros past ``L`` up to ``capacity``), a copy:
-    :func:`positions_last` on CPU in float32 or float64 for a capacity of :data:`POSITIONS_LAST_FROM` positions or
-    more, where attnkit's decode step reads that layout faster; otherwise the ``(B, Hkv, C, D)`` memory that
-    PyTorch's fused kernels read (on CUDA they have their own decoding kernels), where ``x`` itself is returned
-    when nothing is added."""
-    B, Hkv, L, D = x.shape
-    C = L if capacity is None else capacity
-    if x.device.type == "cpu" and x.dtype in sdpa.DECODE_DTYPES and C >= POSITIONS_LAST_FROM:
-        return positions_last(x, C)
-    if C == L:
-        return x  # the layout as it is: nothing to add (a CrossKVCache's projections, kept without a copy)
-    return torch.cat([x, x.new_zeros((B, Hkv, C - L, D))], dim=2)  # (B, Hkv, C, D)
 
 
 class KVCache:
@@ -105,8 +68,8 @@ class KVCache:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive whole number, got {value!r}")
         self.max_len, self.window = max_len, window
-        self.keys: Tensor | None = None  # (B, Hkv, C, D), as stored()
-        self.values: Tensor | None = None  # (B, Hkv, C, Dv), as stored()
+        self.keys: Tensor | None = None  # (B, Hkv, C, D), as storage()
+        self.values: Tensor | None = None  # (B, Hkv, C, Dv), as storage()
         self.lengths: Tensor | None = None  # (B,) int64: positions appended to each row so far
         self.slot_positions: Tensor | None = None  # sliding: (B, W) the position each slot holds, -1 if none
         self._aligned: int | None = None  # growing: the length every row has, when known without a device read
@@ -134,8 +97,8 @@ class KVCache:
             # New tensors of the same shapes, not written in place: the last batch's graph (a backward still to
             # come) or inference mode may hold the old ones.
             C = self.keys.shape[2]
-            self.keys = stored(self.keys[:, :, :0].detach(), C)  # (B, Hkv, C, D)
-            self.values = stored(self.values[:, :, :0].detach(), C)  # (B, Hkv, C, Dv)
+            self.keys = storage(self.keys[:, :, :0].detach(), C)  # (B, Hkv, C, D)
+            self.values = storage(self.values[:, :, :0].detach(), C)  # (B, Hkv, C, Dv)
             self.lengths = torch.zeros_like(self.lengths)  # (B,)
             return
         self.keys = self.values = self.lengths = self.slot_positions = None
@@ -223,8 +186,8 @@ class KVCache:
         Dv = v_new.shape[3]
         if self.keys is None or self.values is None or self.lengths is None:
             capacity = self.window or self.max_len or max(Lq, 16)
-            self.keys = stored(k_new[:, :, :0].detach(), capacity)  # (B, Hkv, C, D)
-            self.values = stored(v_new[:, :, :0].detach(), capacity)  # (B, Hkv, C, Dv)
+            self.keys = storage(k_new[:, :, :0].detach(), capacity)  # (B, Hkv, C, D)
+            self.values = storage(v_new[:, :, :0].detach(), capacity)  # (B, Hkv, C, Dv)
             self.lengths = torch.zeros(B, dtype=torch.long, device=k_new.device)  # (B,)
             self._aligned = 0 if self.kind == "growing" else None
             if self.window is not None:
@@ -265,7 +228,7 @@ class KVCache:
             return
         grown = max(needed, 2 * C)
         for name in ("keys", "values"):
-            setattr(self, name, stored(getattr(self, name), grown))  # (B, Hkv, C', D)
+            setattr(self, name, storage(getattr(self, name), grown))  # (B, Hkv, C', D)
 
     def _sliding(
         self, k_new: Tensor, v_new: Tensor, positions: Tensor, is_real: Tensor, is_causal: bool
@@ -276,8 +239,8 @@ class KVCache:
         assert self.window is not None and self.lengths is not None
         W = self.window
         B, Hkv, Lq, _ = k_new.shape
-        keys = stored(self.keys, W + Lq)  # (B, Hkv, W + Lq, D)
-        values = stored(self.values, W + Lq)  # (B, Hkv, W + Lq, Dv)
+        keys = storage(self.keys, W + Lq)  # (B, Hkv, W + Lq, D)
+        values = storage(self.values, W + Lq)  # (B, Hkv, W + Lq, Dv)
         keys[:, :, W:], values[:, :, W:] = k_new, v_new
         new_positions = torch.where(is_real, positions, -1)  # (B, Lq)
         key_positions = torch.cat([self.slot_positions, new_positions], dim=1)  # (B, W + Lq)
@@ -316,9 +279,14 @@ class CrossKVCache:
     """
 
     def __init__(self) -> None:
-        self.keys: Tensor | None = None  # (B, Hkv, Lk, D), as stored()
-        self.values: Tensor | None = None  # (B, Hkv, Lk, Dv), as stored()
+        self.keys: Tensor | None = None  # (B, Hkv, Lk, D), as storage()
+        self.values: Tensor | None = None  # (B, Hkv, Lk, Dv), as storage()
         self.valid_lens: Tensor | None = None  # the encoder's, as first given
+
+    def fill(self, keys: Tensor, values: Tensor, valid_lens: Tensor | None) -> None:
+        """Keep the projected ``keys (B, Hkv, Lk, D)``, ``values (B, Hkv, Lk, Dv)`` and the encoder's
+        ``valid_lens`` for the later calls."""
+        self.keys, self.values, self.valid_lens = storage(keys), storage(values), valid_lens
 
     @property
     def nbytes(self) -> int:

@@ -33,7 +33,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from attnkit import _projection, functional, masks, trace
 from attnkit._checks import as_lengths, check_dropout, check_sizes, describe, listed
-from attnkit.cache import CrossKVCache, KVCache, stored
+from attnkit.cache import CrossKVCache, KVCache
 from attnkit.recording import report_weights
 
 __all__ = [
@@ -398,9 +398,8 @@ class MultiHeadAttention(nn.Module):
             keys = self.transpose_qkv(self.W_k(keys))  # (B*H, Lk, h/H)
             values = self.transpose_qkv(self.W_v(values))  # (B*H, Lk, h/H)
             if isinstance(cache, CrossKVCache):
-                cache.keys = stored(keys.unflatten(0, (B, H)))  # (B*H, Lk, d) -> (B, H, Lk, d)
-                cache.values = stored(values.unflatten(0, (B, H)))  # (B, H, Lk, d)
-                cache.valid_lens = valid_lens
+                # (B*H, Lk, d) -> (B, H, Lk, d) twice
+                cache.fill(keys.unflatten(0, (B, H)), values.unflatten(0, (B, H)), valid_lens)
             elif isinstance(cache, KVCache):
                 # The cache's own logic (one copy of it): append each row's new positions, return all it holds
                 k, v, valid_lens, attn_mask = cache.update(

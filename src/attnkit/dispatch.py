@@ -8,7 +8,9 @@ Policy for ``backend="auto"``, first backend that can run the call wins:
 * a ``mask_mod`` that hides most of the scores (a sliding window, packed documents: ``chunked`` visits at most
   ``SPARSE_BELOW`` of them), a ``score_mod`` other than a bias, or ``sinks``: ``chunked``, which skips what is
   hidden and takes them all, then ``sdpa`` (a mask_mod as one dense mask, when small), then ``reference``;
-* dot-product scoring: ``sdpa`` (PyTorch's fused kernels), then ``chunked``, then ``reference``;
+* dot-product scoring: ``sdpa`` (PyTorch's fused kernels), then ``chunked``, then ``reference``; over keys and
+  values stored positions last (a :class:`~attnkit.KVCache`'s long context), ``decode`` first (a few queries
+  without autograd: the decode step);
 * additive scoring: ``chunked`` when the ``(B, H, Lq, Lk, D)`` features would be large
   (``>= ADDITIVE_CHUNK_ELEMENTS``), else ``reference``, each falling back to the other.
 
@@ -25,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-from attnkit.backends import ALL, chunked, online
+from attnkit.backends import ALL, chunked, decode, online
 from attnkit.backends.contract import Call
 
 __all__ = ["ADDITIVE_CHUNK_ELEMENTS", "BACKENDS", "SPARSE_BELOW", "available_backends", "choose", "watch"]
@@ -50,7 +52,7 @@ def available_backends(device: str | torch.device | None = None) -> list[str]:
 
     Example:
         >>> available_backends("cpu")
-        ['reference', 'sdpa', 'chunked']
+        ['reference', 'sdpa', 'chunked', 'decode']
     """
     here = {"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"}
     types = here if device is None else {torch.device(device).type}
@@ -116,6 +118,8 @@ def _preferences(call: Call) -> tuple[str, ...]:
             flex = ("flex",)
         if call.sinks is not None or not call.score_bias or _sparse(call):
             return (*flex, "chunked", "sdpa", "reference")
+        if decode.is_positions_last(call.k, call.v):  # a KVCache's long context, laid out for the decode step
+            return (*flex, "decode", "sdpa", "chunked", "reference")
         return (*flex, "sdpa", "chunked", "reference")
     B, H, Lq, D = call.q.shape
     if B * H * Lq * call.k.shape[2] * D >= ADDITIVE_CHUNK_ELEMENTS:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from attnkit import _projection, mods, trace
 from attnkit._checks import check_dropout, check_sizes
 from attnkit.backends.common import zero_past
-from attnkit.cache import CrossKVCache, KVCache, stored
+from attnkit.cache import CrossKVCache, KVCache
 from attnkit.functional import additive_attention, attention_weights, check_qkv, scaled_dot_product_attention
 from attnkit.recording import is_recording, report_weights
 
@@ -296,7 +296,7 @@ class MultiHeadAttention(_Attention):
             attn_mask = attn_mask.unsqueeze(1)  # (B, Lq, Lk) -> (B, 1, Lq, Lk)
         if isinstance(cache, CrossKVCache):
             if cache.keys is None:
-                cache.keys, cache.values, cache.valid_lens = stored(k), stored(v), valid_lens
+                cache.fill(k, v, valid_lens)
         elif isinstance(cache, KVCache):
             if attn_mask is not None or mask_mod is not None or score_mod is not None:
                 raise ValueError(

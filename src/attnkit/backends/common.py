@@ -9,6 +9,8 @@ from contextvars import ContextVar
 import torch
 from torch import Tensor
 
+from attnkit import mods
+from attnkit.backends.contract import Call
 from attnkit.masks import Mask
 
 # B batch, H heads, Hkv key/value heads, L length, D head dim
@@ -46,6 +48,21 @@ def additive_scores(q: Tensor, k: Tensor, w_v: Tensor) -> tuple[Tensor, Tensor]:
     # In place when autograd does not need `pre`: the largest tensor of additive attention, held once.
     features = pre.tanh() if pre.requires_grad else pre.tanh_()  # (B, H, Lq, Lk, D)
     return features @ w_v, features  # (B, H, Lq, Lk), (B, H, Lq, Lk, D)
+
+
+def dense_mask(call: Call, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
+    """The whole mask of ``call`` as ``allowed`` and a float ``bias`` (the mask's, plus a score_mod that is a bias,
+    such as ALiBi), each ``(B|1, H|1, Lq|1, Lk)`` in ``dtype`` or ``None``: for the backends that take it dense."""
+    allowed, bias = call.mask.full(dtype)
+    if call.score_mod is not None:
+        assert isinstance(call.score_mod, mods.ScoreMod)  # the backends that call this support only a bias
+        B, H = call.q.shape[:2]
+        rows, cols = (0, call.mask.num_queries), (0, call.mask.num_keys)
+        score_bias = call.score_mod.bias(*mods.indices(B, H, rows, cols, call.q.device))  # (B|1, H|1, Lq, Lk)
+        assert score_bias is not None
+        score_bias = score_bias.to(dtype)
+        bias = score_bias if bias is None else bias + score_bias  # (B|1, H|1, Lq, Lk)
+    return allowed, bias
 
 
 def zero_dead(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, Tensor, Tensor]:

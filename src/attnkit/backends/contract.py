@@ -75,13 +75,31 @@ class Call:
         bias = self.mask.bias
         return bias is not None and bias.requires_grad and torch.is_grad_enabled()
 
+    @property
+    def needs_grad(self) -> bool:
+        """Autograd records and something the output depends on requires grad: the inputs, the float mask, the
+        sinks, or a tensor a score_mod reads."""
+        if not torch.is_grad_enabled():
+            return False
+        tensors = [self.q, self.k, self.v, self.w_v, self.mask.bias, self.sinks]
+        if self.score_mod is not None:
+            tensors += mods.read_tensors(self.score_mod)
+        return any(t is not None and t.requires_grad for t in tensors)
+
+    @property
+    def queries_per_kv_head(self) -> int:
+        """``H / Hkv * Lq``: the queries that read each key/value head (grouped query heads count each)."""
+        return self.q.shape[1] // self.k.shape[1] * self.q.shape[2]
+
 
 @dataclass(frozen=True)
 class Supports:
     """What a backend can run: the scoring kinds, returning weights, dropout, gradients to a float ``attn_mask``,
     the modifiers: a ``mask_mod`` (``dense_mask_limit``: only by building the whole mask, of at most that many
     elements), a ``score_mod`` (``"any"``, ``"bias"``: only one that is a bias, such as ALiBi, or ``"none"``),
-    ``sinks``; ``devices``: the device types it runs on (``None``: any)."""
+    ``sinks``; ``devices``: the device types it runs on (``None``: any); ``dtypes``: the input dtypes (``None``:
+    any floating point); ``grad``: calls whose output needs a gradient; ``max_queries``: at most that many queries
+    per key/value head (``None``: any number)."""
 
     scoring: frozenset[str] = frozenset({DOT, ADDITIVE})
     weights: bool = True
@@ -92,6 +110,9 @@ class Supports:
     score_mod: str = "any"
     sinks: bool = True
     devices: frozenset[str] | None = None
+    dtypes: frozenset[torch.dtype] | None = None
+    grad: bool = True
+    max_queries: int | None = None
 
     def why_not(self, call: Call) -> list[str]:
         """Each reason this declaration refuses ``call``; ``[]`` when it can run it."""
@@ -99,6 +120,14 @@ class Supports:
         if self.devices is not None and call.q.device.type not in self.devices:
             where = " or ".join(sorted(self.devices)) or "no device here (this PyTorch lacks it)"
             reasons.append(f"runs on {where} only (the inputs are on {call.q.device.type})")
+        if self.dtypes is not None and call.q.dtype not in self.dtypes:
+            reasons.append(f"{_dtypes(self.dtypes)} only (the inputs are {_dtypes({call.q.dtype})})")
+        if self.max_queries is not None and call.queries_per_kv_head > self.max_queries:
+            reasons.append(
+                f"at most {self.max_queries} queries per key/value head (this call has {call.queries_per_kv_head})"
+            )
+        if not self.grad and call.needs_grad:
+            reasons.append("no autograd (the output of this call needs a gradient)")
         if call.scoring not in self.scoring:
             reasons.append(f"{' or '.join(sorted(self.scoring))} scoring only (this call is {call.scoring})")
         if call.need_weights and not self.weights:
@@ -145,4 +174,14 @@ class Supports:
         can += ["sinks"] if self.sinks else []
         if self.devices is not None:
             can.append(f"on {' or '.join(sorted(self.devices)) or 'no device (this PyTorch lacks it)'} only")
+        if self.dtypes is not None:
+            can.append(f"{_dtypes(self.dtypes)} only")
+        if not self.grad:
+            can.append("no autograd")
+        if self.max_queries is not None:
+            can.append(f"at most {self.max_queries} queries per key/value head")
         return ", ".join(can)
+
+
+def _dtypes(dtypes: frozenset[torch.dtype] | set[torch.dtype]) -> str:
+    return " or ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))

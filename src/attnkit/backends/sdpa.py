@@ -7,13 +7,8 @@ that is a bias (:class:`attnkit.mods.alibi`) is added to it. No sinks, no other 
 Rows with nothing to attend to are given every key inside the kernel and zeroed afterwards, so that no
 version of PyTorch can turn them into NaN, and their gradients are exactly zero.
 
-A decode step on CPU runs as two matrix products instead (:func:`_few_queries` says when: at most
-:data:`FEW_QUERIES` queries per key/value head, float32 or float64, no dropout, nothing that needs a gradient,
-and keys and values whose memory has the positions last, as a :class:`~attnkit.KVCache` of 4096 positions or more
-stores them): from memory, the two products take 0.6x-1.0x the time of PyTorch's CPU kernel over the usual
-layout at 4096-8192 positions (``python benchmarks/decode.py --only layout``). The scores are ``(B, H, Lq, Lk)``
-with ``Lq`` a handful, linear in the context as the fused kernel; only the keys up to the longest example's last
-live one are read; dead rows are zeroed as above.
+A decode step over a :class:`~attnkit.KVCache`'s positions-last memory has a backend of its own
+(:mod:`attnkit.backends.decode`); given that memory with many queries, SDPA runs on a contiguous copy.
 """
 
 from __future__ import annotations
@@ -24,10 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit import mods
-from attnkit.backends.common import repeat_kv, zero_dead
+from attnkit.backends.common import dense_mask, repeat_kv, zero_dead
 from attnkit.backends.contract import DOT, Call, Supports
-from attnkit.masks import Mask, softmax_with_mask
+from attnkit.masks import Mask
 
 NAME = "sdpa"
 
@@ -41,13 +35,6 @@ GROUP_BELOW = 0.875
 # multiply-adds of attention (measured on 2 CPU cores: a decode step of B=8 rows over 400 cached keys, lengths
 # in [200, 400], runs 2x faster as one masked call; over 4096 keys, 1.25x faster one call per row).
 CALL_COST_MACS = 2**17
-
-# A call of at most this many queries per key/value head (grouped-query heads count each) is a decode step: two
-# matrix products over positions-last keys and values (see the module docstring; `python benchmarks/decode.py
-# --only layout` times them against SDPA's kernel).
-FEW_QUERIES = 16
-# The dtypes it runs in (a cache stores positions last only for these: attnkit.cache.stored).
-DECODE_DTYPES = (torch.float32, torch.float64)
 
 # `enable_gqa` arrived in PyTorch 2.5; before it, key/value heads are repeated here.
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -65,13 +52,6 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v, mask, scale, dropout_p = call.q, call.k, call.v, call.mask, call.scale, call.dropout_p
     H, Hkv = q.shape[1], k.shape[1]
     Lq, Lk = mask.num_queries, mask.num_keys
-    score_bias = None
-    if call.score_mod is not None:
-        assert isinstance(call.score_mod, mods.ScoreMod)  # SUPPORTS: a bias
-        B, H = q.shape[:2]
-        score_bias = call.score_mod.bias(*mods.indices(B, H, (0, Lq), (0, Lk), q.device))  # (B|1, H|1, Lq, Lk)
-    if _few_queries(call, score_bias):
-        return _decode_step(q, k, v, mask, scale, score_bias), None
     gqa: dict[str, Any] = {}
     if H != Hkv:
         if _HAS_GQA:
@@ -82,7 +62,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
         # positions last (a cache's memory), many queries: the fused kernel reads that layout several times
         # slower than a copy (`python benchmarks/decode.py --only layout`, prefill row)
         k, v = k.contiguous(), v.contiguous()  # (B, Hkv, Lk, D), (B, Hkv, Lk, Dv)
-    lengths = None if score_bias is not None else _key_lengths(mask)
+    lengths = None if call.score_mod is not None else _key_lengths(mask)
     if lengths and _worth_grouping(lengths, Lk, Lq, H * (q.shape[-1] + v.shape[-1])):
         return _by_length(q, k, v, lengths, mask.is_causal, scale, dropout_p, gqa), None
     only_causal = (
@@ -92,14 +72,14 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
         and mask.bias is None
         and mask.mask_mod is None
     )
-    if score_bias is None and (mask.is_empty or (only_causal and Lq == Lk)):
+    if call.score_mod is None and (mask.is_empty or (only_causal and Lq == Lk)):
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=mask.is_causal, scale=scale, **gqa
         )  # (B, H, Lq, Dv)
         return out, None
 
     q, k, v = zero_dead(q, k, v, mask)
-    allowed, bias = _allowed_and_bias(mask, q.dtype, score_bias)  # (B|1, H|1, Lq|1, Lk) each, or None
+    allowed, bias = dense_mask(call, q.dtype)  # (B|1, H|1, Lq|1, Lk) each, or None
     _, live_rows = mask.liveness  # (B|1, H|1, Lq) or None when every row sees some key
     if bias is None:
         attn_mask = allowed
@@ -119,65 +99,6 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     if live_rows is not None:
         out = out.masked_fill(~live_rows[..., None], 0.0)
     return out, None
-
-
-def _allowed_and_bias(mask: Mask, dtype: torch.dtype, score_bias: Tensor | None) -> tuple[Tensor | None, ...]:
-    """The mask as ``allowed`` and a float ``bias`` (the mask's and a bias score_mod's, summed), each
-    ``(B|1, H|1, Lq|1, Lk)`` or ``None``."""
-    allowed, bias = mask.full(dtype)
-    if score_bias is not None:
-        score_bias = score_bias.to(dtype)
-        bias = score_bias if bias is None else bias + score_bias  # (B|1, H|1, Lq, Lk)
-    return allowed, bias
-
-
-def _few_queries(call: Call, score_bias: Tensor | None) -> bool:
-    """A decode step the two matrix products run (see the module docstring): nothing here needs a gradient, since
-    the softmax runs in place."""
-    q, k, v, bias = call.q, call.k, call.v, call.mask.bias
-    return (
-        q.device.type == "cpu"
-        and q.dtype in DECODE_DTYPES
-        and call.dropout_p == 0.0
-        and not (
-            torch.is_grad_enabled()
-            and any(t is not None and t.requires_grad for t in (q, k, v, bias, score_bias, call.sinks))
-        )
-        and k.stride(2) == 1
-        and v.stride(2) == 1
-        and q.shape[1] // k.shape[1] * q.shape[2] <= FEW_QUERIES
-    )
-
-
-def _decode_step(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float, score_bias: Tensor | None) -> Tensor:
-    """Attention for a few queries over positions-last keys and values: scores, the masked softmax, the output:
-    ``q (B, H, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)``, ``score_bias (B|1, H|1, Lq, Lk)`` or
-    ``None`` -> ``(B, H, Lq, Dv)``.
-
-    A group of query heads shares one product with its key/value head, so that each is read once. When only
-    ``valid_lens`` and ``is_causal`` hide keys, the keys past the longest example's live prefix (a static cache's
-    unused storage) are not read."""
-    B, H, Lq, D = q.shape
-    Hkv, Dv = k.shape[1], v.shape[3]
-    q, k, v = zero_dead(q, k, v, mask)
-    allowed, bias = _allowed_and_bias(mask, q.dtype, score_bias)  # (B|1, H|1, Lq|1, Lk) each, or None
-    # valid_lens: is_causal alone hides no key of a decode step's last query (bottom right)
-    counts = None if mask.valid_lens is None else mask.live_key_counts  # (B|1, 1, 1) or None
-    if counts is not None and counts.numel() and not torch.compiler.is_compiling():  # (compiled: static shapes)
-        n = max(1, int(counts.max()))
-        k, v = k[:, :, :n], v[:, :, :n]  # (B, Hkv, n, D), (B, Hkv, n, Dv)
-        allowed = None if allowed is None else allowed[..., :n]  # (B|1, H|1, Lq|1, n)
-        bias = None if bias is None else bias[..., :n]  # (B|1, H|1, Lq|1, n)
-    Lk, rows = k.shape[2], H // Hkv * Lq
-    grouped = (q * scale).reshape(B * Hkv, rows, D)  # (B*Hkv, G*Lq, D): head h = kv * G + g
-    # bmm on (B*Hkv)-batched views, not matmul on 4-D ones: 0.1 ms less a step over 4096 positions
-    scores = torch.bmm(grouped, k.transpose(2, 3).flatten(0, 1)).view(B, H, Lq, Lk)  # (B, H, Lq, Lk)
-    _, live_rows = mask.liveness  # (B|1, H|1, Lq) or None when every row sees some key
-    weights = softmax_with_mask(scores, allowed, bias, inplace=True, empty_rows=live_rows is not None)
-    out = torch.bmm(weights.view(B * Hkv, rows, Lk), v.flatten(0, 1))  # (B*Hkv, G*Lq, Dv)
-    out = out.view(B, H, Lq, Dv)  # (B, H, Lq, Dv)
-    # dead rows are zeros whatever their keys and values hold, as in the fused path
-    return out if live_rows is None else out.masked_fill(~live_rows[..., None], 0.0)
 
 
 def _key_lengths(mask: Mask) -> list[int] | None:
