@@ -337,15 +337,21 @@ def test_a_reset_static_cache_keeps_nothing_of_the_last_batch_nan_included():
         assert torch.isfinite(got).all() and torch.equal(got, want)
 
 
-def test_a_cache_step_tells_the_backends_its_keys_are_zeros_past_each_row(monkeypatch):
+@pytest.mark.parametrize("book", [False, True], ids=["attnkit", "d2l"])
+def test_a_cache_step_tells_the_backends_its_keys_are_zeros_past_each_row(monkeypatch, book):
     """Over a KVCache the band past each row's length is zeros by construction, so zero_dead does not read it (on
-    a ragged decode step it was the largest cost after the products); outside a cache call it is checked."""
+    a ragged decode step it was the largest cost after the products): the cache's update returns each row's
+    length, which the layer (attnkit's or the book's) passes on in the Call; outside a cache call it is checked."""
+    from attnkit import d2l
     from attnkit.backends import common
 
     seen = []
     check = common._finite_suffixes
-    monkeypatch.setattr(common, "_finite_suffixes", lambda *a: seen.append((common._ZERO_PAST.get(), check(*a))))
+    monkeypatch.setattr(common, "_finite_suffixes", lambda *a: seen.append((a[-1], check(*a))))
     mha = _model(2, torch.float32, "sdpa")
+    if book:  # the heads folded into the batch: lengths (B*H,); the book's valid_lens is positional
+        layer = d2l.MultiHeadAttention(E, H, 0.0)
+        mha = lambda q, k, v, valid_lens=None, **kw: layer(q, k, v, valid_lens, **kw)  # noqa: E731
     prompt, gen = _data(torch.float32)
     with torch.no_grad():
         _decode(mha, KVCache(), prompt, gen[:, :2], 1)  # ragged: valid_lens masks every step
@@ -353,7 +359,7 @@ def test_a_cache_step_tells_the_backends_its_keys_are_zeros_past_each_row(monkey
         seen.clear()
         q, k = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 9, 8)
         attnkit.scaled_dot_product_attention(q, k, k, valid_lens=torch.tensor([9, 3, 5]), backend="sdpa")
-    assert [lengths for lengths, _ in seen] == [None] and common._ZERO_PAST.get() is None
+    assert [lengths for lengths, _ in seen] == [None]
 
 
 @pytest.mark.parametrize("layout", ["positions_last", "heads_rows"], indirect=True)

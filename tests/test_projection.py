@@ -28,7 +28,7 @@ def test_linear_equals_the_module(rows: int, bias: bool) -> None:
 
 def test_stacked_equals_the_modules_and_follows_parameter_changes() -> None:
     torch.manual_seed(0)
-    owner = nn.Module()
+    stacked = _projection.Stacked()
     ms = (nn.Linear(64, 64), nn.Linear(64, 16, bias=False), nn.Linear(64, 16))
     x = torch.randn(2, 1, 64)  # (B, L, E)
     with torch.no_grad():
@@ -38,12 +38,12 @@ def test_stacked_equals_the_modules_and_follows_parameter_changes() -> None:
             lambda: setattr(ms[2], "weight", nn.Parameter(torch.randn(16, 64))),  # replaced
         ):
             change()
-            got = _projection.stacked(x, ms, owner)
+            got = stacked(x, ms, refresh=False)
             for g, m in zip(got, ms, strict=True):
                 torch.testing.assert_close(g, m(x), **TOL)
     owner_ms = nn.ModuleList(ms).double()  # `.to()` swaps the parameters' data
     with torch.no_grad():
-        got = _projection.stacked(x.double(), tuple(owner_ms), owner)
+        got = stacked(x.double(), tuple(owner_ms), refresh=False)
     assert all(g.dtype == torch.float64 for g in got)
     torch.testing.assert_close(got[1], owner_ms[1](x.double()))
 
@@ -92,8 +92,9 @@ def test_self_attention_decode_equals_separate_projections() -> None:
 
 
 def test_a_write_through_data_between_generations_is_seen() -> None:
-    """The stacked weights live on the KVCache, one generation: an EMA-style update through ``.data`` (which
-    PyTorch does not count as a change) between two generations, with a new cache or after reset(), is used."""
+    """The stacked weights are made again at each generation (a call that finds its KVCache empty): an EMA-style
+    update through ``.data`` (which PyTorch does not count as a change) between two generations, with a new cache
+    or after reset(), is used."""
     torch.manual_seed(0)
     mha = attnkit.MultiHeadAttention(32, 4).eval()
     x = torch.randn(2, 5, 32)  # (B, L, E)
@@ -106,3 +107,73 @@ def test_a_write_through_data_between_generations_is_seen() -> None:
             cache = fresh(cache)
             got = mha(x, x, x, is_causal=True, cache=cache)
             torch.testing.assert_close(got, mha(x, x, x.clone(), is_causal=True), **TOL)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("decoding", [False, True], ids=["call", "decode step"])
+def test_global_module_hooks_see_every_projection_with_and_without_grad(grad: bool, decoding: bool) -> None:
+    """A global forward hook and pre-hook (torch.nn.modules.module.register_module_forward_hook: profilers,
+    quantisers, LoRA tooling) see the four Linear calls of a MultiHeadAttention forward whatever the grad mode,
+    on a plain call and on a decode step over a KVCache (the stacked fast path)."""
+    from torch.nn.modules import module as torch_module
+
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(32, 4).eval()
+    x = torch.randn(2, 3, 32)  # (B, L, E)
+    cache = attnkit.KVCache() if decoding else None
+    with torch.no_grad():
+        if cache is not None:
+            mha(x, x, x, is_causal=True, cache=cache)  # the prefill, unhooked
+    before, after = [], []
+    pre = torch_module.register_module_forward_pre_hook(
+        lambda m, i: before.append(m) if isinstance(m, nn.Linear) else None
+    )
+    post = torch_module.register_module_forward_hook(
+        lambda m, i, o: after.append(m) if isinstance(m, nn.Linear) else None
+    )
+    try:
+        with torch.set_grad_enabled(grad):
+            step = x[:, :1]
+            mha(step, step, step, is_causal=True, cache=cache)
+    finally:
+        pre.remove()
+        post.remove()
+    projections = [mha.W_q, mha.W_k, mha.W_v, mha.W_o]
+    assert sorted(map(id, before)) == sorted(map(id, projections))
+    assert sorted(map(id, after)) == sorted(map(id, projections))
+
+
+def test_the_global_hook_check_is_the_torch_function_it_was_written_against() -> None:
+    """_projection reads torch.nn.modules.module._has_any_global_hook (private; checked against torch 2.13): if it
+    moves, the fast path would call every module (safe, slower); this test says so instead."""
+    from torch.nn.modules import module as torch_module
+
+    assert _projection._has_global_hook is torch_module._has_any_global_hook
+    handle = torch_module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        assert _projection._has_global_hook()
+    finally:
+        handle.remove()
+    assert not _projection._has_global_hook()
+
+
+def test_the_stacked_weights_are_not_copied_or_saved_with_the_layer() -> None:
+    """What a decode step derives from the parameters stays with the layer that made it: a deep copy or a pickled
+    layer starts without it (and makes its own from its own parameters)."""
+    import copy
+    import io
+    import pickle
+
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(32, 4, query_size=32, key_size=32, value_size=32).eval()
+    x = torch.randn(2, 1, 32)  # (B, L, E)
+    with torch.no_grad():
+        mha(x, x, x, cache=attnkit.KVCache())
+    assert mha._stacked._kept is not None
+    for other in (copy.deepcopy(mha), pickle.loads(pickle.dumps(mha))):
+        assert other._stacked._kept is None
+        with torch.no_grad():
+            torch.testing.assert_close(other(x, x, x, cache=attnkit.KVCache()), mha(x, x, x), **TOL)
+    buffer = io.BytesIO()
+    torch.save(mha, buffer)
+    assert len(buffer.getvalue()) < 2 * sum(p.nbytes for p in mha.parameters()) + 10_000

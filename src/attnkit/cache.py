@@ -30,15 +30,27 @@ head's features as rows of positions).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from attnkit._checks import as_lengths, describe
 from attnkit.backends.decode import storage
 
-__all__ = ["CrossKVCache", "KVCache"]
+__all__ = ["Attended", "CrossKVCache", "KVCache"]
 
 # B batch, Hkv key/value heads, D head dim, Lq new positions in this call, C capacity (positions stored), W window
+
+
+class Attended(NamedTuple):
+    """What a call's queries attend over, as :meth:`KVCache.update` returns it (see there)."""
+
+    keys: Tensor  # (B, Hkv, Lk, D)
+    values: Tensor  # (B, Hkv, Lk, Dv)
+    valid_lens: Tensor | None  # (B, Lq): the keys [0, n) each query sees
+    attn_mask: Tensor | None  # (B, 1, Lq, Lk) bool: a sliding cache's mask, by position
+    zeros_past: Tensor | None  # (B,): each row's keys and values are zeros from this position on
 
 
 class KVCache:
@@ -73,7 +85,7 @@ class KVCache:
         self.lengths: Tensor | None = None  # (B,) int64: positions appended to each row so far
         self.slot_positions: Tensor | None = None  # sliding: (B, W) the position each slot holds, -1 if none
         self._aligned: int | None = None  # growing: the length every row has, when known without a device read
-        self._stacked_projection: tuple | None = None  # the layer's stacked q/k/v weights (attnkit._projection)
+        self._empty = True  # nothing stored since it was made or reset
 
     @property
     def kind(self) -> str:
@@ -89,9 +101,14 @@ class KVCache:
         """Bytes of the stored keys and values: ``2 * B * Hkv * capacity * D * itemsize``."""
         return 0 if self.keys is None or self.values is None else self.keys.nbytes + self.values.nbytes
 
+    @property
+    def is_empty(self) -> bool:
+        """Nothing stored since the cache was made or last reset: the next call starts a generation."""
+        return self._empty
+
     def reset(self) -> None:
         """Empty the cache for a new batch of sequences (a static cache keeps its shapes, with zeros)."""
-        self._stacked_projection = None  # the weights may have changed since, through .data too
+        self._empty = True
         if self.kind == "static" and self.lengths is not None and self.keys is not None and self.values is not None:
             # zeros past every row's length, as update() promises: nothing of the last batch, NaN included, stays.
             # New tensors of the same shapes, not written in place: the last batch's graph (a backward still to
@@ -108,9 +125,7 @@ class KVCache:
         size = "" if self.keys is None else f", {tuple(self.keys.shape)}, {self.nbytes} bytes"
         return f"KVCache({self.kind}{size})"
 
-    def update(
-        self, k_new: Tensor, v_new: Tensor, new_lens: Tensor | None, is_causal: bool
-    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    def update(self, k_new: Tensor, v_new: Tensor, new_lens: Tensor | None, is_causal: bool) -> Attended:
         """Store a call's new keys and values; return what its queries attend over.
 
         Args:
@@ -119,14 +134,23 @@ class KVCache:
             is_causal: query ``i`` of row ``b`` sees that row's keys up to its own position ``length_b + i``.
 
         Returns:
-            ``keys (B, Hkv, Lk, D)``, ``values (B, Hkv, Lk, Dv)``, and the mask as the attention call takes it:
-            ``valid_lens (B, Lq)`` (growing and static caches) or a boolean ``attn_mask (B, 1, Lq, Lk)`` (sliding),
-            the other ``None``; both ``None`` when the rows are aligned (a growing cache whose rows all hold
-            ``Lk`` keys, every new token real): then ``is_causal`` as given, aligned to the bottom right, is exact,
-            and the attention call builds no mask (decoding one sequence always takes this path). Padded queries
-            see no key (their output is zero). Past each row's length the keys and values are zeros (the layers
-            tell the backends so: :func:`attnkit.backends.common.zero_past`).
+            :class:`Attended`: ``keys (B, Hkv, Lk, D)``, ``values (B, Hkv, Lk, Dv)``, and the mask as the attention
+            call takes it: ``valid_lens (B, Lq)`` (growing and static caches) or a boolean ``attn_mask
+            (B, 1, Lq, Lk)`` (sliding), the other ``None``; both ``None`` when the rows are aligned (a growing cache
+            whose rows all hold ``Lk`` keys, every new token real): then ``is_causal`` as given, aligned to the
+            bottom right, is exact, and the attention call builds no mask (decoding one sequence always takes this
+            path). Padded queries see no key (their output is zero). ``zeros_past``: each row's length, past which
+            its keys and values are zeros (growing and static caches), which the attention call passes on.
+
+        Raises:
+            ValueError: keys and values that do not fit what the cache holds (another batch, heads, head size,
+                device or dtype), or a static cache that is full.
         """
+        attended = self._store(k_new, v_new, new_lens, is_causal)
+        self._empty = False
+        return attended
+
+    def _store(self, k_new: Tensor, v_new: Tensor, new_lens: Tensor | None, is_causal: bool) -> Attended:
         B, Hkv, Lq, _ = k_new.shape
         self._start(k_new, v_new)
         assert self.lengths is not None
@@ -153,19 +177,17 @@ class KVCache:
         seen = positions + 1 if is_causal else self.lengths[:, None].expand(B, Lq)
         seen = torch.where(is_real, seen, 0)  # (B, Lq): padded queries see nothing
         if self.max_len is not None:
-            return self.keys, self.values, seen, None  # static shapes: the whole storage, masked by lengths
+            return Attended(self.keys, self.values, seen, None, self.lengths)  # static shapes: the whole storage
         shortest, longest = (int(n) for n in self.lengths.aminmax()) if B else (0, 0)  # one sync for both
         # at least one key: a prefill where every row is empty gives zeros (its queries are all padding, they see none)
         Lk = max(longest, 1)
         keys, values = self.keys[:, :, :Lk], self.values[:, :, :Lk]  # (B, Hkv, Lk, D|Dv)
         self._aligned = longest if shortest == longest else None
         if new_lens is None and shortest == longest:
-            return keys, values, None, None  # aligned rows: is_causal (bottom right) is exact, no mask to build
-        return keys, values, seen, None
+            return Attended(keys, values, None, None, self.lengths)  # aligned rows: no mask to build
+        return Attended(keys, values, seen, None, self.lengths)
 
-    def _append_aligned(
-        self, k_new: Tensor, v_new: Tensor, length: int
-    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    def _append_aligned(self, k_new: Tensor, v_new: Tensor, length: int) -> Attended:
         """A growing cache whose rows all hold ``length`` positions, every new token real (decoding one sequence,
         or a batch whose prompts were of one length): the new keys are written as one slice, with no index
         tensors and no read of the lengths from the device, and the rows stay aligned."""
@@ -178,7 +200,7 @@ class KVCache:
         self.lengths = self.lengths + Lq  # (B,)
         self._aligned = length + Lq
         Lk = max(length + Lq, 1)
-        return self.keys[:, :, :Lk], self.values[:, :, :Lk], None, None  # is_causal as given is exact
+        return Attended(self.keys[:, :, :Lk], self.values[:, :, :Lk], None, None, self.lengths)  # is_causal exact
 
     def _start(self, k_new: Tensor, v_new: Tensor) -> None:
         """At the first call: sizes, dtype and device from it; later calls must fit them."""
@@ -230,9 +252,7 @@ class KVCache:
         for name in ("keys", "values"):
             setattr(self, name, storage(getattr(self, name), grown))  # (B, Hkv, C', D)
 
-    def _sliding(
-        self, k_new: Tensor, v_new: Tensor, positions: Tensor, is_real: Tensor, is_causal: bool
-    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    def _sliding(self, k_new: Tensor, v_new: Tensor, positions: Tensor, is_real: Tensor, is_causal: bool) -> Attended:
         """The ring's keys and the new ones together (the new ones may overwrite slots older queries of this call
         still see), masked by position; then the last ``W`` real ones of each row written into the ring."""
         assert self.keys is not None and self.values is not None and self.slot_positions is not None
@@ -257,7 +277,7 @@ class KVCache:
             self.values[b, :, slots] = v_new[b, :, first:n].to(self.values.dtype)
             self.slot_positions[b, slots] = positions[b, first:n]
         self.lengths = self.lengths + is_real.sum(dim=1)  # (B,)
-        return keys, values, None, allowed[:, None]  # attn_mask (B, 1, Lq, W + Lq)
+        return Attended(keys, values, None, allowed[:, None], None)  # attn_mask (B, 1, Lq, W + Lq)
 
 
 def _longest(lengths: Tensor) -> int:

@@ -151,7 +151,9 @@ class DotProductAttention(nn.Module):
     sets ``.attention_weights (B, Lq, Lk)``; ``.scores (B, Lq, Lk)`` gives the last call's scaled scores, before
     masking, computed when first read. Beyond the book, keyword-only, as in
     :func:`attnkit.scaled_dot_product_attention`: ``attn_mask`` (boolean, ``True`` = may attend, or float,
-    broadcastable to ``(B, Lq, Lk)``) and ``is_causal`` (query ``i`` sees key ``j`` when ``j <= i + Lk - Lq``).
+    broadcastable to ``(B, Lq, Lk)``) and ``is_causal`` (query ``i`` sees key ``j`` when ``j <= i + Lk - Lq``);
+    ``zeros_past`` ``(B,)``, which :class:`MultiHeadAttention` passes over a :class:`~attnkit.KVCache`: the keys
+    and values are zeros from that position on in each row (the cache's promise, see :func:`attnkit.functional.attend`).
 
     Raises:
         ValueError: naming the argument, with the shapes, before any work: inputs that are not 3-dim (the book
@@ -207,17 +209,17 @@ class DotProductAttention(nn.Module):
         *,
         attn_mask: Tensor | None = None,
         is_causal: bool = False,
+        zeros_past: Tensor | None = None,
     ) -> Tensor:
         _check_book_inputs(queries, keys, values, same_features=True)
-        out, weights = functional.scaled_dot_product_attention(
+        out, weights = functional.attend(
             queries,
             keys,
             values,
-            valid_lens=valid_lens,
-            attn_mask=attn_mask,
-            is_causal=is_causal,
+            functional.Masks(valid_lens, attn_mask, is_causal),
             dropout_p=self.dropout.p if self.training else 0.0,
             need_weights=True,
+            zeros_past=zeros_past,
         )
         q, k = queries.detach(), keys.detach()
         self._scored, self._scores = (q, k, q._version, k._version), None
@@ -389,7 +391,7 @@ class MultiHeadAttention(nn.Module):
         if valid_lens is not None and not isinstance(cache, KVCache):
             _check_valid_lens(valid_lens, queries.shape[0], queries.shape[1], keys.shape[1])
         B, Lq, H = queries.shape[0], queries.shape[1], self.num_heads
-        attn_mask = None
+        attn_mask = zeros_past = None
         queries = self.transpose_qkv(self.W_q(queries))  # (B, Lq, h) -> (B*H, Lq, h/H)
         if isinstance(cache, CrossKVCache) and cache.keys is not None and cache.values is not None:
             # projected at the first call; (B, H, Lk, d) -> (B*H, Lk, d) is a view
@@ -402,10 +404,12 @@ class MultiHeadAttention(nn.Module):
                 cache.fill(keys.unflatten(0, (B, H)), values.unflatten(0, (B, H)), valid_lens)
             elif isinstance(cache, KVCache):
                 # The cache's own logic (one copy of it): append each row's new positions, return all it holds
-                k, v, valid_lens, attn_mask = cache.update(
+                k, v, valid_lens, attn_mask, zeros_past = cache.update(
                     keys.unflatten(0, (B, H)), values.unflatten(0, (B, H)), valid_lens, is_causal
-                )  # (B, H, Lk', d) twice; valid_lens (B, Lq) or attn_mask (B, 1, Lq, Lk') over them
+                )  # (B, H, Lk', d) twice; valid_lens (B, Lq) or attn_mask (B, 1, Lq, Lk') over them; zeros_past (B,)
                 keys, values = k.flatten(0, 1), v.flatten(0, 1)  # (B*H, Lk', d): views, the heads are contiguous
+                if zeros_past is not None:
+                    zeros_past = zeros_past.repeat_interleave(H)  # (B*H,): the cache's promise, per folded head
                 if valid_lens is not None or attn_mask is not None:
                     is_causal = False  # now in valid_lens or attn_mask, by each row's own positions
                 # else the rows are aligned (all hold Lk' keys): is_causal as given, bottom right, is exact
@@ -421,7 +425,8 @@ class MultiHeadAttention(nn.Module):
             if tracer is not None:
                 tracer.add("repeat attn_mask", [attn_mask], folded, "(B, 1, Lq, Lk) -> (B*H, Lq, Lk)")
             attn_mask = folded
-        output = self.attention(queries, keys, values, valid_lens, attn_mask=attn_mask, is_causal=is_causal)
+        extra = {} if zeros_past is None else {"zeros_past": zeros_past}  # (a replaced .attention need not take it)
+        output = self.attention(queries, keys, values, valid_lens, attn_mask=attn_mask, is_causal=is_causal, **extra)
         report_weights(self, self._weights_by_head)  # for attnkit.record_weights, in its layout
         output_concat = self.transpose_output(output)  # (B*H, Lq, h/H) -> (B, Lq, h)
         return self.W_o(output_concat)

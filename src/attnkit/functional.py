@@ -22,7 +22,14 @@ from attnkit.backends import reference
 from attnkit.backends.contract import Call
 from attnkit.masks import Mask
 
-__all__ = ["AttentionOutput", "additive_attention", "attention_weights", "scaled_dot_product_attention"]
+__all__ = [
+    "AttentionOutput",
+    "Masks",
+    "additive_attention",
+    "attend",
+    "attention_weights",
+    "scaled_dot_product_attention",
+]
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head (or hidden) dim, Dv value head dim
 
@@ -33,6 +40,17 @@ class AttentionOutput(NamedTuple):
 
     output: Tensor
     weights: Tensor | None
+
+
+class Masks(NamedTuple):
+    """What a call says of who attends to whom, and of its scores: the masking arguments of
+    :func:`scaled_dot_product_attention` as one value (attnkit's layers pass theirs on as it)."""
+
+    valid_lens: Tensor | None = None
+    attn_mask: Tensor | None = None
+    is_causal: bool = False
+    mask_mod: mods.MaskFn | None = None
+    score_mod: mods.ScoreFn | None = None
 
 
 def scaled_dot_product_attention(
@@ -90,12 +108,10 @@ def scaled_dot_product_attention(
         <BLANKLINE>
                 [[0.5000, 0.5000, 0.0000]]])
     """
-    q, k, v = _autocast(q, k, v)
-    three_d = check_qkv(q, k, v)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    masks = _Masks(valid_lens, attn_mask, is_causal, mask_mod)
-    return _attend(q, k, v, None, three_d, masks, _Mods(score_mod, sinks), scale, dropout_p, need_weights, backend)
+    masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
+    return attend(
+        q, k, v, masks, scale=scale, sinks=sinks, dropout_p=dropout_p, need_weights=need_weights, backend=backend
+    )
 
 
 def additive_attention(
@@ -132,18 +148,8 @@ def additive_attention(
         >>> additive_attention(q, k, v, torch.ones(8), valid_lens=torch.tensor([2])).output
         tensor([[[0.5000]]])
     """
-    q, k, v, w_v = _autocast(q, k, v, w_v)
-    three_d = check_qkv(q, k, v)
-    if not isinstance(w_v, Tensor):
-        raise TypeError(f"w_v must be a tensor of shape (h,) = ({q.shape[-1]},), got {type(w_v).__name__}")
-    if tuple(w_v.shape) != (q.shape[-1],):
-        raise ValueError(
-            f"w_v must have shape (h,) = ({q.shape[-1]},) to match the hidden size of q and k, "
-            f"got {tuple(w_v.shape)}: q {tuple(q.shape)}, w_v {tuple(w_v.shape)}"
-        )
-    _check_same_kind(("q", q), ("w_v", w_v))
-    masks = _Masks(valid_lens, attn_mask, is_causal, mask_mod)
-    return _attend(q, k, v, w_v, three_d, masks, _Mods(score_mod, sinks), 1.0, dropout_p, need_weights, backend)
+    masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
+    return attend(q, k, v, masks, w_v=w_v, sinks=sinks, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
 
 
 def attention_weights(
@@ -176,17 +182,84 @@ def attention_weights(
     q, k, w_v = _autocast(q, k, w_v)
     three_d = check_qkv(q, k, k, ("q", "k", "k"))
     if w_v is not None:
-        _check_same_kind(("q", q), ("w_v", w_v))
+        _check_w_v(q, w_v)
     scale = check_scale(q.shape[-1] ** -0.5 if scale is None else scale)
     if three_d:
         q, k = q.unsqueeze(1), k.unsqueeze(1)  # (B, 1, L, D)
-    mask = _build_mask(q, k, _Masks(valid_lens, attn_mask, is_causal, mask_mod), three_d)
-    score_mod, sinks = _check_mods(q, k, _Mods(score_mod, sinks))
+    masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
+    mask = _build_mask(q, k, masks, three_d)
+    score_mod, sinks = _check_mods(q, k, score_mod, sinks)
     with _autocast_off(q):
         weights = reference.attention_weights(q, k, mask, w_v=w_v, scale=scale, score_mod=score_mod, sinks=sinks).to(
             q.dtype
         )  # (B, H, Lq, Lk)
     return weights.squeeze(1) if three_d else weights
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    masks: Masks,
+    *,
+    w_v: Tensor | None = None,
+    scale: float | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+    backend: str = "auto",
+    zeros_past: Tensor | None = None,
+) -> AttentionOutput:
+    """:func:`scaled_dot_product_attention` (``w_v`` None) or :func:`additive_attention`, as attnkit's layers call
+    it: the masks as one value, and what a layer knows of its keys and values beside.
+
+    Args:
+        zeros_past: ``(B,)`` lengths past which each example's keys and values are zeros (a
+            :class:`~attnkit.KVCache`'s promise, which its ``update`` returns): the backends then need not read
+            that band to know it holds nothing that could leak (:func:`attnkit.backends.common.zero_dead`).
+    """
+    q, k, v, w_v = _autocast(q, k, v, w_v)
+    three_d = check_qkv(q, k, v)
+    if w_v is not None:
+        _check_w_v(q, w_v)
+        scale = 1.0
+    elif scale is None:
+        scale = q.shape[-1] ** -0.5
+    if not isinstance(need_weights, bool):
+        raise TypeError(f"need_weights must be a bool, got {need_weights!r}")
+    scale = check_scale(scale)
+    if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
+        raise TypeError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if three_d:
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L, D)
+    mask = _build_mask(q, k, masks, three_d)
+    score_mod, sinks = _check_mods(q, k, masks.score_mod, sinks)
+    call = Call(
+        q,
+        k,
+        v,
+        mask,
+        w_v=w_v,
+        scale=scale,
+        dropout_p=dropout_p,
+        need_weights=need_weights,
+        score_mod=score_mod,
+        sinks=sinks,
+        zeros_past=zeros_past,
+    )
+    chosen = dispatch.choose(backend, call)
+    with _autocast_off(q):
+        out, weights = chosen.attention(call)  # (B, H, Lq, Dv), (B, H, Lq, Lk) or None
+    if three_d:
+        out = out.squeeze(1)  # (B, Lq, Dv)
+        weights = None if weights is None else weights.squeeze(1)  # (B, Lq, Lk)
+    tracer = trace.active()
+    if tracer is not None:
+        _trace_steps(tracer, q, k, v, w_v, three_d, out, chosen.NAME, masks, sinks is not None)
+    return AttentionOutput(out, weights)
 
 
 def check_qkv(
@@ -286,70 +359,21 @@ def _check_same_kind(*named: tuple[str, Tensor]) -> None:
             raise ValueError(f"{n0} and {name} must be on the same device, got {t0.device} and {t.device}")
 
 
-class _Masks(NamedTuple):
-    valid_lens: Tensor | None
-    attn_mask: Tensor | None
-    is_causal: bool
-    mask_mod: mods.MaskFn | None
+def _check_w_v(q: Tensor, w_v: Tensor) -> None:
+    if not isinstance(w_v, Tensor):
+        raise TypeError(f"w_v must be a tensor of shape (h,) = ({q.shape[-1]},), got {type(w_v).__name__}")
+    if tuple(w_v.shape) != (q.shape[-1],):
+        raise ValueError(
+            f"w_v must have shape (h,) = ({q.shape[-1]},) to match the hidden size of q and k, "
+            f"got {tuple(w_v.shape)}: q {tuple(q.shape)}, w_v {tuple(w_v.shape)}"
+        )
+    _check_same_kind(("q", q), ("w_v", w_v))
 
 
-class _Mods(NamedTuple):
-    score_mod: mods.ScoreFn | None
-    sinks: Tensor | None
-
-
-def _attend(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    w_v: Tensor | None,
-    three_d: bool,
-    masks: _Masks,
-    modifiers: _Mods,
-    scale: float,
-    dropout_p: float,
-    need_weights: bool,
-    backend: str,
-) -> AttentionOutput:
-    if not isinstance(need_weights, bool):
-        raise TypeError(f"need_weights must be a bool, got {need_weights!r}")
-    scale = check_scale(scale)
-    if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
-        raise TypeError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    dropout_p = float(dropout_p)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if three_d:
-        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L, D)
-    mask = _build_mask(q, k, masks, three_d)
-    score_mod, sinks = _check_mods(q, k, modifiers)
-    call = Call(
-        q,
-        k,
-        v,
-        mask,
-        w_v=w_v,
-        scale=scale,
-        dropout_p=dropout_p,
-        need_weights=need_weights,
-        score_mod=score_mod,
-        sinks=sinks,
-    )
-    chosen = dispatch.choose(backend, call)
-    with _autocast_off(q):
-        out, weights = chosen.attention(call)  # (B, H, Lq, Dv), (B, H, Lq, Lk) or None
-    if three_d:
-        out = out.squeeze(1)  # (B, Lq, Dv)
-        weights = None if weights is None else weights.squeeze(1)  # (B, Lq, Lk)
-    tracer = trace.active()
-    if tracer is not None:
-        _trace_steps(tracer, q, k, v, w_v, three_d, out, chosen.NAME, masks, modifiers)
-    return AttentionOutput(out, weights)
-
-
-def _check_mods(q: Tensor, k: Tensor, modifiers: _Mods) -> tuple[mods.ScoreFn | None, Tensor | None]:
+def _check_mods(
+    q: Tensor, k: Tensor, score_mod: mods.ScoreFn | None, sinks: Tensor | None
+) -> tuple[mods.ScoreFn | None, Tensor | None]:
     """The score_mod bound to the call (a built-in) and the sinks checked: ``(H,)`` floating point, beside ``q``."""
-    score_mod, sinks = modifiers
     B, H, Lq, _ = q.shape
     mods.check_callable("score_mod", score_mod)
     if score_mod is not None:
@@ -379,8 +403,8 @@ def _trace_steps(
     three_d: bool,
     out: Tensor,
     backend: str,
-    masks: _Masks,
-    modifiers: _Mods,
+    masks: Masks,
+    sinks: bool,
 ) -> None:
     """The logical steps of one call, in the caller's layout, whichever backend ran."""
     if three_d:
@@ -390,13 +414,13 @@ def _trace_steps(
         tracer.add("scores", [q, k], scores, "q @ k^T * scale")
     else:
         tracer.add("scores", [q, k], scores, f"w_v . tanh(q + k), via features {(*scores, q.shape[-1])}")
-    if modifiers.score_mod is not None:
-        tracer.add("score_mod", [scores], scores, f"score_mod {_name(modifiers.score_mod)}")
+    if masks.score_mod is not None:
+        tracer.add("score_mod", [scores], scores, f"score_mod {_name(masks.score_mod)}")
     described = trace.describe_masks(masks.valid_lens, masks.attn_mask, masks.is_causal)
     if masks.mask_mod is not None:
         described += f"; mask_mod {_name(masks.mask_mod)}"
     tracer.add("mask", [scores], scores, described)
-    sink = "" if modifiers.sinks is None else ", with a sink logit per head"
+    sink = ", with a sink logit per head" if sinks else ""
     tracer.add("softmax", [scores], scores, f"over keys{sink}; rows with no key -> 0")
     how = _HOW.get(backend)
     tracer.add("weighted sum", [scores, v], out, f"weights @ v; backend {backend}" + (f" ({how})" if how else ""))
@@ -406,7 +430,7 @@ def _name(fn: object) -> str:
     return type(fn).__name__ if isinstance(fn, (mods.MaskMod, mods.ScoreMod)) else getattr(fn, "__name__", repr(fn))
 
 
-def _build_mask(q: Tensor, k: Tensor, masks: _Masks, three_d: bool) -> Mask:
+def _build_mask(q: Tensor, k: Tensor, masks: Masks, three_d: bool) -> Mask:
     B, H, Lq, _ = q.shape
     return Mask.build(
         batch=B,

@@ -8,31 +8,18 @@ a recording is open.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor, nn
 
 from attnkit import _projection, mods, trace
 from attnkit._checks import check_dropout, check_sizes
-from attnkit.backends.common import zero_past
 from attnkit.cache import CrossKVCache, KVCache
-from attnkit.functional import additive_attention, attention_weights, check_qkv, scaled_dot_product_attention
+from attnkit.functional import Masks, attend, attention_weights, check_qkv
 from attnkit.recording import is_recording, report_weights
 
 __all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention"]
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, d head dim, h hidden size
-
-
-class Masks(NamedTuple):
-    """What a layer's call says of who attends to whom (and the scores' modifier), as the functional API takes it."""
-
-    valid_lens: Tensor | None
-    attn_mask: Tensor | None
-    is_causal: bool
-    mask_mod: mods.MaskFn | None = None
-    score_mod: mods.ScoreFn | None = None
 
 
 class _Attention(nn.Module):
@@ -103,14 +90,8 @@ class DotProductAttention(_Attention):
         valid_lens ``(B,)`` or ``(B, Lq)``; mask_mod, score_mod as in
         :func:`attnkit.scaled_dot_product_attention`. Returns ``(B, [H,] Lq, dv)``."""
         masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
-        out = scaled_dot_product_attention(
-            queries,
-            keys,
-            values,
-            **masks._asdict(),
-            sinks=self.sinks,
-            dropout_p=self._dropout_p(),
-            backend=self.backend,
+        out = attend(
+            queries, keys, values, masks, sinks=self.sinks, dropout_p=self._dropout_p(), backend=self.backend
         ).output
         self._record(queries, keys, masks)
         return out
@@ -169,8 +150,8 @@ class AdditiveAttention(_Attention):
         k = self.W_k(keys)  # (B, Lk, h)
         w_v = self.w_v.weight[0]  # (1, h) -> (h,)
         masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
-        out = additive_attention(
-            q, k, values, w_v, **masks._asdict(), dropout_p=self._dropout_p(), backend=self.backend
+        out = attend(
+            q, k, values, masks, w_v=w_v, dropout_p=self._dropout_p(), backend=self.backend
         ).output  # (B, Lq, dv)
         self._record(q, k, masks, w_v)
         return out
@@ -241,6 +222,7 @@ class MultiHeadAttention(_Attention):
         self.W_k = _projection.make(key_size, kv_hiddens, bias=bias)
         self.W_v = _projection.make(value_size, kv_hiddens, bias=bias)
         self.W_o = nn.Linear(num_hiddens, num_hiddens, bias=bias)
+        self._stacked = _projection.Stacked()  # the q/k/v weights stacked, for decode steps
 
     def forward(
         self,
@@ -272,15 +254,16 @@ class MultiHeadAttention(_Attention):
         Lk = keys.shape[1]
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         tracer = trace.active()
+        zeros_past = None  # (B,): a KVCache's keys and values are zeros past each row's length
         if isinstance(cache, CrossKVCache) and cache.keys is not None and cache.values is not None:
             q_flat = _projection.linear(queries, self.W_q)  # (B, Lq, H*d)
             k, v, valid_lens = cache.keys, cache.values, cache.valid_lens  # projected at the first call
             kv_split = []
         else:
-            if _projection.same(queries, keys) and _projection.same(keys, values):  # self-attention: one product
-                # the stacked weights live on the cache: one generation (see _projection)
-                owner = cache if isinstance(cache, KVCache) else None
-                q_flat, k_flat, v_flat = _projection.stacked(queries, (self.W_q, self.W_k, self.W_v), owner)
+            if isinstance(cache, KVCache) and _projection.same(queries, keys) and _projection.same(keys, values):
+                # decoding self-attention: one product, the weights stacked (made again at each generation)
+                projections = (self.W_q, self.W_k, self.W_v)
+                q_flat, k_flat, v_flat = self._stacked(queries, projections, refresh=cache.is_empty)
             else:
                 q_flat = _projection.linear(queries, self.W_q)  # (B, Lq, H*d)
                 k_flat, v_flat = _projection.linear(keys, self.W_k), _projection.linear(values, self.W_v)
@@ -303,24 +286,24 @@ class MultiHeadAttention(_Attention):
                     "with a KVCache, the masks are valid_lens (B,) (each row's real new tokens) and is_causal; "
                     "attn_mask, mask_mod and score_mod are not supported (their positions would not be the rows' own)"
                 )
-            k, v, valid_lens, attn_mask = cache.update(k, v, valid_lens, is_causal)
+            k, v, valid_lens, attn_mask, zeros_past = cache.update(k, v, valid_lens, is_causal)
             if valid_lens is not None or attn_mask is not None:
                 is_causal = False  # now in valid_lens or attn_mask, by each row's own positions
         elif cache is not None:
             raise TypeError(f"cache must be an attnkit.KVCache or attnkit.CrossKVCache, got {type(cache).__name__}")
         masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
-        with zero_past(cache.lengths if isinstance(cache, KVCache) else None):
-            out = self._attend(q, k, v, masks)  # (B, H, Lq, d)
+        out = self._attend(q, k, v, masks, zeros_past)  # (B, H, Lq, d)
         self._record(q, k, masks)
         merged = out.transpose(1, 2).reshape(B, Lq, H * d)  # (B, H, Lq, d) -> (B, Lq, H*d)
         if tracer is not None:
             tracer.add("merge heads", [out], merged, "(B, H, Lq, d) -> (B, Lq, H*d)")
         return _projection.linear(merged, self.W_o)  # (B, Lq, num_hiddens)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, masks: Masks) -> Tensor:
-        """Attention on the split heads: ``(B, H, Lq, d)``, ``(B, Hkv, Lk, d)`` twice -> ``(B, H, Lq, d)``."""
-        return scaled_dot_product_attention(
-            q, k, v, **masks._asdict(), sinks=self.sinks, dropout_p=self._dropout_p(), backend=self.backend
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, masks: Masks, zeros_past: Tensor | None) -> Tensor:
+        """Attention on the split heads: ``(B, H, Lq, d)``, ``(B, Hkv, Lk, d)`` twice -> ``(B, H, Lq, d)``;
+        ``zeros_past (B,)``: a KVCache's promise (:meth:`attnkit.KVCache.update`)."""
+        return attend(
+            q, k, v, masks, sinks=self.sinks, dropout_p=self._dropout_p(), backend=self.backend, zeros_past=zeros_past
         ).output
 
     @classmethod

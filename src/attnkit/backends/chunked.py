@@ -112,7 +112,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
         block = current_settings().block_size
     else:
         block = max(1, current_settings().additive_block_bytes // (4 * max(B * H * Lq * D, 1)))
-    q, k, v = zero_dead(q, k, v, mask)
+    q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
     # Repeating key/value heads outside the Function lets autograd sum their gradients back per group.
     kf = repeat_kv(k, H).to(dtype)  # (B, H, Lk, D)
     vf = repeat_kv(v, H).to(dtype)  # (B, H, Lk, Dv)

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from contextvars import ContextVar
-
 import torch
 from torch import Tensor
 
@@ -14,23 +10,6 @@ from attnkit.backends.contract import Call
 from attnkit.masks import Mask
 
 # B batch, H heads, Hkv key/value heads, L length, D head dim
-
-# While attention runs over what a KVCache returned: each row's length (B,), past which its keys and values are
-# zeros (the cache allocates zeros, writes padded tokens as zeros, and a reset static cache is zeroed), so that
-# the band past the mask's live keys needs no check where it lies past those lengths. On a ragged decode step that
-# check was the largest cost after the products.
-_ZERO_PAST: ContextVar[Tensor | None] = ContextVar("attnkit_zero_past", default=None)
-
-
-@contextlib.contextmanager
-def zero_past(lengths: Tensor | None) -> Iterator[None]:
-    """Inside the block, the keys and values attended over are zeros past ``lengths (B,)`` in each example (a
-    :class:`~attnkit.KVCache`'s promise; ``None``: nothing known), so :func:`zero_dead` does not read them."""
-    token = _ZERO_PAST.set(lengths)
-    try:
-        yield
-    finally:
-        _ZERO_PAST.reset(token)
 
 
 def repeat_kv(x: Tensor, heads: int) -> Tensor:
@@ -65,11 +44,17 @@ def dense_mask(call: Call, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | 
     return allowed, bias
 
 
-def zero_dead(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, Tensor, Tensor]:
+def zero_dead(
+    q: Tensor, k: Tensor, v: Tensor, mask: Mask, zeros_past: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Zero the keys and values no query may see (padding) and the queries that may see no key (empty rows),
     as the one combined mask says (:meth:`Mask.liveness`), so that whatever they hold, NaN included, reaches
     neither the output nor any gradient (``0 * NaN`` in ``p @ v`` or ``dS^T Q`` is NaN). Returns new tensors
     where something is dead; the inputs are left as they were, and the zeroed positions get zero gradients.
+
+    ``zeros_past (B,)``: each example's keys and values are zeros from that position on (``Call.zeros_past``, a
+    :class:`~attnkit.KVCache`'s promise), so dead keys there need no check. On a ragged decode step that check
+    was the largest cost after the products.
 
     Every backend calls this before it computes.
     """
@@ -84,13 +69,13 @@ def zero_dead(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, Tens
         if live_keys.shape[1] not in (1, Hkv):
             # a per-query-head mask with grouped key/value heads: a key/value head is live if any of its group is
             live_keys = live_keys.unflatten(1, (Hkv, -1)).any(dim=2)  # (B|1, Hkv, Lk)
-        if not _finite_suffixes(mask, k, v):
+        if not _finite_suffixes(mask, k, v, zeros_past):
             k = torch.where(live_keys[..., None], k, zero)  # (B, Hkv, Lk, D)
             v = torch.where(live_keys[..., None], v, zero)  # (B, Hkv, Lk, Dv)
     return q, k, v
 
 
-def _finite_suffixes(mask: Mask, k: Tensor, v: Tensor) -> bool:
+def _finite_suffixes(mask: Mask, k: Tensor, v: Tensor, zeros_past: Tensor | None) -> bool:
     """True when the dead keys form a suffix of each example (only ``valid_lens`` and ``is_causal`` hide keys:
     padding, a cache past each row's length) and hold only finite keys and values: then they need no zeroing
     (``0 * finite`` is 0, and a hidden key gets no gradient). Only the band from the shortest example's end on is
@@ -100,8 +85,7 @@ def _finite_suffixes(mask: Mask, k: Tensor, v: Tensor) -> bool:
     counts = mask.live_key_counts  # (B|1, 1, 1) or None
     if counts is None:
         return False
-    zeros_from = _ZERO_PAST.get()  # (B,) or None
-    if zeros_from is not None and bool((counts.view(-1) >= zeros_from).all()):
+    if zeros_past is not None and bool((counts.view(-1) >= zeros_past).all()):
         return True  # every dead key lies past its example's length: zeros
     shortest = int(counts.min())
     # one reduction: a sum is finite only if every term is (a finite sum that overflows reads as not: zeroed)

@@ -35,7 +35,8 @@ class Call:
     parts (a ``mask_mod`` among them); ``w_v (D,)`` for additive scoring, ``None`` for dot-product scoring (then
     scaled by ``scale``); ``score_mod(score, b, h, q_idx, kv_idx)`` applied to the scaled (or additive) scores,
     built-ins bound to the call; ``sinks (H,)`` one sink logit per query head, in ``q.dtype``
-    (``a[i, j] = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))``).
+    (``a[i, j] = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))``); ``zeros_past (B,)`` lengths past which each
+    example's keys and values are zeros (a :class:`~attnkit.KVCache`'s promise), or ``None``.
     A backend returns the output ``(B, H, Lq, Dv)`` in ``q.dtype``, and the pre-dropout weights
     ``(B, H, Lq, Lk)`` when ``need_weights`` (else ``None``).
     """
@@ -50,6 +51,7 @@ class Call:
     need_weights: bool = False
     score_mod: mods.ScoreFn | None = None
     sinks: Tensor | None = None
+    zeros_past: Tensor | None = None
 
     @property
     def scoring(self) -> str:

@@ -62,7 +62,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v, mask = call.q, call.k, call.v, call.mask
     B, H, Lq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
-    q, k, v = zero_dead(q, k, v, mask)
+    q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
     allowed, bias = dense_mask(call, q.dtype)  # (B|1, H|1, Lq|1, Lk) each, or None
     # valid_lens: is_causal alone hides no key of a decode step's last query (bottom right)
     counts = None if mask.valid_lens is None else mask.live_key_counts  # (B|1, 1, 1) or None

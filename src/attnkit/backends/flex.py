@@ -56,7 +56,7 @@ def run(call: Call, *, compiled: bool) -> Tensor:
     q, k, v, mask = call.q, call.k, call.v, call.mask
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
-    q, k, v = zero_dead(q, k, v, mask)
+    q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
     mask_fn = _mask_function(mask, B, H)
     block_mask = None
     if mask_fn is not None:

@@ -45,7 +45,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v, mask = call.q, call.k, call.v, call.mask
     H = q.shape[1]
     dtype = compute_dtype(q.dtype)
-    q, k, v = zero_dead(q, k, v, mask)
+    q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
     weights = attention_weights(
         q, k, mask, w_v=call.w_v, scale=call.scale, score_mod=call.score_mod, sinks=call.sinks, zeroed=True
     )  # (B, H, Lq, Lk) in `dtype`

@@ -78,7 +78,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
         )  # (B, H, Lq, Dv)
         return out, None
 
-    q, k, v = zero_dead(q, k, v, mask)
+    q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
     allowed, bias = dense_mask(call, q.dtype)  # (B|1, H|1, Lq|1, Lk) each, or None
     _, live_rows = mask.liveness  # (B|1, H|1, Lq) or None when every row sees some key
     if bias is None:

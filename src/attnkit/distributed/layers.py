@@ -13,7 +13,8 @@ from torch import Tensor, nn
 from attnkit.distributed import comm
 from attnkit.distributed.ring import Request, _agree, _RingAttention
 from attnkit.distributed.sequence import check_layout
-from attnkit.layers import Masks, MultiHeadAttention
+from attnkit.functional import Masks
+from attnkit.layers import MultiHeadAttention
 from attnkit.recording import recorder
 
 __all__ = ["RingMultiHeadAttention", "sum_gradients"]
@@ -80,7 +81,7 @@ class RingMultiHeadAttention(MultiHeadAttention):
         )
         self.group, self.layout, self.timeout = group, layout, timeout
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, masks: Masks) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, masks: Masks, zeros_past: Tensor | None) -> Tensor:
         refused = None  # refused after the ranks agree, so that a rank alone in its mistake stops the others too
         if masks.attn_mask is not None:
             refused = (
