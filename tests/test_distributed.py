@@ -21,7 +21,7 @@ import ring_workers as w
 from attnkit import mods
 from attnkit.backends import online
 from attnkit.distributed import sequence
-from attnkit.distributed.ring import _Plan, _span, _StepMask
+from attnkit.distributed.plan import Plan, StepMask, step_span
 from ranks import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -307,10 +307,10 @@ def test_segments_reject_fewer_positions_than_ranks_and_unknown_layouts():
         sequence.segments(8, 2, "ring")
 
 
-def _plan(rank: int, world_size: int, q_ranges: list, k_ranges: list, **agreed) -> _Plan:
+def _plan(rank: int, world_size: int, q_ranges: list, k_ranges: list, **agreed) -> Plan:
     """What ring attention's span computation reads of a plan, without processes."""
     ring = SimpleNamespace(rank=rank, size=world_size)
-    return _Plan(ring, timedelta(0), q_ranges, k_ranges, valid_lens=None, scale=1.0, block=4, **agreed)  # type: ignore[arg-type]
+    return Plan(ring, timedelta(0), q_ranges, k_ranges, valid_lens=None, scale=1.0, block=4, **agreed)  # type: ignore[arg-type]
 
 
 def _scored_pairs(layout: str, L: int, W: int) -> list[int]:
@@ -319,7 +319,7 @@ def _scored_pairs(layout: str, L: int, W: int) -> list[int]:
     totals = []
     for rank in range(W):
         plan = _plan(rank, W, ranges, ranges, offset=0, is_causal=True, key_limit=L)
-        spans = [_span(plan, src) for src in range(W)]
+        spans = [step_span(plan, src) for src in range(W)]
         totals.append(sum((r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in filter(None, spans)))
     return totals
 
@@ -403,7 +403,7 @@ def _check_spans(world_size: int, data: st.DataObject, layout: str, is_causal: b
                 by_mod = mods.evaluate_mask(mask_mod, torch.arange(B)[:, None, None], torch.tensor(0), queries, keys)
                 by_mod = by_mod.expand(B, *allowed.shape)  # (B, Lq_r, Lk_src)
                 allowed = allowed & by_mod.any(dim=0)  # (Lq_r, Lk_src): allowed for some example
-            span = _span(plan, src)
+            span = step_span(plan, src)
             if span is None:
                 assert not allowed.any()
                 continue
@@ -418,21 +418,21 @@ def _check_spans(world_size: int, data: st.DataObject, layout: str, is_causal: b
 
 
 def test_far_steps_are_skipped_without_evaluating_anything():
-    """A sliding window or another document: _span says None from position ranges alone (a mask_mod that would
-    raise if evaluated shows that nothing was), and _StepMask's tiles, combined with the mod's, leave the chunked
+    """A sliding window or another document: step_span says None from position ranges alone (a mask_mod that would
+    raise if evaluated shows that nothing was), and StepMask's tiles, combined with the mod's, leave the chunked
     backend's block plan only the blocks along the band."""
     L, W = 64, 4
     ranges = sequence.segments(L, W, "contiguous")  # 16 positions per rank
 
-    def plan(rank: int, mask_mod: mods.MaskFn) -> _Plan:
+    def plan(rank: int, mask_mod: mods.MaskFn) -> Plan:
         bound = mods.bind(mask_mod, batch=1, heads=1, num_queries=L, num_keys=L, device=None)
         return _plan(rank, W, ranges, ranges, offset=0, is_causal=True, key_limit=L, mask_mod=bound)
 
     window = mods.sliding_window(4)
-    assert [_span(plan(3, window), src) for src in range(W)] == [None, None, ((0, 3), (13, 16)), ((0, 16), (0, 16))]
+    assert [step_span(plan(3, window), src) for src in range(W)] == [None, None, ((0, 3), (13, 16)), ((0, 16), (0, 16))]
     halves = mods.document((torch.arange(L) >= L // 2).long()[None])
-    assert [_span(plan(3, halves), src) is None for src in range(W)] == [True, True, False, False]
-    assert _span(plan(2, halves), 1) is None and _span(plan(1, halves), 0) is not None
+    assert [step_span(plan(3, halves), src) is None for src in range(W)] == [True, True, False, False]
+    assert step_span(plan(2, halves), 1) is None and step_span(plan(1, halves), 0) is not None
 
     @dataclass(frozen=True)
     class Unevaluable(mods.MaskMod):  # tiles that know, a call that must not happen
@@ -444,15 +444,15 @@ def test_far_steps_are_skipped_without_evaluating_anything():
         def tiles(self, rows, cols):  # noqa: ANN001
             return window.tiles(rows, cols)
 
-    assert _span(plan(3, Unevaluable()), 0) is None
+    assert step_span(plan(3, Unevaluable()), 0) is None
 
     one = sequence.segments(256, 1, "contiguous")  # one rank, 256 positions: the step is the whole sequence
     bound = mods.bind(window, batch=1, heads=1, num_queries=256, num_keys=256, device=None)
     whole = _plan(0, 1, one, one, offset=0, is_causal=True, key_limit=256, mask_mod=bound)
-    (r0, r1), (c0, c1) = _span(whole, 0)
-    mask = _StepMask(whole, one[0], one[0], (r0, r1), (c0, c1), torch.device("cpu"))
+    (r0, r1), (c0, c1) = step_span(whole, 0)
+    mask = StepMask(whole, one[0], one[0], (r0, r1), (c0, c1), torch.device("cpu"))
     spans = online.key_blocks(mask, r1 - r0, (0, c1 - c0), 16)
-    causal = _StepMask(replace(whole, mask_mod=None), one[0], one[0], (r0, r1), (c0, c1), torch.device("cpu"))
+    causal = StepMask(replace(whole, mask_mod=None), one[0], one[0], (r0, r1), (c0, c1), torch.device("cpu"))
     causal_spans = online.key_blocks(causal, r1 - r0, (0, c1 - c0), 16)
     assert all(r1 - r0 <= 128 for _, _, r0, r1, _ in spans), spans  # one row block of 64, or two at a boundary
     pairs = sum((r1 - r0) * (j1 - j0) for j0, j1, r0, r1, _ in spans)
@@ -492,7 +492,7 @@ def test_ring_takes_the_scale_rule_of_the_single_process_functions():
     """Any finite real number (NumPy's too) is a scale; NaN and infinities are ValueErrors, before any rank talks."""
     import numpy as np
 
-    from attnkit.distributed.ring import Request, _describe
+    from attnkit.distributed.agree import Request, _describe
 
     q = torch.randn(1, 2, 3, 4)
     ok = _describe(Request(q, q, q, None, False, np.float32(0.5), "contiguous"))

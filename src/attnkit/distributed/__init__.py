@@ -12,6 +12,10 @@ Not imported by ``import attnkit``::
 * :class:`RingMultiHeadAttention`: the module form; :func:`sum_gradients` sums its parameter gradients over the
   ranks after ``backward()`` (each rank's cover its own positions only).
 * :class:`RingError`: another rank failed, died or stayed silent past the timeout.
+
+Inside, one concern a module: ``comm`` (messages and timeouts), ``sequence`` (who holds which positions),
+``agree`` (the ranks check the call together before any block travels), ``plan`` (what each step may skip),
+``ring`` (the ring math and its autograd), ``layers`` (the module form).
 """
 
 from attnkit.distributed.comm import DEFAULT_TIMEOUT, RingError

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from attnkit.distributed import comm
-from attnkit.distributed.ring import Request, _agree, _RingAttention
+from attnkit.distributed.agree import Request, agree
+from attnkit.distributed.ring import RingAttention
 from attnkit.distributed.sequence import check_layout
 from attnkit.functional import Masks
 from attnkit.layers import MultiHeadAttention
@@ -99,8 +100,8 @@ class RingMultiHeadAttention(MultiHeadAttention):
             refused = f"RingMultiHeadAttention has no dropout on the weights, got dropout={self.dropout}"
         ring = comm.Ring(self.group)
         request = Request(q, k, v, masks.valid_lens, masks.is_causal, None, self.layout, masks.mask_mod)
-        plan = _agree(ring, request, self.timeout, refused=refused)
-        return _RingAttention.apply(q, k, v, plan)  # (B, H, L_r, d)
+        plan = agree(ring, request, self.timeout, refused=refused)
+        return RingAttention.apply(q, k, v, plan)  # (B, H, L_r, d)
 
 
 def sum_gradients(module: nn.Module, *, group: object | None = None, timeout: float | timedelta | None = None) -> None:

@@ -33,33 +33,29 @@ pairs (see :mod:`attnkit.distributed.sequence`).
 What masked positions hold never reaches a result, as in the single-process backends: keys no query may see
 (under all the masks together) are zeroed before they travel, and query rows that may see no key give zero
 output and zero gradients, NaN in them included.
+
+This module holds the ring math and its autograd; the ranks agree on the call before the first exchange in
+:mod:`attnkit.distributed.agree`, and each step is planned in :mod:`attnkit.distributed.plan`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import struct
-import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit._checks import as_lengths, ranges, short
-from attnkit.backends import chunked
 from attnkit.backends.common import repeat_kv
 from attnkit.backends.online import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads, key_blocks
 from attnkit.distributed import comm
-from attnkit.distributed.sequence import LAYOUTS, check_layout, length, positions, segments
-from attnkit.functional import check_qkv, check_scale
-from attnkit.masks import LIVENESS_BLOCK_ELEMENTS, LIVENESS_ROWS, compute_dtype
+from attnkit.distributed.agree import Request, agree
+from attnkit.distributed.plan import Plan, StepMask, seen_keys, step_span
+from attnkit.distributed.sequence import length, positions
+from attnkit.masks import compute_dtype
 
-__all__ = ["ring_attention"]
+__all__ = ["RingAttention", "ring_attention"]
 
 # B batch, H heads, Hkv key/value heads, D head dim, Dv value head dim, W ranks
 # Lq/Lk whole-sequence lengths, Lq_r/Lk_r the positions this rank holds, Lb the key positions of one block
@@ -129,332 +125,22 @@ def ring_attention(
             out = ring_attention(q, k, v, is_causal=True, layout="zigzag", mask_mod=mask_mod)
     """
     request = Request(q, k, v, valid_lens, is_causal, scale, layout, mask_mod)
-    plan = _agree(comm.Ring(group), request, timeout, refused=None)
-    return _RingAttention.apply(q, k, v, plan)
-
-
-class Request(NamedTuple):
-    """One rank's call, as given: checked by :func:`_agree` against itself and the other ranks."""
-
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    valid_lens: Tensor | None
-    is_causal: bool
-    scale: float | None
-    layout: str
-    mask_mod: mods.MaskFn | None = None
-
-
-# --- agreeing before the first exchange --------------------------------------------------------------------
-
-# Everything one rank says about its call; the _AGREED fields must be equal on every rank.
-_FIELDS = (
-    "B",
-    "H",
-    "Hkv",
-    "D",
-    "Dv",
-    "Lq_r",
-    "Lk_r",
-    "dtype",
-    "is_causal",
-    "layout",
-    "scale",
-    "lens",
-    "grad",
-    "mask_mod",
-)
-_AGREED = {
-    "B": "the batch size",
-    "H": "the number of query heads",
-    "Hkv": "the number of key/value heads",
-    "D": "the head dim",
-    "Dv": "the value head dim",
-    "dtype": "the dtype",
-    "is_causal": "is_causal",
-    "layout": "the layout",
-    "scale": "the scale",
-    "lens": "valid_lens",
-    "grad": "whether gradients are needed",
-    "mask_mod": "the mask_mod",
-}
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What every rank agreed on, and where this rank's positions are."""
-
-    ring: comm.Ring
-    timeout: timedelta  # for every wait on another rank
-    q_ranges: list[list[tuple[int, int]]]  # per rank: the [start, stop) query positions it holds
-    k_ranges: list[list[tuple[int, int]]]  # per rank: the same for keys and values
-    offset: int  # Lk - Lq: query i sees key j <= i + offset when causal
-    is_causal: bool
-    valid_lens: Tensor | None  # (B,) int64
-    key_limit: int  # no query sees a key at or past this position (max valid_lens, or Lk)
-    scale: float
-    block: int  # keys scored at a time inside a block
-    mask_mod: mods.MaskFn | None = None  # a built-in bound to the whole lengths; q_idx, kv_idx global positions
-    batch: int = 1  # B and H: the mask_mod's b and h
-    heads: int = 1
-
-    @property
-    def num_queries(self) -> int:
-        return sum(length(r) for r in self.q_ranges)
-
-    @functools.cached_property
-    def host_lens(self) -> Tensor | None:
-        """``valid_lens`` on the host, to plan blocks without waiting for the device."""
-        return None if self.valid_lens is None else self.valid_lens.detach().cpu()  # (B,)
-
-    def tiles(self, rows: Tensor, cols: Tensor) -> mods.Tiles:
-        """What the masks say, from the ranges alone, of the blocks of query positions ``rows`` ``(nq, 2)`` and key
-        positions ``cols`` ``(nk, 2)`` (``[start, stop)`` in the whole sequence, CPU int64); see
-        :class:`attnkit.mods.Tiles`."""
-        p0, p1 = rows[:, :1], rows[:, 1:] - 1  # (nq, 1): first and last query position
-        k0, k1 = cols[None, :, 0], cols[None, :, 1] - 1  # (1, nk): first and last key position
-        known = mods.Tiles(
-            torch.ones(len(rows), len(cols), dtype=torch.bool), torch.ones(len(rows), len(cols), dtype=torch.bool)
-        )
-        lens = self.host_lens
-        if lens is not None and lens.numel():
-            known = known & mods.Tiles(some=k0 < lens.max(), every=k1 < lens.min())
-        if self.is_causal:
-            known = known & mods.Tiles(some=k0 <= p1 + self.offset, every=k1 <= p0 + self.offset)
-        if isinstance(self.mask_mod, mods.MaskMod):
-            known = known & self.mask_mod.tiles(rows, cols)
-        elif self.mask_mod is not None:  # a caller's function says nothing until it is evaluated
-            known = known & mods.Tiles.unknown(len(rows), len(cols))
-        return known
-
-
-def _agree(ring: comm.Ring, request: Request, timeout: float | timedelta | None, *, refused: str | None) -> _Plan:
-    """Check this rank's inputs, all-gather what each rank holds, and check that the ranks agree.
-
-    A rank whose own inputs are wrong still joins the all-gather (flagged), so that every rank raises at once
-    instead of the others waiting for blocks that never come. ``refused`` is a caller's reason to refuse this
-    rank's call (:class:`RingMultiHeadAttention`'s), raised as a ``ValueError`` in the same way.
-    """
-    q, valid_lens, is_causal, mask_mod = request.q, request.valid_lens, request.is_causal, request.mask_mod
-    error: Exception | None = None
-    mine: dict[str, int] | None = None
-    wait = comm.DEFAULT_TIMEOUT
-    try:
-        wait = comm.as_timeout(timeout)
-        if refused is not None:
-            raise ValueError(refused)
-        mine = _describe(request)
-    except Exception as e:  # noqa: BLE001 - every rank must hear of it; gather_checked raises it here
-        error = e
-    rows = comm.gather_checked(
-        None if mine is None else [mine[f] for f in _FIELDS],
-        error,
-        size=len(_FIELDS),
-        who="ring_attention",
-        group=ring.group,
-        timeout=wait,
-        device=q.device if isinstance(q, Tensor) else torch.device("cpu"),
-    )
-    assert mine is not None  # gather_checked raised otherwise
-    theirs = [dict(zip(_FIELDS, row, strict=True)) for row in rows]
-    for r, other in enumerate(theirs):
-        for field, what in _AGREED.items():
-            if other[field] != mine[field]:
-                hint = ""
-                if field == "mask_mod":
-                    hint = " (a mask_mod sees whole-sequence positions: give every rank the same one)"
-                raise ValueError(
-                    f"ring_attention: rank {r} and rank {ring.rank} disagree on {what}: rank {r} has "
-                    f"{_show(field, other)}, rank {ring.rank} has {_show(field, mine, valid_lens, mask_mod)}{hint}"
-                )
-    num_queries = sum(t["Lq_r"] for t in theirs)
-    num_keys = sum(t["Lk_r"] for t in theirs)
-    layout_name = LAYOUTS[mine["layout"]]
-    q_ranges = segments(num_queries, ring.size, layout_name)
-    k_ranges = segments(num_keys, ring.size, layout_name)
-    for r, other in enumerate(theirs):
-        for name, n, held, total in (
-            ("queries", "Lq_r", q_ranges, num_queries),
-            ("keys", "Lk_r", k_ranges, num_keys),
-        ):
-            expected = length(held[r])
-            if other[n] != expected:
-                raise ValueError(
-                    f"ring_attention: rank {r} holds {other[n]} {name}, but the {layout_name} split of {total} "
-                    f"positions over {ring.size} ranks gives it {expected} (shard with shard_sequence(layout="
-                    f"{layout_name!r})); ranks hold {[t[n] for t in theirs]}"
-                )
-    lens = None
-    key_limit = num_keys
-    if valid_lens is not None:
-        lens = as_lengths(valid_lens, "valid_lens", num_keys)  # now that Lk is known: at most Lk
-        key_limit = int(lens.max()) if lens.numel() else 0
-    bound = None
-    if mask_mod is not None:  # every rank agreed on its digest, so every rank binds it alike (or raises alike)
-        try:
-            bound = mods.bind(
-                mask_mod,
-                batch=mine["B"],
-                heads=mine["H"],
-                num_queries=num_queries,
-                num_keys=num_keys,
-                device=q.device,
-            )
-        except ValueError as e:
-            raise ValueError(
-                f"ring_attention on rank {ring.rank}: {e} (a mask_mod sees the whole sequence, {num_queries} "
-                f"queries and {num_keys} keys, not one rank's shard)"
-            ) from e
-    return _Plan(
-        ring=ring,
-        timeout=wait,
-        q_ranges=q_ranges,
-        k_ranges=k_ranges,
-        offset=num_keys - num_queries,
-        is_causal=is_causal,
-        valid_lens=lens,
-        key_limit=key_limit,
-        scale=_from_bits(mine["scale"]),
-        block=chunked.current_settings().block_size,
-        mask_mod=bound,
-        batch=mine["B"],
-        heads=mine["H"],
-    )
-
-
-def _describe(request: Request) -> dict[str, int]:
-    """This rank's call as integers, after the checks that need no other rank."""
-    q, k, v, valid_lens, is_causal, scale, layout, mask_mod = request
-    if check_qkv(q, k, v):
-        raise ValueError(
-            f"ring_attention takes (B, H, L_r, D) inputs, got 3 dims: q {tuple(q.shape)}, k {tuple(k.shape)}, "
-            f"v {tuple(v.shape)}; add a head axis with q.unsqueeze(1)"
-        )
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-    check_layout(layout)
-    B, H, Lq_r, D = q.shape
-    Hkv, Lk_r, Dv = k.shape[1], k.shape[2], v.shape[3]
-    scale = check_scale(D**-0.5 if scale is None else scale)  # the rule of the single-process functions
-    lens_hash = 0
-    if valid_lens is not None:
-        if not isinstance(valid_lens, Tensor) or valid_lens.shape != (B,):
-            shape = tuple(valid_lens.shape) if isinstance(valid_lens, Tensor) else type(valid_lens).__name__
-            raise ValueError(
-                f"ring_attention takes valid_lens of shape (B,) = ({B},), in global positions, got {shape}"
-            )
-        lens = as_lengths(valid_lens, "valid_lens", 2**62, q.device)  # the upper bound is checked once Lk is known
-        lens_hash = hash(tuple(lens.tolist()))  # the same tensor on every rank: compare a digest, not B values
-    mods.check_callable("mask_mod", mask_mod)
-    if isinstance(mask_mod, mods.MaskMod):
-        for t in mask_mod.tensors():
-            if t.device != q.device:
-                raise ValueError(f"mask_mod {_mod_name(mask_mod)} holds a tensor on {t.device}, but q is on {q.device}")
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return {
-        "B": B,
-        "H": H,
-        "Hkv": Hkv,
-        "D": D,
-        "Dv": Dv,
-        "Lq_r": Lq_r,
-        "Lk_r": Lk_r,
-        "dtype": comm.dtype_code(q.dtype),
-        "is_causal": int(is_causal),
-        "layout": LAYOUTS.index(layout),
-        "scale": _to_bits(scale),
-        "lens": lens_hash,
-        "grad": int(needs_grad),
-        "mask_mod": _mod_digest(mask_mod),
-    }
-
-
-def _mod_digest(mask_mod: mods.MaskFn | None) -> int:
-    """0: no mask_mod; 1: a function of the caller's (nothing to compare across processes); else a checksum of a
-    built-in's kind, numbers and tensors (shapes and values), the same in every process."""
-    if mask_mod is None:
-        return 0
-    if not isinstance(mask_mod, mods.MaskMod):
-        return 1
-    sums = [_checksum(t) for t in mask_mod.tensors()]
-    return 2 + zlib.crc32(f"{_mod_name(mask_mod)} {sums}".encode())
-
-
-def _checksum(t: Tensor) -> int:
-    """A weighted sum of the 16-bit folds of a tensor's values: equal tensors give equal sums on any device, and
-    no partial sum can overflow (below 2^32 a term, fewer than 2^31 terms)."""
-    x = t.detach().flatten()  # (n,)
-    x = x.double().view(torch.int64) if x.is_floating_point() else x.long()  # (n,) values or bit patterns
-    x = (x ^ (x >> 16) ^ (x >> 32) ^ (x >> 48)) & 0xFFFF  # (n,)
-    weights = torch.arange(x.numel(), device=x.device) % 65521 + 1  # (n,)
-    return int((x * weights).sum())
-
-
-def _mod_name(mask_mod: mods.MaskFn) -> str:
-    """A built-in as the user would write it, tensors by their shapes: ``sliding_window(window=4)``."""
-    if not dataclasses.is_dataclass(mask_mod):
-        return getattr(mask_mod, "__name__", type(mask_mod).__name__)
-    name, parts = type(mask_mod).__name__, []
-    for field in dataclasses.fields(mask_mod):
-        value = getattr(mask_mod, field.name)
-        if field.name == "offset" or value is None:
-            continue
-        if field.name == "every_one":  # and_masks / or_masks
-            name = "and_masks" if value else "or_masks"
-        elif isinstance(value, Tensor):
-            parts.append(f"{field.name} of shape {tuple(value.shape)}")
-        elif isinstance(value, tuple):
-            parts += [_mod_name(m) for m in value]
-        else:
-            parts.append(f"{field.name}={value!r}")
-    return f"{name}({', '.join(parts)})"
-
-
-def _show(field: str, f: dict[str, int], valid_lens: Tensor | None = None, mask_mod: mods.MaskFn | None = None) -> str:
-    """One rank's value of ``field``, as the user would write it (only a digest of another rank's
-    ``valid_lens`` and ``mask_mod`` travels: this rank's own are shown when given)."""
-    if field in ("B", "H", "Hkv", "D", "Dv"):
-        return f"q {(f['B'], f['H'], f['Lq_r'], f['D'])}, k {(f['B'], f['Hkv'], f['Lk_r'], f['D'])}, v " + str(
-            (f["B"], f["Hkv"], f["Lk_r"], f["Dv"])
-        )
-    if field == "dtype":
-        return comm.dtype_name(f["dtype"])
-    if field == "layout":
-        return repr(LAYOUTS[f["layout"]])
-    if field == "scale":
-        return repr(_from_bits(f["scale"]))
-    if field == "is_causal" or field == "grad":
-        return str(bool(f[field]))
-    if field == "mask_mod":
-        if f[field] < 2:
-            return ("no mask_mod", "a mask_mod function")[f[field]]
-        return "another built-in mask_mod" if mask_mod is None else _mod_name(mask_mod)
-    if f["lens"] == 0:
-        return "no valid_lens"
-    return "other values" if valid_lens is None else short(valid_lens)
-
-
-def _to_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
-def _from_bits(n: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", n))[0]
+    plan = agree(comm.Ring(group), request, timeout, refused=None)
+    return RingAttention.apply(q, k, v, plan)
 
 
 # --- the ring ------------------------------------------------------------------------------------------------
 
 
-class _RingAttention(torch.autograd.Function):
+class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> Tensor:  # type: ignore[override]
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: Plan) -> Tensor:  # type: ignore[override]
         qf = _zero_dead_rows(q.to(compute_dtype(q.dtype)), plan)  # (B, H, Lq_r, D)
         packed = _pack(k, v, plan)  # (B, Hkv, Lk_r, D + Dv)
         live_keys = None
         if plan.mask_mod is not None and not bool(packed.isfinite().all()):
             # Only a key that holds NaN or inf needs to be known unseen: a finite one adds exactly 0 to every sum.
-            live_keys = _live_keys(plan, q.device)  # (B, H, Lk_r)
+            live_keys = seen_keys(plan, q.device)  # (B, H, Lk_r)
             packed = _zero_unseen(packed, live_keys)
         state = RunningSoftmax.start(qf, v.shape[-1])
         for _, src, kv in _around(plan, packed, "forward"):
@@ -470,7 +156,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        plan: _Plan = ctx.plan
+        plan: Plan = ctx.plan
         ring = plan.ring
         qf, dout = _zero_dead_rows(q.to(out.dtype), plan, ctx.live_rows), dout.to(out.dtype)  # (B, H, Lq_r, D|Dv)
         delta = (dout * out).sum(dim=-1)  # (B, H, Lq_r): sum_j p_ij dp_ij, the softmax Jacobian's row term
@@ -497,7 +183,7 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def _around(plan: _Plan, kv: Tensor, phase: str) -> Iterator[tuple[int, int, Tensor]]:
+def _around(plan: Plan, kv: Tensor, phase: str) -> Iterator[tuple[int, int, Tensor]]:
     """Yield ``(step, src, block)`` for the ``W`` blocks in ring order, exchanging the next block while the
     caller computes with this one: ``W - 1`` sends of one packed key/value tensor each."""
     ring = plan.ring
@@ -518,7 +204,7 @@ def _around(plan: _Plan, kv: Tensor, phase: str) -> Iterator[tuple[int, int, Ten
             kv = nxt
 
 
-def _gradient_step(plan: _Plan, step: int) -> str:
+def _gradient_step(plan: Plan, step: int) -> str:
     ring = plan.ring
     return (
         f"ring_attention backward, gradient step {step + 1} of {ring.size}: sending the key/value gradients of "
@@ -527,7 +213,7 @@ def _gradient_step(plan: _Plan, step: int) -> str:
     )
 
 
-def _zero_dead_rows(q: Tensor, plan: _Plan, live: Tensor | None = None) -> Tensor:
+def _zero_dead_rows(q: Tensor, plan: Plan, live: Tensor | None = None) -> Tensor:
     """``q`` with the queries that may see no key zeroed (an example with ``valid_lens`` 0, a causal query
     before the first key, and with ``live`` ``(B, H, Lq_r)`` given, the rows it calls dead: those that summed no
     key in the forward pass), so that what they hold, NaN included, never reaches ``dk`` through ``0 * NaN``;
@@ -546,7 +232,7 @@ def _zero_dead_rows(q: Tensor, plan: _Plan, live: Tensor | None = None) -> Tenso
     return torch.where(live, q, torch.zeros((), dtype=q.dtype, device=q.device))  # (B, H, Lq_r, D)
 
 
-def _pack(k: Tensor, v: Tensor, plan: _Plan, live: Tensor | None = None) -> Tensor:
+def _pack(k: Tensor, v: Tensor, plan: Plan, live: Tensor | None = None) -> Tensor:
     """This rank's keys and values as one tensor, so each step is one send; keys no query sees are zeroed (past
     ``valid_lens``, and with ``live`` ``(B, H, Lk_r)`` given, those it calls dead), so that whatever padding
     holds (NaN included) never reaches the output or the gradients."""
@@ -565,46 +251,13 @@ def _zero_unseen(kv: Tensor, live: Tensor) -> Tensor:
     return kv.masked_fill_(~live[..., None], 0.0)
 
 
-def _live_keys(plan: _Plan, device: torch.device) -> Tensor:
-    """Which of this rank's keys some query of the whole sequence may see, ``(B, H, Lk_r)`` bool, under all the
-    masks together (a mask_mod can leave a key unseen: a window ending before it, a document without queries).
-    Asked only when a key holds NaN or inf (a finite key no query sees adds exactly 0 to every sum).
-
-    Scanned in tiles of at most :data:`~attnkit.masks.LIVENESS_BLOCK_ELEMENTS` booleans, skipping the tiles the
-    masks' ranges hide, evaluating none they show in full, and none whose keys are already known to be seen: for a
-    built-in this is the band or the documents, for a caller's function typically one tile of rows per key tile.
-    """
-    mine = plan.k_ranges[plan.ring.rank]
-    Lq, Lk_r, B, H = plan.num_queries, length(mine), plan.batch, plan.heads
-    live = torch.zeros(B, H, Lk_r, dtype=torch.bool, device=device)  # (B, H, Lk_r)
-    if not live.numel():
-        return live
-    mask = _StepMask(plan, [(0, Lq)], mine, (0, Lq), (0, Lk_r), device)
-    row_step = min(Lq, LIVENESS_ROWS)
-    col_step = max(1, min(LIVENESS_ROWS, LIVENESS_BLOCK_ELEMENTS // (B * H * row_step)))
-    rows, cols = ranges(0, Lq, row_step), ranges(0, Lk_r, col_step)  # (nq, 2), (nk, 2)
-    known = mask.tiles(rows, cols)
-    done = known.every.any(dim=0)  # (nk,): key tiles some row tile sees in full
-    for c in done.nonzero()[:, 0].tolist():
-        live[..., cols[c, 0] : cols[c, 1]] = True
-    for r, c in (known.some & ~known.every).nonzero().tolist():
-        if done[c]:
-            continue
-        (r0, r1), (j0, j1) = rows[r].tolist(), cols[c].tolist()
-        allowed, _ = mask.tile(r0, r1, j0, j1)
-        assert allowed is not None  # a mask_mod is given
-        live[..., j0:j1] |= allowed.any(dim=-2)  # (B|1, H|1, blk) into (B, H, blk)
-        done[c] = bool(live[..., j0:j1].all())
-    return live
-
-
-def _forward_block(state: RunningSoftmax, q: Tensor, kv: Tensor, src: int, plan: _Plan) -> None:
-    span = _span(plan, src)
+def _forward_block(state: RunningSoftmax, q: Tensor, kv: Tensor, src: int, plan: Plan) -> None:
+    span = step_span(plan, src)
     if span is None:
         return  # no query of this rank sees any key of this block
     (r0, r1), (c0, c1) = span
     kb, vb = _split(kv, q, c0, c1)  # (B, H, Lb', D), (B, H, Lb', Dv)
-    mask = _StepMask(plan, plan.q_ranges[plan.ring.rank], plan.k_ranges[src], (r0, r1), (c0, c1), q.device)
+    mask = StepMask(plan, plan.q_ranges[plan.ring.rank], plan.k_ranges[src], (r0, r1), (c0, c1), q.device)
     spans = key_blocks(mask, r1 - r0, (0, c1 - c0), plan.block)
     accumulate(state.rows(r0, r1), q[:, :, r0:r1], kb, vb, mask, Scorer(None, plan.scale), spans)
 
@@ -615,13 +268,13 @@ def _backward_block(
     q: Tensor,
     kv: Tensor,
     src: int,
-    plan: _Plan,
+    plan: Plan,
     lse: Tensor,
     dout: Tensor,
     delta: Tensor,
 ) -> None:
     """Add this rank's gradients through block ``src`` to ``dq`` and to ``part`` (``dk, dv`` packed)."""
-    span = _span(plan, src)
+    span = step_span(plan, src)
     if span is None:
         return
     (r0, r1), (c0, c1) = span
@@ -632,7 +285,7 @@ def _backward_block(
     if Hkv != H:  # gradients per query head first, summed per key/value head below
         dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)  # (B, H, Lb', D), (B, H, Lb', Dv)
     rows = slice(r0, r1)
-    mask = _StepMask(plan, plan.q_ranges[plan.ring.rank], plan.k_ranges[src], (r0, r1), (c0, c1), q.device)
+    mask = StepMask(plan, plan.q_ranges[plan.ring.rank], plan.k_ranges[src], (r0, r1), (c0, c1), q.device)
     grads = Grads(dq[:, :, rows], dk, dv, None)
     spans = key_blocks(mask, r1 - r0, (0, c1 - c0), plan.block)
     accumulate_grads(
@@ -659,119 +312,7 @@ def _split(kv: Tensor, q: Tensor, c0: int, c1: int) -> tuple[Tensor, Tensor]:
     return repeat_kv(block[..., :D], q.shape[1]), repeat_kv(block[..., D:], q.shape[1])  # (B, H, Lb', D|Dv)
 
 
-def _span(plan: _Plan, src: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
-    """The rows of this rank's queries and the columns of block ``src`` that hold every allowed pair, or
-    ``None`` when the masks allow none (the step is skipped). With the zig-zag layout and a causal mask this is
-    half the block on every step but the first, which is what balances the work; a built-in mask_mod narrows it
-    further (:func:`_narrow`)."""
-    rows: list[int] = []
-    cols: list[int] = []
-    qa = 0
-    for q0, q1 in plan.q_ranges[plan.ring.rank]:
-        ka = 0
-        for k0, k1 in plan.k_ranges[src]:
-            last, first_row = min(k1, plan.key_limit), q0  # keys [k0, last) are seen by queries [first_row, q1)
-            if plan.is_causal:
-                last = min(last, q1 + plan.offset)  # the last query, q1 - 1, sees keys up to q1 - 1 + offset
-                first_row = max(q0, k0 - plan.offset)  # queries before k0 - offset see none of them
-            box = ((first_row, q1), (k0, last)) if k0 < last and first_row < q1 else None
-            if box is not None and isinstance(plan.mask_mod, mods.MaskMod):
-                box = _narrow(plan, *box)
-            if box is not None:
-                (a, b), (c, d) = box  # whole-sequence positions
-                rows += [qa + a - q0, qa + b - q0]
-                cols += [ka + c - k0, ka + d - k0]
-            ka += k1 - k0
-        qa += q1 - q0
-    return ((min(rows), max(rows)), (min(cols), max(cols))) if rows else None
-
-
-# _narrow looks at a rectangle of positions in at most this many pieces a side: exact for small rectangles, within a
-# 1/64th of each side for long ones (the block plan inside the step skips the rest)
-_GRID = 64
-
-
-def _narrow(
-    plan: _Plan, rows: tuple[int, int], cols: tuple[int, int]
-) -> tuple[tuple[int, int], tuple[int, int]] | None:
-    """The part of the rectangle of query positions ``rows`` and key positions ``cols`` (``[start, stop)``) that
-    the masks' tiles do not hide, or ``None`` when they hide all of it (a sliding window's far blocks, another
-    document): one call of :meth:`_Plan.tiles` on a grid of :data:`_GRID` pieces a side."""
-    row_pieces = ranges(*rows, -(-(rows[1] - rows[0]) // _GRID))  # (nr, 2), nr <= _GRID
-    col_pieces = ranges(*cols, -(-(cols[1] - cols[0]) // _GRID))  # (nc, 2), nc <= _GRID
-    some = plan.tiles(row_pieces, col_pieces).some  # (nr, nc)
-    seen_rows, seen_cols = some.any(dim=1).nonzero()[:, 0], some.any(dim=0).nonzero()[:, 0]
-    if not len(seen_rows):
-        return None
-    first_row, last_row, first_col, last_col = (
-        int(i) for i in (seen_rows[0], seen_rows[-1], seen_cols[0], seen_cols[-1])
-    )
-    return (
-        (int(row_pieces[first_row, 0]), int(row_pieces[last_row, 1])),
-        (int(col_pieces[first_col, 0]), int(col_pieces[last_col, 1])),
-    )
-
-
-class _StepMask:
-    """Which of queries ``rows = [r0, r1)`` of ``queries`` may see which of keys ``cols = [c0, c1)`` of ``keys``
-    (each a list of ``[start, stop)`` ranges of whole-sequence positions, as :func:`segments` gives), with
-    ``tile`` and ``tiles`` as :class:`attnkit.masks.Mask` (in indices local to these rows and keys)."""
-
-    def __init__(
-        self,
-        plan: _Plan,
-        queries: list[tuple[int, int]],
-        keys: list[tuple[int, int]],
-        rows: tuple[int, int],
-        cols: tuple[int, int],
-        device: torch.device,
-    ) -> None:
-        (r0, r1), (c0, c1) = rows, cols
-        self.plan = plan
-        self.valid_lens = None if plan.valid_lens is None else plan.valid_lens.view(-1, 1, 1, 1)  # (B, 1, 1, 1)
-        self.queries = positions(queries, device)[r0:r1, None]  # (Lq', 1)
-        self.keys = positions(keys, device)[c0:c1]  # (Lb',)
-        # on the host, to plan blocks without waiting for the device; positions ascend in both layouts
-        self.host_queries = positions(queries)[r0:r1]  # (Lq',)
-        self.host_keys = positions(keys)[c0:c1]  # (Lb',)
-        # a caller's mask_mod (alone, or inside and_masks/or_masks) says nothing of a block until it is evaluated:
-        # the chunked backend then narrows the block to the rows that see a key, and skips it when none does
-        mod = plan.mask_mod
-        self.opaque = mod is not None and (not isinstance(mod, mods.MaskMod) or mod.opaque)
-        if plan.mask_mod is not None:
-            self.b = torch.arange(plan.batch, device=device).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
-            self.h = torch.arange(plan.heads, device=device).view(1, -1, 1, 1)  # (1, H, 1, 1)
-
-    def tiles(self, rows: Tensor, cols: Tensor) -> mods.Tiles:
-        # Local rows [a, z) hold positions from the first to the last one's: with the zig-zag layout a superset (the
-        # gap between a rank's two chunks), of which "hidden" and "visible in full" hold all the more.
-        first, last = self.host_queries[rows[:, 0]], self.host_queries[rows[:, 1] - 1]  # (nq,) each
-        k_first, k_last = self.host_keys[cols[:, 0]], self.host_keys[cols[:, 1] - 1]  # (nk,) each
-        return self.plan.tiles(
-            torch.stack([first, last + 1], dim=1),
-            torch.stack([k_first, k_last + 1], dim=1),  # (nq, 2), (nk, 2)
-        )
-
-    def tile(
-        self, r0: int, r1: int, j0: int, j1: int, dtype: torch.dtype = torch.float32, *, every: bool = False
-    ) -> tuple[Tensor | None, Tensor | None]:
-        if every:
-            return None, None
-        keys = self.keys[j0:j1]  # (blk,)
-        plan = self.plan
-        allowed = None if self.valid_lens is None else keys < self.valid_lens  # (B, 1, 1, blk)
-        if plan.is_causal:
-            causal = keys <= self.queries[r0:r1] + plan.offset  # (n, blk)
-            allowed = causal if allowed is None else allowed & causal  # (B, 1, n, blk)
-        if plan.mask_mod is not None:
-            q_idx = self.queries[r0:r1].view(1, 1, -1, 1)  # (1, 1, n, 1)
-            kv_idx = keys.view(1, 1, 1, -1)  # (1, 1, 1, blk)
-            by_mod = mods.evaluate_mask(plan.mask_mod, self.b, self.h, q_idx, kv_idx)  # broadcastable to (B, H, n, blk)
-            allowed = by_mod if allowed is None else allowed & by_mod  # (B|1, H|1, n, blk)
-        return allowed, None
-
-
-def _block_buffer(plan: _Plan, like: Tensor, src: int, dtype: torch.dtype) -> Tensor:
+def _block_buffer(plan: Plan, like: Tensor, src: int, dtype: torch.dtype) -> Tensor:
     """An empty ``(B, Hkv, Lk_src, D + Dv)`` tensor to receive rank ``src``'s block (or its gradient) into."""
     B, Hkv, _, features = like.shape
     return like.new_empty((B, Hkv, length(plan.k_ranges[src]), features), dtype=dtype)  # (B, Hkv, Lk_src, D + Dv)
