@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnkit import bench, cli, demo
+from attnkit import _files, bench, cli, demo
 
 
 def attnkit(*args, cwd=None, timeout=120):
@@ -580,7 +580,7 @@ def test_filling_a_folder_is_all_or_nothing(tmp_path):
     folder.mkdir()
     (folder / "b.png").write_text("old b")
     (folder / "c.png").mkdir()
-    with pytest.raises(cli.UsageError, match="exists and is not a regular file"), cli._filling(folder) as staging:
+    with pytest.raises(cli.UsageError, match="exists and is not a regular file"), _files.filling(folder) as staging:
         for name in ("a.png", "b.png", "c.png"):
             (staging / name).write_text("new")
     assert sorted(p.name for p in folder.iterdir()) == ["b.png", "c.png"] and (folder / "b.png").read_text() == "old b"
@@ -592,8 +592,8 @@ def test_filling_a_folder_is_all_or_nothing(tmp_path):
             raise OSError(28, "No space left on device")
         return real_replace(src, dst)
 
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(OSError), cli._filling(folder) as staging:
-        mp.setattr(cli.os, "replace", fail_on_c)
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(OSError), _files.filling(folder) as staging:
+        mp.setattr(_files.os, "replace", fail_on_c)
         for name in ("a.png", "b.png", "c.png"):
             (staging / name).write_text("new")
     assert sorted(p.name for p in folder.iterdir()) == ["b.png"] and (folder / "b.png").read_text() == "old b"

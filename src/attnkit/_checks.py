@@ -10,6 +10,9 @@ from torch import Tensor
 
 # B batch, Lq query length, n number of blocks
 
+# The seeds torch.manual_seed accepts; a negative one means seed + 2**64.
+TORCH_SEEDS = (-(2**63), 2**64 - 1)
+
 
 def describe(x: object) -> str:
     """What a user passed, for an error message: a tensor's dtype and shape, or another object's type."""

@@ -40,11 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnkit._checks import TORCH_SEEDS
 from attnkit.cache import CrossKVCache, KVCache
 from attnkit.layers import AdditiveAttention, MultiHeadAttention
 from attnkit.recording import record_weights
 
-__all__ = ["KINDS", "SEEDS", "DemoResult", "draw", "replay_book_examples", "train"]
+__all__ = ["KINDS", "DemoResult", "draw", "replay_book_examples", "train"]
 
 # B batch, S source length (padded), T target length (S + 1: reversed digits, <eos>, padding),
 # E embedding size, h hidden size, d model size, H heads, V vocabulary size
@@ -131,7 +132,6 @@ _LEARNING_RATES = {
 }
 
 _HELDOUT_SEED_OFFSET = 1_000_003  # the held-out set's generator is seeded with seed + this (modulo 2**64)
-SEEDS = (-(2**63), 2**64 - 1)  # the seeds torch.manual_seed accepts; a negative one means seed + 2**64
 
 
 def train(
@@ -168,8 +168,8 @@ def train(
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not SEEDS[0] <= seed <= SEEDS[1]:
-        raise ValueError(f"seed must be a whole number from {SEEDS[0]} to {SEEDS[1]}, got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not TORCH_SEEDS[0] <= seed <= TORCH_SEEDS[1]:
+        raise ValueError(f"seed must be a whole number from {TORCH_SEEDS[0]} to {TORCH_SEEDS[1]}, got {seed!r}")
     if not time_limit > 0:
         raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit}")
     threads = torch.get_num_threads()
