@@ -1,53 +1,21 @@
-"""Masks: who may attend to whom.
-
-One convention everywhere: a boolean ``True`` means *may attend*. Three ways to say it, which may be given
-together and combine (boolean AND; a float mask is a bias added to the scores):
-
-* ``valid_lens``, as in *Dive into Deep Learning*: shape ``(B,)`` lets every query of example ``b`` see its
-  first ``valid_lens[b]`` keys; shape ``(B, Lq)`` gives each query its own length.
-* ``attn_mask``: boolean, broadcastable to ``(B, H, Lq, Lk)``; or floating point, added to the scores (ALiBi,
-  relative positions). In a float mask ``-inf``, and only ``-inf``, means "may not attend": a finite value is a
-  bias, however large, and never becomes ``-inf`` (in a cast to the inputs' dtype, or when a score is added to
-  it). Where a row's largest visible bias is large (beyond ``BIAS_SHIFT_ABOVE``), the row's bias is shifted by
-  it before anything else (the softmax does not change), so that it cannot swamp the scores: a row whose every
-  key carries ``-1e30`` (or ``1e4`` with bfloat16 inputs) gives the weights of no bias at all, and the
-  gradients agree with them. What remains beyond half the finite range of the dtype is clamped to it.
-  ``+inf`` and NaN in a float mask are a ``ValueError``. A float mask holding only 0 and 1 is almost always a
-  boolean mask in disguise (it masks nothing): it gives a :class:`FloatMaskWarning`.
-* ``is_causal``: query ``i`` sees key ``j`` when ``j <= i + Lk - Lq`` (aligned to the bottom right), so one new
-  query decoded against a cache of keys sees the whole cache::
-
-      Lq = Lk = 4        Lq = 2, Lk = 4       Lq = 4, Lk = 2
-      1 . . .            1 1 1 .              . .   <- no key: zero weights
-      1 1 . .            1 1 1 1              . .
-      1 1 1 .                                 1 .
-      1 1 1 1                                 1 1
-
-A query row with no key to attend to gets all-zero weights and a zero output, never NaN, and never the
-uniform weights over padding that the book's ``-1e6`` fill gives. Which keys some query may see, and which
-queries see some key, come from the one combined mask (:meth:`Mask.liveness`): every backend zeroes the other
-keys, values and queries before it computes, so whatever they hold, NaN included, reaches neither the output
-nor any gradient.
-
-The :class:`Mask` keeps these parts apart and builds any block of columns on demand, so the chunked backend
-never holds the whole ``Lq x Lk`` mask.
-"""
+"""The combined mask of one attention call, kept as its parts (:class:`Mask`): built and checked once, then asked
+for any block of it (``tile``), for what its parts say of a grid of blocks from index ranges alone (``tiles``), and
+for which keys some query may see and which queries see some key (``liveness``)."""
 
 from __future__ import annotations
 
 import functools
-import sys
-import warnings
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit._checks import as_lengths, broadcasts, check_device, describe, ranges
+from attnkit._checks import as_lengths, check_device, ranges
+from attnkit.masks.parts import as_4d_mask, causal_block, check_bias
 from attnkit.mods import MaskFn
 
-__all__ = ["FloatMaskWarning", "Mask", "causal_mask", "masked_softmax", "sequence_mask"]
+__all__ = ["BIAS_SHIFT_ABOVE", "LIVENESS_BLOCK_ELEMENTS", "LIVENESS_ROWS", "Mask"]
 
 # B batch, H heads, Lq/Lk query/key length, blk a block of keys [j0, j1)
 
@@ -59,146 +27,6 @@ LIVENESS_ROWS = 1024
 # A row's largest visible bias beyond this (in magnitude) is subtracted from the row: a score of a few units added
 # to a bias of 1e4 keeps 3 bits in bfloat16, and none beside 1e30 in float32.
 BIAS_SHIFT_ABOVE = 16.0
-
-
-class FloatMaskWarning(UserWarning):
-    """A float ``attn_mask`` that holds only 0 and 1: it is added to the scores, so it masks nothing."""
-
-
-def sequence_mask(valid_lens: Tensor, num_keys: int) -> Tensor:
-    """Boolean mask of the keys each row may see.
-
-    Args:
-        valid_lens: ``(B,)`` or ``(B, Lq)``, whole numbers (integer or float dtype).
-        num_keys: ``Lk``, the number of key positions.
-
-    Returns:
-        ``(B, Lk)`` or ``(B, Lq, Lk)`` boolean, ``True`` where position ``j < valid_lens``.
-
-    Example:
-        >>> sequence_mask(torch.tensor([1, 3]), 4)
-        tensor([[ True, False, False, False],
-                [ True,  True,  True, False]])
-    """
-    valid_lens = as_lengths(valid_lens, "valid_lens", num_keys)
-    positions = torch.arange(num_keys, device=valid_lens.device)  # (Lk,)
-    return positions < valid_lens[..., None]  # (B, Lk) or (B, Lq, Lk)
-
-
-def causal_mask(num_queries: int, num_keys: int, device: torch.device | str | None = None) -> Tensor:
-    """Bottom-right aligned causal mask: query ``i`` may see key ``j`` when ``j <= i + Lk - Lq``.
-
-    Returns:
-        ``(Lq, Lk)`` boolean.
-
-    Example:
-        >>> causal_mask(2, 3)
-        tensor([[ True,  True, False],
-                [ True,  True,  True]])
-    """
-    return _causal_block(num_queries, num_keys, 0, num_keys, device)
-
-
-def masked_softmax(
-    scores: Tensor,
-    valid_lens: Tensor | None = None,
-    *,
-    attn_mask: Tensor | None = None,
-    is_causal: bool = False,
-) -> Tensor:
-    """Softmax over the last axis of ``scores`` that only looks at the keys each query may attend to.
-
-    The book's function done right: ``scores`` is never written to (the book's ``sequence_mask`` writes into
-    the caller's tensor and fails on a leaf that requires grad); float16/bfloat16 are computed in float32; a
-    row with nothing to attend to gets all-zero weights (not uniform weights over padding, not NaN), and its
-    gradient is zero and finite.
-
-    Args:
-        scores: ``(B, Lq, Lk)`` or ``(B, H, Lq, Lk)`` floating point.
-        valid_lens: ``(B,)`` or ``(B, Lq)`` whole numbers, at most ``Lk``.
-        attn_mask: boolean (``True`` = may attend) or float bias, broadcastable to ``scores``.
-        is_causal: bottom-right aligned causal mask (see the module docstring).
-
-    Returns:
-        Weights with the shape and dtype of ``scores``; each row sums to 1, or is all zero.
-
-    Raises:
-        ValueError, TypeError: for arguments whose shapes or values do not fit ``scores``.
-
-    Example:
-        >>> w = masked_softmax(torch.zeros(2, 1, 4), torch.tensor([2, 0]))
-        >>> w
-        tensor([[[0.5000, 0.5000, 0.0000, 0.0000]],
-        <BLANKLINE>
-                [[0.0000, 0.0000, 0.0000, 0.0000]]])
-    """
-    if not isinstance(scores, Tensor) or not scores.is_floating_point():
-        raise TypeError(f"scores must be a floating point tensor, got {describe(scores)}")
-    if scores.dim() not in (3, 4):
-        raise ValueError(
-            f"scores must be (B, Lq, Lk) or (B, H, Lq, Lk), got {scores.dim()} dims: {tuple(scores.shape)}"
-        )
-    three_d = scores.dim() == 3
-    s4 = scores.unsqueeze(1) if three_d else scores  # (B, H, Lq, Lk)
-    B, H, Lq, Lk = s4.shape
-    mask = Mask.build(
-        batch=B,
-        heads=H,
-        num_queries=Lq,
-        num_keys=Lk,
-        valid_lens=valid_lens,
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        mask_dims=3 if three_d else 4,
-        device=scores.device,
-    )
-    compute = compute_dtype(scores.dtype)
-    allowed, bias = mask.full(compute)
-    weights = softmax_with_mask(s4.to(compute), allowed, bias)  # (B, H, Lq, Lk)
-    weights = weights.to(scores.dtype)
-    return weights.squeeze(1) if three_d else weights
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half precisions, the dtype itself for float32/float64."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def softmax_with_mask(
-    scores: Tensor,
-    allowed: Tensor | None,
-    bias: Tensor | None,
-    *,
-    inplace: bool = False,
-    scratch: bool = False,
-    empty_rows: bool = True,
-) -> Tensor:
-    """Softmax of ``scores + bias`` over the allowed keys; rows with none allowed give zeros.
-
-    Masked scores are filled with ``finfo.min`` (finite, so no ``inf - inf``): their ``exp`` is exactly 0 in any row
-    with an allowed key. Rows with none would come out uniform: with ``empty_rows`` (the default, the safe side)
-    the weights are zeroed where not allowed after the softmax, which zeroes those rows and their gradients; a
-    caller that knows no row is empty passes ``empty_rows=False`` and saves that pass and its backward.
-    ``inplace=True`` (when no gradient is needed) reuses the memory of ``scores``: no second ``Lq x Lk`` tensor,
-    which at ``L = 2048`` halves the time of recording weights (``benchmarks``: ``attnkit bench``,
-    ``attnkit+weights``). ``scratch=True``: ``scores`` is the caller's own fresh tensor, which autograd does not
-    keep, so the bias and the fill are written into it even when a gradient is needed.
-    """
-    if inplace:
-        if bias is not None:
-            scores.add_(bias)
-        if allowed is not None:
-            scores.masked_fill_(~allowed, torch.finfo(scores.dtype).min)
-        torch.softmax(scores, dim=-1, out=scores)
-        return scores if allowed is None or not empty_rows else scores.masked_fill_(~allowed, 0.0)
-    if bias is not None:
-        scores = scores.add_(bias) if scratch else scores + bias  # (B, H, Lq, Lk)
-    if allowed is None:
-        return torch.softmax(scores, dim=-1)
-    fill = torch.finfo(scores.dtype).min
-    scores = scores.masked_fill_(~allowed, fill) if scratch else scores.masked_fill(~allowed, fill)
-    weights = torch.softmax(scores, dim=-1)
-    return weights.masked_fill(~allowed, 0.0) if empty_rows else weights
 
 
 class Mask:
@@ -293,10 +121,10 @@ class Mask:
         bool_mask = bias = None
         bias_range, has_neg_inf = (0.0, 0.0), False
         if attn_mask is not None:
-            m = _as_4d_mask(attn_mask, B, H, Lq, Lk, mask_dims)
+            m = as_4d_mask(attn_mask, B, H, Lq, Lk, mask_dims)
             check_device("attn_mask", m, device)
             if m.dtype != torch.bool:
-                bias_range, has_neg_inf = _check_bias(attn_mask)
+                bias_range, has_neg_inf = check_bias(attn_mask)
             m = m.expand(*m.shape[:2], Lq, Lk)  # (B|1, H|1, Lq, Lk), a view: blocks slice it
             if m.dtype == torch.bool:
                 bool_mask = m
@@ -381,7 +209,7 @@ class Mask:
             lens = self.valid_lens if self.valid_lens.shape[2] == 1 else self.valid_lens[:, :, r0:r1]
             allowed = keys < lens  # (B, 1, 1 | n, blk)
         if self.is_causal:
-            causal = _causal_block(self.num_queries, self.num_keys, j0, j1, device)[r0:r1]  # (n, blk)
+            causal = causal_block(self.num_queries, self.num_keys, j0, j1, device)[r0:r1]  # (n, blk)
             allowed = causal if allowed is None else allowed & causal
         if self.bool_mask is not None:
             part = self.bool_mask[..., r0:r1, j0:j1]  # (B|1, H|1, n, blk)
@@ -543,78 +371,3 @@ class Mask:
 
 def _none_if_all(live: Tensor) -> Tensor | None:
     return None if bool(live.all()) else live
-
-
-def _finite_range(bias: Tensor) -> tuple[float, float]:
-    finite = bias.detach().masked_fill(torch.isneginf(bias), 0.0)
-    lo, hi = finite.aminmax()
-    return float(lo), float(hi)
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside attnkit and torch (the user's call), seen from the caller."""
-    level, frame = 1, sys._getframe(1)
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("attnkit", "torch"):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _check_bias(attn_mask: Tensor) -> tuple[tuple[float, float], bool]:
-    """Check a float mask once (one pass, one host sync): no NaN, no ``+inf``; warn for 0/1 masks.
-
-    Returns:
-        The smallest and largest finite values, and whether it holds ``-inf``.
-    """
-    if attn_mask.numel() == 0:
-        return (0.0, 0.0), False
-    attn_mask = attn_mask.detach()  # values only: a bias that requires grad keeps it, elsewhere
-    lo_t, hi_t = attn_mask.aminmax()  # NaN anywhere makes both NaN
-    lo, hi = float(lo_t), float(hi_t)
-    if lo != lo or hi != hi:
-        where = tuple(torch.isnan(attn_mask).nonzero()[0].tolist())
-        raise ValueError(
-            f"attn_mask holds NaN (first at index {where} of shape {tuple(attn_mask.shape)}): a float mask holds "
-            f"finite biases, and -inf where a query may not attend (a NaN often comes from -inf * 0)"
-        )
-    if hi == float("inf"):
-        where = tuple(torch.isposinf(attn_mask).nonzero()[0].tolist())
-        raise ValueError(
-            f"attn_mask holds +inf (first at index {where} of shape {tuple(attn_mask.shape)}): +inf has no meaning "
-            f"as a bias; use -inf (or False in a boolean mask) where a query may not attend"
-        )
-    has_neg_inf = lo == float("-inf")
-    if has_neg_inf:
-        lo, hi = _finite_range(attn_mask)
-    if lo == 0.0 and hi == 1.0 and bool(((attn_mask == 0) | (attn_mask == 1)).all()):
-        warnings.warn(
-            "attn_mask is a float tensor holding only 0 and 1: it is added to the scores as a bias, so it masks "
-            "nothing. For a mask pass a boolean tensor, True = may attend (attn_mask.bool()); to keep it as a bias, "
-            "silence this with warnings.filterwarnings('ignore', category=attnkit.masks.FloatMaskWarning)",
-            FloatMaskWarning,
-            stacklevel=_caller_level(),  # the user's line: shown once per line under the default filters
-        )
-    return (lo, hi), has_neg_inf
-
-
-def _causal_block(Lq: int, Lk: int, j0: int, j1: int, device: torch.device | str | None) -> Tensor:
-    rows = torch.arange(Lq, device=device)[:, None]  # (Lq, 1)
-    cols = torch.arange(j0, j1, device=device)[None, :]  # (1, blk)
-    return cols <= rows + (Lk - Lq)  # (Lq, blk)
-
-
-def _as_4d_mask(attn_mask: Tensor, B: int, H: int, Lq: int, Lk: int, mask_dims: int) -> Tensor:
-    """A view of ``attn_mask`` with 4 dims, broadcastable to ``(B, H, Lq, Lk)``."""
-    if not isinstance(attn_mask, Tensor):
-        raise TypeError(f"attn_mask must be a tensor, got {describe(attn_mask)}")
-    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-        raise TypeError(
-            f"attn_mask must be boolean (True = may attend) or floating point (added to the scores), "
-            f"got dtype {attn_mask.dtype}"
-        )
-    target = (B, Lq, Lk) if mask_dims == 3 else (B, H, Lq, Lk)
-    shape = tuple(attn_mask.shape)
-    if not broadcasts(shape, target):
-        names = "(B, Lq, Lk)" if mask_dims == 3 else "(B, H, Lq, Lk)"
-        raise ValueError(f"attn_mask of shape {shape} is not broadcastable to {names} = {target}")
-    m = attn_mask.reshape((1,) * (mask_dims - len(shape)) + shape)  # (B|1, [H|1,] Lq|1, Lk|1)
-    return m.unsqueeze(1) if mask_dims == 3 else m  # (B|1, H|1, Lq|1, Lk|1)
