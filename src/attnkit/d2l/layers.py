@@ -1,147 +1,24 @@
-"""The attention code of *Dive into Deep Learning*, as a drop-in replacement.
-
-Swap ``from d2l import torch as d2l`` for ``from attnkit import d2l`` in the attention chapters and the
-notebooks keep working: same names, same signatures (the older explicit-size ones and the newer size-inferring
-ones), same parameter names (``W_q``, ``W_k``, ``W_v``, ``W_o``, ``w_v``, so a book ``state_dict`` loads
-unchanged), and ``.attention_weights`` set after every forward, as in the book. ``DotProductAttention`` also
-keeps ``.scores``, the scaled scores before masking, to print beside the weights.
-
-Where this differs from the book, on purpose:
-
-* A row with nothing to attend to (``valid_lens`` of 0) gets all-zero weights and a zero output. The book
-  fills masked scores with ``-1e6``, which gives such a row uniform weights over the padding.
-* Nothing is written into the caller's tensors: the book's ``sequence_mask`` assigns into ``X`` (and so
-  fails on a leaf tensor that requires grad); here it returns a new tensor.
-* Padding never leaks: values past ``valid_lens`` holding NaN do not reach the output.
-* Mistakes raise a ``ValueError`` that names the argument and shows the shapes, instead of a matmul error.
-
-What the book does not have, as keywords after the book's arguments: ``MultiHeadAttention(..., cache=...)`` takes
-an :class:`attnkit.KVCache` or :class:`attnkit.CrossKVCache`, so a book-style decoder projects each new token once
-instead of re-projecting every input so far (``state[2]``) at every step; ``is_causal`` there and in
-``DotProductAttention``, and ``attn_mask`` in ``DotProductAttention``, mean what they mean in attnkit's layers.
-"""
+"""The book's attention layers: ``DotProductAttention``, ``AdditiveAttention`` and ``MultiHeadAttention`` (see
+:mod:`attnkit.d2l` for what they do differently from the book, on purpose, and what they add)."""
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.lazy import LazyModuleMixin
 
-from attnkit import _projection, functional, masks, trace
-from attnkit._checks import as_lengths, check_dropout, check_sizes, describe, listed
+from attnkit import _projection, functional, trace
+from attnkit._checks import as_lengths, check_dropout, describe, listed
 from attnkit.cache import CrossKVCache, KVCache
+from attnkit.d2l.functions import transpose_output, transpose_qkv
+from attnkit.d2l.signatures import bind, check_book_inputs, check_valid_lens, unbuilt
 from attnkit.recording import report_weights
 
-__all__ = [
-    "AdditiveAttention",
-    "DotProductAttention",
-    "MultiHeadAttention",
-    "masked_softmax",
-    "sequence_mask",
-    "show_heatmaps",
-    "transpose_output",
-    "transpose_qkv",
-]
+__all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention"]
 
 # B batch, H heads, Lq/Lk query/key length, d head dim
-
-
-def sequence_mask(X: Tensor, valid_len: Tensor, value: float = 0) -> Tensor:
-    """``X`` with the entries past ``valid_len`` (along axis 1) set to ``value``, as a new tensor.
-
-    Args:
-        X: ``(N, L, ...)`` or ``(N, L)``.
-        valid_len: ``(N,)``, whole numbers in ``[0, L]``.
-
-    Raises:
-        TypeError: ``X`` or ``valid_len`` not a tensor, or ``valid_len`` not of whole numbers.
-        ValueError: ``X`` with fewer than 2 dims, ``valid_len`` not ``(N,)``, or a length outside ``[0, L]``.
-
-    Example:
-        >>> sequence_mask(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([1, 2]))
-        tensor([[1, 0, 0],
-                [4, 5, 0]])
-    """
-    if not isinstance(X, Tensor):
-        raise TypeError(f"sequence_mask: X must be a tensor, got {type(X).__name__}")
-    if X.dim() < 2:
-        raise ValueError(f"sequence_mask: X must be (N, L) or (N, L, ...), got {tuple(X.shape)}")
-    if not isinstance(valid_len, Tensor):
-        raise TypeError(f"sequence_mask: valid_len must be a tensor of lengths, got {type(valid_len).__name__}")
-    if valid_len.shape != X.shape[:1]:
-        raise ValueError(
-            f"sequence_mask: valid_len must have shape (N,) = ({X.shape[0]},), one length per row of X, got "
-            f"valid_len {tuple(valid_len.shape)}, X {tuple(X.shape)}"
-        )
-    valid_len = as_lengths(valid_len, "valid_len", X.shape[1])  # whole numbers in [0, L]
-    keep = masks.sequence_mask(valid_len, X.shape[1])  # (N, L)
-    keep = keep.view(*keep.shape, *([1] * (X.dim() - 2)))  # (N, L, 1, ...)
-    return X.masked_fill(~keep, value)
-
-
-def masked_softmax(X: Tensor, valid_lens: Tensor | None) -> Tensor:
-    """The book's ``masked_softmax(X, valid_lens)``: ``X (B, Lq, Lk)``, ``valid_lens (B,)`` or ``(B, Lq)``.
-
-    Rows with no valid key are all zeros (the book gives them uniform weights); ``X`` is never modified.
-    """
-    return masks.masked_softmax(X, valid_lens)
-
-
-def transpose_qkv(X: Tensor, num_heads: int) -> Tensor:
-    """Split the hidden axis into heads and fold them into the batch: ``(B, L, H*d) -> (B*H, L, d)``.
-
-    Raises:
-        TypeError: ``num_heads`` not a whole number.
-        ValueError: ``num_heads`` below 1, or ``X`` not 3-dim with a last axis a multiple of ``num_heads``.
-
-    Example:
-        >>> transpose_qkv(torch.zeros(2, 3, 8), 2).shape
-        torch.Size([4, 3, 4])
-    """
-    check_sizes(num_heads=num_heads)
-    if X.dim() != 3 or X.shape[-1] % num_heads:
-        raise ValueError(
-            f"transpose_qkv: X must be (B, L, num_heads * d) with num_heads={num_heads}, got {tuple(X.shape)}"
-        )
-    B, L, d = X.shape[0], X.shape[1], X.shape[2] // num_heads  # sizes named, not -1: B or L may be 0
-    out = X.reshape(B, L, num_heads, d)  # (B, L, H, d)
-    out = out.permute(0, 2, 1, 3)  # (B, H, L, d)
-    out = out.reshape(B * num_heads, L, d)  # (B*H, L, d)
-    tracer = trace.active()
-    if tracer is not None:
-        tracer.add("transpose_qkv", [X], out, "(B, L, H*d) -> (B*H, L, d)")
-    return out
-
-
-def transpose_output(X: Tensor, num_heads: int) -> Tensor:
-    """Undo :func:`transpose_qkv`: ``(B*H, L, d) -> (B, L, H*d)``.
-
-    Raises:
-        TypeError: ``num_heads`` not a whole number.
-        ValueError: ``num_heads`` below 1, or ``X`` not 3-dim with a first axis a multiple of ``num_heads``.
-
-    Example:
-        >>> X = torch.randn(2, 3, 8)
-        >>> torch.equal(transpose_output(transpose_qkv(X, 2), 2), X)
-        True
-    """
-    check_sizes(num_heads=num_heads)
-    if X.dim() != 3 or X.shape[0] % num_heads:
-        raise ValueError(
-            f"transpose_output: X must be (B * num_heads, L, d) with num_heads={num_heads}, got {tuple(X.shape)}"
-        )
-    B, L, d = X.shape[0] // num_heads, X.shape[1], X.shape[2]  # sizes named, not -1: B or L may be 0
-    out = X.reshape(B, num_heads, L, d)  # (B, H, L, d)
-    out = out.permute(0, 2, 1, 3)  # (B, L, H, d)
-    out = out.reshape(B, L, num_heads * d)  # (B, L, H*d)
-    tracer = trace.active()
-    if tracer is not None:
-        tracer.add("transpose_output", [X], out, "(B*H, L, d) -> (B, L, H*d)")
-    return out
 
 
 class DotProductAttention(nn.Module):
@@ -211,7 +88,7 @@ class DotProductAttention(nn.Module):
         is_causal: bool = False,
         zeros_past: Tensor | None = None,
     ) -> Tensor:
-        _check_book_inputs(queries, keys, values, same_features=True)
+        check_book_inputs(queries, keys, values, same_features=True)
         out, weights = functional.attend(
             queries,
             keys,
@@ -260,7 +137,7 @@ class AdditiveAttention(nn.Module):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
-        sizes = _bind(
+        sizes = bind(
             "AdditiveAttention",
             args,
             kwargs,
@@ -275,12 +152,12 @@ class AdditiveAttention(nn.Module):
         self.attention_weights: Tensor | None = None
 
     def forward(self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None) -> Tensor:
-        _check_book_inputs(queries, keys, values, same_features=False)
+        check_book_inputs(queries, keys, values, same_features=False)
         _projection.check_features("queries", queries, self.W_q)
         _projection.check_features("keys", keys, self.W_k)
         q = self.W_q(queries)  # (B, Lq, h); the book calls W_q before W_k
         k = self.W_k(keys)  # (B, Lk, h)
-        if _unbuilt(self.w_v):
+        if unbuilt(self.w_v):
             # The book's lazy w_v draws its weight at its first call, after W_q and W_k: a call on no rows draws
             # it at that same point, and turns it into an nn.Linear, as the book's becomes.
             with torch.no_grad(), trace.paused():
@@ -353,7 +230,7 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
-        sizes = _bind(
+        sizes = bind(
             "MultiHeadAttention",
             args,
             kwargs,
@@ -381,7 +258,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
         cache: KVCache | CrossKVCache | None = None,
     ) -> Tensor:
-        _check_book_inputs(queries, keys, values, same_features=False)
+        check_book_inputs(queries, keys, values, same_features=False)
         for name, x, proj in (("queries", queries, self.W_q), ("keys", keys, self.W_k), ("values", values, self.W_v)):
             _projection.check_features(name, x, proj)
         if not isinstance(is_causal, bool):
@@ -389,7 +266,7 @@ class MultiHeadAttention(nn.Module):
         # before the projections: a lazy layer draws nothing on a mistake
         self._check_cache(cache, queries, keys, valid_lens)
         if valid_lens is not None and not isinstance(cache, KVCache):
-            _check_valid_lens(valid_lens, queries.shape[0], queries.shape[1], keys.shape[1])
+            check_valid_lens(valid_lens, queries.shape[0], queries.shape[1], keys.shape[1])
         B, Lq, H = queries.shape[0], queries.shape[1], self.num_heads
         attn_mask = zeros_past = None
         queries = self.transpose_qkv(self.W_q(queries))  # (B, Lq, h) -> (B*H, Lq, h/H)
@@ -449,7 +326,7 @@ class MultiHeadAttention(nn.Module):
             )
         if isinstance(cache, CrossKVCache):
             if held is not None and cache.valid_lens is not None:
-                _check_valid_lens(cache.valid_lens, B, Lq, held.shape[2], "the CrossKVCache's valid_lens")
+                check_valid_lens(cache.valid_lens, B, Lq, held.shape[2], "the CrossKVCache's valid_lens")
             return
         if keys.shape[1] != Lq:
             raise ValueError(
@@ -478,102 +355,3 @@ class MultiHeadAttention(nn.Module):
     def transpose_output(self, X: Tensor) -> Tensor:
         """The book's newer method form of :func:`transpose_output`."""
         return transpose_output(X, self.num_heads)
-
-
-def show_heatmaps(
-    matrices: Any,
-    xlabel: str,
-    ylabel: str,
-    titles: Any = None,
-    figsize: tuple[float, float] = (2.5, 2.5),
-    cmap: str = "Reds",
-    path: Any = None,
-) -> None:
-    """The book's ``show_heatmaps(matrices, xlabel, ylabel, titles=None, figsize=(2.5, 2.5), cmap='Reds')``, with
-    ``path`` to save; see :func:`attnkit.plot.show_heatmaps` (needs matplotlib: ``pip install attnkit[plot]``).
-
-    ``figsize`` is the whole figure's size in inches, as in the book (``plt.subplots(rows, cols, figsize=figsize)``):
-    the Transformer chapter's ``figsize=(7, 3.5)`` on a 4 x 4 grid gives a 7 x 3.5 inch figure. (It is divided
-    among the panels here, since :func:`attnkit.plot.show_heatmaps` reads ``figsize`` per panel.) ``titles``: one
-    per column (more are ignored, as in the book).
-
-    Returns nothing, as the book's does: a notebook shows the figure once (a returned figure, as the cell's value,
-    would be shown a second time). :func:`attnkit.plot.show_heatmaps` returns it; the figure stays open in pyplot
-    (``plt.gcf()``), as the book's does.
-
-    Raises:
-        ValueError: fewer ``titles`` than columns, and what :func:`attnkit.plot.show_heatmaps` raises.
-    """
-    import numpy as np  # with matplotlib, which needs it; attnkit itself does not
-
-    from attnkit.plot import show_heatmaps as draw
-
-    shape = tuple(np.shape(matrices))
-    if len(shape) in (2, 3, 4):
-        rows, cols = ((1, 1) + shape[:-2])[-2:]  # 2-D and 3-D are one row, as in attnkit.plot.show_heatmaps
-        if titles and len(titles) < cols:
-            raise ValueError(
-                f"titles must have one per column, {cols} for matrices {shape}, got {len(titles)}: {list(titles)!r}"
-            )
-        figsize = (figsize[0] / max(cols, 1), figsize[1] / max(rows, 1))  # the book's figure -> per panel
-    draw(matrices, xlabel, ylabel, titles=titles, figsize=figsize, cmap=cmap, path=path)
-
-
-def _check_book_inputs(queries: Tensor, keys: Tensor, values: Tensor, *, same_features: bool) -> None:
-    """The book's layers take 3-dim ``(B, L, features)`` inputs; a ValueError naming the argument otherwise."""
-    if not functional.check_qkv(queries, keys, values, ("queries", "keys", "values"), same_features=same_features):
-        raise ValueError(
-            "queries, keys and values must be 3-dim, (B, Lq, d), (B, Lk, d) and (B, Lk, dv), as in the book (heads "
-            f"are folded into the batch: transpose_qkv), got queries {tuple(queries.shape)}, keys "
-            f"{tuple(keys.shape)}, values {tuple(values.shape)}"
-        )
-
-
-def _unbuilt(module: nn.Module) -> bool:
-    """A lazy layer whose parameters are not drawn yet."""
-    return isinstance(module, LazyModuleMixin) and module.has_uninitialized_params()
-
-
-def _bind(
-    cls: str,
-    args: tuple,
-    kwargs: dict[str, Any],
-    *,
-    explicit: tuple[str, ...],
-    inferred: tuple[str, ...],
-    defaults: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Bind the book's arguments to its explicit-size signature or to its newer size-inferring one.
-
-    The explicit form is recognised by its extra leading sizes: more arguments than the newer form takes, or
-    any of ``key_size``/``query_size``/``value_size`` by name. The sizes and ``dropout`` are checked here, before
-    the caller draws any parameter, with the messages of attnkit's layers.
-    """
-    defaults = defaults or {}
-    sizes_named = any(name in kwargs for name in ("key_size", "query_size", "value_size"))
-    names = explicit if sizes_named or len(args) + len(kwargs) > len(inferred) else inferred
-    parameters = [
-        inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=defaults.get(n, inspect.Parameter.empty))
-        for n in names
-    ]
-    try:
-        bound = inspect.Signature(parameters).bind(*args, **kwargs)
-    except TypeError as e:
-        raise TypeError(f"{cls}({', '.join(explicit)}) or {cls}({', '.join(inferred)}): {e}") from None
-    bound.apply_defaults()
-    sizes = dict(bound.arguments)
-    check_sizes(**{n: v for n, v in sizes.items() if n not in ("dropout", "bias")})
-    check_dropout(sizes["dropout"])
-    return sizes
-
-
-def _check_valid_lens(valid_lens: object, B: int, Lq: int, Lk: int, name: str = "valid_lens") -> None:
-    """``valid_lens`` of the batch, checked before the heads are folded into it (a message in the caller's sizes
-    and values)."""
-    if not isinstance(valid_lens, Tensor):
-        raise TypeError(f"{name} must be a tensor of lengths, got {type(valid_lens).__name__}")
-    if valid_lens.shape not in ((B,), (B, Lq)):
-        raise ValueError(
-            f"{name} must have shape (B,) = ({B},) or (B, Lq) = ({B}, {Lq}), got {tuple(valid_lens.shape)}"
-        )
-    as_lengths(valid_lens, name, Lk)  # whole numbers in [0, Lk], shown as given
