@@ -304,14 +304,14 @@ def measure_demo(repeats: int = 3) -> dict[str, Any]:
     from attnkit import demo
 
     torch.manual_seed(0)
-    model = demo._TransformerSeq2Seq(max_positions=64).eval()
+    model = demo.models.TransformerSeq2Seq(max_positions=64).eval()
     g = torch.Generator().manual_seed(0)
     src = torch.randint(3, 13, (256, 20), generator=g)
     lens = torch.randint(5, 21, (256,), generator=g)
-    src[torch.arange(20)[None] >= lens[:, None]] = demo.PAD
-    same = torch.equal(demo._greedy(model, src, lens, 21), demo._greedy(model, src, lens, 21, cache=False))
+    src[torch.arange(20)[None] >= lens[:, None]] = demo.models.PAD
+    same = torch.equal(demo.models.greedy(model, src, lens, 21), demo.models.greedy(model, src, lens, 21, cache=False))
     times = {
-        name: median_seconds(lambda c=cache: demo._greedy(model, src, lens, 21, cache=c), repeats)
+        name: median_seconds(lambda c=cache: demo.models.greedy(model, src, lens, 21, cache=c), repeats)
         for name, cache in (("with the cache", True), ("without (whole prefix each step)", False))
     }
     return {"identical_tokens": same, "seconds": times}

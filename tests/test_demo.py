@@ -97,12 +97,12 @@ def test_the_transformer_generates_with_its_caches_the_tokens_of_whole_prefix_de
     """The demo's greedy decoding uses key/value caches (self- and cross-attention); the tokens are those of
     decoding the whole prefix again at every step."""
     torch.manual_seed(0)
-    model = demo._TransformerSeq2Seq(max_positions=16).eval()
+    model = demo.models.TransformerSeq2Seq(max_positions=16).eval()
     g = torch.Generator().manual_seed(0)
     src = torch.randint(3, 13, (6, 8), generator=g)
     lens = torch.tensor([8, 3, 5, 1, 8, 6])
-    src[torch.arange(8)[None] >= lens[:, None]] = demo.PAD
-    assert torch.equal(demo._greedy(model, src, lens, 9), demo._greedy(model, src, lens, 9, cache=False))
+    src[torch.arange(8)[None] >= lens[:, None]] = demo.models.PAD
+    assert torch.equal(demo.models.greedy(model, src, lens, 9), demo.models.greedy(model, src, lens, 9, cache=False))
 
 
 @pytest.mark.parametrize("kind", demo.KINDS)

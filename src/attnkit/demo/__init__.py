@@ -29,37 +29,24 @@ the same number of threads): the weights and the data come from it, and there is
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from attnkit._checks import TORCH_SEEDS
-from attnkit.cache import CrossKVCache, KVCache
-from attnkit.layers import AdditiveAttention, MultiHeadAttention
+from attnkit.demo.models import BOS, EOS, LABELS, PAD, AdditiveSeq2Seq, Seq2Seq, TransformerSeq2Seq, greedy
+from attnkit.demo.pictures import KINDS, PICTURES, draw, replay_book_examples
 from attnkit.recording import record_weights
 
-__all__ = ["KINDS", "DemoResult", "draw", "replay_book_examples", "train"]
+__all__ = ["KINDS", "PICTURES", "DemoResult", "draw", "replay_book_examples", "train"]
 
 # B batch, S source length (padded), T target length (S + 1: reversed digits, <eos>, padding),
 # E embedding size, h hidden size, d model size, H heads, V vocabulary size
-
-PAD, BOS, EOS = 10, 11, 12  # tokens 0..9 are the digits themselves
-LABELS = [str(digit) for digit in range(10)] + ["<pad>", "<bos>", "<eos>"]
-VOCAB = len(LABELS)
-KINDS = ("additive", "multihead")
-# The files draw() writes: a heatmap per kind, the training curves, then a viewer page per kind.
-PICTURES = (
-    *(f"{kind}-attention.png" for kind in KINDS),
-    "training.png",
-    *(f"{kind}-attention.html" for kind in KINDS),
-)
 
 
 @dataclass
@@ -193,7 +180,7 @@ def _train(
 ) -> DemoResult:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # the initial weights
-        model = _AdditiveSeq2Seq() if kind == "additive" else _TransformerSeq2Seq(max_positions=setup.max_len + 1)
+        model = AdditiveSeq2Seq() if kind == "additive" else TransformerSeq2Seq(max_positions=setup.max_len + 1)
     heldout_src, heldout_lens = _draw(
         torch.Generator().manual_seed((seed + _HELDOUT_SEED_OFFSET) % 2**64), setup.num_heldout, setup
     )
@@ -278,184 +265,15 @@ def _targets(src: Tensor, lens: Tensor) -> tuple[Tensor, Tensor]:
     return tgt_in, tgt_out
 
 
-# Models -----------------------------------------------------------------------------------------------------
-
-
-class _Seq2Seq(nn.Module):
-    """What both models provide: ``encode`` the source once, ``decode`` a whole (teacher-forced) prefix."""
-
-    cross_attention_name: str  # in named_modules(): the cross-attention layer whose weights the demo shows
-
-    def encode(self, src: Tensor, lens: Tensor) -> Tensor:
-        """Args: src ``(B, S)``, lens ``(B,)``. Returns the encoder outputs ``(B, S, features)``."""
-        raise NotImplementedError
-
-    def decode(self, memory: Tensor, lens: Tensor, tgt_in: Tensor) -> Tensor:
-        """Args: memory ``(B, S, features)``, lens ``(B,)``, tgt_in ``(B, T)``. Returns logits ``(B, T, V)``."""
-        raise NotImplementedError
-
-    def forward(self, src: Tensor, lens: Tensor, tgt_in: Tensor) -> Tensor:
-        """Args: src ``(B, S)``, lens ``(B,)``, tgt_in ``(B, T)``. Returns logits ``(B, T, V)``."""
-        return self.decode(self.encode(src, lens), lens, tgt_in)
-
-
-class _AdditiveSeq2Seq(_Seq2Seq):
-    """Bidirectional GRU encoder; GRU decoder whose states query :class:`AdditiveAttention` (Luong's layout)."""
-
-    cross_attention_name = "attention"
-
-    def __init__(self, embed_size: int = 32, num_hiddens: int = 64) -> None:
-        super().__init__()
-        h = num_hiddens
-        self.embedding = nn.Embedding(VOCAB, embed_size, padding_idx=PAD)
-        self.encoder = nn.GRU(embed_size, h, batch_first=True, bidirectional=True)
-        self.bridge = nn.Linear(2 * h, h)
-        self.decoder = nn.GRU(embed_size, h, batch_first=True)
-        self.attention = AdditiveAttention(h, query_size=h, key_size=2 * h)
-        self.output = nn.Linear(h + 2 * h, VOCAB)
-
-    def encode(self, src: Tensor, lens: Tensor) -> Tensor:
-        # Packed, so that the backward direction starts at the last digit, not in the padding: its states then
-        # count positions from the end, which is what reversal needs.
-        embedded = self.embedding(src)  # (B, S, E)
-        packed = nn.utils.rnn.pack_padded_sequence(embedded, lens, batch_first=True, enforce_sorted=False)
-        outputs, _ = self.encoder(packed)
-        memory, _ = nn.utils.rnn.pad_packed_sequence(outputs, batch_first=True, total_length=src.shape[1])
-        return memory  # (B, S, 2h): forward direction, then backward
-
-    def decode(self, memory: Tensor, lens: Tensor, tgt_in: Tensor) -> Tensor:
-        h = self.decoder.hidden_size
-        batch = torch.arange(memory.shape[0])  # (B,)
-        # the final state of each direction: the forward one at the last digit, the backward one at the first
-        final = torch.cat([memory[batch, lens - 1, :h], memory[:, 0, h:]], dim=-1)  # (B, 2h)
-        state = torch.tanh(self.bridge(final)).unsqueeze(0)  # (1, B, h)
-        queries, _ = self.decoder(self.embedding(tgt_in), state)  # (B, T, h)
-        context = self.attention(queries, memory, memory, lens)  # (B, T, 2h)
-        return self.output(torch.cat([queries, context], dim=-1))  # (B, T, 3h) -> (B, T, V)
-
-
-class _TransformerSeq2Seq(_Seq2Seq):
-    """A pre-LayerNorm Transformer encoder-decoder with learned positions."""
-
-    def __init__(
-        self,
-        *,
-        max_positions: int,
-        num_hiddens: int = 64,
-        num_heads: int = 4,
-        ffn_hiddens: int = 128,
-        num_layers: int = 2,
-    ) -> None:
-        super().__init__()
-        d = num_hiddens
-        self.cross_attention_name = f"decoder.{num_layers - 1}.cross_attention"
-        self.embedding = nn.Embedding(VOCAB, d, padding_idx=PAD)
-        self.positions = nn.Embedding(max_positions, d)
-        self.encoder = nn.ModuleList(_EncoderBlock(d, num_heads, ffn_hiddens) for _ in range(num_layers))
-        self.decoder = nn.ModuleList(_DecoderBlock(d, num_heads, ffn_hiddens) for _ in range(num_layers))
-        self.encoder_norm = nn.LayerNorm(d)
-        self.decoder_norm = nn.LayerNorm(d)
-        self.output = nn.Linear(d, VOCAB)
-
-    def _embed(self, tokens: Tensor) -> Tensor:
-        return self.embedding(tokens) + self.positions(torch.arange(tokens.shape[1]))  # (B, L) -> (B, L, d)
-
-    def encode(self, src: Tensor, lens: Tensor) -> Tensor:
-        x = self._embed(src)  # (B, S, d)
-        for block in self.encoder:
-            x = block(x, lens)
-        return self.encoder_norm(x)  # (B, S, d)
-
-    def decode(self, memory: Tensor, lens: Tensor, tgt_in: Tensor) -> Tensor:
-        y = self._embed(tgt_in)  # (B, T, d)
-        for block in self.decoder:
-            y = block(y, memory, lens)
-        return self.output(self.decoder_norm(y))  # (B, T, V)
-
-    def generate(self, memory: Tensor, lens: Tensor, steps: int) -> Tensor:
-        """Greedy decoding of ``steps`` tokens with key/value caches: each step projects and attends from its one
-        new token only (the encoder's keys and values are projected once). Returns ``(B, steps)``."""
-        caches = [(KVCache(), CrossKVCache()) for _ in self.decoder]
-        token = torch.full((memory.shape[0], 1), BOS, device=memory.device)  # (B, 1)
-        out = []
-        for t in range(steps):
-            y = self.embedding(token) + self.positions.weight[t]  # (B, 1, d)
-            for block, block_caches in zip(self.decoder, caches, strict=True):
-                y = block(y, memory, lens, block_caches)
-            token = self.output(self.decoder_norm(y))[:, -1].argmax(-1, keepdim=True)  # (B, 1)
-            out.append(token)
-        return torch.cat(out, dim=1)  # (B, steps)
-
-
-class _EncoderBlock(nn.Module):
-    """Pre-LayerNorm: ``x + self-attention(norm(x))`` over the digits, then ``x + ffn(norm(x))``."""
-
-    def __init__(self, d: int, num_heads: int, ffn_hiddens: int) -> None:
-        super().__init__()
-        self.attention_norm = nn.LayerNorm(d)
-        self.attention = MultiHeadAttention(d, num_heads, query_size=d, key_size=d, value_size=d)
-        self.ffn_norm = nn.LayerNorm(d)
-        self.ffn = nn.Sequential(nn.Linear(d, ffn_hiddens), nn.ReLU(), nn.Linear(ffn_hiddens, d))
-
-    def forward(self, x: Tensor, lens: Tensor) -> Tensor:
-        """Args: x ``(B, S, d)``, lens ``(B,)``. Returns ``(B, S, d)``."""
-        h = self.attention_norm(x)
-        x = x + self.attention(h, h, h, lens)
-        return x + self.ffn(self.ffn_norm(x))
-
-
-class _DecoderBlock(nn.Module):
-    """Pre-LayerNorm: causal self-attention, cross-attention to the digits, feed-forward, each residual."""
-
-    def __init__(self, d: int, num_heads: int, ffn_hiddens: int) -> None:
-        super().__init__()
-        self.self_attention_norm = nn.LayerNorm(d)
-        self.self_attention = MultiHeadAttention(d, num_heads, query_size=d, key_size=d, value_size=d)
-        self.cross_attention_norm = nn.LayerNorm(d)
-        self.cross_attention = MultiHeadAttention(d, num_heads, query_size=d, key_size=d, value_size=d)
-        self.ffn_norm = nn.LayerNorm(d)
-        self.ffn = nn.Sequential(nn.Linear(d, ffn_hiddens), nn.ReLU(), nn.Linear(ffn_hiddens, d))
-
-    def forward(
-        self, y: Tensor, memory: Tensor, lens: Tensor, caches: tuple[KVCache, CrossKVCache] | None = None
-    ) -> Tensor:
-        """Args: y ``(B, T, d)``, memory ``(B, S, d)``, lens ``(B,)`` source lengths; caches: the self- and
-        cross-attention caches when decoding step by step (``y`` then holds the new positions only). Returns
-        ``(B, T, d)``."""
-        self_cache, cross_cache = caches if caches is not None else (None, None)
-        h = self.self_attention_norm(y)
-        y = y + self.self_attention(h, h, h, is_causal=True, cache=self_cache)
-        y = y + self.cross_attention(self.cross_attention_norm(y), memory, memory, lens, cache=cross_cache)
-        return y + self.ffn(self.ffn_norm(y))
-
-
-# Evaluation -------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def _greedy(model: _Seq2Seq, src: Tensor, lens: Tensor, steps: int, *, cache: bool = True) -> Tensor:
-    """Greedy decoding of ``steps`` tokens: with key/value caches when the model has them (the Transformer's
-    ``generate``), else decoding the whole prefix again at each step. Returns ``(B, steps)``."""
-    model.eval()
-    memory = model.encode(src, lens)
-    if cache and isinstance(model, _TransformerSeq2Seq):
-        return model.generate(memory, lens, steps)
-    tokens = torch.full((src.shape[0], 1), BOS)  # (B, 1)
-    for _ in range(steps):
-        logits = model.decode(memory, lens, tokens)  # (B, t, V)
-        tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)  # (B, t + 1)
-    return tokens[:, 1:]  # (B, steps)
-
-
-def _greedy_accuracy(model: _Seq2Seq, src: Tensor, lens: Tensor) -> float:
+def _greedy_accuracy(model: Seq2Seq, src: Tensor, lens: Tensor) -> float:
     """Exact-sequence accuracy of greedy decoding: every digit and the ``<eos>`` right (decoding stops at the
     first ``<eos>``, so what follows it is never read)."""
     _, tgt_out = _targets(src, lens)  # (B, T)
-    return _exact(_greedy(model, src, lens, tgt_out.shape[1]), tgt_out)
+    return _exact(greedy(model, src, lens, tgt_out.shape[1]), tgt_out)
 
 
 @torch.no_grad()
-def _teacher_forced_accuracy(model: _Seq2Seq, src: Tensor, lens: Tensor) -> float:
+def _teacher_forced_accuracy(model: Seq2Seq, src: Tensor, lens: Tensor) -> float:
     """The number :func:`_greedy_accuracy` gives (but for rounding on near ties), from one decoder call instead of
     one per output position.
 
@@ -473,12 +291,12 @@ def _exact(predicted: Tensor, tgt_out: Tensor) -> float:
     return float(((predicted == tgt_out) | ~scored).all(dim=1).float().mean())
 
 
-def _example(model: _Seq2Seq, src: Tensor, lens: Tensor, length: int) -> dict[str, Any]:
+def _example(model: Seq2Seq, src: Tensor, lens: Tensor, length: int) -> dict[str, Any]:
     """The first held-out sequence of ``length`` digits, kept padded as in the held-out batch: its greedy
     prediction, and the cross-attention weights of teacher-forced decoding of the right output."""
     i = int((lens == length).nonzero()[0])
     src, lens = src[i : i + 1], lens[i : i + 1]  # (1, S), (1,)
-    predicted = _greedy(model, src, lens, length + 1)[0].tolist()  # T = length + 1 tokens
+    predicted = greedy(model, src, lens, length + 1)[0].tolist()  # T = length + 1 tokens
     prediction = predicted[: predicted.index(EOS)] if EOS in predicted else predicted
     tgt_in, tgt_out = _targets(src, lens)  # (1, S + 1) each
     tgt_in, tgt_out = tgt_in[:, : length + 1], tgt_out[:, : length + 1]  # (1, T): no padding after <eos>
@@ -492,7 +310,7 @@ def _example(model: _Seq2Seq, src: Tensor, lens: Tensor, length: int) -> dict[st
     with torch.no_grad(), record_weights(model) as everything:
         memory = model.encode(src, lens)
         model.decode(memory, lens, torch.tensor([read]))
-        if isinstance(model, _TransformerSeq2Seq):
+        if isinstance(model, TransformerSeq2Seq):
             model.generate(memory, lens, length + 1)
     read_labels = [LABELS[token] for token in read]
     layer_tokens: dict[str, Any] = {}
@@ -510,102 +328,3 @@ def _example(model: _Seq2Seq, src: Tensor, lens: Tensor, length: int) -> dict[st
         "record": {name: everything.calls(name) for name in everything},
         "layer_tokens": layer_tokens,
     }
-
-
-# What `attnkit demo` shows ----------------------------------------------------------------------------------
-
-
-def replay_book_examples(echo: Callable[[str], None], seed: int = 0) -> None:
-    """Run the examples of the book's attention chapters with :mod:`attnkit.d2l` and ``echo`` what they give."""
-    from attnkit import d2l
-    from attnkit.trace import trace_shapes
-
-    with torch.random.fork_rng(devices=[]), _print_options(precision=4, sci_mode=False):
-        torch.manual_seed(seed)
-        echo("The book's examples, with attnkit.d2l")
-        echo("\nmasked_softmax(torch.rand(2, 2, 4), torch.tensor([2, 3])): zeros past each length")
-        echo(str(d2l.masked_softmax(torch.rand(2, 2, 4), torch.tensor([2, 3]))))
-        echo("\nmasked_softmax(torch.rand(2, 2, 4), torch.tensor([[1, 3], [2, 4]])): one length per query")
-        echo(str(d2l.masked_softmax(torch.rand(2, 2, 4), torch.tensor([[1, 3], [2, 4]]))))
-        echo("\nmasked_softmax(torch.rand(2, 2, 4), torch.tensor([0, 4])): a row with nothing to attend to is zero")
-        echo(str(d2l.masked_softmax(torch.rand(2, 2, 4), torch.tensor([0, 4]))))
-
-        keys = torch.ones((2, 10, 2))
-        values = torch.arange(40, dtype=torch.float32).reshape(1, 10, 4).repeat(2, 1, 1)
-        lens = torch.tensor([2, 6])
-        additive = d2l.AdditiveAttention(key_size=2, query_size=20, num_hiddens=8, dropout=0.1).eval()
-        with torch.no_grad():
-            out = additive(torch.normal(0, 1, (2, 1, 20)), keys, values, lens)
-        echo("\nAdditiveAttention(key_size=2, query_size=20, num_hiddens=8, dropout=0.1), valid_lens [2, 6]:")
-        echo(str(out))
-        echo("attention_weights:\n" + str(additive.attention_weights))
-        dot = d2l.DotProductAttention(dropout=0.5).eval()
-        with torch.no_grad():
-            out = dot(torch.normal(0, 1, (2, 1, 2)), keys, values, lens)
-        echo("\nDotProductAttention(dropout=0.5), same keys, values and valid_lens:")
-        echo(str(out))
-
-        mha = d2l.MultiHeadAttention(100, 100, 100, 100, 5, 0.5).eval()
-        X, Y = torch.ones((2, 4, 100)), torch.ones((2, 6, 100))
-        with torch.no_grad(), trace_shapes() as steps:
-            out = mha(X, Y, Y, torch.tensor([3, 2]))
-        echo(f"\nMultiHeadAttention(100, 100, 100, 100, 5, 0.5) on (2, 4, 100) and (2, 6, 100) -> {tuple(out.shape)}:")
-        echo(str(steps))
-
-
-def draw(results: dict[str, DemoResult], out_dir: Path) -> list[Path]:
-    """Heatmaps of what each model attends to, the loss curves, and a viewer page of every attention call of each
-    model on its example (:func:`attnkit.viewer.view`), written into ``out_dir``. Returns the paths."""
-    from attnkit import plot, viewer
-
-    paths = []
-    for kind, result in results.items():
-        ex = result.example
-        source = "".join(str(d) for d in ex["source"])
-        title = f"{kind}: {source} -> {''.join(str(d) for d in ex['prediction'])}"
-        path = out_dir / PICTURES[KINDS.index(kind)]
-        plot.plot_attention(
-            ex["weights"],
-            query_labels=ex["target_labels"],
-            key_labels=ex["source_labels"],
-            path=path,
-            title=title,
-            xlabel="source",
-            ylabel="output",
-        )
-        paths.append(path)
-
-    plt = plot._pyplot()
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.2), layout="constrained")
-    for kind, result in results.items():
-        ax_loss.plot([s for s, _ in result.losses], [loss for _, loss in result.losses], label=kind)
-        ax_acc.plot([s for s, _ in result.accuracies], [a for _, a in result.accuracies], marker=".", label=kind)
-    ax_loss.set(xlabel="step", ylabel="training loss", yscale="log", title="loss")
-    ax_acc.set(xlabel="step", ylabel="exact-sequence accuracy", ylim=(0, 1.01), title="held-out accuracy")
-    ax_acc.legend()
-    path = out_dir / "training.png"
-    plot.save_figure(fig, path)
-    paths.append(path)
-
-    for kind, result in results.items():
-        ex = result.example
-        source = "".join(str(d) for d in ex["source"])
-        path = out_dir / f"{kind}-attention.html"
-        viewer.view(
-            ex["record"],
-            layer_tokens=ex["layer_tokens"],
-            title=f"attnkit demo, {kind}: {source} -> {''.join(str(d) for d in ex['prediction'])}",
-            path=path,
-        )
-        paths.append(path)
-    return paths
-
-
-@contextlib.contextmanager
-def _print_options(**options: Any) -> Iterator[None]:
-    """Print tensors with ``options`` inside; back to PyTorch's defaults after (the demo runs as a command)."""
-    torch.set_printoptions(**options)
-    try:
-        yield
-    finally:
-        torch.set_printoptions(profile="default")
