@@ -30,7 +30,9 @@ BACKENDS = ("auto", "reference", "sdpa", "chunked")
 
 
 def _register() -> dict[str, str]:
-    return {b: attnkit_hf.register("attnkit" if b == "auto" else f"attnkit-{b}", backend=b) for b in BACKENDS}
+    # (no "sdpa" in a name: transformers would read it as its own SDPA, see the refusal tested below)
+    names = {"auto": "attnkit", "reference": "attnkit-reference", "sdpa": "attnkit-fused", "chunked": "attnkit-chunked"}
+    return {b: attnkit_hf.register(names[b], backend=b) for b in BACKENDS}
 
 
 NAMES = _register()
@@ -306,6 +308,75 @@ def test_register_refuses_an_unknown_backend_and_transformers_own_names():
     with pytest.raises(ValueError, match="one of transformers' own attention implementations"):
         attnkit_hf.register("sdpa")
     assert attnkit_hf.register(NAMES["auto"]) == NAMES["auto"]  # attnkit's own name: registered again
+
+
+@pytest.mark.parametrize(
+    "name", ["my-sdpa-attnkit", "attnkit-flash", "attnkit_flex_attention", "paged|attnkit", "me/attnkit", "attnkit:v1"]
+)
+def test_register_refuses_a_name_transformers_reads_meaning_into(name):
+    """transformers reads 'sdpa', 'flash', 'flex_attention', '|', '/' and ':' in an implementation's name as naming one
+    of its own kinds: attnkit registered as 'my-sdpa-attnkit' was treated as SDPA (Gemma 2 and GPT-OSS then refused
+    to build). Such names are refused, saying which word and what to choose."""
+    with pytest.raises(ValueError, match="transformers reads as naming one of its own kinds of attention"):
+        attnkit_hf.register(name)
+
+
+def _gemma2() -> Any:
+    return transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
+
+
+def test_the_reason_to_refuse_sdpa_in_a_name_still_holds_in_this_transformers():
+    """Guards the refusal above: registered under a name holding 'sdpa' (straight into transformers' interfaces,
+    past register()), attnkit makes Gemma 2 refuse to build; under attnkit's name it builds and runs."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("guard-sdpa-attnkit", attnkit_hf.attention_forward)
+    AttentionMaskInterface.register("guard-sdpa-attnkit", attnkit_hf._mask)
+    model_class, config = _gemma2()
+    with pytest.raises(ValueError, match="scaled_dot_product_attention"):
+        model_class._from_config(config, attn_implementation="guard-sdpa-attnkit")
+    model = model_class._from_config(config, attn_implementation=NAMES["auto"]).eval()
+    assert torch.isfinite(model(torch.randint(3, V, (1, 8))).logits).all()
+
+
+def test_the_private_transformers_names_attnkit_reads_are_where_it_was_checked():
+    """attnkit reads three private names of transformers (checked against 5.23, named in the integration): if one
+    moves, this fails, rather than a refusal quietly becoming a pass or weights quietly going missing."""
+
+    from transformers import AttentionInterface, AutoModel
+    from transformers.utils import output_capturing
+
+    assert "sdpa" in AttentionInterface._global_mapping and "eager" not in AttentionInterface._global_mapping
+    assert AutoModel._model_mapping[transformers.LlamaConfig] is transformers.LlamaModel
+    assert callable(output_capturing._active_collector.get)  # a (compile-friendly) context variable
+    assert attnkit_hf._collector is output_capturing._active_collector
+
+
+def test_which_models_look_their_attention_up_is_read_from_their_code_not_guessed():
+    """A model goes through the interface when its module holds transformers' ALL_ATTENTION_FUNCTIONS (Llama, T5,
+    BART: yes; Bloom, CodeGen: no); a config AutoModel does not know is said in a warning, not passed in silence."""
+    through = attnkit_hf._goes_through_the_interface
+    assert [through(c) for c in (transformers.LlamaConfig, transformers.T5Config, transformers.BartConfig)] == [
+        True
+    ] * 3
+    assert [through(c) for c in (transformers.BloomConfig, transformers.CodeGenConfig)] == [False, False]
+
+    class OwnConfig(transformers.LlamaConfig):
+        model_type = "attnkit-test-own"
+
+    assert through(OwnConfig) is None
+    with pytest.warns(UserWarning, match="cannot find the model code of OwnConfig"):
+        attnkit_hf._mask(batch_size=1, q_length=4, kv_length=4, config=OwnConfig())
 
 
 def test_a_static_cache_prefill_returns_weights_over_every_slot():

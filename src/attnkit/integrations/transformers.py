@@ -33,13 +33,19 @@ What the model passes and what attnkit makes of it:
 
 Not covered: paged attention (transformers' continuous batching), models whose attention does not go through
 ``AttentionInterface``, and flash-attention-only arguments (``cu_seq_lens``: packed batches go through the mask).
+
+Written and checked against transformers 5.23 (``constraints.txt``). Three of transformers' private names are
+read, each named where it is used and guarded by a test that fails when it moves (``tests/test_transformers.py``):
+``AttentionInterface._global_mapping`` (transformers' own implementations, whose names :func:`register` refuses),
+``AutoModel._model_mapping`` (the model a config builds, whose code must look its attention up) and
+``transformers.utils.output_capturing._active_collector`` (whether the model is collecting the attention weights).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -58,9 +64,9 @@ except ImportError as err:  # pragma: no cover - the tests install it
     ) from err
 
 _collector: Any
-try:  # transformers 5.x: the outputs a model's forward is collecting (a ContextVar), to know if weights are wanted
+try:  # the outputs a model's forward is collecting (a ContextVar): private, checked against transformers 5.23
     from transformers.utils.output_capturing import _active_collector as _collector
-except ImportError:  # pragma: no cover - other versions: only the output_attentions flag passed down
+except ImportError:  # pragma: no cover - register() warns: only the output_attentions flag passed down is seen
     _collector = None
 
 __all__ = ["NAME", "attention_forward", "register"]
@@ -73,6 +79,11 @@ NAME = "attnkit"
 # The names register() gave: registering one again replaces it; transformers' own names are never replaced.
 _REGISTERED: set[str] = set()
 
+# Words transformers reads meaning into when they are part of an implementation's name (checked against 5.23:
+# "sdpa" in it runs the SDPA checks, which some models refuse; "flash" and "flex_attention" the flash-attention and
+# FlexAttention ones; "|" marks paged attention, "/" and ":" a kernel from the Hub).
+_RESERVED_WORDS = ("sdpa", "flash", "flex_attention", "|", "/", ":")
+
 
 def register(name: str = NAME, *, backend: str = "auto") -> str:
     """Register attnkit as the attention implementation ``name`` in transformers (its ``AttentionInterface``, and
@@ -84,8 +95,13 @@ def register(name: str = NAME, *, backend: str = "auto") -> str:
     masks and then add them to its own scores, unmasked.
 
     Raises:
-        ValueError: an empty name, a name transformers already uses for its own implementation, or a backend
-            attnkit does not have.
+        ValueError: an empty name, a name transformers already uses for its own implementation or holding a word
+            transformers reads meaning into (``"sdpa"``, ``"flash"``, ``"flex_attention"``, ``"|"``, ``"/"``,
+            ``":"``), or a backend attnkit does not have.
+
+    Warns:
+        UserWarning: this transformers has no output collector where 5.23 has it: weights are then returned only to
+            models that pass ``output_attentions`` down to their attention function.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -94,8 +110,23 @@ def register(name: str = NAME, *, backend: str = "auto") -> str:
 
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
+    # AttentionInterface._global_mapping: transformers' own implementations (private; checked against 5.23)
     if name in AttentionInterface._global_mapping and name not in _REGISTERED:
         raise ValueError(f"{name!r} is one of transformers' own attention implementations: choose another name")
+    reserved = [word for word in _RESERVED_WORDS if word in name]
+    if reserved:
+        raise ValueError(
+            f"the name {name!r} holds {reserved[0]!r}, which transformers reads as naming one of its own kinds of "
+            f"attention (it would treat attnkit as that one, and some models would refuse to build): choose a name "
+            f"without {', '.join(repr(w) for w in _RESERVED_WORDS)}, such as 'attnkit'"
+        )
+    if _collector is None:
+        warnings.warn(
+            "attnkit was checked against transformers 5.23, whose transformers.utils.output_capturing."
+            "_active_collector tells when a model collects its attention weights; this version has none: "
+            "output_attentions=True gives weights only to models that pass the flag down to their attention",
+            stacklevel=2,
+        )
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
     forward = functools.partial(attention_forward, backend=backend)
@@ -108,34 +139,52 @@ def register(name: str = NAME, *, backend: str = "auto") -> str:
 
 def _mask(*args: Any, config: Any = None, **kwargs: Any) -> Tensor | None:
     """transformers' sdpa mask (boolean, ``True`` = may attend, or ``None`` where ``is_causal`` says it), after
-    checking that the model's attention goes through ``AttentionInterface`` (the config names the model)."""
+    checking that the model's attention goes through ``AttentionInterface`` (the config names the model).
+
+    Warns:
+        UserWarning: attnkit cannot find the code of the model this config builds (a model of one's own that
+            transformers' AutoModel does not know): it cannot tell whether that code looks its attention up.
+    """
     from transformers.masking_utils import sdpa_mask
 
-    if config is not None and not _goes_through_the_interface(type(config)):
+    through = None if config is None else _goes_through_the_interface(type(config))
+    if through is False:
         raise ValueError(
             f"this {config.model_type!r} model computes its attention itself, not through transformers' "
             "AttentionInterface: attnkit cannot be its attention implementation (its mask would be added to the "
             "model's own scores, unmasked); use 'eager' or 'sdpa'"
         )
+    if through is None and config is not None:
+        warnings.warn(
+            f"attnkit cannot find the model code of {type(config).__name__} in transformers' AutoModel, so it cannot "
+            "tell whether its attention is looked up in ALL_ATTENTION_FUNCTIONS: if that code computes attention "
+            "itself, attnkit's mask would be added to its scores unmasked",
+            stacklevel=2,
+        )
     return sdpa_mask(*args, config=config, **kwargs)
 
 
-_THROUGH_THE_INTERFACE: dict[type, bool] = {}  # by config class
+_THROUGH_THE_INTERFACE: dict[type, bool | None] = {}  # by config class
 
 
-def _goes_through_the_interface(config_class: type) -> bool:
-    """False when the code of the model transformers maps this config to never looks up its attention function
-    (``ALL_ATTENTION_FUNCTIONS``: Bloom, CodeGen, XGLM, GPT-J, GPT-Neo, MPT); True otherwise, and when the model
-    or its code cannot be found (given the benefit of the doubt). The classes' ``_supports_attention_backend``
-    cannot tell: BART, T5 and Whisper leave it False and go through the interface."""
+def _goes_through_the_interface(config_class: type) -> bool | None:
+    """Whether the module of the model transformers maps this config to holds transformers' own
+    ``ALL_ATTENTION_FUNCTIONS`` (the registry it looks attention implementations up in; Bloom, CodeGen, XGLM,
+    GPT-J, GPT-Neo and MPT do not): ``None`` when no model is mapped to it. The classes'
+    ``_supports_attention_backend`` cannot tell: BART, T5 and Whisper leave it False and go through the interface.
+
+    ``AutoModel._model_mapping`` is private, checked against transformers 5.23: if it moves, the AttributeError
+    says so here (never a silent "yes")."""
     from transformers import AutoModel
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if config_class not in _THROUGH_THE_INTERFACE:
-        try:
-            code = inspect.getsource(sys.modules[AutoModel._model_mapping[config_class].__module__])
-        except (KeyError, ValueError, OSError, TypeError):
-            code = "ALL_ATTENTION_FUNCTIONS"
-        _THROUGH_THE_INTERFACE[config_class] = "ALL_ATTENTION_FUNCTIONS" in code
+        mapping = AutoModel._model_mapping
+        model_class = mapping.get(config_class, None)
+        module = None if model_class is None else sys.modules.get(model_class.__module__)
+        _THROUGH_THE_INTERFACE[config_class] = (
+            None if module is None else any(value is ALL_ATTENTION_FUNCTIONS for value in vars(module).values())
+        )
     return _THROUGH_THE_INTERFACE[config_class]
 
 
