@@ -406,3 +406,53 @@ def test_a_batch_of_no_rows_decodes(layout):
     with torch.no_grad():
         mha(none, none, none, torch.zeros(0, dtype=torch.long), is_causal=True, cache=cache)
         assert mha(none[:, :1], none[:, :1], none[:, :1], is_causal=True, cache=cache).shape == (0, 1, E)
+
+
+# --- what adversarial testing found (issue 22, findings e, g, i) -------------------------------------------
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("book", [False, True], ids=["attnkit", "d2l"])
+def test_keys_of_another_length_than_the_queries_are_one_value_error_naming_both(kind, book):
+    """A self-attention cache takes the call's new positions as keys and values, as many as the queries: the
+    growing cache took more silently, the static and sliding ones failed about shapes never passed (finding e)."""
+    from attnkit import d2l
+
+    mha = d2l.MultiHeadAttention(E, H, 0.0) if book else _model(2, torch.float32)
+    x, kv = torch.randn(3, 1, E), torch.randn(3, 4, E)
+    with pytest.raises(
+        ValueError, match=rf"queries has 1 positions but keys 4: queries \(3, 1, {E}\), keys \(3, 4, {E}\)"
+    ):
+        mha(x, kv, kv, None, cache=KVCache(**KINDS[kind]))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_one_backward_through_several_calls_of_a_cache_gives_the_full_forwards_gradient(kind):
+    """Training through a cache (a prefill, then steps, one loss): every kind of cache gives the gradient of the
+    full causal forward; the growing cache used to raise autograd's in-place error (finding g)."""
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(E, H, num_kv_heads=2).double()
+    x = torch.randn(2, 7, E, dtype=torch.float64, requires_grad=True)
+    cache = KVCache(**KINDS[kind])
+    parts = [mha(x[:, :4], x[:, :4], x[:, :4], is_causal=True, cache=cache)]
+    parts += [mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], is_causal=True, cache=cache) for t in range(4, 7)]
+    window = KINDS[kind].get("window")
+    full = mha(x, x, x, is_causal=True, mask_mod=None if window is None else mods.sliding_window(window))
+    got = torch.autograd.grad(torch.cat(parts, dim=1).square().sum(), [x, *mha.parameters()])
+    want = torch.autograd.grad(full.square().sum(), [x, *mha.parameters()])
+    for g, w in zip(got, want, strict=True):
+        assert max_err(g, w) <= 1e-10
+
+
+def test_a_cache_filled_in_one_dtype_and_stepped_in_another_says_the_caches_dtype():
+    """Filled under bfloat16 autocast, then stepped in float32: the error names the cache's dtype and the call's
+    (finding i), instead of failing in a write."""
+    mha = _model(2, torch.float32)
+    x = torch.randn(2, 3, E)
+    cache = KVCache()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mha(x, x, x, is_causal=True, cache=cache)
+    with pytest.raises(
+        ValueError, match=r"this cache holds torch.bfloat16 keys and values, but the call brings torch.float32"
+    ):
+        mha(x[:, :1], x[:, :1], x[:, :1], is_causal=True, cache=cache)

@@ -111,6 +111,13 @@ def test_each_backend_runs_what_it_declares_and_refuses_the_rest(name):
     long = torch.randn(1, 4097, 8)  # 4097^2 pairs: over sdpa's dense-mask limit
     seventeen = torch.randn(2, 17, 8)  # 17 queries, one head: more than a decode step's
 
+    def huge_hidden_scores():  # key 5 is finite but huge and hidden: its scores overflow, the others' do not
+        hidden = torch.ones(5, 6, dtype=torch.bool)
+        hidden[:, 5] = False
+        huge = torch.cat([k[:, :5], torch.full_like(k[:, :1], 3e38)], dim=1)  # (2, 6, 8)
+        out = attend(q.abs(), huge, v, backend=name, attn_mask=hidden).output
+        assert torch.isfinite(out).all()
+
     def autograd():
         leaf = q.clone().requires_grad_()
         attend(leaf, k, v, backend=name).output.sum().backward()
@@ -130,6 +137,7 @@ def test_each_backend_runs_what_it_declares_and_refuses_the_rest(name):
         "autograd": autograd,
         "17 queries per key/value head": lambda: attend(seventeen, k, v, backend=name),
         "bfloat16": lambda: attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), backend=name),
+        "huge hidden scores": huge_hidden_scores,
     }
     declared = {
         "additive scoring": "additive" in supports.scoring,
@@ -145,6 +153,7 @@ def test_each_backend_runs_what_it_declares_and_refuses_the_rest(name):
         "autograd": supports.grad,
         "17 queries per key/value head": (supports.max_queries or 17) >= 17,
         "bfloat16": supports.dtypes is None or torch.bfloat16 in supports.dtypes,
+        "huge hidden scores": supports.huge_scores,
     }
     for what, run in calls.items():
         with dispatch.watch() as ran:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import dispatch
+from attnkit import dispatch, mods
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim
 B, H, HKV, LQ, LK, D = 2, 4, 2, 3, 5, 8
@@ -484,3 +484,55 @@ def test_a_dropout_that_is_not_a_number_is_a_type_error_naming_dropout(layer):
     sizes = {attnkit.MultiHeadAttention: (8, 2), attnkit.DotProductAttention: (), attnkit.AdditiveAttention: (8,)}
     with pytest.raises(TypeError, match=has("dropout", "'0.1'")):
         layer(*sizes[layer], dropout="0.1")
+
+
+@pytest.mark.parametrize("book", [False, True], ids=["attnkit", "d2l"])
+@pytest.mark.parametrize("kind", ["multihead", "additive"])
+def test_inputs_of_another_dtype_than_the_layers_weights_are_a_type_error_naming_both(kind, book):
+    """A float32 layer given float64 inputs failed with a matmul RuntimeError (finding f)."""
+    from attnkit import d2l
+
+    if kind == "multihead":
+        layer = d2l.MultiHeadAttention(8, 2, 0.0) if book else attnkit.MultiHeadAttention(8, 2)
+    else:
+        layer = d2l.AdditiveAttention(8, 0.0) if book else attnkit.AdditiveAttention(8)
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    for _ in range(2):  # before its sizes are inferred, and after (a float32 call in between)
+        with pytest.raises(TypeError, match=has("queries", "torch.float64", "torch.float32")):
+            layer(x, x, x, None)
+        layer(x.float(), x.float(), x.float(), None)
+
+
+@pytest.mark.parametrize(("sizes", "error"), [((-1, 3), ValueError), ((2, -4), ValueError), ((2.0, 3), TypeError)])
+def test_causal_mask_of_a_bad_size_names_it(sizes, error):
+    """A negative size was a RuntimeError from torch.arange (finding f)."""
+    with pytest.raises(error, match="num_queries|num_keys"):
+        attnkit.causal_mask(*sizes)
+
+
+@pytest.mark.parametrize("which", ["mask_mod", "score_mod"])
+def test_a_modifier_with_the_wrong_number_of_parameters_is_a_type_error_naming_its_signature(which):
+    q = torch.randn(1, 1, 3, 4)
+    wrong = {"mask_mod": lambda b, h, q_idx: q_idx >= 0, "score_mod": lambda s, b, h: s}[which]
+    signature = {"mask_mod": "mask_mod(b, h, q_idx, kv_idx)", "score_mod": "score_mod(score, b, h, q_idx, kv_idx)"}
+    with pytest.raises(TypeError, match=has(which, signature[which], "3 parameters")):
+        attnkit.scaled_dot_product_attention(q, q, q, **{which: wrong})
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_alibi_slopes_that_are_not_finite_are_refused_as_sinks_are(bad):
+    """NaN ALiBi slopes were accepted (NaN sinks are refused): finding i."""
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="alibi: slopes must be finite"):
+        attnkit.scaled_dot_product_attention(q, q, q, score_mod=mods.alibi(torch.tensor([0.5, bad])))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_scale_beyond_the_compute_dtype_is_refused(dtype):
+    """scale=1e300 is finite in Python but infinite in float32, where the scores are computed: it gave NaN
+    (finding i). float64 inputs compute in float64, where it is a scale like any other."""
+    q = torch.randn(1, 2, 3, 4, dtype=dtype)
+    with pytest.raises(ValueError, match=has("scale", "1e+300", "float32")):
+        attnkit.scaled_dot_product_attention(q, q, q, scale=1e300)
+    out = attnkit.scaled_dot_product_attention(q.double(), q.double(), q.double(), scale=1e300).output
+    assert torch.isfinite(out).all()

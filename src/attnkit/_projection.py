@@ -42,7 +42,15 @@ def make(in_features: int | None, out_features: int, *, bias: bool) -> nn.Linear
 
 
 def check_features(name: str, x: Tensor, proj: nn.Linear) -> None:
-    """A wrong input feature size is a ValueError naming the expected size (not a matmul error)."""
+    """An input the projection cannot take is said before any work, not by a matmul error: a TypeError naming both
+    dtypes when ``x`` is not in the weights' dtype (outside autocast, which casts both), a ValueError naming the
+    expected size for a wrong feature size."""
+    weight = proj.weight  # an UninitializedParameter of a lazy layer has its dtype already
+    if x.dtype != weight.dtype and not (x.is_floating_point() and torch.is_autocast_enabled(x.device.type)):
+        raise TypeError(
+            f"{name} is {x.dtype} but this layer's weights are {weight.dtype}: convert one to the other "
+            f"(layer.to({x.dtype}) or {name}.to({weight.dtype}))"
+        )
     if isinstance(proj, nn.LazyLinear) and proj.has_uninitialized_params():
         return
     expected = proj.weight.shape[1]

@@ -125,6 +125,20 @@ class KVCache:
         size = "" if self.keys is None else f", {tuple(self.keys.shape)}, {self.nbytes} bytes"
         return f"KVCache({self.kind}{size})"
 
+    @staticmethod
+    def check_new(queries: Tensor, keys: Tensor) -> None:
+        """A self-attention call's keys (and values) are its new positions, as many as its queries ``(B, L, ...)``.
+
+        Raises:
+            ValueError: naming both, with their shapes.
+        """
+        if keys.shape[1] != queries.shape[1]:
+            raise ValueError(
+                f"with a KVCache, keys and values are the call's new positions, as queries: queries has "
+                f"{queries.shape[1]} positions but keys {keys.shape[1]}: queries {tuple(queries.shape)}, keys "
+                f"{tuple(keys.shape)}"
+            )
+
     def update(self, k_new: Tensor, v_new: Tensor, new_lens: Tensor | None, is_causal: bool) -> Attended:
         """Store a call's new keys and values; return what its queries attend over.
 
@@ -170,6 +184,7 @@ class KVCache:
             k_new = torch.where(is_real[:, None, :, None], k_new, 0.0)  # (B, Hkv, Lq, D)
             v_new = torch.where(is_real[:, None, :, None], v_new, 0.0)  # (B, Hkv, Lq, Dv)
         index = positions[:, None, :, None]  # (B, 1, Lq, 1)
+        self._writable(k_new, v_new)
         self.keys.scatter_(2, index.expand(B, Hkv, Lq, self.keys.shape[3]), k_new.to(self.keys.dtype))
         self.values.scatter_(2, index.expand(B, Hkv, Lq, self.values.shape[3]), v_new.to(self.values.dtype))
         self.lengths = self.lengths + real  # (B,)
@@ -195,6 +210,7 @@ class KVCache:
         Lq = k_new.shape[2]
         self._make_room(length + Lq, Lq)
         assert self.keys is not None and self.values is not None
+        self._writable(k_new, v_new)
         self.keys[:, :, length : length + Lq] = k_new  # (B, Hkv, Lq, D) into (B, Hkv, C, D)
         self.values[:, :, length : length + Lq] = v_new  # (B, Hkv, Lq, Dv) into (B, Hkv, C, Dv)
         self.lengths = self.lengths + Lq  # (B,)
@@ -215,6 +231,12 @@ class KVCache:
             if self.window is not None:
                 self.slot_positions = torch.full((B, self.window), -1, dtype=torch.long, device=k_new.device)
             return
+        if k_new.dtype != self.keys.dtype or v_new.dtype != self.values.dtype:
+            raise ValueError(
+                f"this cache holds {self.keys.dtype} keys and values, but the call brings {k_new.dtype} keys and "
+                f"{v_new.dtype} values (a cache filled under autocast and stepped without it, or a layer converted "
+                f"since): one dtype per cache (cache.reset() empties it for a new one)"
+            )
         want = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], self.values.shape[3])
         if (B, Hkv, D, Dv) != want or k_new.device != self.keys.device:
             raise ValueError(
@@ -222,6 +244,14 @@ class KVCache:
                 f"{tuple(k_new.shape)} and values {tuple(v_new.shape)} on {k_new.device}: one cache per layer and "
                 f"batch (cache.reset() empties it for a new batch)"
             )
+
+    def _writable(self, k_new: Tensor, v_new: Tensor) -> None:
+        """Under autograd, the keys and values an earlier call attended over belong to its graph: the new ones are
+        written into copies, so that one backward through several calls gives the full forward's gradient (as
+        transformers' caches, which concatenate), not autograd's in-place error. Without autograd: in place."""
+        assert self.keys is not None and self.values is not None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (k_new, v_new, self.keys, self.values)):
+            self.keys, self.values = self.keys.clone(), self.values.clone()  # (B, Hkv, C, D|Dv), the same layout
 
     def _new_lengths(self, new_lens: Tensor | None, B: int, Lq: int, device: torch.device) -> Tensor:
         if new_lens is None:

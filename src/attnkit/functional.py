@@ -20,7 +20,7 @@ from attnkit import dispatch, mods, trace
 from attnkit._checks import describe
 from attnkit.backends import reference
 from attnkit.backends.contract import Call
-from attnkit.masks import Mask
+from attnkit.masks import Mask, compute_dtype
 
 __all__ = [
     "AttentionOutput",
@@ -183,7 +183,7 @@ def attention_weights(
     three_d = check_qkv(q, k, k, ("q", "k", "k"))
     if w_v is not None:
         _check_w_v(q, w_v)
-    scale = check_scale(q.shape[-1] ** -0.5 if scale is None else scale)
+    scale = check_scale(q.shape[-1] ** -0.5 if scale is None else scale, compute_dtype(q.dtype))
     if three_d:
         q, k = q.unsqueeze(1), k.unsqueeze(1)  # (B, 1, L, D)
     masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
@@ -227,7 +227,7 @@ def attend(
         scale = q.shape[-1] ** -0.5
     if not isinstance(need_weights, bool):
         raise TypeError(f"need_weights must be a bool, got {need_weights!r}")
-    scale = check_scale(scale)
+    scale = check_scale(scale, compute_dtype(q.dtype))
     if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
         raise TypeError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     dropout_p = float(dropout_p)
@@ -313,13 +313,20 @@ def check_qkv(
     return q.dim() == 3
 
 
-def check_scale(scale: object) -> float:
-    """Any finite real number (Python or NumPy, any precision) is a scale; ``bool``, NaN and infinities are not."""
+def check_scale(scale: object, dtype: torch.dtype = torch.float64) -> float:
+    """Any real number (Python or NumPy, any precision) finite in ``dtype``, the dtype the scores are computed in,
+    is a scale; ``bool``, NaN and infinities are not (``1e300`` is infinite in float32: every score would be)."""
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise TypeError(f"scale must be a number, got {scale!r}")
     value = float(scale)
     if not math.isfinite(value):
         raise ValueError(f"scale must be finite, got {value}")
+    largest = torch.finfo(dtype).max
+    if abs(value) > largest:
+        raise ValueError(
+            f"scale must be finite in {str(dtype).removeprefix('torch.')}, the dtype the scores are computed in "
+            f"(at most {largest:g} in magnitude), got {value:g}"
+        )
     return value
 
 

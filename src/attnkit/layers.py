@@ -250,6 +250,8 @@ class MultiHeadAttention(_Attention):
             raise ValueError(f"queries must be (B, Lq, query_size), got {tuple(queries.shape)}")
         for name, x, proj in (("queries", queries, self.W_q), ("keys", keys, self.W_k), ("values", values, self.W_v)):
             _projection.check_features(name, x, proj)
+        if isinstance(cache, KVCache):
+            cache.check_new(queries, keys)
         B, Lq, _ = queries.shape
         Lk = keys.shape[1]
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim

@@ -121,7 +121,8 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     closed_over: tuple[Tensor, ...] = ()
     if call.score_mod is not None and torch.is_grad_enabled():
         closed_over = mods.grad_inputs(call.score_mod, _probe(q, dtype))
-    scorer = Scorer(wf, scale, call.score_mod, B, H)
+    protected = None if call.score_mod is None else mods.protected_storages(call.score_mod)
+    scorer = Scorer(wf, scale, call.score_mod, B, H, protected)
     watched = _Watched.of(mask, call.score_mod) if torch.is_grad_enabled() else None
     out = _OnlineSoftmax.apply(
         q.to(dtype), kf, vf, wf, sinks, mask, scorer, block, watched, *closed_over

@@ -12,13 +12,14 @@ backend, which says, one reason per line of the declaration, why that backend ca
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit.masks import Mask
+from attnkit.masks import Mask, compute_dtype
 
 __all__ = ["Call", "Supports"]
 
@@ -83,10 +84,27 @@ class Call:
         sinks, or a tensor a score_mod reads."""
         if not torch.is_grad_enabled():
             return False
+        if self.score_mod is not None and not isinstance(self.score_mod, mods.ScoreMod):
+            return True  # a function of the caller's may read a tensor that requires grad: assume it does
         tensors = [self.q, self.k, self.v, self.w_v, self.mask.bias, self.sinks]
-        if self.score_mod is not None:
-            tensors += mods.read_tensors(self.score_mod)
+        if isinstance(self.score_mod, mods.ScoreMod):
+            tensors += self.score_mod.tensors()
         return any(t is not None and t.requires_grad for t in tensors)
+
+    @functools.cached_property
+    def hidden_scores_may_overflow(self) -> bool:
+        """Whether a score the mask hides could overflow the compute dtype, by the bound
+        ``|scale| * D * max|q| * max|k|`` (dot-product scoring, NaN aside): a kernel that adds the mask as ``-inf``
+        would then meet ``+inf - inf``, NaN, in a row that may not see that key. False when nothing is hidden."""
+        mask = self.mask
+        if mask.is_empty or self.w_v is not None or not self.q.numel() or not self.k.numel():
+            return False
+        peaks = torch.stack([self.q.detach().abs().amax(), self.k.detach().abs().amax()]).double()  # (2,)
+        if bool(peaks.isnan().any()):  # NaN where no query may see is zeroed by every backend first
+            peaks = torch.stack([t.detach().abs().nan_to_num(0.0).amax() for t in (self.q, self.k)]).double()
+        q_peak, k_peak = peaks.tolist()
+        limit = torch.finfo(compute_dtype(self.q.dtype)).max
+        return abs(self.scale) * self.q.shape[-1] * q_peak * k_peak >= limit
 
     @property
     def queries_per_kv_head(self) -> int:
@@ -101,7 +119,8 @@ class Supports:
     elements), a ``score_mod`` (``"any"``, ``"bias"``: only one that is a bias, such as ALiBi, or ``"none"``),
     ``sinks``; ``devices``: the device types it runs on (``None``: any); ``dtypes``: the input dtypes (``None``:
     any floating point); ``grad``: calls whose output needs a gradient; ``max_queries``: at most that many queries
-    per key/value head (``None``: any number)."""
+    per key/value head (``None``: any number); ``huge_scores``: a hidden score that overflows is hidden all the
+    same (False: the mask is added as ``-inf``, where an overflowing hidden score would give NaN)."""
 
     scoring: frozenset[str] = frozenset({DOT, ADDITIVE})
     weights: bool = True
@@ -115,6 +134,7 @@ class Supports:
     dtypes: frozenset[torch.dtype] | None = None
     grad: bool = True
     max_queries: int | None = None
+    huge_scores: bool = True
 
     def why_not(self, call: Call) -> list[str]:
         """Each reason this declaration refuses ``call``; ``[]`` when it can run it."""
@@ -130,6 +150,11 @@ class Supports:
             )
         if not self.grad and call.needs_grad:
             reasons.append("no autograd (the output of this call needs a gradient)")
+        if not self.huge_scores and call.hidden_scores_may_overflow:
+            reasons.append(
+                "adds the mask as -inf, and a hidden score could overflow here (|scale| * D * max|q| * max|k| beyond "
+                "the largest float): inf - inf would be NaN in rows that may not see that key"
+            )
         if call.scoring not in self.scoring:
             reasons.append(f"{' or '.join(sorted(self.scoring))} scoring only (this call is {call.scoring})")
         if call.need_weights and not self.weights:
@@ -182,6 +207,8 @@ class Supports:
             can.append("no autograd")
         if self.max_queries is not None:
             can.append(f"at most {self.max_queries} queries per key/value head")
+        if not self.huge_scores:
+            can.append("masks only scores that cannot overflow")
         return ", ".join(can)
 
 

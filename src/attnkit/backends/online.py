@@ -48,13 +48,15 @@ EXP_FLOOR = -80.0
 @dataclass(frozen=True)
 class Scorer:
     """How the scores of a block are made: ``scale * q . k`` (``w_v`` None) or ``w_v . tanh(q + k)``, then the
-    ``score_mod``, called with the block's indices (``batch`` and ``heads`` for ``b`` and ``h``)."""
+    ``score_mod``, called with the block's indices (``batch`` and ``heads`` for ``b`` and ``h``); ``protected``:
+    the memory the score_mod reads from outside, never written to (:func:`attnkit.mods.protected_storages`)."""
 
     w_v: Tensor | None
     scale: float
     score_mod: mods.ScoreFn | None = None
     batch: int = 1
     heads: int = 1
+    protected: frozenset[int] | None = frozenset()
 
     def __call__(
         self, q: Tensor, k_blk: Tensor, rows: tuple[int, int], cols: tuple[int, int]
@@ -63,7 +65,9 @@ class Scorer:
         scoring (for the backward pass)."""
         s, features = _scores(q, k_blk, self.w_v, self.scale)  # (B, H, n, blk)
         if self.score_mod is not None:
-            s = mods.evaluate_score(self.score_mod, s, *self.indices(rows, cols, q.device))
+            s = mods.evaluate_score(
+                self.score_mod, s, *self.indices(rows, cols, q.device), protected=self.protected
+            )  # (B, H, n, blk)
         return s, features
 
     def indices(self, rows: tuple[int, int], cols: tuple[int, int], device: torch.device) -> tuple[Tensor, ...]:
@@ -186,7 +190,10 @@ def accumulate(
         j0, j1, r0, r1, allowed, bias = seen
         rows = state.rows(r0, r1)  # (B, H, n, ...) views
         s, _ = scorer(q[:, :, r0:r1], k[:, :, j0:j1], (r0, r1), (j0, j1))  # (B, H, n, blk)
-        allowed = _hidden_by_score(s, allowed, scorer)
+        allowed, unseen = _hidden_by_score(s, allowed, scorer)
+        vb = v[:, :, j0:j1]  # (B, H, blk, Dv)
+        if unseen is not None:  # keys the score_mod hides from every query: their values never reach the output
+            vb = torch.where(unseen[..., None], 0.0, vb)  # (B, H, blk, Dv)
         s = _masked(s, allowed, bias)
         m_new = torch.maximum(rows.m, s.amax(dim=-1))  # running row max
         alpha = torch.exp(rows.m - m_new)  # rescales what was summed so far
@@ -194,7 +201,7 @@ def accumulate(
         if allowed is not None:
             p = p.masked_fill_(~allowed, 0.0)  # exactly 0, also in rows with nothing allowed yet
         rows.l.mul_(alpha).add_(p.sum(dim=-1))  # running normaliser
-        rows.acc.mul_(alpha[..., None]).add_(p @ v[:, :, j0:j1])  # running unnormalised output
+        rows.acc.mul_(alpha[..., None]).add_(p @ vb)  # running unnormalised output
         rows.m.copy_(m_new)
 
 
@@ -239,7 +246,12 @@ def accumulate_grads(
             s = modded.detach().clone()  # (B, H, n, blk), written to below
         else:
             s = raw
-        allowed = _hidden_by_score(s, allowed, scorer)
+        allowed, unseen = _hidden_by_score(s, allowed, scorer)
+        if unseen is not None:  # keys the score_mod hides from every query: nothing of them reaches a gradient
+            kb = torch.where(unseen[..., None], 0.0, kb)  # (B, H, blk, D)
+            vb = torch.where(unseen[..., None], 0.0, vb)  # (B, H, blk, Dv)
+            if features is not None:
+                features = features.masked_fill(unseen[..., None, :, None], 0.0)  # (B, H, n, blk, D)
         s = _masked(s, allowed, bias)
         p = s.sub_(lse[:, :, r0:r1, None]).clamp_min_(EXP_FLOOR).exp_()  # (B, H, n, blk): the weights again
         if allowed is not None:
@@ -297,15 +309,19 @@ def _scores(q: Tensor, k_blk: Tensor, w_v: Tensor | None, scale: float) -> tuple
     return additive_scores(q, k_blk, w_v)  # (B, H, Lq, blk), (B, H, Lq, blk, D)
 
 
-def _hidden_by_score(s: Tensor, allowed: Tensor | None, scorer: Scorer) -> Tensor | None:
+def _hidden_by_score(s: Tensor, allowed: Tensor | None, scorer: Scorer) -> tuple[Tensor | None, Tensor | None]:
     """A score_mod's ``-inf`` hides the key (FlexAttention's rule, and the reference's): it joins ``allowed``, so
-    that a row it hides entirely gives zeros, whatever ``EXP_FLOOR`` makes of ``exp(-inf)``."""
+    that a row it hides entirely gives zeros, whatever ``EXP_FLOOR`` makes of ``exp(-inf)``. Also returns the keys
+    of the block it leaves unseen by every row, ``(B|1, H|1, blk)``, or ``None``: no other row sees them (the
+    block's rows are all that may), so they are keys no query may see, zeroed as the mask's dead keys are."""
     if scorer.score_mod is None:
-        return allowed
+        return allowed, None
     hidden = torch.isneginf(s)  # (B, H, n, blk)
     if not bool(hidden.any()):
-        return allowed
-    return ~hidden if allowed is None else allowed & ~hidden  # (B, H, n, blk)
+        return allowed, None
+    allowed = ~hidden if allowed is None else allowed & ~hidden  # (B, H, n, blk)
+    unseen = ~allowed.any(dim=-2)  # (B, H, blk)
+    return allowed, (unseen if bool(unseen.any()) else None)
 
 
 def _masked(s: Tensor, allowed: Tensor | None, bias: Tensor | None) -> Tensor:

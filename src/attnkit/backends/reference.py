@@ -46,11 +46,14 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     H = q.shape[1]
     dtype = compute_dtype(q.dtype)
     q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
-    weights = attention_weights(
-        q, k, mask, w_v=call.w_v, scale=call.scale, score_mod=call.score_mod, sinks=call.sinks, zeroed=True
-    )  # (B, H, Lq, Lk) in `dtype`
+    weights, unseen = _weights(
+        q, k, mask, w_v=call.w_v, scale=call.scale, score_mod=call.score_mod, sinks=call.sinks
+    )  # (B, H, Lq, Lk) in `dtype`, (B, H, Lk) or None
     dropped = torch.nn.functional.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
-    out = dropped @ repeat_kv(v, H).to(dtype)  # (B, H, Lq, Dv)
+    vf = repeat_kv(v, H).to(dtype)  # (B, H, Lk, Dv)
+    if unseen is not None:  # keys the score_mod hides from every query: nothing they hold reaches the output
+        vf = torch.where(unseen[..., None], 0.0, vf)  # (B, H, Lk, Dv)
+    out = dropped @ vf  # (B, H, Lq, Dv)
     return out.to(q.dtype), (weights.to(q.dtype) if call.need_weights else None)
 
 
@@ -63,14 +66,29 @@ def attention_weights(
     scale: float,
     score_mod: mods.ScoreFn | None = None,
     sinks: Tensor | None = None,
-    zeroed: bool = False,
 ) -> Tensor:
-    """The weights ``a`` alone (no output), ``(B, H, Lq, Lk)`` in the compute dtype: what recording needs
-    (``zeroed``: the caller has zeroed the dead queries and keys already).
+    """The weights ``a`` alone (no output), ``(B, H, Lq, Lk)`` in the compute dtype: what recording needs.
 
     Without autograd, the scores are written once (scale folded into the matmul) and the softmax runs in place."""
-    if not zeroed:
-        q, k, _ = zero_dead(q, k, k, mask)
+    q, k, _ = zero_dead(q, k, k, mask)
+    weights, _ = _weights(q, k, mask, w_v=w_v, scale=scale, score_mod=score_mod, sinks=sinks)
+    return weights  # (B, H, Lq, Lk)
+
+
+def _weights(
+    q: Tensor,
+    k: Tensor,
+    mask: Mask,
+    *,
+    w_v: Tensor | None,
+    scale: float,
+    score_mod: mods.ScoreFn | None,
+    sinks: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    """The weights ``(B, H, Lq, Lk)`` of queries and keys whose dead rows and keys are zeroed, and the keys a
+    score_mod hides from every query, ``(B, H, Lk)`` (or ``None``): keys no query may see, like the mask's dead
+    ones, so they are scored again as zeros (``0 * NaN`` would reach ``dq`` through a hidden score) and the caller
+    zeroes their values."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     dtype = compute_dtype(q.dtype)
@@ -79,26 +97,39 @@ def attention_weights(
     grad = torch.is_grad_enabled() and (
         any(t is not None and t.requires_grad for t in (q, k, w_v, mask.bias, sinks)) or score_mod is not None
     )
-    if w_v is not None:
-        scores, _ = additive_scores(qf, kf, w_v.to(dtype))  # (B, H, Lq, Lk)
-    elif grad:
-        scores = qf @ kf.transpose(-2, -1)  # (B, H, Lq, Lk)
-        # In place on the fresh product, as every step up to the softmax: autograd keeps q and k, not it (the
-        # book's code allocates here; d2l.MultiHeadAttention must cost no more: benchmarks/d2l_vs_book.py)
-        scores.mul_(scale)
-    else:
+
+    def scores_of(kf: Tensor) -> Tensor:
+        if w_v is not None:
+            return additive_scores(qf, kf, w_v.to(dtype))[0]  # (B, H, Lq, Lk)
+        if grad:
+            # In place on the fresh product, as every step up to the softmax: autograd keeps q and k, not it (the
+            # book's code allocates here; d2l.MultiHeadAttention must cost no more: benchmarks/d2l_vs_book.py)
+            return (qf @ kf.transpose(-2, -1)).mul_(scale)  # (B, H, Lq, Lk)
         q3, k3 = qf.reshape(B * H, Lq, D), kf.reshape(B * H, Lk, D)  # (B*H, L, D)
-        scores = torch.empty(B * H, Lq, Lk, dtype=dtype, device=q.device)
-        torch.baddbmm(scores, q3, k3.transpose(1, 2), beta=0, alpha=scale, out=scores)  # (B*H, Lq, Lk)
-        scores = scores.view(B, H, Lq, Lk)
+        out = torch.empty(B * H, Lq, Lk, dtype=dtype, device=q.device)
+        torch.baddbmm(out, q3, k3.transpose(1, 2), beta=0, alpha=scale, out=out)  # (B*H, Lq, Lk)
+        return out.view(B, H, Lq, Lk)
+
+    scores = scores_of(kf)  # (B, H, Lq, Lk)
     allowed, bias = mask.full(dtype)
     empty_rows = mask.liveness[1] is not None  # some query may see no key
+    unseen = None
     if score_mod is not None:
         idx = mods.indices(B, H, (0, Lq), (0, Lk), q.device)  # b (B,1,1,1), h (1,H,1,1), q_idx, kv_idx
+        protected = mods.protected_storages(score_mod)
         raw = scores
-        scores = mods.evaluate_score(score_mod, scores, *idx)  # (B, H, Lq, Lk)
+        scores = mods.evaluate_score(score_mod, raw, *idx, protected=protected)  # (B, H, Lq, Lk)
         hidden = torch.isneginf(scores.detach())  # a score_mod's -inf hides the key, as in FlexAttention
         if bool(hidden.any()):
+            seen = ~hidden if allowed is None else allowed & ~hidden  # (B, H, Lq, Lk)
+            unseen = ~seen.any(dim=-2)  # (B, H, Lk)
+            if bool(unseen.any()):
+                kf = torch.where(unseen[..., None], 0.0, kf)  # (B, H, Lk, D)
+                raw = scores_of(kf)
+                scores = mods.evaluate_score(score_mod, raw, *idx, protected=protected)  # (B, H, Lq, Lk)
+                hidden = hidden | unseen[..., None, :]  # hidden by the first verdict, whatever zeros score now
+            else:
+                unseen = None
             allowed = ~hidden if allowed is None else allowed & ~hidden  # (B, H, Lq, Lk)
             empty_rows = True
         if raw.requires_grad and allowed is not None:
@@ -107,10 +138,11 @@ def attention_weights(
             hidden_pairs = ~allowed
             raw.register_hook(lambda g: g.masked_fill(hidden_pairs, 0.0))
     if sinks is not None:
-        return _softmax_with_sinks(scores, allowed, bias, mask.sink_logits(sinks.to(dtype)))
-    return softmax_with_mask(
+        return _softmax_with_sinks(scores, allowed, bias, mask.sink_logits(sinks.to(dtype))), unseen
+    weights = softmax_with_mask(
         scores, allowed, bias, inplace=not grad, scratch=w_v is None and score_mod is None, empty_rows=empty_rows
     )  # (B, H, Lq, Lk)
+    return weights, unseen
 
 
 def _softmax_with_sinks(scores: Tensor, allowed: Tensor | None, bias: Tensor | None, sink: Tensor) -> Tensor:

@@ -44,7 +44,12 @@ _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 DENSE_MASK_ELEMENTS = 2**24
 
 SUPPORTS = Supports(
-    scoring=frozenset({DOT}), weights=False, dense_mask_limit=DENSE_MASK_ELEMENTS, score_mod="bias", sinks=False
+    scoring=frozenset({DOT}),
+    weights=False,
+    dense_mask_limit=DENSE_MASK_ELEMENTS,
+    score_mod="bias",
+    sinks=False,
+    huge_scores=False,  # the kernels add the mask: a hidden score at +inf gives NaN (finite but huge content)
 )
 
 

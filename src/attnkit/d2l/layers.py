@@ -328,11 +328,7 @@ class MultiHeadAttention(nn.Module):
             if held is not None and cache.valid_lens is not None:
                 check_valid_lens(cache.valid_lens, B, Lq, held.shape[2], "the CrossKVCache's valid_lens")
             return
-        if keys.shape[1] != Lq:
-            raise ValueError(
-                f"with a KVCache, keys and values are the call's new positions, as queries: queries has {Lq} "
-                f"positions but keys {keys.shape[1]}: queries {tuple(queries.shape)}, keys {tuple(keys.shape)}"
-            )
+        cache.check_new(queries, keys)
         if valid_lens is not None:
             if not isinstance(valid_lens, Tensor) or valid_lens.shape != (B,):
                 raise ValueError(

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit._checks import as_lengths, describe
+from attnkit._checks import as_lengths, check_whole, describe
 from attnkit.masks.combined import LIVENESS_BLOCK_ELEMENTS as LIVENESS_BLOCK_ELEMENTS
 from attnkit.masks.combined import LIVENESS_ROWS as LIVENESS_ROWS
 from attnkit.masks.combined import Mask
@@ -80,6 +80,10 @@ def causal_mask(num_queries: int, num_keys: int, device: torch.device | str | No
         tensor([[ True,  True, False],
                 [ True,  True,  True]])
     """
+    num_queries, num_keys = (
+        check_whole("num_queries", num_queries, minimum=0),
+        check_whole("num_keys", num_keys, minimum=0),
+    )
     return causal_block(num_queries, num_keys, 0, num_keys, device)
 
 

@@ -43,11 +43,13 @@ from attnkit.mods.base import Tiles as Tiles
 from attnkit.mods.base import bind as bind
 from attnkit.mods.base import check_callable as check_callable
 from attnkit.mods.builtins import alibi, alibi_slopes, and_masks, document, or_masks, prefix_lm, sliding_window, softcap
+from attnkit.mods.closure import Uninspectable as Uninspectable
 from attnkit.mods.closure import grad_inputs as grad_inputs
 from attnkit.mods.closure import read_tensors as read_tensors
 from attnkit.mods.evaluate import evaluate_mask as evaluate_mask
 from attnkit.mods.evaluate import evaluate_score as evaluate_score
 from attnkit.mods.evaluate import indices as indices
+from attnkit.mods.evaluate import protected_storages as protected_storages
 
 __all__ = [
     "MaskMod",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -107,13 +108,35 @@ def bind(mod: Any, **sizes: Any) -> Any:
 
 
 def check_callable(name: str, fn: object) -> None:
-    if fn is not None and not callable(fn):
-        raise TypeError(f"{name} must be a function ({_SIGNATURES[name]}), got {type(fn).__name__}")
+    """``fn`` is a function that takes the parameters of ``name`` (``"mask_mod"``: 4, ``"score_mod"``: 5), when its
+    signature can be read; ``None`` passes.
+
+    Raises:
+        TypeError: naming the signature wanted and the one given.
+    """
+    if fn is None:
+        return
+    signature, count = _SIGNATURES[name]
+    if not callable(fn):
+        raise TypeError(f"{name} must be a function ({signature}), got {type(fn).__name__}")
+    if isinstance(fn, (MaskMod, ScoreMod)):
+        return
+    try:
+        params = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable whose signature cannot be read: it will tell when it is called
+        return
+    try:
+        params.bind(*range(count))
+    except TypeError:
+        given = len([p for p in params.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)])
+        raise TypeError(
+            f"{name} must take {count} parameters, {signature}, got a function of {given} parameters: {params}"
+        ) from None
 
 
 _SIGNATURES = {
-    "mask_mod": "mask_mod(b, h, q_idx, kv_idx) -> bool",
-    "score_mod": "score_mod(score, b, h, q_idx, kv_idx) -> score",
+    "mask_mod": ("mask_mod(b, h, q_idx, kv_idx) -> bool", 4),
+    "score_mod": ("score_mod(score, b, h, q_idx, kv_idx) -> score", 5),
 }
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit._checks import as_lengths, check_device, check_whole, describe
+from attnkit._checks import as_lengths, check_device, check_whole, describe, listed
 from attnkit.mods.base import MaskFn, MaskMod, ScoreMod, Tiles
 from attnkit.mods.evaluate import evaluate_mask
 
@@ -244,6 +244,8 @@ class alibi(ScoreMod):  # noqa: N801
         if self.slopes.shape != (heads,):
             raise ValueError(f"alibi: slopes must have shape (H,) = ({heads},), got {tuple(self.slopes.shape)}")
         check_device("alibi: slopes", self.slopes, device)
+        if not bool(torch.isfinite(self.slopes.detach()).all()):  # as sinks: a NaN or inf rate is no rate
+            raise ValueError(f"alibi: slopes must be finite, got {listed(self.slopes)}")
         return dataclasses.replace(self, offset=num_keys - num_queries)
 
     def tensors(self) -> tuple[Tensor, ...]:

@@ -5,21 +5,22 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from attnkit.mods.base import MaskMod, ScoreFn, ScoreMod
+from attnkit.mods.base import ScoreFn
 
-__all__ = ["grad_inputs", "read_tensors"]
+__all__ = ["Uninspectable", "grad_inputs", "read_tensors"]
 
 
 def grad_inputs(score_mod: ScoreFn, probe: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     """The tensors requiring grad that ``score_mod`` reads, for a backend that takes its gradient itself: the
     tensors it closes over (a built-in's, a closure's or a global's, a module's parameters), and any other leaf its
     result turns out to depend on when it is run once on ``probe`` (walking the autograd graph of that result)."""
-    direct = {id(t): t for t in _closed_over(score_mod, depth=3) if t.requires_grad}
+    direct = {id(t): t for t in read_tensors(score_mod) if t.requires_grad}
     stops = {id(t.grad_fn) for t in direct.values() if t.grad_fn is not None}
     try:
         with torch.enable_grad():
@@ -75,32 +76,104 @@ def _reaches(start: Any, targets: set[int]) -> bool:
     return False
 
 
+class Uninspectable(TypeError):
+    """A modifier whose state attnkit cannot see (a TorchScript function or module, a callable written in C with
+    state of its own): the tensors it reads cannot be found."""
+
+
 def read_tensors(fn: object) -> list[Tensor]:
-    """The tensors a mask_mod or score_mod reads from outside (see :func:`grad_inputs`)."""
-    return _closed_over(fn, depth=3)
+    """The tensors a mask_mod or score_mod reads from outside, however the function holds them: a built-in's
+    fields (the functions inside ``and_masks``/``or_masks`` included), a closure's cells, the globals its code
+    names (and the attributes it names of a module it reads), its defaults, a ``functools.partial``'s function and
+    arguments, a bound method's object, a callable object's attributes and its ``__call__``, a module's
+    parameters, buffers and attributes, and what containers of these hold, to any depth.
+
+    Raises:
+        Uninspectable: something it holds or is cannot be looked into (see :class:`Uninspectable`), with how to
+            pass it instead.
+    """
+    found: dict[int, Tensor] = {}
+    seen: set[int] = set()
+    todo: list[object] = [fn]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, _LEAVES):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            found.setdefault(id(obj), obj)
+        else:
+            todo.extend(_held_by(obj))
+    return list(found.values())
 
 
-def _closed_over(fn: object, depth: int) -> list[Tensor]:
-    """The tensors a function reads from outside: a built-in's, a closure's cells and the globals it names, a
-    module's parameters and buffers, a bound method's object, a ``functools.partial``'s arguments."""
-    if depth < 0:
-        return []
-    if isinstance(fn, Tensor):
-        return [fn]
-    if isinstance(fn, torch.nn.Module):
-        return [*fn.parameters(), *fn.buffers()]
-    if isinstance(fn, (list, tuple)):
-        return [t for x in fn for t in _closed_over(x, depth - 1)]
-    if isinstance(fn, dict):
-        return [t for x in fn.values() for t in _closed_over(x, depth - 1)]
-    if isinstance(fn, (MaskMod, ScoreMod)):
-        return list(fn.tensors())
-    if isinstance(fn, functools.partial):
-        return [t for x in (fn.func, fn.args, fn.keywords) for t in _closed_over(x, depth - 1)]
-    if inspect.ismethod(fn):
-        return _closed_over(fn.__self__, depth - 1) + _closed_over(fn.__func__, depth - 1)
-    if inspect.isfunction(fn):
-        names = inspect.getclosurevars(fn)
-        values = [*names.nonlocals.values(), *names.globals.values()]
-        return [t for x in values if not inspect.ismodule(x) for t in _closed_over(x, depth - 1)]
-    return []
+# Objects that hold no tensor a function could read: skipped without looking.
+_LEAVES = (str, bytes, int, float, complex, bool, type, torch.dtype, torch.device, torch.Size, types.ModuleType)
+
+
+def _held_by(obj: object) -> list[object]:
+    """What ``obj`` holds that a function could read through it (one level; :func:`read_tensors` walks on)."""
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return list(obj)
+    if isinstance(obj, dict):
+        return [*obj.keys(), *obj.values()]
+    if isinstance(obj, functools.partial):
+        return [obj.func, obj.args, obj.keywords]
+    if inspect.ismethod(obj):
+        return [obj.__self__, obj.__func__]
+    if inspect.isfunction(obj):
+        return _read_by_code(obj)
+    if inspect.isbuiltin(obj):  # C code: stateless at a module's level, else bound to an object we look into
+        owner = getattr(obj, "__self__", None)
+        return [] if owner is None or isinstance(owner, types.ModuleType) else [owner]
+    if isinstance(obj, (torch.jit.ScriptFunction, torch.jit.ScriptModule)):
+        raise Uninspectable(_cannot_see(obj))
+    held: list[object] = []
+    if isinstance(obj, torch.nn.Module):
+        held += [*obj.parameters(), *obj.buffers(), inspect.getattr_static(type(obj), "forward", None)]
+    if hasattr(obj, "__dict__"):
+        held += list(vars(obj).values())
+    held += [getattr(obj, name, None) for name in getattr(type(obj), "__slots__", ())]
+    if callable(obj) and not isinstance(obj, torch.nn.Module):
+        call = inspect.getattr_static(type(obj), "__call__", None)
+        if inspect.isfunction(call):
+            held.append(call)  # a callable object's __call__ may read globals
+        elif not held:
+            raise Uninspectable(_cannot_see(obj))  # called through code attnkit cannot read, holding nothing it can
+    return [x for x in held if x is not None]
+
+
+def _read_by_code(fn: Any) -> list[object]:
+    """What a function's code can read: its closure's cells, its defaults, the globals its code (and the code of
+    the functions defined inside it) names, and the attributes it names of a module among those globals."""
+    names: set[str] = set()
+    codes = [fn.__code__]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(c for c in code.co_consts if inspect.iscode(c))
+    held: list[object] = [cell.cell_contents for cell in fn.__closure__ or () if _filled(cell)]
+    held += [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+    for name in names:
+        value = fn.__globals__.get(name)
+        if isinstance(value, types.ModuleType):  # `table.weights` read through a module: its named attributes
+            held += [getattr(value, attr, None) for attr in names if attr in vars(value)]
+        elif value is not None:
+            held.append(value)
+    return held
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def _cannot_see(obj: object) -> str:
+    return (
+        f"attnkit cannot see which tensors {type(obj).__name__} {obj!r:.60} reads: it is not Python code whose "
+        "closure, arguments and attributes can be looked into. Pass a Python function (a closure, a callable "
+        "object, or functools.partial(fn, tensor)) that holds the tensors it reads"
+    )

@@ -11,8 +11,9 @@ from torch import Tensor
 
 from attnkit._checks import broadcasts
 from attnkit.mods.base import MaskFn, MaskMod, ScoreFn, ScoreMod
+from attnkit.mods.closure import Uninspectable, read_tensors
 
-__all__ = ["evaluate_mask", "evaluate_score", "indices"]
+__all__ = ["evaluate_mask", "evaluate_score", "indices", "protected_storages"]
 
 # B batch, H heads, Lq'/Lk' the rows and columns of a block
 
@@ -33,8 +34,19 @@ def evaluate_mask(mask_mod: MaskFn, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx:
     return out.reshape((1,) * (len(shape) - out.dim()) + tuple(out.shape))  # as many dims as the block (a 0-dim True)
 
 
-def evaluate_score(score_mod: ScoreFn, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    """``score_mod`` on a block of scores, ``(B, H, Lq', Lk')``, in the scores' dtype and shape."""
+def evaluate_score(
+    score_mod: ScoreFn,
+    score: Tensor,
+    b: Tensor,
+    h: Tensor,
+    q_idx: Tensor,
+    kv_idx: Tensor,
+    *,
+    protected: frozenset[int] | None = frozenset(),
+) -> Tensor:
+    """``score_mod`` on a block of scores, ``(B, H, Lq', Lk')``, in the scores' dtype and shape: a tensor of the
+    caller's own, which it may write into (never memory in ``protected``, the storages the function reads from
+    outside, :func:`protected_storages`; ``None``: not known, so never any memory but the score's own)."""
     if isinstance(score_mod, MaskMod):
         raise TypeError(f"{type(score_mod).__name__} is a mask_mod: pass it as mask_mod=, not as a score_mod")
     out = _on_block(score_mod, (score, b, h, q_idx, kv_idx), score.shape, "score_mod")
@@ -43,7 +55,24 @@ def evaluate_score(score_mod: ScoreFn, score: Tensor, b: Tensor, h: Tensor, q_id
     out = out.to(score.dtype)
     # a result that only broadcasts (say, a bias that ignores the score) becomes a block of its own: backends write
     # into it, which an expanded view would refuse
-    return out if out.shape == score.shape else out.expand(score.shape).clone()
+    if out.shape != score.shape:
+        return out.expand(score.shape).clone()
+    memory = out.untyped_storage().data_ptr()
+    if memory != score.untyped_storage().data_ptr() and (protected is None or memory in protected):
+        return out.clone()  # a tensor the function holds (or a view of one): never written to
+    return out
+
+
+def protected_storages(score_mod: ScoreFn) -> frozenset[int] | None:
+    """The memory (storage addresses) of the tensors ``score_mod`` reads from outside, which it could return as its
+    result: :func:`evaluate_score` copies a result there before anything writes into it. Empty for a built-in
+    (its results are new tensors); ``None`` when the function cannot be looked into."""
+    if isinstance(score_mod, ScoreMod):
+        return frozenset()
+    try:
+        return frozenset(t.untyped_storage().data_ptr() for t in read_tensors(score_mod))
+    except Uninspectable:
+        return None
 
 
 def _on_block(fn: Callable[..., Any], args: tuple[Tensor, ...], shape: Sequence[int], what: str) -> Tensor:
