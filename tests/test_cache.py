@@ -118,8 +118,13 @@ def test_a_growing_cache_grows_by_doubling():
     assert sorted(seen) == [16, 32, 64, 128, 256]  # 4 copies in 200 steps, not one a step
 
 
-def test_a_static_cache_step_compiles_once():
-    """32 decode steps of a compiled layer with a static cache: nothing is compiled after the second step."""
+@pytest.mark.parametrize(
+    "compiler",
+    ["eager", pytest.param("inductor", marks=pytest.mark.slow)],  # inductor: ~28 s of compiling on 2 cores
+)
+def test_a_static_cache_step_compiles_once(compiler):
+    """32 decode steps of a compiled layer with a static cache: nothing is compiled after the second step (dynamo's
+    graphs are the promise, whichever backend compiles them; Inductor's code is checked by `make test-all`)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -128,7 +133,7 @@ def test_a_static_cache_step_compiles_once():
     with torch.no_grad():
         p = torch.randn(2, 5, E)
         mha(p, p, p, torch.tensor([5, 3]), is_causal=True, cache=cache)
-        step = torch.compile(lambda x: mha(x, x, x, is_causal=True, cache=cache))
+        step = torch.compile(lambda x: mha(x, x, x, is_causal=True, cache=cache), backend=compiler)
         x = torch.randn(2, 1, E)
         want = []
         eager_cache = KVCache(max_len=64)
