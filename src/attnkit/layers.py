@@ -37,6 +37,34 @@ class _Attention(nn.Module):
     def _dropout_p(self) -> float:
         return self.dropout if self.training else 0.0
 
+    def _scoring(self, queries: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """What the call scores: ``(q, k, w_v)`` from the inputs (``w_v`` for additive scoring, else None)."""
+        return queries, keys, None
+
+    def forward(
+        self,
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        valid_lens: Tensor | None = None,
+        *,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+        mask_mod: mods.MaskFn | None = None,
+        score_mod: mods.ScoreFn | None = None,
+    ) -> Tensor:
+        """Args: queries ``(B, [H,] Lq, d)`` (``(B, Lq, query_size)`` for additive attention), keys
+        ``(B, [Hkv,] Lk, d)`` (``(B, Lk, key_size)``), values ``(B, [Hkv,] Lk, dv)``; valid_lens ``(B,)`` or
+        ``(B, Lq)``; attn_mask, is_causal, mask_mod, score_mod as in :func:`attnkit.scaled_dot_product_attention`.
+        Returns ``(B, [H,] Lq, dv)``."""
+        masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
+        q, k, w_v = self._scoring(queries, keys, values)
+        out = attend(
+            q, k, values, masks, w_v=w_v, sinks=self.sinks, dropout_p=self._dropout_p(), backend=self.backend
+        ).output  # (B, [H,] Lq, dv)
+        self._record(q, k, masks, w_v)
+        return out
+
     def _record(self, q: Tensor, k: Tensor, masks: Masks, w_v: Tensor | None = None) -> None:
         """Compute the weights beside the fast path: detached, without the output (see the module docstring)."""
         if not is_recording():  # the cost while nothing records: one lookup
@@ -74,28 +102,6 @@ class DotProductAttention(_Attention):
             check_sizes(sinks=sinks)
         super().__init__(dropout, backend, sinks)
 
-    def forward(
-        self,
-        queries: Tensor,
-        keys: Tensor,
-        values: Tensor,
-        valid_lens: Tensor | None = None,
-        *,
-        attn_mask: Tensor | None = None,
-        is_causal: bool = False,
-        mask_mod: mods.MaskFn | None = None,
-        score_mod: mods.ScoreFn | None = None,
-    ) -> Tensor:
-        """Args: queries ``(B, [H,] Lq, d)``, keys ``(B, [Hkv,] Lk, d)``, values ``(B, [Hkv,] Lk, dv)``;
-        valid_lens ``(B,)`` or ``(B, Lq)``; mask_mod, score_mod as in
-        :func:`attnkit.scaled_dot_product_attention`. Returns ``(B, [H,] Lq, dv)``."""
-        masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
-        out = attend(
-            queries, keys, values, masks, sinks=self.sinks, dropout_p=self._dropout_p(), backend=self.backend
-        ).output
-        self._record(queries, keys, masks)
-        return out
-
 
 class AdditiveAttention(_Attention):
     """Additive (Bahdanau) attention: ``s[i, j] = w_v . tanh(W_q q_i + W_k k_j)``.
@@ -128,33 +134,15 @@ class AdditiveAttention(_Attention):
         self.W_k = _projection.make(key_size, num_hiddens, bias=False)
         self.w_v = nn.Linear(num_hiddens, 1, bias=False)
 
-    def forward(
-        self,
-        queries: Tensor,
-        keys: Tensor,
-        values: Tensor,
-        valid_lens: Tensor | None = None,
-        *,
-        attn_mask: Tensor | None = None,
-        is_causal: bool = False,
-        mask_mod: mods.MaskFn | None = None,
-        score_mod: mods.ScoreFn | None = None,
-    ) -> Tensor:
-        """Args: queries ``(B, Lq, query_size)``, keys ``(B, Lk, key_size)``, values ``(B, Lk, dv)``;
-        valid_lens ``(B,)`` or ``(B, Lq)``; mask_mod, score_mod as in :func:`attnkit.additive_attention`.
-        Returns ``(B, Lq, dv)``."""
+    def _scoring(self, queries: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``queries (B, Lq, query_size)``, ``keys (B, Lk, key_size)`` projected: ``(B, Lq, h)``, ``(B, Lk, h)``,
+        and ``w_v (h,)``."""
         check_qkv(queries, keys, values, ("queries", "keys", "values"), same_features=False)
         _projection.check_features("queries", queries, self.W_q)
         _projection.check_features("keys", keys, self.W_k)
         q = self.W_q(queries)  # (B, Lq, h)
         k = self.W_k(keys)  # (B, Lk, h)
-        w_v = self.w_v.weight[0]  # (1, h) -> (h,)
-        masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
-        out = attend(
-            q, k, values, masks, w_v=w_v, dropout_p=self._dropout_p(), backend=self.backend
-        ).output  # (B, Lq, dv)
-        self._record(q, k, masks, w_v)
-        return out
+        return q, k, self.w_v.weight[0]  # w_v: (1, h) -> (h,)
 
 
 class MultiHeadAttention(_Attention):
