@@ -461,3 +461,30 @@ def test_a_cache_filled_in_one_dtype_and_stepped_in_another_says_the_caches_dtyp
         ValueError, match=r"this cache holds torch.bfloat16 keys and values, but the call brings torch.float32"
     ):
         mha(x[:, :1], x[:, :1], x[:, :1], is_causal=True, cache=cache)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_cache_filled_in_inference_mode_steps_outside_it(kind):
+    """Filled under torch.inference_mode(), stepped under no_grad (and with autograd): inference tensors cannot be
+    written outside inference mode, so the cache writes into copies, and every step equals the full forward."""
+    mha = _model(2, torch.float64)
+    x = torch.randn(2, 6, E, dtype=torch.float64)
+    cache = KVCache(**KINDS[kind])
+    with torch.inference_mode():
+        mha(x[:, :4], x[:, :4], x[:, :4], is_causal=True, cache=cache)
+    with torch.no_grad():
+        step = mha(x[:, 4:5], x[:, 4:5], x[:, 4:5], is_causal=True, cache=cache)
+    last = mha(x[:, 5:6], x[:, 5:6], x[:, 5:6], is_causal=True, cache=cache)
+    window = KINDS[kind].get("window")
+    with torch.no_grad():
+        full = mha(x, x, x, is_causal=True, mask_mod=None if window is None else mods.sliding_window(window))
+    assert max_err(step, full[:, 4:5]) <= 1e-12 and max_err(last, full[:, 5:6]) <= 1e-12
+
+
+def test_a_cross_cache_given_another_batch_names_the_cache():
+    mha = _model(2, torch.float32)
+    memory, y = torch.randn(3, 7, E), torch.randn(3, 1, E)
+    cache = CrossKVCache()
+    mha(y, memory, memory, cache=cache)
+    with pytest.raises(ValueError, match=r"this CrossKVCache holds the projected encoder outputs of a batch of 3"):
+        mha(y[:2], memory[:2], memory[:2], cache=cache)

@@ -145,7 +145,7 @@ def test_record_weights_equal_the_reference_backend_and_leave_no_state():
     assert rec["decoder.cross"].shape == (2, 5, 7) and rec["decoder.dot"].shape == (2, 5, 5)
 
     for module in model.modules():
-        assert getattr(module, "_recorder", None) is None
+        assert recording.recorder(module) is None
         assert not module._forward_hooks and not module._forward_pre_hooks
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     with dispatch.watch() as ran:

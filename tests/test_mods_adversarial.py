@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import mods
+from attnkit import dispatch, mods
 from attnkit.backends import chunked
 from mathref import max_err
 
@@ -96,6 +96,34 @@ def test_one_documents_huge_content_never_changes_anothers(backend):
     assert max_err(out[:, :, :12], alone.output) <= 1e-5
 
 
+@pytest.mark.parametrize("how", ["lru_cache", "an attribute made at the first call"])
+@pytest.mark.parametrize("backend", ["reference", "chunked"])
+def test_a_tensor_a_score_mod_keeps_where_it_cannot_be_found_is_never_written_to(how, backend):
+    """The table a score_mod returns may be held where no walk finds it (an lru_cache, an attribute it makes at its
+    first call): a result held anywhere else is copied before anything writes into it (finding b)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, H, L, D, generator=g) for _ in range(3))
+
+    @functools.lru_cache
+    def table() -> torch.Tensor:
+        return torch.randn(B, H, L, L, generator=torch.Generator().manual_seed(4))
+
+    class Lazy:
+        def __call__(self, s, b, h, q_idx, kv_idx):
+            if not hasattr(self, "table"):
+                self.table = table().clone()
+            return self.table
+
+    score_mod = Lazy() if how != "lru_cache" else (lambda s, b, h, q_idx, kv_idx: table())
+    with torch.no_grad(), chunked.settings(block_size=L):
+        first = attnkit.scaled_dot_product_attention(q, k, v, score_mod=score_mod, backend=backend).output
+        held = table().clone() if how == "lru_cache" else score_mod.table.clone()
+        second = attnkit.scaled_dot_product_attention(q, k, v, score_mod=score_mod, backend=backend).output
+    assert torch.equal(held, table() if how == "lru_cache" else score_mod.table)
+    assert torch.equal(first, second)
+    assert torch.equal(table(), torch.randn(B, H, L, L, generator=torch.Generator().manual_seed(4)))
+
+
 class _Threshold:
     """A mask_mod as a callable object: it reads a tensor it holds."""
 
@@ -118,7 +146,22 @@ class _Holder:
         return kv_idx < self.lens[b]
 
 
+class _Config:
+    """A mask_mod's tensor kept as a class attribute (read through the class, or through an instance)."""
+
+    lens = torch.zeros(2, dtype=torch.long)
+
+    def mask(self, b, h, q_idx, kv_idx):
+        return kv_idx < self.lens[b]
+
+
+def _class_attribute(b, h, q_idx, kv_idx):
+    return kv_idx < _Config.lens[b]
+
+
 def _holders(lens: torch.Tensor) -> dict[str, mods.MaskFn]:
+    _Config.lens = lens
+
     def closure(b, h, q_idx, kv_idx):
         return kv_idx < lens[b]
 
@@ -129,6 +172,8 @@ def _holders(lens: torch.Tensor) -> dict[str, mods.MaskFn]:
         "functools.partial": functools.partial(_below, lens),
         "bound method": _Holder(lens).mask,
         "nested compositions": mods.and_masks(mods.or_masks(mods.and_masks(_Threshold(lens))), mods.sliding_window(8)),
+        "a global class's attribute": _class_attribute,
+        "a class attribute through self": _Config().mask,
     }
 
 
@@ -148,14 +193,21 @@ def test_the_chunked_backward_sees_a_tensor_a_mask_mod_reads_however_it_is_held(
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_a_mask_mod_whose_state_cannot_be_inspected_is_refused_with_how_to_pass_it():
-    """A callable whose tensors cannot be found (a C-implemented object with state) cannot be watched for changes
-    between the forward and the backward pass: refused where the chunked backward would need it, saying how to
-    pass the function instead."""
+    """A callable whose tensors cannot be found (TorchScript, C code with state) cannot be watched for changes
+    between the forward and the backward pass: the chunked backend declares so under autograd (named, it says how
+    to pass the function instead; auto runs another backend), and runs it without autograd."""
     lens = torch.tensor([5, 3])
     opaque = torch.jit.script(_ScriptedMask(lens))
     q = torch.randn(B, H, L, D, requires_grad=True)
-    with pytest.raises(TypeError, match="cannot see which tensors"):
+    with pytest.raises(ValueError, match="chunked: under autograd, it must see the tensors a mask_mod"):
         attnkit.scaled_dot_product_attention(q, q, q, mask_mod=opaque, backend="chunked")
+    want = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=_ScriptedMask(lens), backend="reference").output
+    with dispatch.watch() as ran:
+        out = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=opaque).output
+    assert ran and ran != ["chunked"] and max_err(out, want) <= 1e-6
+    with torch.no_grad():
+        out = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=opaque, backend="chunked").output
+    assert max_err(out, want) <= 1e-6
 
 
 class _ScriptedMask(torch.nn.Module):
@@ -165,3 +217,19 @@ class _ScriptedMask(torch.nn.Module):
 
     def forward(self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return kv_idx < self.lens[b]
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked", "auto"])
+def test_a_score_mod_whose_result_needs_no_gradient_trains(backend):
+    """A score_mod that ignores the score and reads nothing requiring grad (a fixed bias table): the scores get no
+    gradient through it; the chunked backward used to fail asking autograd for one."""
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(L, L, generator=g, dtype=torch.float64)
+    q = torch.randn(B, H, L, D, generator=g, dtype=torch.float64, requires_grad=True)
+    grads = {}
+    for name in (backend, "reference"):
+        out = attnkit.scaled_dot_product_attention(
+            q, q, q, score_mod=lambda s, b, h, q_idx, kv_idx: table[q_idx, kv_idx], backend=name
+        ).output
+        (grads[name],) = torch.autograd.grad(out.square().sum(), q)
+    assert max_err(grads[backend], grads["reference"]) <= 1e-10

@@ -26,9 +26,14 @@ def test_linear_equals_the_module(rows: int, bias: bool) -> None:
         torch.testing.assert_close(_projection.linear(x, m), m(x), **TOL)
 
 
+class _Ongoing:
+    is_empty = False
+
+
 def test_stacked_equals_the_modules_and_follows_parameter_changes() -> None:
     torch.manual_seed(0)
     stacked = _projection.Stacked()
+    generation = _Ongoing()  # a cache in the middle of a generation: only parameter changes rebuild the weights
     ms = (nn.Linear(64, 64), nn.Linear(64, 16, bias=False), nn.Linear(64, 16))
     x = torch.randn(2, 1, 64)  # (B, L, E)
     with torch.no_grad():
@@ -38,12 +43,12 @@ def test_stacked_equals_the_modules_and_follows_parameter_changes() -> None:
             lambda: setattr(ms[2], "weight", nn.Parameter(torch.randn(16, 64))),  # replaced
         ):
             change()
-            got = stacked(x, ms, refresh=False)
+            got = stacked(x, ms, cache=generation)
             for g, m in zip(got, ms, strict=True):
                 torch.testing.assert_close(g, m(x), **TOL)
     owner_ms = nn.ModuleList(ms).double()  # `.to()` swaps the parameters' data
     with torch.no_grad():
-        got = stacked(x.double(), tuple(owner_ms), refresh=False)
+        got = stacked(x.double(), tuple(owner_ms), cache=generation)
     assert all(g.dtype == torch.float64 for g in got)
     torch.testing.assert_close(got[1], owner_ms[1](x.double()))
 
@@ -167,8 +172,9 @@ def test_the_stacked_weights_are_not_copied_or_saved_with_the_layer() -> None:
     torch.manual_seed(0)
     mha = attnkit.MultiHeadAttention(32, 4, query_size=32, key_size=32, value_size=32).eval()
     x = torch.randn(2, 1, 32)  # (B, L, E)
+    cache = attnkit.KVCache()  # held: the stacked weights last as long as a cache they serve
     with torch.no_grad():
-        mha(x, x, x, cache=attnkit.KVCache())
+        mha(x, x, x, cache=cache)
     assert mha._stacked._kept is not None
     for other in (copy.deepcopy(mha), pickle.loads(pickle.dumps(mha))):
         assert other._stacked._kept is None
@@ -177,3 +183,42 @@ def test_the_stacked_weights_are_not_copied_or_saved_with_the_layer() -> None:
     buffer = io.BytesIO()
     torch.save(mha, buffer)
     assert len(buffer.getvalue()) < 2 * sum(p.nbytes for p in mha.parameters()) + 10_000
+
+
+def test_the_stacked_weights_go_with_the_cache_and_with_a_conversion() -> None:
+    """A layer does not keep its decode steps' stacked weights past the caches they served (they used to live on
+    the cache), nor across .to()/.double() (they would be of the old dtype or device)."""
+    import gc
+
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(32, 4, query_size=32, key_size=32, value_size=32).eval()
+    x = torch.randn(2, 1, 32)  # (B, L, E)
+    cache = attnkit.KVCache()
+    with torch.no_grad():
+        mha(x, x, x, cache=cache)
+        assert mha._stacked._kept is not None
+        del cache
+        gc.collect()
+        assert mha._stacked._kept is None
+        cache = attnkit.KVCache()
+        mha(x, x, x, cache=cache)
+        mha.double()
+        assert mha._stacked._kept is None
+        torch.testing.assert_close(
+            mha(x.double(), x.double(), x.double(), cache=attnkit.KVCache()), mha(x.double(), x.double(), x.double())
+        )
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_a_forward_replaced_on_a_projection_runs_in_every_mode(grad: bool) -> None:
+    """accelerate's add_hook_to_module replaces an instance's forward: the fast path (no grad) must call it too."""
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(32, 4, query_size=32, key_size=32, value_size=32).eval()
+    x = torch.randn(2, 1, 32)  # (B, L, E)
+    called = []
+    for name in ("W_q", "W_k", "W_v", "W_o"):
+        module = getattr(mha, name)
+        module.forward = lambda t, m=module, n=name: called.append(n) or nn.Linear.forward(m, t)
+    with torch.set_grad_enabled(grad):
+        mha(x, x, x, cache=attnkit.KVCache())
+    assert sorted(called) == ["W_k", "W_o", "W_q", "W_v"]

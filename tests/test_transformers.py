@@ -393,3 +393,10 @@ def test_a_static_cache_prefill_returns_weights_over_every_slot():
     assert weights.shape == (1, 4, 3, 5) and (weights[..., 3:] == 0).all()
     assert max_err(weights[..., :3], want.weights) <= 1e-6
     assert max_err(out, want.output.transpose(1, 2)) <= 1e-6
+
+
+def test_register_refuses_eager_which_transformers_keeps_outside_its_mapping():
+    """'eager' is transformers' own implementation but not in AttentionInterface's mapping: registering attnkit
+    under it took over every model's eager attention in the process."""
+    with pytest.raises(ValueError, match="one of transformers' own attention implementations"):
+        attnkit_hf.register("eager")

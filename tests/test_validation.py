@@ -536,3 +536,24 @@ def test_a_scale_beyond_the_compute_dtype_is_refused(dtype):
         attnkit.scaled_dot_product_attention(q, q, q, scale=1e300)
     out = attnkit.scaled_dot_product_attention(q.double(), q.double(), q.double(), scale=1e300).output
     assert torch.isfinite(out).all()
+
+
+def test_alibi_slopes_whose_bias_would_overflow_are_refused():
+    """A finite slope times a distance could overflow to -inf on sdpa and decode, hiding a key whose NaN value
+    then reached the output (reference and chunked zero such keys; the bias is never allowed to get there)."""
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="alibi: slopes times the farthest distance"):
+        attnkit.scaled_dot_product_attention(q, q, q, score_mod=mods.alibi(torch.tensor([1e38, 0.5])))
+
+
+@pytest.mark.parametrize("backend", ["sdpaa", 3])
+def test_a_layer_given_a_backend_that_does_not_exist_says_so_when_it_is_made(backend):
+    """It used to be accepted and fail at the first forward (after a KVCache had been written to)."""
+    error = TypeError if not isinstance(backend, str) else ValueError
+    with pytest.raises(error, match="backend must be 'auto' or one of"):
+        attnkit.MultiHeadAttention(8, 2, backend=backend)
+
+
+def test_a_function_of_the_wrong_arity_inside_and_masks_is_said_when_it_is_combined():
+    with pytest.raises(TypeError, match=has("mask_mod must take 4 parameters", "3 parameters")):
+        mods.and_masks(mods.sliding_window(2), lambda b, h, q_idx: q_idx >= 0)

@@ -75,8 +75,11 @@ def check_dropout(dropout: object, name: str = "dropout") -> float:
     return float(dropout)
 
 
-def as_lengths(valid_lens: Tensor, name: str, num_keys: int, device: torch.device | None = None) -> Tensor:
-    """Check lengths are whole numbers in ``[0, num_keys]`` on ``device``; return them as int64 (never in place)."""
+def as_lengths(
+    valid_lens: Tensor, name: str, num_keys: int, device: torch.device | None = None, what: str = "the number of keys"
+) -> Tensor:
+    """Check lengths are whole numbers in ``[0, num_keys]`` on ``device`` (``what``: what ``num_keys`` counts, for
+    the message); return them as int64 (never in place)."""
     if not isinstance(valid_lens, Tensor):
         raise TypeError(f"{name} must be a tensor of lengths, got {describe(valid_lens)}")
     if valid_lens.dtype == torch.bool or valid_lens.is_complex():
@@ -96,9 +99,7 @@ def as_lengths(valid_lens: Tensor, name: str, num_keys: int, device: torch.devic
     if lo < 0:
         raise ValueError(f"{name} must not be negative, got {lo.item()} in {short(valid_lens)}")
     if hi > num_keys:
-        raise ValueError(
-            f"{name} may be at most the number of keys ({num_keys}), got {hi.item()} in {short(valid_lens)}"
-        )
+        raise ValueError(f"{name} may be at most {what} ({num_keys}), got {hi.item()} in {short(valid_lens)}")
     return valid_lens.long()
 
 

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import uuid
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -252,7 +253,9 @@ def load_weights(path: Path, *, record: bool = False) -> Any:
                 array = array.astype(array.dtype.newbyteorder("="))
             data: Any = torch.from_numpy(array)
         else:
-            data = torch.load(path, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # the one line below says what is wrong; torch's warning would add two
+                warnings.simplefilter("ignore")
+                data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # any reader failure is the file's fault here, said in one line
         raise UsageError(
             f"{path}: cannot read weights: not a tensor saved with torch.save or an array saved with numpy.save"

@@ -19,6 +19,8 @@ profilers, quantisers and LoRA tooling rely on them): anything else calls the mo
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -68,6 +70,7 @@ def plain(*modules: nn.Module) -> bool:
         return False
     if any(
         type(m) is not nn.Linear
+        or "forward" in vars(m)  # a forward replaced on the instance (accelerate's add_hook_to_module does so)
         or m._forward_hooks
         or m._forward_pre_hooks
         or m._backward_hooks
@@ -101,18 +104,24 @@ class Stacked:
     """Self-attention's q/k/v projections of one input as one product (``(..., E) -> [(..., O_i)]``, views of one
     tensor), with the weights stacked and kept transposed: what a layer owns for its decode steps.
 
-    The stacked weights are made again at the start of each generation (``refresh``: the call finds its
+    The stacked weights are made again at the start of each generation (the call finds its
     :class:`~attnkit.KVCache` empty) and whenever a parameter is replaced, moved or changed in place; a write
     through ``.data`` (an EMA update written so), which PyTorch does not count as a change, is seen from the next
-    generation. Never saved, pickled or copied with the layer (``copy.deepcopy`` gives an empty one).
+    generation. They are dropped when a cache they served is gone, and by :meth:`clear` (the layer calls it when
+    its parameters are moved or converted). Never saved, pickled or copied with the layer.
     """
 
     def __init__(self) -> None:
         self._kept: tuple[list[tuple], Tensor, Tensor | None] | None = None  # (key, weight (sum O_i, E), bias)
+        self._served: weakref.WeakSet = weakref.WeakSet()  # the caches whose end drops the weights
 
-    def __call__(self, x: Tensor, modules: tuple[nn.Linear, ...], *, refresh: bool) -> list[Tensor]:
+    def clear(self) -> None:
+        self._kept = None
+
+    def __call__(self, x: Tensor, modules: tuple[nn.Linear, ...], *, cache: object) -> list[Tensor]:
         if not plain(*modules):
             return [m(x) for m in modules]
+        refresh = getattr(cache, "is_empty", True)
         params = [p for m in modules for p in (m.weight, m.bias) if p is not None]
         # the parameters themselves (replaced: another object) and where their data is and how often it changed in
         # place (`module.to()` swaps `.data`; an optimizer step bumps the version)
@@ -126,6 +135,9 @@ class Stacked:
                         [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules]
                     )  # (sum O_i,)
             self._kept = (key, weight, bias)
+            if cache not in self._served:  # once per cache, however often it is reset
+                self._served.add(cache)
+                weakref.finalize(cache, _drop, weakref.ref(self))
         _, weight, bias = self._kept
         out = _product(x, weight, bias)  # (..., sum O_i)
         return list(out.split([m.out_features for m in modules], dim=-1))
@@ -134,7 +146,14 @@ class Stacked:
         return {}  # derived from the parameters: nothing to save or copy
 
     def __setstate__(self, state: dict) -> None:
-        self._kept = None
+        self.__init__()  # type: ignore[misc]
+
+
+def _drop(stacked: weakref.ref) -> None:
+    """A cache the stacked weights served is gone: drop them (the next generation makes them again)."""
+    alive = stacked()
+    if alive is not None:
+        alive.clear()
 
 
 def _same(a: list[tuple], b: list[tuple]) -> bool:

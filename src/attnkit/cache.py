@@ -185,8 +185,8 @@ class KVCache:
             v_new = torch.where(is_real[:, None, :, None], v_new, 0.0)  # (B, Hkv, Lq, Dv)
         index = positions[:, None, :, None]  # (B, 1, Lq, 1)
         self._writable(k_new, v_new)
-        self.keys.scatter_(2, index.expand(B, Hkv, Lq, self.keys.shape[3]), k_new.to(self.keys.dtype))
-        self.values.scatter_(2, index.expand(B, Hkv, Lq, self.values.shape[3]), v_new.to(self.values.dtype))
+        self.keys.scatter_(2, index.expand(B, Hkv, Lq, self.keys.shape[3]), k_new)
+        self.values.scatter_(2, index.expand(B, Hkv, Lq, self.values.shape[3]), v_new)
         self.lengths = self.lengths + real  # (B,)
         # (B, Lq): causal, query i sees its row's keys [0, length_b + i]; else every key of its row
         seen = positions + 1 if is_causal else self.lengths[:, None].expand(B, Lq)
@@ -235,23 +235,35 @@ class KVCache:
             raise ValueError(
                 f"this cache holds {self.keys.dtype} keys and values, but the call brings {k_new.dtype} keys and "
                 f"{v_new.dtype} values (a cache filled under autocast and stepped without it, or a layer converted "
-                f"since): one dtype per cache (cache.reset() empties it for a new one)"
+                f"since): one dtype per cache ({self._start_over})"
             )
         want = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], self.values.shape[3])
         if (B, Hkv, D, Dv) != want or k_new.device != self.keys.device:
             raise ValueError(
                 f"this cache holds (B, Hkv, D, Dv) = {want} on {self.keys.device}, but the call brings keys "
                 f"{tuple(k_new.shape)} and values {tuple(v_new.shape)} on {k_new.device}: one cache per layer and "
-                f"batch (cache.reset() empties it for a new batch)"
+                f"batch ({self._start_over})"
             )
+
+    @property
+    def _start_over(self) -> str:
+        """How to start over, for an error message: a static cache keeps its shapes and dtype across reset()."""
+        if self.kind == "static":
+            return "a static cache keeps its batch, shapes and dtype across reset(): make a new KVCache for others"
+        return "cache.reset() empties it for a new batch"
 
     def _writable(self, k_new: Tensor, v_new: Tensor) -> None:
         """Under autograd, the keys and values an earlier call attended over belong to its graph: the new ones are
         written into copies, so that one backward through several calls gives the full forward's gradient (as
         transformers' caches, which concatenate), not autograd's in-place error. Without autograd: in place."""
         assert self.keys is not None and self.values is not None
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (k_new, v_new, self.keys, self.values)):
+        tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (k_new, v_new, self.keys, self.values))
+        # (filled under torch.inference_mode and stepped outside it: its tensors cannot be written there)
+        frozen = self.keys.is_inference() and not torch.is_inference_mode_enabled()
+        if tracked or frozen:
             self.keys, self.values = self.keys.clone(), self.values.clone()  # (B, Hkv, C, D|Dv), the same layout
+        if frozen and self.slot_positions is not None:
+            self.slot_positions = self.slot_positions.clone()  # (B, W)
 
     def _new_lengths(self, new_lens: Tensor | None, B: int, Lq: int, device: torch.device) -> Tensor:
         if new_lens is None:
@@ -261,7 +273,7 @@ class KVCache:
                 f"with a cache, valid_lens must have shape (B,) = ({B},), the real new tokens of each row "
                 f"(right-padded), got {describe(new_lens)}"
             )
-        return as_lengths(new_lens, "valid_lens", Lq, device)
+        return as_lengths(new_lens, "valid_lens", Lq, device, what="the call's new tokens")
 
     def _make_room(self, needed: int | None, Lq: int) -> None:
         """Growing: at least ``needed`` positions, doubling (amortised). Static: the call must fit."""
@@ -299,12 +311,14 @@ class KVCache:
         allowed = (j >= 0) & (j > p - W)  # (B, Lq, W + Lq): held, and within the window
         allowed = allowed & (j <= p) if is_causal else allowed & (j < (self.lengths + is_real.sum(1))[:, None, None])
         allowed = allowed & is_real[:, :, None]  # padded queries see nothing
+        self._writable(k_new, v_new)
+        assert self.slot_positions is not None
         for b in range(B):  # the last W real tokens of each row into their slots (distinct: W consecutive positions)
             n = int(is_real[b].sum())
             first = max(0, n - W)
             slots = positions[b, first:n] % W  # (n',)
-            self.keys[b, :, slots] = k_new[b, :, first:n].to(self.keys.dtype)
-            self.values[b, :, slots] = v_new[b, :, first:n].to(self.values.dtype)
+            self.keys[b, :, slots] = k_new[b, :, first:n]
+            self.values[b, :, slots] = v_new[b, :, first:n]
             self.slot_positions[b, slots] = positions[b, first:n]
         self.lengths = self.lengths + is_real.sum(dim=1)  # (B,)
         return Attended(keys, values, None, allowed[:, None], None)  # attn_mask (B, 1, Lq, W + Lq)
@@ -332,6 +346,19 @@ class CrossKVCache:
         self.keys: Tensor | None = None  # (B, Hkv, Lk, D), as storage()
         self.values: Tensor | None = None  # (B, Hkv, Lk, Dv), as storage()
         self.valid_lens: Tensor | None = None  # the encoder's, as first given
+
+    def check_batch(self, queries: Tensor) -> None:
+        """The call's batch is the one whose encoder outputs this cache holds.
+
+        Raises:
+            ValueError: naming both batch sizes.
+        """
+        if self.keys is not None and self.keys.shape[0] != queries.shape[0]:
+            raise ValueError(
+                f"this CrossKVCache holds the projected encoder outputs of a batch of {self.keys.shape[0]}, but the "
+                f"call brings queries {tuple(queries.shape)}: one cross cache per layer and batch (cache.reset() "
+                f"empties it for a new batch)"
+            )
 
     def fill(self, keys: Tensor, values: Tensor, valid_lens: Tensor | None) -> None:
         """Keep the projected ``keys (B, Hkv, Lk, D)``, ``values (B, Hkv, Lk, Dv)`` and the encoder's

@@ -101,12 +101,23 @@ def choose(backend: str, call: Call) -> ModuleType:
             if not BACKENDS[name].SUPPORTS.why_not(call):
                 return _ran(BACKENDS[name])
         raise ValueError("no backend can run this call: " + _all_reasons(call))
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    check_name(backend)
     chosen = BACKENDS[backend]
     if chosen.SUPPORTS.why_not(call):
         raise ValueError(f"backend={backend!r} cannot run this call: " + _all_reasons(call))
     return _ran(chosen)
+
+
+def check_name(backend: object) -> None:
+    """``backend`` is ``"auto"`` or a backend's name.
+
+    Raises:
+        TypeError: not a string. ValueError: not a name, listing the names.
+    """
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
 
 
 def _preferences(call: Call) -> tuple[str, ...]:

@@ -22,14 +22,7 @@ from attnkit.backends import reference
 from attnkit.backends.contract import Call
 from attnkit.masks import Mask, compute_dtype
 
-__all__ = [
-    "AttentionOutput",
-    "Masks",
-    "additive_attention",
-    "attend",
-    "attention_weights",
-    "scaled_dot_product_attention",
-]
+__all__ = ["AttentionOutput", "Masks", "additive_attention", "attention_weights", "scaled_dot_product_attention"]
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head (or hidden) dim, Dv value head dim
 
@@ -82,7 +75,8 @@ def scaled_dot_product_attention(
         scale: multiplies the scores; ``1 / sqrt(D)`` when ``None``.
         dropout_p: dropout on the weights (always applied when > 0; layers pass 0 in eval mode).
         need_weights: also return the weights (runs the reference backend).
-        backend: ``"auto"``, ``"reference"``, ``"sdpa"`` or ``"chunked"``.
+        backend: ``"auto"`` or a backend's name: ``"reference"``, ``"sdpa"``, ``"chunked"``, ``"decode"``,
+            ``"flex"`` (:mod:`attnkit.dispatch`).
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, True = may attend (FlexAttention's signature;
             built-ins in :mod:`attnkit.mods`); combines with the other masks (all must allow a pair).
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, on the scaled scores, before the float
@@ -258,7 +252,7 @@ def attend(
         weights = None if weights is None else weights.squeeze(1)  # (B, Lq, Lk)
     tracer = trace.active()
     if tracer is not None:
-        _trace_steps(tracer, q, k, v, w_v, three_d, out, chosen.NAME, masks, sinks is not None)
+        trace.attention_steps(tracer, q, k, v, w_v, three_d, out, chosen.NAME, masks, sinks is not None)
     return AttentionOutput(out, weights)
 
 
@@ -396,45 +390,6 @@ def _check_mods(
         if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
             raise ValueError(f"sinks must be finite, got {sinks.detach().tolist()}")
     return score_mod, sinks
-
-
-_HOW = {"sdpa": "fused kernel, scores never materialised", "chunked": "blocks of keys, online softmax"}
-
-
-def _trace_steps(
-    tracer: trace.Trace,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    w_v: Tensor | None,
-    three_d: bool,
-    out: Tensor,
-    backend: str,
-    masks: Masks,
-    sinks: bool,
-) -> None:
-    """The logical steps of one call, in the caller's layout, whichever backend ran."""
-    if three_d:
-        q, k, v = q.squeeze(1), k.squeeze(1), v.squeeze(1)  # (B, L, D)
-    scores = (*q.shape[:-1], k.shape[-2])  # (B, [H,] Lq, Lk)
-    if w_v is None:
-        tracer.add("scores", [q, k], scores, "q @ k^T * scale")
-    else:
-        tracer.add("scores", [q, k], scores, f"w_v . tanh(q + k), via features {(*scores, q.shape[-1])}")
-    if masks.score_mod is not None:
-        tracer.add("score_mod", [scores], scores, f"score_mod {_name(masks.score_mod)}")
-    described = trace.describe_masks(masks.valid_lens, masks.attn_mask, masks.is_causal)
-    if masks.mask_mod is not None:
-        described += f"; mask_mod {_name(masks.mask_mod)}"
-    tracer.add("mask", [scores], scores, described)
-    sink = ", with a sink logit per head" if sinks else ""
-    tracer.add("softmax", [scores], scores, f"over keys{sink}; rows with no key -> 0")
-    how = _HOW.get(backend)
-    tracer.add("weighted sum", [scores, v], out, f"weights @ v; backend {backend}" + (f" ({how})" if how else ""))
-
-
-def _name(fn: object) -> str:
-    return type(fn).__name__ if isinstance(fn, (mods.MaskMod, mods.ScoreMod)) else getattr(fn, "__name__", repr(fn))
 
 
 def _build_mask(q: Tensor, k: Tensor, masks: Masks, three_d: bool) -> Mask:

@@ -8,16 +8,22 @@ a recording is open.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
-from attnkit import _projection, mods, trace
+from attnkit import _projection, dispatch, mods, trace
 from attnkit._checks import check_dropout, check_sizes
 from attnkit.cache import CrossKVCache, KVCache
 from attnkit.functional import Masks, attend, attention_weights, check_qkv
 from attnkit.recording import is_recording, report_weights
 
 __all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention"]
+
+# Where they were before recording had a module of its own (attnkit.recording): kept for code that imports them here.
+from attnkit.recording import WeightRecord as WeightRecord  # noqa: E402
+from attnkit.recording import record_weights as record_weights  # noqa: E402
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, d head dim, h hidden size
 
@@ -30,6 +36,7 @@ class _Attention(nn.Module):
     def __init__(self, dropout: float, backend: str, sink_heads: int | None = None) -> None:
         super().__init__()
         self.dropout = check_dropout(dropout)
+        dispatch.check_name(backend)  # a misspelt name is said when the layer is made, not at its first call
         self.backend = backend
         # One learned attention-sink logit per head (gpt-oss), starting at 0; None without sinks.
         self.sinks = None if sink_heads is None else nn.Parameter(torch.zeros(sink_heads))
@@ -240,6 +247,8 @@ class MultiHeadAttention(_Attention):
             _projection.check_features(name, x, proj)
         if isinstance(cache, KVCache):
             cache.check_new(queries, keys)
+        elif isinstance(cache, CrossKVCache):
+            cache.check_batch(queries)
         B, Lq, _ = queries.shape
         Lk = keys.shape[1]
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -253,7 +262,7 @@ class MultiHeadAttention(_Attention):
             if isinstance(cache, KVCache) and _projection.same(queries, keys) and _projection.same(keys, values):
                 # decoding self-attention: one product, the weights stacked (made again at each generation)
                 projections = (self.W_q, self.W_k, self.W_v)
-                q_flat, k_flat, v_flat = self._stacked(queries, projections, refresh=cache.is_empty)
+                q_flat, k_flat, v_flat = self._stacked(queries, projections, cache=cache)
             else:
                 q_flat = _projection.linear(queries, self.W_q)  # (B, Lq, H*d)
                 k_flat, v_flat = _projection.linear(keys, self.W_k), _projection.linear(values, self.W_v)
@@ -288,6 +297,10 @@ class MultiHeadAttention(_Attention):
         if tracer is not None:
             tracer.add("merge heads", [out], merged, "(B, H, Lq, d) -> (B, Lq, H*d)")
         return _projection.linear(merged, self.W_o)  # (B, Lq, num_hiddens)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MultiHeadAttention:
+        self._stacked.clear()  # derived from the parameters, which .to(), .double(), .cuda() replace
+        return super()._apply(fn, recurse)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, masks: Masks, zeros_past: Tensor | None) -> Tensor:
         """Attention on the split heads: ``(B, H, Lq, d)``, ``(B, Hkv, Lk, d)`` twice -> ``(B, H, Lq, d)``;

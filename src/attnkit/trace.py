@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit._checks import listed
+from attnkit.mods.base import MaskMod, ScoreMod
 
 __all__ = ["Step", "Trace", "active", "paused", "trace_shapes"]
 
@@ -240,3 +241,44 @@ def describe_masks(valid_lens: Tensor | None, attn_mask: Tensor | None, is_causa
     if is_causal:
         parts.append("causal")
     return "; ".join(parts) or "none"
+
+
+_HOW = {"sdpa": "fused kernel, scores never materialised", "chunked": "blocks of keys, online softmax"}
+
+
+def attention_steps(
+    tracer: Trace,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    w_v: Tensor | None,
+    three_d: bool,
+    out: Tensor,
+    backend: str,
+    masks: Any,
+    sinks: bool,
+) -> None:
+    """Add the logical steps of one attention call, in the caller's layout, whichever backend ran (``masks``:
+    :class:`attnkit.functional.Masks`)."""
+    if three_d:
+        q, k, v = q.squeeze(1), k.squeeze(1), v.squeeze(1)  # (B, L, D)
+    scores = (*q.shape[:-1], k.shape[-2])  # (B, [H,] Lq, Lk)
+    if w_v is None:
+        tracer.add("scores", [q, k], scores, "q @ k^T * scale")
+    else:
+        tracer.add("scores", [q, k], scores, f"w_v . tanh(q + k), via features {(*scores, q.shape[-1])}")
+    if masks.score_mod is not None:
+        tracer.add("score_mod", [scores], scores, f"score_mod {_name(masks.score_mod)}")
+    described = describe_masks(masks.valid_lens, masks.attn_mask, masks.is_causal)
+    if masks.mask_mod is not None:
+        described += f"; mask_mod {_name(masks.mask_mod)}"
+    tracer.add("mask", [scores], scores, described)
+    sink = ", with a sink logit per head" if sinks else ""
+    tracer.add("softmax", [scores], scores, f"over keys{sink}; rows with no key -> 0")
+    how = _HOW.get(backend)
+    tracer.add("weighted sum", [scores, v], out, f"weights @ v; backend {backend}" + (f" ({how})" if how else ""))
+
+
+def _name(fn: object) -> str:
+    """A modifier's name: a built-in's class (``sliding_window``), else the function's own name."""
+    return type(fn).__name__ if isinstance(fn, (MaskMod, ScoreMod)) else getattr(fn, "__name__", repr(fn))

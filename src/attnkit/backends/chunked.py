@@ -101,7 +101,7 @@ def settings(*, block_size: int | None = None, additive_block_bytes: int | None 
         overrides.clear()  # closed: copies of the tuple held elsewhere no longer apply it
 
 
-SUPPORTS = Supports(weights=False, dropout=False, bias_grad=False)
+SUPPORTS = Supports(weights=False, dropout=False, bias_grad=False, opaque_modifiers=False)
 
 
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
@@ -118,15 +118,19 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     vf = repeat_kv(v, H).to(dtype)  # (B, H, Lk, Dv)
     wf = None if w_v is None else w_v.to(dtype)
     sinks = None if call.sinks is None else call.sinks.to(dtype)
+    qf = q.to(dtype)  # (B, H, Lq, D)
     closed_over: tuple[Tensor, ...] = ()
-    if call.score_mod is not None and torch.is_grad_enabled():
-        closed_over = mods.grad_inputs(call.score_mod, _probe(q, dtype))
-    protected = None if call.score_mod is None else mods.protected_storages(call.score_mod)
+    protected: frozenset[int] | None = frozenset()
+    if call.score_mod is not None:
+        read = call.tensors_read(call.score_mod)
+        if torch.is_grad_enabled():
+            closed_over = mods.grad_inputs(call.score_mod, _probe(q, dtype), read or ())
+        protected = mods.protected_storages(call.score_mod, read)
     scorer = Scorer(wf, scale, call.score_mod, B, H, protected)
-    watched = _Watched.of(mask, call.score_mod) if torch.is_grad_enabled() else None
-    out = _OnlineSoftmax.apply(
-        q.to(dtype), kf, vf, wf, sinks, mask, scorer, block, watched, *closed_over
-    )  # (B, H, Lq, Dv)
+    inputs = (qf, kf, vf, wf, sinks, *closed_over)
+    backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    watched = _Watched.of(call) if backward else None
+    out = _OnlineSoftmax.apply(qf, kf, vf, wf, sinks, mask, scorer, block, watched, *closed_over)  # (B, H, Lq, Dv)
     return out.to(q.dtype), None
 
 
@@ -189,11 +193,14 @@ class _Watched:
         self.versions = [(t, t._version) for t in tensors]
 
     @classmethod
-    def of(cls, mask: Mask, score_mod: mods.ScoreFn | None) -> _Watched:
+    def of(cls, call: Call) -> _Watched:
+        mask = call.mask
         tensors = [t for t in (mask.valid_lens, mask.bool_mask, mask.bias) if t is not None]
-        for fn in (mask.mask_mod, score_mod):
+        for fn in (mask.mask_mod, call.score_mod):
             if fn is not None:
-                tensors += mods.read_tensors(fn)
+                read = call.tensors_read(fn)
+                assert read is not None  # SUPPORTS: refused under autograd otherwise
+                tensors += read
         return cls(tensors)
 
     def check(self) -> None:

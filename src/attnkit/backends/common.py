@@ -38,7 +38,10 @@ def dense_mask(call: Call, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | 
         B, H = call.q.shape[:2]
         rows, cols = (0, call.mask.num_queries), (0, call.mask.num_keys)
         score_bias = call.score_mod.bias(*mods.indices(B, H, rows, cols, call.q.device))  # (B|1, H|1, Lq, Lk)
-        assert score_bias is not None
+        if score_bias is None:  # a ScoreMod subclass that overrides bias() and returns None
+            raise TypeError(
+                f"{type(call.score_mod).__name__}.bias() returned None: return the bias, or do not override it"
+            )
         score_bias = score_bias.to(dtype)
         bias = score_bias if bias is None else bias + score_bias  # (B|1, H|1, Lq, Lk)
     return allowed, bias

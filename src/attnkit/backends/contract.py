@@ -12,8 +12,9 @@ backend, which says, one reason per line of the declaration, why that backend ca
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -53,6 +54,23 @@ class Call:
     score_mod: mods.ScoreFn | None = None
     sinks: Tensor | None = None
     zeros_past: Tensor | None = None
+    _memo: dict[object, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def tensors_read(self, fn: object) -> tuple[Tensor, ...] | None:
+        """The tensors a modifier of this call reads from outside (:func:`attnkit.mods.read_tensors`), looked for
+        once a call; ``None`` when the function cannot be looked into."""
+        key = ("read", id(fn))
+        if key not in self._memo:
+            try:
+                self._memo[key] = tuple(mods.read_tensors(fn))
+            except mods.Uninspectable:
+                self._memo[key] = None
+        return self._memo[key]  # type: ignore[no-any-return]
+
+    @property
+    def modifiers_inspectable(self) -> bool:
+        """Whether the tensors its mask_mod and score_mod read can all be found (True without modifiers)."""
+        return all(self.tensors_read(f) is not None for f in (self.mask.mask_mod, self.score_mod) if f is not None)
 
     @property
     def scoring(self) -> str:
@@ -91,20 +109,38 @@ class Call:
             tensors += self.score_mod.tensors()
         return any(t is not None and t.requires_grad for t in tensors)
 
-    @functools.cached_property
+    @property
     def hidden_scores_may_overflow(self) -> bool:
-        """Whether a score the mask hides could overflow the compute dtype, by the bound
-        ``|scale| * D * max|q| * max|k|`` (dot-product scoring, NaN aside): a kernel that adds the mask as ``-inf``
-        would then meet ``+inf - inf``, NaN, in a row that may not see that key. False when nothing is hidden."""
-        mask = self.mask
-        if mask.is_empty or self.w_v is not None or not self.q.numel() or not self.k.numel():
+        """Whether a score a mask other than a plain causal one (``Lq == Lk``) hides could overflow the compute
+        dtype, by the bound ``|scale| * D * max|q| * max|k|`` over the keys some query may see (dot-product scoring,
+        NaN aside): a kernel that adds that mask as ``-inf`` would meet ``+inf - inf``, NaN, in a row that may not
+        see that key. Worked out once a call (two reductions and one read of the result), and only where needed:
+        nothing hidden, causal alone, or inputs whose dtype cannot reach the bound (float16) need none."""
+        if "overflow" not in self._memo:
+            self._memo["overflow"] = self._may_overflow()
+        return self._memo["overflow"]  # type: ignore[no-any-return]
+
+    def _may_overflow(self) -> bool:
+        mask, q, k = self.mask, self.q.detach(), self.k.detach()
+        causal_alone = mask.is_causal and mask.num_queries == mask.num_keys and mask.valid_lens is None
+        causal_alone = causal_alone and mask.bool_mask is None and mask.bias is None and mask.mask_mod is None
+        if mask.is_empty or causal_alone or self.w_v is not None or not q.numel() or not k.numel():
             return False
-        peaks = torch.stack([self.q.detach().abs().amax(), self.k.detach().abs().amax()]).double()  # (2,)
-        if bool(peaks.isnan().any()):  # NaN where no query may see is zeroed by every backend first
-            peaks = torch.stack([t.detach().abs().nan_to_num(0.0).amax() for t in (self.q, self.k)]).double()
-        q_peak, k_peak = peaks.tolist()
-        limit = torch.finfo(compute_dtype(self.q.dtype)).max
-        return abs(self.scale) * self.q.shape[-1] * q_peak * k_peak >= limit
+        limit = torch.finfo(compute_dtype(q.dtype)).max
+        growth = abs(self.scale) * q.shape[-1]
+        if growth == 0 or torch.finfo(q.dtype).max < math.sqrt(limit / growth):
+            return False  # (float16: 65504^2 * D * scale stays far below float32's range)
+        lens = mask.valid_lens  # (B, 1, 1 | Lq, 1): no query sees a key past the longest (a static cache's storage)
+        if lens is not None and lens.numel():
+            k = k[:, :, : int(lens.max())]  # (B, Hkv, n, D)
+        if not k.numel():
+            return False
+        # one read each (aminmax is the fastest reduction here) and one of the four results
+        q_lo, q_hi, k_lo, k_hi = torch.stack([*q.aminmax(), *k.aminmax()]).tolist()
+        peak = max(-q_lo, q_hi) * max(-k_lo, k_hi)
+        # NaN (where no query may see, zeroed by every backend first; or the caller's own, which shows anyway)
+        # leaves the bound as it is
+        return not math.isnan(peak) and abs(self.scale) * q.shape[-1] * peak >= limit
 
     @property
     def queries_per_kv_head(self) -> int:
@@ -120,7 +156,9 @@ class Supports:
     ``sinks``; ``devices``: the device types it runs on (``None``: any); ``dtypes``: the input dtypes (``None``:
     any floating point); ``grad``: calls whose output needs a gradient; ``max_queries``: at most that many queries
     per key/value head (``None``: any number); ``huge_scores``: a hidden score that overflows is hidden all the
-    same (False: the mask is added as ``-inf``, where an overflowing hidden score would give NaN)."""
+    same (False: the mask is added as ``-inf``, where an overflowing hidden score would give NaN);
+    ``opaque_modifiers``: modifiers whose tensors cannot be found, under autograd (False: its backward reads them
+    again and must check they did not change)."""
 
     scoring: frozenset[str] = frozenset({DOT, ADDITIVE})
     weights: bool = True
@@ -135,6 +173,7 @@ class Supports:
     grad: bool = True
     max_queries: int | None = None
     huge_scores: bool = True
+    opaque_modifiers: bool = True
 
     def why_not(self, call: Call) -> list[str]:
         """Each reason this declaration refuses ``call``; ``[]`` when it can run it."""
@@ -150,11 +189,6 @@ class Supports:
             )
         if not self.grad and call.needs_grad:
             reasons.append("no autograd (the output of this call needs a gradient)")
-        if not self.huge_scores and call.hidden_scores_may_overflow:
-            reasons.append(
-                "adds the mask as -inf, and a hidden score could overflow here (|scale| * D * max|q| * max|k| beyond "
-                "the largest float): inf - inf would be NaN in rows that may not see that key"
-            )
         if call.scoring not in self.scoring:
             reasons.append(f"{' or '.join(sorted(self.scoring))} scoring only (this call is {call.scoring})")
         if call.need_weights and not self.weights:
@@ -188,6 +222,17 @@ class Supports:
                     )
         if call.sinks is not None and not self.sinks:
             reasons.append("no sinks")
+        if not self.opaque_modifiers and call.needs_grad and not call.modifiers_inspectable:
+            reasons.append(
+                "under autograd, it must see the tensors a mask_mod or score_mod reads (its backward reads them "
+                "again), and this one hides them (TorchScript, or C code with state of its own): pass a Python "
+                "function, a callable object or functools.partial(fn, tensor)"
+            )
+        if not self.huge_scores and not reasons and call.hidden_scores_may_overflow:  # (the costly one, last)
+            reasons.append(
+                "adds the mask as -inf, and a hidden score could overflow here (|scale| * D * max|q| * max|k| beyond "
+                "the largest float): inf - inf would be NaN in rows that may not see that key"
+            )
         return reasons
 
     def describe(self) -> str:
@@ -209,6 +254,8 @@ class Supports:
             can.append(f"at most {self.max_queries} queries per key/value head")
         if not self.huge_scores:
             can.append("masks only scores that cannot overflow")
+        if not self.opaque_modifiers:
+            can.append("under autograd, modifiers it can look into")
         return ", ".join(can)
 
 

@@ -259,7 +259,9 @@ def accumulate_grads(
         grads.dv[:, :, j0:j1] += p.transpose(-2, -1) @ dout_r  # (B, H, blk, Dv)
         dp = dout_r @ vb.transpose(-2, -1)  # (B, H, n, blk)
         ds = p.mul_(dp.sub_(delta[:, :, r0:r1, None]))  # (B, H, n, blk): gradient of the (modified) scores
-        if modded is not None:
+        if modded is not None and not modded.requires_grad:
+            ds = torch.zeros_like(ds)  # a score_mod whose result depends on nothing that needs a gradient (a table)
+        elif modded is not None:
             wanted = (raw, *closed_over)
             through = torch.autograd.grad(modded, wanted, ds, retain_graph=bool(closed_over), allow_unused=True)
             for acc, g in zip(closed_grads, through[1:], strict=True):

@@ -46,8 +46,11 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     H = q.shape[1]
     dtype = compute_dtype(q.dtype)
     q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
+    protected = None
+    if call.score_mod is not None:
+        protected = mods.protected_storages(call.score_mod, call.tensors_read(call.score_mod))
     weights, unseen = _weights(
-        q, k, mask, w_v=call.w_v, scale=call.scale, score_mod=call.score_mod, sinks=call.sinks
+        q, k, mask, w_v=call.w_v, scale=call.scale, score_mod=call.score_mod, sinks=call.sinks, protected=protected
     )  # (B, H, Lq, Lk) in `dtype`, (B, H, Lk) or None
     dropped = torch.nn.functional.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
     vf = repeat_kv(v, H).to(dtype)  # (B, H, Lk, Dv)
@@ -71,7 +74,8 @@ def attention_weights(
 
     Without autograd, the scores are written once (scale folded into the matmul) and the softmax runs in place."""
     q, k, _ = zero_dead(q, k, k, mask)
-    weights, _ = _weights(q, k, mask, w_v=w_v, scale=scale, score_mod=score_mod, sinks=sinks)
+    protected = None if score_mod is None else mods.protected_storages(score_mod)
+    weights, _ = _weights(q, k, mask, w_v=w_v, scale=scale, score_mod=score_mod, sinks=sinks, protected=protected)
     return weights  # (B, H, Lq, Lk)
 
 
@@ -84,6 +88,7 @@ def _weights(
     scale: float,
     score_mod: mods.ScoreFn | None,
     sinks: Tensor | None,
+    protected: frozenset[int] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The weights ``(B, H, Lq, Lk)`` of queries and keys whose dead rows and keys are zeroed, and the keys a
     score_mod hides from every query, ``(B, H, Lk)`` (or ``None``): keys no query may see, like the mask's dead
@@ -116,7 +121,6 @@ def _weights(
     unseen = None
     if score_mod is not None:
         idx = mods.indices(B, H, (0, Lq), (0, Lk), q.device)  # b (B,1,1,1), h (1,H,1,1), q_idx, kv_idx
-        protected = mods.protected_storages(score_mod)
         raw = scores
         scores = mods.evaluate_score(score_mod, raw, *idx, protected=protected)  # (B, H, Lq, Lk)
         hidden = torch.isneginf(scores.detach())  # a score_mod's -inf hides the key, as in FlexAttention

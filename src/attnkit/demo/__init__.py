@@ -39,11 +39,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit._checks import TORCH_SEEDS
+from attnkit._checks import TORCH_SEEDS as SEEDS  # the name it had here, kept for code that imports it
 from attnkit.demo.models import BOS, EOS, LABELS, PAD, AdditiveSeq2Seq, Seq2Seq, TransformerSeq2Seq, greedy
 from attnkit.demo.pictures import KINDS, PICTURES, draw, replay_book_examples
 from attnkit.recording import record_weights
 
-__all__ = ["KINDS", "PICTURES", "DemoResult", "draw", "replay_book_examples", "train"]
+__all__ = ["KINDS", "PICTURES", "SEEDS", "DemoResult", "draw", "replay_book_examples", "train"]
 
 # B batch, S source length (padded), T target length (S + 1: reversed digits, <eos>, padding),
 # E embedding size, h hidden size, d model size, H heads, V vocabulary size

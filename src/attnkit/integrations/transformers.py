@@ -106,12 +106,13 @@ def register(name: str = NAME, *, backend: str = "auto") -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from attnkit.dispatch import BACKENDS
+    from attnkit.dispatch import check_name
 
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     # AttentionInterface._global_mapping: transformers' own implementations (private; checked against 5.23)
-    if name in AttentionInterface._global_mapping and name not in _REGISTERED:
+    # ("eager" is transformers' own too, called by the models directly: not in the mapping)
+    if (name in AttentionInterface._global_mapping or name == "eager") and name not in _REGISTERED:
         raise ValueError(f"{name!r} is one of transformers' own attention implementations: choose another name")
     reserved = [word for word in _RESERVED_WORDS if word in name]
     if reserved:
@@ -127,8 +128,7 @@ def register(name: str = NAME, *, backend: str = "auto") -> str:
             "output_attentions=True gives weights only to models that pass the flag down to their attention",
             stacklevel=2,
         )
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    check_name(backend)
     forward = functools.partial(attention_forward, backend=backend)
     functools.update_wrapper(forward, attention_forward)
     AttentionInterface.register(name, forward)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from attnkit._checks import as_lengths, check_device, check_whole, describe, listed
-from attnkit.mods.base import MaskFn, MaskMod, ScoreMod, Tiles
+from attnkit.mods.base import MaskFn, MaskMod, ScoreMod, Tiles, check_callable
 from attnkit.mods.evaluate import evaluate_mask
 
 __all__ = ["alibi", "alibi_slopes", "and_masks", "document", "or_masks", "prefix_lm", "sliding_window", "softcap"]
@@ -244,8 +244,15 @@ class alibi(ScoreMod):  # noqa: N801
         if self.slopes.shape != (heads,):
             raise ValueError(f"alibi: slopes must have shape (H,) = ({heads},), got {tuple(self.slopes.shape)}")
         check_device("alibi: slopes", self.slopes, device)
-        if not bool(torch.isfinite(self.slopes.detach()).all()):  # as sinks: a NaN or inf rate is no rate
+        peak = float(self.slopes.detach().abs().amax()) if self.slopes.numel() else 0.0  # one read, one sync
+        if not math.isfinite(peak):  # as sinks: a NaN or inf rate is no rate
             raise ValueError(f"alibi: slopes must be finite, got {listed(self.slopes)}")
+        farthest = num_queries + num_keys  # |p - j| stays below this
+        if peak * farthest >= torch.finfo(torch.float32).max / 2:  # a bias of -inf would hide keys, NaN in values
+            raise ValueError(
+                f"alibi: slopes times the farthest distance ({farthest}) must stay well inside float32's range, got "
+                f"a slope of {peak:g}"
+            )
         return dataclasses.replace(self, offset=num_keys - num_queries)
 
     def tensors(self) -> tuple[Tensor, ...]:
@@ -307,4 +314,5 @@ def _check_mods(mods: tuple[Any, ...], name: str) -> tuple[Any, ...]:
     for m in mods:
         if not callable(m) or isinstance(m, ScoreMod):
             raise TypeError(f"{name}: every argument must be a mask_mod function, got {type(m).__name__}")
+        check_callable("mask_mod", m)  # (a wrong number of parameters, said before any call)
     return mods

@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,11 +18,11 @@ from attnkit.mods.base import ScoreFn
 __all__ = ["Uninspectable", "grad_inputs", "read_tensors"]
 
 
-def grad_inputs(score_mod: ScoreFn, probe: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """The tensors requiring grad that ``score_mod`` reads, for a backend that takes its gradient itself: the
-    tensors it closes over (a built-in's, a closure's or a global's, a module's parameters), and any other leaf its
-    result turns out to depend on when it is run once on ``probe`` (walking the autograd graph of that result)."""
-    direct = {id(t): t for t in read_tensors(score_mod) if t.requires_grad}
+def grad_inputs(score_mod: ScoreFn, probe: tuple[Tensor, ...], read: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """The tensors requiring grad that ``score_mod`` reads, for a backend that takes its gradient itself: those among
+    ``read``, the tensors it reads from outside (:func:`read_tensors`), and any other leaf its result turns out to
+    depend on when it is run once on ``probe`` (walking the autograd graph of that result)."""
+    direct = {id(t): t for t in read if t.requires_grad}
     stops = {id(t.grad_fn) for t in direct.values() if t.grad_fn is not None}
     try:
         with torch.enable_grad():
@@ -83,10 +85,12 @@ class Uninspectable(TypeError):
 
 def read_tensors(fn: object) -> list[Tensor]:
     """The tensors a mask_mod or score_mod reads from outside, however the function holds them: a built-in's
-    fields (the functions inside ``and_masks``/``or_masks`` included), a closure's cells, the globals its code
-    names (and the attributes it names of a module it reads), its defaults, a ``functools.partial``'s function and
-    arguments, a bound method's object, a callable object's attributes and its ``__call__``, a module's
-    parameters, buffers and attributes, and what containers of these hold, to any depth.
+    fields (the functions inside ``and_masks``/``or_masks`` included), a closure's cells, its defaults, the globals
+    its code names (and the attributes it names of a module or class it reads, to any depth), a
+    ``functools.partial``'s function and arguments, a bound method's object, an object's attributes and its class's
+    (and its ``__call__``), a module's parameters, buffers and attributes, and what containers of these hold.
+    attnkit's, torch's and the standard library's own code is not read (a ``torch.compile``'d function is read
+    through the function it wraps).
 
     Raises:
         Uninspectable: something it holds or is cannot be looked into (see :class:`Uninspectable`), with how to
@@ -108,7 +112,33 @@ def read_tensors(fn: object) -> list[Tensor]:
 
 
 # Objects that hold no tensor a function could read: skipped without looking.
-_LEAVES = (str, bytes, int, float, complex, bool, type, torch.dtype, torch.device, torch.Size, types.ModuleType)
+_LEAVES = (
+    str,
+    bytes,
+    int,
+    float,
+    complex,
+    bool,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+    weakref.ReferenceType,
+    property,
+    types.ModuleType,  # read only through the attributes a function names (_read_by_code)
+    types.MethodDescriptorType,
+    types.WrapperDescriptorType,
+    types.MethodWrapperType,
+    types.GetSetDescriptorType,
+    types.MemberDescriptorType,
+    types.ClassMethodDescriptorType,
+)
+
+# Code that reads no tensor of a caller's: the libraries attnkit stands on, and attnkit itself.
+_LIBRARIES = frozenset({"attnkit", "torch", "builtins", "functools", "typing", "abc", "collections", "numpy"})
+
+
+def _library(obj: object) -> bool:
+    return (getattr(obj, "__module__", None) or "").split(".")[0] in _LIBRARIES
 
 
 def _held_by(obj: object) -> list[object]:
@@ -117,35 +147,35 @@ def _held_by(obj: object) -> list[object]:
         return list(obj)
     if isinstance(obj, dict):
         return [*obj.keys(), *obj.values()]
+    if isinstance(obj, type):  # a class: its own attributes, unless it is a library's
+        return [] if _library(obj) else list(vars(obj).values())
     if isinstance(obj, functools.partial):
         return [obj.func, obj.args, obj.keywords]
     if inspect.ismethod(obj):
         return [obj.__self__, obj.__func__]
     if inspect.isfunction(obj):
-        return _read_by_code(obj)
+        wrapped = getattr(obj, "__wrapped__", None)  # torch.compile, functools.wraps: the function inside
+        return [wrapped] if _library(obj) else [*_read_by_code(obj), wrapped]
     if inspect.isbuiltin(obj):  # C code: stateless at a module's level, else bound to an object we look into
         owner = getattr(obj, "__self__", None)
-        return [] if owner is None or isinstance(owner, types.ModuleType) else [owner]
+        return [] if owner is None or isinstance(owner, (types.ModuleType, type)) else [owner]
     if isinstance(obj, (torch.jit.ScriptFunction, torch.jit.ScriptModule)):
         raise Uninspectable(_cannot_see(obj))
-    held: list[object] = []
+    held: list[object] = [cls for cls in type(obj).__mro__ if not _library(cls)]  # class attributes
     if isinstance(obj, torch.nn.Module):
-        held += [*obj.parameters(), *obj.buffers(), inspect.getattr_static(type(obj), "forward", None)]
+        held += [*obj.parameters(), *obj.buffers()]
     if hasattr(obj, "__dict__"):
         held += list(vars(obj).values())
     held += [getattr(obj, name, None) for name in getattr(type(obj), "__slots__", ())]
-    if callable(obj) and not isinstance(obj, torch.nn.Module):
-        call = inspect.getattr_static(type(obj), "__call__", None)
-        if inspect.isfunction(call):
-            held.append(call)  # a callable object's __call__ may read globals
-        elif not held:
-            raise Uninspectable(_cannot_see(obj))  # called through code attnkit cannot read, holding nothing it can
+    if callable(obj) and not held and not inspect.isfunction(inspect.getattr_static(type(obj), "__call__", None)):
+        raise Uninspectable(_cannot_see(obj))  # called through code attnkit cannot read, holding nothing it can
     return [x for x in held if x is not None]
 
 
 def _read_by_code(fn: Any) -> list[object]:
     """What a function's code can read: its closure's cells, its defaults, the globals its code (and the code of
-    the functions defined inside it) names, and the attributes it names of a module among those globals."""
+    the functions defined inside it) names, and the attributes it names of a module among those globals (and of
+    the modules among those: ``config.tables.weights``)."""
     names: set[str] = set()
     codes = [fn.__code__]
     while codes:
@@ -154,12 +184,22 @@ def _read_by_code(fn: Any) -> list[object]:
         codes.extend(c for c in code.co_consts if inspect.iscode(c))
     held: list[object] = [cell.cell_contents for cell in fn.__closure__ or () if _filled(cell)]
     held += [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+    modules = []
     for name in names:
         value = fn.__globals__.get(name)
-        if isinstance(value, types.ModuleType):  # `table.weights` read through a module: its named attributes
-            held += [getattr(value, attr, None) for attr in names if attr in vars(value)]
+        if isinstance(value, types.ModuleType):
+            modules.append(value)
         elif value is not None:
             held.append(value)
+    seen: set[int] = set()
+    while modules:  # `tables.weights` or `config.tables.weights` read through modules: the attributes it names
+        module = modules.pop()
+        if id(module) in seen or _library(module) or (module.__name__.split(".")[0] in _LIBRARIES):
+            continue
+        seen.add(id(module))
+        for attr in names & vars(module).keys():
+            value = vars(module)[attr]
+            (modules if isinstance(value, types.ModuleType) else held).append(value)
     return held
 
 

@@ -3,6 +3,7 @@ by element through ``torch.vmap`` when a function does not take blocks."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,21 +59,37 @@ def evaluate_score(
     if out.shape != score.shape:
         return out.expand(score.shape).clone()
     memory = out.untyped_storage().data_ptr()
-    if memory != score.untyped_storage().data_ptr() and (protected is None or memory in protected):
-        return out.clone()  # a tensor the function holds (or a view of one): never written to
+    if memory == score.untyped_storage().data_ptr():
+        return out  # the score's own memory, changed in place or as it was
+    if (protected is None or memory in protected) or not _new(out):
+        return out.clone()  # memory the function holds (a tensor it keeps, a view of one): never written to
     return out
 
 
-def protected_storages(score_mod: ScoreFn) -> frozenset[int] | None:
-    """The memory (storage addresses) of the tensors ``score_mod`` reads from outside, which it could return as its
-    result: :func:`evaluate_score` copies a result there before anything writes into it. Empty for a built-in
-    (its results are new tensors); ``None`` when the function cannot be looked into."""
+def _new(out: Tensor) -> bool:
+    """Whether ``out`` is a tensor no one else holds, in memory no other tensor uses (what an operation inside the
+    function returns), so that the caller may write into it: no other Python reference to it (sys.getrefcount
+    counts this frame's and its own argument), and its storage used by it alone (torch._C._storage_Use_Count,
+    private, checked against torch 2.13: counts the storage object asked for as well). A tensor kept anywhere, in
+    an lru_cache or an attribute made at the first call, fails the first test; a view of one, the second."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # (the name moved: every result is copied, the safe side)
+        return False
+    return sys.getrefcount(out) <= 3 and use_count(out.untyped_storage()._cdata) <= 2
+
+
+def protected_storages(score_mod: ScoreFn, read: Sequence[Tensor] | None = None) -> frozenset[int] | None:
+    """The memory (storage addresses) of the tensors ``score_mod`` reads from outside (``read``, or found here),
+    which it could return as its result: :func:`evaluate_score` copies a result there before anything writes into
+    it. Empty for a built-in (its results are new tensors); ``None`` when the function cannot be looked into."""
     if isinstance(score_mod, ScoreMod):
         return frozenset()
-    try:
-        return frozenset(t.untyped_storage().data_ptr() for t in read_tensors(score_mod))
-    except Uninspectable:
-        return None
+    if read is None:
+        try:
+            read = read_tensors(score_mod)
+        except Uninspectable:
+            return None
+    return frozenset(t.untyped_storage().data_ptr() for t in read)
 
 
 def _on_block(fn: Callable[..., Any], args: tuple[Tensor, ...], shape: Sequence[int], what: str) -> Tensor:
