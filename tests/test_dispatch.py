@@ -26,8 +26,21 @@ def _qkv(B=2, H=4, Lq=5, Lk=6, D=8, heads=True):
 )
 def test_auto_for_dot_product(kwargs, expected):
     with dispatch.watch() as ran:
-        attnkit.scaled_dot_product_attention(*_qkv(), **kwargs)
+        attnkit.scaled_dot_product_attention(*_qkv(Lq=17), **kwargs)
     assert ran == [expected]
+
+
+def test_auto_gives_a_masked_call_of_a_few_queries_to_the_decode_step():
+    """sdpa's kernels add a mask as -inf, so it would first read every key again to bound the hidden scores; a call
+    of at most 16 queries per key/value head with a mask runs the decode step, which masks by filling, instead
+    (with autograd, or unmasked, sdpa)."""
+    q, k, v = _qkv(Lq=5)
+    lens = torch.tensor([2, 3])
+    with dispatch.watch() as ran:
+        attnkit.scaled_dot_product_attention(q, k, v, valid_lens=lens)
+        attnkit.scaled_dot_product_attention(q, k, v)
+        attnkit.scaled_dot_product_attention(q.requires_grad_(), k, v, valid_lens=lens)
+    assert ran == ["decode", "sdpa", "sdpa"]
 
 
 def test_auto_for_additive_small_is_reference_and_large_is_chunked():

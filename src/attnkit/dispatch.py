@@ -8,9 +8,10 @@ Policy for ``backend="auto"``, first backend that can run the call wins:
 * a ``mask_mod`` that hides most of the scores (a sliding window, packed documents: ``chunked`` visits at most
   ``SPARSE_BELOW`` of them), a ``score_mod`` other than a bias, or ``sinks``: ``chunked``, which skips what is
   hidden and takes them all, then ``sdpa`` (a mask_mod as one dense mask, when small), then ``reference``;
-* dot-product scoring: ``sdpa`` (PyTorch's fused kernels), then ``chunked``, then ``reference``; over keys and
-  values stored positions last (a :class:`~attnkit.KVCache`'s long context), ``decode`` first (a few queries
-  without autograd: the decode step);
+* dot-product scoring: ``sdpa`` (PyTorch's fused kernels), then ``chunked``, then ``reference``; ``decode`` first
+  (a few queries without autograd: the decode step) over keys and values stored positions last (a
+  :class:`~attnkit.KVCache`'s long context), and for a masked call of a few queries on CPU, which sdpa could run only
+  after reading every key once more to bound the scores its kernels mask by adding ``-inf``;
 * additive scoring: ``chunked`` when the ``(B, H, Lq, Lk, D)`` features would be large
   (``>= ADDITIVE_CHUNK_ELEMENTS``), else ``reference``, each falling back to the other.
 
@@ -129,13 +130,20 @@ def _preferences(call: Call) -> tuple[str, ...]:
             flex = ("flex",)
         if call.sinks is not None or not call.score_bias or _sparse(call):
             return (*flex, "chunked", "sdpa", "reference")
-        if decode.is_positions_last(call.k, call.v):  # a KVCache's long context, laid out for the decode step
+        if decode.is_positions_last(call.k, call.v) or (_few_queries(call) and not call.mask.is_empty):
+            # a KVCache's long context, laid out for the decode step; or a masked decode step over the usual
+            # layout, where sdpa would first read the whole cache to bound its hidden scores (finding c)
             return (*flex, "decode", "sdpa", "chunked", "reference")
         return (*flex, "sdpa", "chunked", "reference")
     B, H, Lq, D = call.q.shape
     if B * H * Lq * call.k.shape[2] * D >= ADDITIVE_CHUNK_ELEMENTS:
         return ("chunked", "reference")
     return ("reference", "chunked")
+
+
+def _few_queries(call: Call) -> bool:
+    """A decode step's size, on the device it runs on (the decode backend refuses the rest with its reasons)."""
+    return call.q.device.type == "cpu" and call.queries_per_kv_head <= decode.FEW_QUERIES
 
 
 def _sparse(call: Call) -> bool:
