@@ -17,12 +17,14 @@ cache's unused storage) are not read. Rows with no key to attend to give zeros, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
+from attnkit.backends import sdpa
 from attnkit.backends.common import dense_mask, zero_dead
-from attnkit.backends.contract import DOT, Call, Supports
-from attnkit.backends.sdpa import DENSE_MASK_ELEMENTS
+from attnkit.backends.contract import Call
 from attnkit.masks import softmax_with_mask
 
 NAME = "decode"
@@ -42,14 +44,12 @@ DTYPES = frozenset({torch.float32, torch.float64})
 # (short rows cost more in per-head calls than they save in reading).
 POSITIONS_LAST_FROM = 4096
 
-SUPPORTS = Supports(
-    scoring=frozenset({DOT}),
-    weights=False,
+# What sdpa runs, for a decode step only: it masks by filling (so a hidden score may overflow), in place
+SUPPORTS = dataclasses.replace(
+    sdpa.SUPPORTS,
     dropout=False,
     bias_grad=False,
-    dense_mask_limit=DENSE_MASK_ELEMENTS,
-    score_mod="bias",
-    sinks=False,
+    huge_scores=True,
     devices=frozenset({"cpu"}),
     dtypes=DTYPES,
     grad=False,

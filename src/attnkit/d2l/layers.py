@@ -135,15 +135,13 @@ class AdditiveAttention(nn.Module):
 
     _attnkit_traced = True  # attnkit.trace names this module and attributes its steps to it
 
+    # the book's two signatures: with explicit sizes, and the newer one that infers them
+    _EXPLICIT = ("key_size", "query_size", "num_hiddens", "dropout")
+    _INFERRED = ("num_hiddens", "dropout")
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
-        sizes = bind(
-            "AdditiveAttention",
-            args,
-            kwargs,
-            explicit=("key_size", "query_size", "num_hiddens", "dropout"),
-            inferred=("num_hiddens", "dropout"),
-        )
+        sizes = bind("AdditiveAttention", args, kwargs, explicit=self._EXPLICIT, inferred=self._INFERRED)
         h, inferred = sizes["num_hiddens"], "key_size" not in sizes
         self.W_k = _projection.make(sizes.get("key_size"), h, bias=False)
         self.W_q = _projection.make(sizes.get("query_size"), h, bias=False)
@@ -204,10 +202,8 @@ class MultiHeadAttention(nn.Module):
     form, drawn at the first call in the order they are called (``W_q``, ``W_k``, ``W_v``, then ``W_o``).
 
     Raises:
-        TypeError: at construction, a size that is not a whole number.
-        ValueError: at construction, a size below 1 or ``dropout`` outside ``[0, 1)``; at a call, naming the
-            argument, with the shapes, before any work: inputs that are not 3-dim, that do not fit together, or
-            whose feature size is not the one the layer was built or first called with.
+        TypeError, ValueError: as :class:`AdditiveAttention`, and a ``num_hiddens`` that is not a multiple of
+            ``num_heads``, or a cache that does not fit the call.
 
     Example:
         >>> attention = MultiHeadAttention(100, 100, 100, 100, 5, 0.5).eval()
@@ -228,16 +224,14 @@ class MultiHeadAttention(nn.Module):
 
     _attnkit_traced = True  # attnkit.trace names this module and attributes its steps to it
 
+    # the book's two signatures: with explicit sizes, and the newer one that infers them
+    _EXPLICIT = ("key_size", "query_size", "value_size", "num_hiddens", "num_heads", "dropout", "bias")
+    _INFERRED = ("num_hiddens", "num_heads", "dropout", "bias")
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
-        sizes = bind(
-            "MultiHeadAttention",
-            args,
-            kwargs,
-            explicit=("key_size", "query_size", "value_size", "num_hiddens", "num_heads", "dropout", "bias"),
-            inferred=("num_hiddens", "num_heads", "dropout", "bias"),
-            defaults={"bias": False},
-        )
+        names = {"explicit": self._EXPLICIT, "inferred": self._INFERRED}
+        sizes = bind("MultiHeadAttention", args, kwargs, **names, defaults={"bias": False})
         h, bias = sizes["num_hiddens"], sizes["bias"]
         if h % sizes["num_heads"]:
             raise ValueError(f"num_hiddens ({h}) must be a multiple of num_heads ({sizes['num_heads']})")
