@@ -11,7 +11,8 @@ from attnkit.functional import AttentionOutput, additive_attention, scaled_dot_p
 from attnkit.layers import AdditiveAttention, DotProductAttention, MultiHeadAttention
 from attnkit.masks import causal_mask, masked_softmax, sequence_mask
 from attnkit.packing import pack, unpack
-from attnkit.recording import record_weights
+from attnkit.recording import record_stats, record_weights
+from attnkit.stats import AttentionStats, attention_stats
 from attnkit.trace import trace_shapes
 
 __version__ = "0.1.0"
@@ -19,18 +20,21 @@ __version__ = "0.1.0"
 __all__ = [
     "AdditiveAttention",
     "AttentionOutput",
+    "AttentionStats",
     "CrossKVCache",
     "DotProductAttention",
     "KVCache",
     "MultiHeadAttention",
     "__version__",
     "additive_attention",
+    "attention_stats",
     "available_backends",
     "causal_mask",
     "masked_softmax",
     "mods",
     "pack",
     "packing",
+    "record_stats",
     "record_weights",
     "scaled_dot_product_attention",
     "sequence_mask",

@@ -38,9 +38,13 @@ from torch import Tensor
 from attnkit._checks import as_lengths, describe
 from attnkit.backends.decode import storage
 
-__all__ = ["Attended", "CrossKVCache", "KVCache"]
+__all__ = ["Attended", "CrossKVCache", "KVCache", "Positions"]
 
 # B batch, Hkv key/value heads, D head dim, Lq new positions in this call, C capacity (positions stored), W window
+
+
+# Where a call's queries ``(B, Lq)`` and keys ``(B, Lk)`` stand in their rows; ``None`` for the default of each.
+Positions = tuple[Tensor | None, Tensor | None]
 
 
 class Attended(NamedTuple):
@@ -51,6 +55,9 @@ class Attended(NamedTuple):
     valid_lens: Tensor | None  # (B, Lq): the keys [0, n) each query sees
     attn_mask: Tensor | None  # (B, 1, Lq, Lk) bool: a sliding cache's mask, by position
     zeros_past: Tensor | None  # (B,): each row's keys and values are zeros from this position on
+    # where the queries (B, Lq) and the keys (B, Lk) stand in their rows, each None where it is the default (keys at
+    # their index, queries at Lk - Lq + i): for attention statistics (attnkit.stats), not for the mask
+    positions: Positions = (None, None)
 
 
 class KVCache:
@@ -192,7 +199,8 @@ class KVCache:
         seen = positions + 1 if is_causal else self.lengths[:, None].expand(B, Lq)
         seen = torch.where(is_real, seen, 0)  # (B, Lq): padded queries see nothing
         if self.max_len is not None:
-            return Attended(self.keys, self.values, seen, None, self.lengths)  # static shapes: the whole storage
+            # static shapes: the whole storage
+            return Attended(self.keys, self.values, seen, None, self.lengths, (positions, None))
         shortest, longest = (int(n) for n in self.lengths.aminmax()) if B else (0, 0)  # one sync for both
         # at least one key: a prefill where every row is empty gives zeros (its queries are all padding, they see none)
         Lk = max(longest, 1)
@@ -200,7 +208,7 @@ class KVCache:
         self._aligned = longest if shortest == longest else None
         if new_lens is None and shortest == longest:
             return Attended(keys, values, None, None, self.lengths)  # aligned rows: no mask to build
-        return Attended(keys, values, seen, None, self.lengths)
+        return Attended(keys, values, seen, None, self.lengths, (positions, None))
 
     def _append_aligned(self, k_new: Tensor, v_new: Tensor, length: int) -> Attended:
         """A growing cache whose rows all hold ``length`` positions, every new token real (decoding one sequence,
@@ -321,7 +329,8 @@ class KVCache:
             self.values[b, :, slots] = v_new[b, :, first:n]
             self.slot_positions[b, slots] = positions[b, first:n]
         self.lengths = self.lengths + is_real.sum(dim=1)  # (B,)
-        return Attended(keys, values, None, allowed[:, None], None)  # attn_mask (B, 1, Lq, W + Lq)
+        # attn_mask (B, 1, Lq, W + Lq); the ring's slots are not in order of position
+        return Attended(keys, values, None, allowed[:, None], None, (positions, key_positions))
 
 
 def _longest(lengths: Tensor) -> int:

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnkit import _projection, dispatch, mods, trace
+from attnkit import _projection, dispatch, mods, stats, trace
 from attnkit._checks import check_dropout, check_sizes
-from attnkit.cache import CrossKVCache, KVCache
+from attnkit.cache import CrossKVCache, KVCache, Positions
 from attnkit.functional import Masks, attend, attention_weights, check_qkv
 from attnkit.recording import is_recording, report_weights
 
@@ -72,8 +72,11 @@ class _Attention(nn.Module):
         self._record(q, k, masks, w_v)
         return out
 
-    def _record(self, q: Tensor, k: Tensor, masks: Masks, w_v: Tensor | None = None) -> None:
-        """Compute the weights beside the fast path: detached, without the output (see the module docstring)."""
+    def _record(
+        self, q: Tensor, k: Tensor, masks: Masks, w_v: Tensor | None = None, positions: Positions | None = None
+    ) -> None:
+        """Compute the weights beside the fast path, or their statistics: detached, without the output (see the
+        module docstring); ``positions``: where a cache's queries and keys stand."""
         if not is_recording():  # the cost while nothing records: one lookup
             return
 
@@ -81,7 +84,13 @@ class _Attention(nn.Module):
             with torch.no_grad(), trace.paused():
                 return attention_weights(q, k, w_v=w_v, sinks=self.sinks, **masks._asdict())
 
-        report_weights(self, weights, kv_heads=k.shape[1] if k.dim() == 4 else None)
+        def parts() -> stats.Parts:
+            query_positions, key_positions = positions or (None, None)
+            with torch.no_grad(), trace.paused():
+                found, three_d = stats.parts(q, k, w_v=w_v, sinks=self.sinks, **masks._asdict())
+            return found._replace(query_positions=query_positions, key_positions=key_positions)
+
+        report_weights(self, weights, kv_heads=k.shape[1] if k.dim() == 4 else None, parts=parts)
 
 
 class DotProductAttention(_Attention):
@@ -254,6 +263,7 @@ class MultiHeadAttention(_Attention):
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         tracer = trace.active()
         zeros_past = None  # (B,): a KVCache's keys and values are zeros past each row's length
+        positions: Positions | None = None  # where a KVCache's queries and keys stand, for recording
         if isinstance(cache, CrossKVCache) and cache.keys is not None and cache.values is not None:
             q_flat = _projection.linear(queries, self.W_q)  # (B, Lq, H*d)
             k, v, valid_lens = cache.keys, cache.values, cache.valid_lens  # projected at the first call
@@ -285,14 +295,14 @@ class MultiHeadAttention(_Attention):
                     "with a KVCache, the masks are valid_lens (B,) (each row's real new tokens) and is_causal; "
                     "attn_mask, mask_mod and score_mod are not supported (their positions would not be the rows' own)"
                 )
-            k, v, valid_lens, attn_mask, zeros_past = cache.update(k, v, valid_lens, is_causal)
+            k, v, valid_lens, attn_mask, zeros_past, positions = cache.update(k, v, valid_lens, is_causal)
             if valid_lens is not None or attn_mask is not None:
                 is_causal = False  # now in valid_lens or attn_mask, by each row's own positions
         elif cache is not None:
             raise TypeError(f"cache must be an attnkit.KVCache or attnkit.CrossKVCache, got {type(cache).__name__}")
         masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
         out = self._attend(q, k, v, masks, zeros_past)  # (B, H, Lq, d)
-        self._record(q, k, masks)
+        self._record(q, k, masks, positions=positions)
         merged = out.transpose(1, 2).reshape(B, Lq, H * d)  # (B, H, Lq, d) -> (B, Lq, H*d)
         if tracer is not None:
             tracer.add("merge heads", [out], merged, "(B, H, Lq, d) -> (B, Lq, H*d)")

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from attnkit import _projection, functional, trace
 from attnkit._checks import as_lengths, check_dropout, describe, listed
-from attnkit.cache import CrossKVCache, KVCache
+from attnkit.cache import CrossKVCache, KVCache, Positions
 from attnkit.d2l.functions import transpose_output, transpose_qkv
 from attnkit.d2l.signatures import bind, check_book_inputs, check_valid_lens, unbuilt
 from attnkit.recording import report_weights
@@ -263,6 +263,7 @@ class MultiHeadAttention(nn.Module):
             check_valid_lens(valid_lens, queries.shape[0], queries.shape[1], keys.shape[1])
         B, Lq, H = queries.shape[0], queries.shape[1], self.num_heads
         attn_mask = zeros_past = None
+        positions: Positions | None = None  # where a KVCache's queries and keys stand, for record_stats
         queries = self.transpose_qkv(self.W_q(queries))  # (B, Lq, h) -> (B*H, Lq, h/H)
         if isinstance(cache, CrossKVCache) and cache.keys is not None and cache.values is not None:
             # projected at the first call; (B, H, Lk, d) -> (B*H, Lk, d) is a view
@@ -275,7 +276,7 @@ class MultiHeadAttention(nn.Module):
                 cache.fill(keys.unflatten(0, (B, H)), values.unflatten(0, (B, H)), valid_lens)
             elif isinstance(cache, KVCache):
                 # The cache's own logic (one copy of it): append each row's new positions, return all it holds
-                k, v, valid_lens, attn_mask, zeros_past = cache.update(
+                k, v, valid_lens, attn_mask, zeros_past, positions = cache.update(
                     keys.unflatten(0, (B, H)), values.unflatten(0, (B, H)), valid_lens, is_causal
                 )  # (B, H, Lk', d) twice; valid_lens (B, Lq) or attn_mask (B, 1, Lq, Lk') over them; zeros_past (B,)
                 keys, values = k.flatten(0, 1), v.flatten(0, 1)  # (B*H, Lk', d): views, the heads are contiguous
@@ -298,7 +299,8 @@ class MultiHeadAttention(nn.Module):
             attn_mask = folded
         extra = {} if zeros_past is None else {"zeros_past": zeros_past}  # (a replaced .attention need not take it)
         output = self.attention(queries, keys, values, valid_lens, attn_mask=attn_mask, is_causal=is_causal, **extra)
-        report_weights(self, self._weights_by_head)  # for attnkit.record_weights, in its layout
+        # for attnkit.record_weights and record_stats, in its layout
+        report_weights(self, self._weights_by_head, positions=positions)
         output_concat = self.transpose_output(output)  # (B*H, Lq, h/H) -> (B, Lq, h)
         return self.W_o(output_concat)
 

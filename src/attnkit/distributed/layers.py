@@ -16,7 +16,7 @@ from attnkit.distributed.ring import RingAttention
 from attnkit.distributed.sequence import check_layout
 from attnkit.functional import Masks
 from attnkit.layers import MultiHeadAttention
-from attnkit.recording import recorder
+from attnkit.recording import StatsRecord, recorder
 
 __all__ = ["RingMultiHeadAttention", "sum_gradients"]
 
@@ -92,8 +92,9 @@ class RingMultiHeadAttention(MultiHeadAttention):
         elif masks.score_mod is not None:
             refused = "RingMultiHeadAttention takes valid_lens, is_causal and mask_mod, not a score_mod"
         elif (recorded := recorder(self)) is not None:
+            kind = "record_stats" if isinstance(recorded[0], StatsRecord) else "record_weights"
             refused = (
-                f"record_weights cannot record {recorded[1] or 'the model'!r}: the weights of "
+                f"{kind} cannot record {recorded[1] or 'the model'!r}: the weights of "
                 "RingMultiHeadAttention span the whole sequence, which no rank holds"
             )
         elif self._dropout_p() > 0:

@@ -29,7 +29,8 @@ What the model passes and what attnkit makes of it:
 * the backend: attnkit's dispatch (``backend="auto"``), or the one :func:`register` names.
 * weights: with ``output_attentions=True`` the layer also returns them (computed beside the fused output, in
   ``(B, H, Lq, Lk)``); inside :func:`attnkit.record_weights` every call reports them, detached, without changing
-  how the output is computed.
+  how the output is computed; inside :func:`attnkit.record_stats` their statistics, a block of rows at a time
+  (:mod:`attnkit.stats`: no ``Lq x Lk`` matrix, so a 32k-token prompt's every layer fits).
 
 Not covered: paged attention (transformers' continuous batching), models whose attention does not go through
 ``AttentionInterface``, and flash-attention-only arguments (``cu_seq_lens``: packed batches go through the mask).
@@ -52,7 +53,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from attnkit import mods
+from attnkit import mods, stats
 from attnkit.functional import attention_weights, scaled_dot_product_attention
 from attnkit.recording import report_weights
 
@@ -244,7 +245,10 @@ def attention_forward(
         with torch.no_grad():
             return weights_over_slots()
 
-    report_weights(module, recorded, kv_heads=key.shape[1])
+    def parts() -> stats.Parts:  # called only inside attnkit.record_stats or a record_weights of chosen rows
+        return stats.parts(query, key, **masks)[0]
+
+    report_weights(module, recorded, kv_heads=key.shape[1], parts=parts)
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, H, Dv)
 
 

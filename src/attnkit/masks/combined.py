@@ -209,7 +209,7 @@ class Mask:
             lens = self.valid_lens if self.valid_lens.shape[2] == 1 else self.valid_lens[:, :, r0:r1]
             allowed = keys < lens  # (B, 1, 1 | n, blk)
         if self.is_causal:
-            causal = causal_block(self.num_queries, self.num_keys, j0, j1, device)[r0:r1]  # (n, blk)
+            causal = causal_block(self.num_queries, self.num_keys, j0, j1, device, r0, r1)  # (n, blk)
             allowed = causal if allowed is None else allowed & causal
         if self.bool_mask is not None:
             part = self.bool_mask[..., r0:r1, j0:j1]  # (B|1, H|1, n, blk)

@@ -71,10 +71,13 @@ def check_bias(attn_mask: Tensor) -> tuple[tuple[float, float], bool]:
     return (lo, hi), has_neg_inf
 
 
-def causal_block(Lq: int, Lk: int, j0: int, j1: int, device: torch.device | str | None) -> Tensor:
-    rows = torch.arange(Lq, device=device)[:, None]  # (Lq, 1)
+def causal_block(
+    Lq: int, Lk: int, j0: int, j1: int, device: torch.device | str | None, r0: int = 0, r1: int | None = None
+) -> Tensor:
+    """The bottom-right causal mask of queries ``[r0, r1)`` (all by default) and keys ``[j0, j1)``."""
+    rows = torch.arange(r0, Lq if r1 is None else r1, device=device)[:, None]  # (n, 1)
     cols = torch.arange(j0, j1, device=device)[None, :]  # (1, blk)
-    return cols <= rows + (Lk - Lq)  # (Lq, blk)
+    return cols <= rows + (Lk - Lq)  # (n, blk)
 
 
 def as_4d_mask(attn_mask: Tensor, B: int, H: int, Lq: int, Lk: int, mask_dims: int) -> Tensor:

@@ -1,0 +1,271 @@
+"""Attention statistics: exact reductions of every row of the weights, computed a block of rows at a time, so that
+no ``Lq x Lk`` matrix exists (:func:`attnkit.record_stats`, :func:`attnkit.functional.attention_stats`).
+
+With ``a[i, j]`` the weights as the reference backend defines them (every mask, modifier, sink and grouped-query
+layout applied; :mod:`attnkit.backends.reference`), for each example, head and query row ``i``::
+
+    topk_values[i]   the k largest a[i, j] over the keys, descending
+    topk_indices[i]  their keys j (int64); -1 where the value is 0 (past the row's keys, a key the row does not
+                     see, or a weight that underflows): a zero names no key, so ties among zeros are not arbitrary
+    entropy[i]       -sum_j a[i, j] log a[i, j], in nats; 0 for a row that sees no key
+    column_sum[j]    sum_i a[i, j], over the call's rows: the weight key j receives (H2O's and SnapKV's score)
+    distance[i]      sum_j a[i, j] |pos(i) - pos(j)| / sum_j a[i, j]: the mean distance attended over, in
+                     positions; 0 for a row that sees no key
+    sink_mass[i]     sum_{pos(j) < sink_keys} a[i, j]: the weight on the first keys (StreamingLLM's sinks)
+
+``pos(j) = j`` and ``pos(i) = i + Lk - Lq`` (the bottom-right alignment of ``is_causal``); a
+:class:`~attnkit.KVCache` gives its rows' own positions (ragged rows, a static cache's slots, a sliding cache's
+ring). With learned sinks a row's weights sum to less than 1: the sink's share is no key's, so it is in no
+statistic (``sum_j a[i, j]`` is ``1 -`` the sink's weight).
+
+How: each block of rows is scored against the keys some of its rows may see (the mask's index ranges say which:
+a causal block stops at its diagonal, a sliding window keeps its band), its softmax taken over whole rows, then
+reduced. A block holds at most :data:`BLOCK_BYTES` of weights (its scores, in place, as much again), and never
+less than one row of every head; the top-k search reads each row once for the largest of each :data:`CHUNK` keys
+and then only the chunks that can hold the k largest. The result is ``O(B * H * (Lq * k + Lk))``.
+
+Computed in float32 for float16/bfloat16 inputs (float64 for float64), returned in that dtype, detached.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from attnkit import mods
+from attnkit.masks import compute_dtype
+from attnkit.stats.blocks import CHUNK, Parts, blocks
+from attnkit.stats.reduce import Sums, Where, reduce
+
+__all__ = [
+    "BLOCK_BYTES",
+    "CHUNK",
+    "SINK_KEYS",
+    "AttentionStats",
+    "Parts",
+    "attention_stats",
+    "compute",
+    "from_weights",
+    "parts",
+    "rows_of",
+]
+
+# B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim, n rows of a block, m keys of a block,
+# k the top-k
+
+# The weights of one block of rows (its scores, rewritten in place, take as much again).
+BLOCK_BYTES = 16 * 2**20
+# The first keys whose weight sink_mass sums, by default (StreamingLLM keeps 4).
+SINK_KEYS = 4
+
+
+@dataclass(frozen=True)
+class AttentionStats:
+    """The statistics of one call (see the module docstring for each formula). Shapes follow the weights': for
+    weights ``(B, H, Lq, Lk)``, ``topk_values``/``topk_indices`` ``(B, H, Lq, k)``, ``entropy``, ``distance`` and
+    ``sink_mass`` ``(B, H, Lq)``, ``column_sum`` ``(B, H, Lk)`` (without the ``H`` axis for 3-dim weights).
+    ``kv_heads``: the call's key/value heads when fewer than its query heads (grouped-query attention)."""
+
+    topk_values: Tensor
+    topk_indices: Tensor
+    entropy: Tensor
+    column_sum: Tensor
+    distance: Tensor
+    sink_mass: Tensor
+    sink_keys: int = SINK_KEYS
+    kv_heads: int | None = None
+
+    @property
+    def topk(self) -> int:
+        return self.topk_values.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes its tensors hold."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)}
+
+    def as_dict(self) -> dict[str, Tensor | int | None]:
+        """Plain values (``torch.load(..., weights_only=True)`` reads them back): :meth:`from_dict` inverts it."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> AttentionStats:
+        names = {f.name for f in fields(cls)}
+        missing = sorted(n for n in names - set(values) if n not in ("sink_keys", "kv_heads"))
+        if missing:
+            raise ValueError(f"attention statistics need {', '.join(missing)}; got {', '.join(sorted(values))}")
+        return cls(**{n: v for n, v in values.items() if n in names})
+
+
+def compute(
+    parts: Parts, topk: int, sink_keys: int = SINK_KEYS, block_bytes: int = BLOCK_BYTES, kv_heads: int | None = None
+) -> AttentionStats:
+    """The statistics of the call ``parts``, block by block (see the module docstring)."""
+    q, k = parts.q.detach(), parts.k.detach()
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    dtype = compute_dtype(q.dtype)
+    sums = Sums(B, H, Lq, Lk, topk, dtype, q.device)
+    where = Where(Lq, Lk, parts.query_positions, parts.key_positions, parts.sinks is not None)
+    with torch.no_grad():
+        for r0, r1, a, w, t, live in blocks(parts, [(0, Lq)], block_bytes):
+            reduce(sums, w, t, live, r0, r1, a, where, sink_keys)
+    found = [sums.values, sums.indices, sums.entropy, sums.column, sums.distance, sums.sink]
+    if parts.three_d:
+        found = [t.squeeze(1) for t in found]
+    return _result(found, sink_keys, kv_heads)
+
+
+def rows_of(parts: Parts, rows: list[int], block_bytes: int = BLOCK_BYTES) -> Tensor:
+    """The whole weights of the query ``rows`` (sorted, distinct), ``(B, H, len(rows), Lk)`` in the compute dtype,
+    block by block: the last query of a long prompt without its ``Lq x Lk`` matrix."""
+    q, k = parts.q, parts.k
+    B, H, _, _ = q.shape
+    out = torch.zeros(B, H, len(rows), k.shape[2], dtype=compute_dtype(q.dtype), device=q.device)
+    runs, start = [], 0  # maximal runs of consecutive rows: (first row, one past its last)
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] != rows[i - 1] + 1:
+            runs.append((rows[start], rows[i - 1] + 1))
+            start = i
+    starts = [r0 for r0, _ in runs]
+    offsets = [0]  # where each run's rows go in out
+    for r0, r1 in runs:
+        offsets.append(offsets[-1] + r1 - r0)
+    with torch.no_grad():
+        for r0, r1, a, w, _, _ in blocks(parts, runs, block_bytes, logs=False):
+            run = bisect.bisect_right(starts, r0) - 1
+            o = offsets[run] + r0 - starts[run]
+            out[:, :, o : o + r1 - r0, a : a + w.shape[-1]] = w  # (B, H, n, m)
+    return out.squeeze(1) if parts.three_d else out
+
+
+def from_weights(
+    weights: Tensor,
+    topk: int,
+    sink_keys: int = SINK_KEYS,
+    query_positions: Tensor | None = None,
+    key_positions: Tensor | None = None,
+    kv_heads: int | None = None,
+) -> AttentionStats:
+    """The statistics of whole weights ``(B, H, Lq, Lk)`` or ``(B, Lq, Lk)`` (a layer that computes them anyway:
+    :mod:`attnkit.d2l`'s), by the same reductions as :func:`compute`."""
+    three_d = weights.dim() == 3
+    w = weights.detach()
+    w = w.unsqueeze(1) if three_d else w  # (B, H, Lq, Lk)
+    w = w.to(compute_dtype(w.dtype))
+    B, H, Lq, Lk = w.shape
+    sums = Sums(B, H, Lq, Lk, topk, w.dtype, w.device)
+    where = Where(Lq, Lk, query_positions, key_positions)
+    with torch.no_grad():
+        t = torch.where(w > 0, w.log(), 0.0)  # (B, H, Lq, Lk)
+        reduce(sums, w, t, None, 0, Lq, 0, where, sink_keys)
+    stats = [sums.values, sums.indices, sums.entropy, sums.column, sums.distance, sums.sink]
+    if three_d:
+        stats = [s.squeeze(1) for s in stats]
+    return _result(stats, sink_keys, kv_heads)
+
+
+def _result(found: list[Tensor], sink_keys: int, kv_heads: int | None) -> AttentionStats:
+    values, indices, entropy, column, distance, sink = found
+    return AttentionStats(values, indices, entropy, column, distance, sink, sink_keys, kv_heads)
+
+
+def parts(
+    q: Tensor,
+    k: Tensor,
+    *,
+    w_v: Tensor | None = None,
+    valid_lens: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    mask_mod: mods.MaskFn | None = None,
+    score_mod: mods.ScoreFn | None = None,
+    sinks: Tensor | None = None,
+    query_positions: Tensor | None = None,
+    key_positions: Tensor | None = None,
+) -> tuple[Parts, bool]:
+    """A call's :class:`Parts`, validated as :func:`attnkit.functional.attention_weights` validates them (the
+    arguments and shapes are its), and whether the inputs were 3-dim (one head, no head axis)."""
+    from attnkit import functional as F
+
+    q, k, w_v = F._autocast(q, k, w_v)
+    three_d = F.check_qkv(q, k, k, ("q", "k", "k"))
+    if w_v is not None:
+        F._check_w_v(q, w_v)
+        scale = 1.0
+    scale = F.check_scale(q.shape[-1] ** -0.5 if scale is None else scale, compute_dtype(q.dtype))
+    if three_d:
+        q, k = q.unsqueeze(1), k.unsqueeze(1)  # (B, 1, L, D)
+    masks = F.Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
+    mask = F._build_mask(q, k, masks, three_d)
+    score_mod, sinks = F._check_mods(q, k, score_mod, sinks)
+    return Parts(q, k, mask, w_v, scale, score_mod, sinks, query_positions, key_positions, three_d), three_d
+
+
+def check_topk(topk: object, sink_keys: object = SINK_KEYS) -> None:
+    """``topk`` a whole number >= 1, ``sink_keys`` one >= 0 (``bool`` is neither)."""
+    for name, value, least in (("topk", topk, 1), ("sink_keys", sink_keys, 0)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+        if value < least:
+            raise ValueError(f"{name} must be at least {least}, got {value}")
+
+
+def attention_stats(
+    q: Tensor,
+    k: Tensor,
+    *,
+    topk: int = 8,
+    sink_keys: int = SINK_KEYS,
+    w_v: Tensor | None = None,
+    valid_lens: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    mask_mod: mods.MaskFn | None = None,
+    score_mod: mods.ScoreFn | None = None,
+    sinks: Tensor | None = None,
+) -> AttentionStats:
+    """The statistics of the weights of one call, without the weights: what :func:`attnkit.record_stats` keeps.
+
+    Dot-product scoring, or additive scoring when ``w_v`` is given; the other arguments and the shapes are those of
+    :func:`attnkit.scaled_dot_product_attention`. Memory: the result and one block of :data:`BLOCK_BYTES`.
+
+    Args:
+        topk: how many of each row's largest weights to keep. A row with fewer keys (or fewer it sees) than
+            ``topk`` has its other entries 0, with index -1.
+        sink_keys: ``sink_mass`` sums the weight on keys ``[0, sink_keys)``.
+
+    Returns:
+        :class:`AttentionStats` (see the module docstring), in the compute dtype; 3-dim inputs give no head axis.
+
+    Raises:
+        TypeError, ValueError: as :func:`attnkit.functional.attention_weights`; ``topk`` not an int >= 1,
+            ``sink_keys`` not an int >= 0.
+
+    Example:
+        >>> s = attention_stats(torch.ones(1, 2, 4), torch.ones(1, 3, 4), topk=2, valid_lens=torch.tensor([2]))
+        >>> s.topk_values[0, 0].tolist(), s.topk_indices[0, 0].tolist(), round(s.entropy[0, 0].item(), 4)
+        ([0.5, 0.5], [0, 1], 0.6931)
+    """
+    check_topk(topk, sink_keys)
+    call, three_d = parts(
+        q,
+        k,
+        w_v=w_v,
+        valid_lens=valid_lens,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+        mask_mod=mask_mod,
+        score_mod=score_mod,
+        sinks=sinks,
+    )
+    return compute(call, topk, sink_keys)

@@ -1,0 +1,296 @@
+"""Attention statistics (attnkit.stats, record_stats, record_weights' selections) against float64 statistics of
+whole weights, written here from their definitions."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnkit
+import mathref
+from attnkit import mods, stats
+from mathref import attention_mods
+
+# B batch, H heads, Lq/Lk query/key length
+
+
+def truth(w: torch.Tensor, k: int, sink_keys: int = 4, qpos=None, kpos=None) -> dict[str, torch.Tensor]:
+    """The statistics of whole float64 weights (B, H, Lq, Lk), from the definitions in attnkit.stats."""
+    B, H, Lq, Lk = w.shape
+    if qpos is None:
+        qpos = (torch.arange(Lq) + Lk - Lq).expand(B, Lq)
+    if kpos is None:
+        kpos = torch.arange(Lk).expand(B, Lk)
+    dist = (qpos[:, None, :, None] - kpos[:, None, None, :]).abs().double()  # (B, 1, Lq, Lk)
+    mass = w.sum(-1)
+    padded = torch.nn.functional.pad(w, (0, max(0, k - Lk)))
+    values = padded.sort(dim=-1, descending=True).values[..., :k]
+    return {
+        "topk_values": values,
+        "entropy": -torch.special.xlogy(w, w).sum(-1),
+        "column_sum": w.sum(-2),
+        "distance": torch.where(mass > 0, (w * dist).sum(-1) / mass.clamp_min(1e-300), 0.0),
+        "sink_mass": (w * (kpos[:, None, None, :] < sink_keys)).sum(-1),
+    }
+
+
+def assert_stats(found: stats.AttentionStats, w: torch.Tensor, tol: float = 1e-5, **where) -> None:
+    """``found`` equals the statistics of the float64 weights ``w``: values to ``tol``, each index naming a weight
+    equal to its value (ties allowed), -1 exactly where the value is 0; entropy and sums to 10 * tol, relative."""
+    want = truth(w, found.topk, found.sink_keys, **where)
+    assert found.topk_indices.dtype == torch.int64
+    for name, expected in want.items():
+        got = getattr(found, name).double()
+        assert torch.isfinite(got).all(), name
+        scale = 1.0 if name == "topk_values" else 10 * max(1.0, float(expected.abs().max()))
+        assert (got - expected).abs().max() <= tol * scale, (name, float((got - expected).abs().max()))
+    idx, vals = found.topk_indices, found.topk_values.double()
+    assert torch.equal(idx == -1, vals == 0)
+    named = w.gather(-1, idx.clamp_min(0)) if w.shape[-1] else torch.zeros_like(vals)
+    assert (torch.where(idx >= 0, named, 0.0) - vals).abs().max() <= tol
+
+
+@st.composite
+def calls(draw):
+    """Shapes, every mask kind, modifiers and sinks, NaN where no query may see, and a block budget small enough
+    that a call takes several blocks."""
+    B, Hkv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    H = Hkv * draw(st.sampled_from([1, 2, 4]))
+    Lq, Lk, D = draw(st.integers(1, 40)), draw(st.integers(1, 150)), draw(st.integers(1, 16))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    q, k = torch.randn(B, H, Lq, D, generator=g), torch.randn(B, Hkv, Lk, D, generator=g)
+    kw: dict = {"is_causal": draw(st.booleans())}
+    lens = draw(st.sampled_from(["none", "1d", "2d"]))
+    if lens != "none":
+        kw["valid_lens"] = torch.randint(0, Lk + 1, (B,) if lens == "1d" else (B, Lq), generator=g)
+    mask = draw(st.sampled_from(["none", "bool", "float", "-inf"]))
+    if mask == "bool":
+        kw["attn_mask"] = torch.rand(B, 1, Lq, Lk, generator=g) < 0.7
+    elif mask != "none":
+        bias = torch.randn(1, H, Lq, Lk, generator=g)
+        kw["attn_mask"] = (
+            bias.masked_fill(torch.rand(1, H, Lq, Lk, generator=g) < 0.3, float("-inf")) if mask == "-inf" else bias
+        )
+    ref = dict(kw)  # the same call for mathref, its modifiers written from their definitions
+    mod = draw(st.sampled_from(["none", "window", "document", "user"]))
+    if mod == "window":
+        window = draw(st.integers(1, 20))
+        kw["mask_mod"], ref["mask_mod"] = mods.sliding_window(window), mathref.sliding_window(window, Lq, Lk)
+    elif mod == "document":
+        ids = torch.randint(0, 3, (B, max(Lq, Lk)), generator=g).sort(-1).values
+        kw["mask_mod"], ref["mask_mod"] = (
+            mods.document(ids[:, :Lq], ids[:, :Lk]),
+            mathref.document(ids[:, :Lq], ids[:, :Lk]),
+        )
+    elif mod == "user":
+        kw["mask_mod"] = ref["mask_mod"] = lambda b, h, i, j: (i + j) % 3 != 1
+    score = draw(st.sampled_from(["none", "softcap", "alibi", "user"]))
+    if score == "softcap":
+        kw["score_mod"], ref["score_mod"] = mods.softcap(2.0), mathref.softcap(2.0)
+    elif score == "alibi":
+        slopes = torch.rand(H, generator=g)
+        kw["score_mod"], ref["score_mod"] = mods.alibi(slopes), mathref.alibi(slopes, Lq, Lk)
+    elif score == "user":  # its -inf hides key 0, as a mask would (mathref says so with a mask)
+        kw["score_mod"] = lambda s, b, h, i, j: torch.where(j == 0, float("-inf"), s * (1 + h))
+        ref["score_mod"] = lambda s, b, h, i, j: s * (1 + h)
+        not_first = lambda b, h, i, j: j != 0  # noqa: E731
+        ref["mask_mod"] = mathref.and_masks(ref["mask_mod"], not_first) if "mask_mod" in ref else not_first
+    if draw(st.booleans()):
+        kw["sinks"] = ref["sinks"] = torch.randn(H, generator=g)
+    return q, k, kw, ref, draw(st.integers(1, 12)), draw(st.sampled_from([64, 2**12, 2**20]))
+
+
+def weights64(q, k, kw):
+    return attention_mods(q.double(), k.double(), k.double(), **kw)[1]  # (B, H, Lq, Lk)
+
+
+@settings(max_examples=120, deadline=None)
+@given(calls())
+def test_stats_equal_those_of_the_whole_weights(call):
+    q, k, kw, ref, topk, block = call
+    w = weights64(q, k, ref)
+    # NaN where no query may see: keys no row sees, rows that see no key
+    live_keys, live_rows = (w > 0).any(-2), (w > 0).any(-1)  # (B, H, Lk), (B, H, Lq)
+    G = q.shape[1] // k.shape[1]
+    dead_keys = ~live_keys.unflatten(1, (k.shape[1], G)).any(2)  # (B, Hkv, Lk)
+    k = k.masked_fill(dead_keys[..., None] & ~torch.isnan(k), float("nan")) if "score_mod" not in kw else k
+    q = q.masked_fill(~live_rows[..., None], float("nan")) if "score_mod" not in kw else q
+    parts, _ = stats.parts(q, k, **kw)
+    found = stats.compute(parts, topk, block_bytes=block)
+    assert_stats(found, w)
+    # the chosen rows of record_weights(queries=...) are the whole weights' rows
+    rows = sorted({0, q.shape[2] - 1, q.shape[2] // 2})
+    assert (stats.rows_of(parts, rows, block_bytes=block).double() - w[:, :, rows]).abs().max() <= 1e-5
+
+
+def test_float64_and_low_precision():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 50, 8, generator=g), torch.randn(2, 2, 60, 8, generator=g)
+    w = weights64(q, k, {"is_causal": True})
+    found = attnkit.attention_stats(q.double(), k.double(), topk=5, is_causal=True)
+    assert found.entropy.dtype == torch.float64
+    assert_stats(found, w, tol=1e-12)
+    low = attnkit.attention_stats(q.bfloat16(), k.bfloat16(), topk=5, is_causal=True)
+    assert low.entropy.dtype == torch.float32  # computed and returned in float32
+    assert_stats(low, weights64(q.bfloat16(), k.bfloat16(), {"is_causal": True}), tol=1e-5)
+
+
+def test_topk_larger_than_the_keys_pads_with_zeros_naming_no_key():
+    q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    found = attnkit.attention_stats(q, k, topk=5, valid_lens=torch.tensor([2]))
+    assert found.topk_values.shape == (1, 2, 3, 5)
+    assert (found.topk_indices[..., 2:] == -1).all() and (found.topk_values[..., 2:] == 0).all()
+    assert set(found.topk_indices[..., :2].flatten().tolist()) == {0, 1}
+    # a row that sees no key: all zeros, entropy and distance 0
+    empty = attnkit.attention_stats(q, k, topk=2, valid_lens=torch.tensor([0]))
+    assert (empty.topk_indices == -1).all() and not empty.entropy.any() and not empty.distance.any()
+
+
+def test_three_dim_inputs_and_additive_scoring():
+    q, k, w_v = torch.randn(2, 5, 6), torch.randn(2, 70, 6), torch.randn(6)
+    found = attnkit.attention_stats(q, k, w_v=w_v, topk=3, valid_lens=torch.tensor([70, 20]))
+    assert found.topk_values.shape == (2, 5, 3) and found.column_sum.shape == (2, 70)
+    w = attention_mods(q.double(), k.double(), k.double(), w_v=w_v.double(), valid_lens=torch.tensor([70, 20]))[1]
+    parts, _ = stats.parts(q, k, w_v=w_v, valid_lens=torch.tensor([70, 20]))
+    small = stats.compute(parts._replace(three_d=False), 3, block_bytes=512)  # keys in several slices per block
+    assert_stats(small, w.unsqueeze(1))
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked", "auto"])
+def test_layers_record_stats_beside_an_unchanged_output(backend):
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(16, 4, num_kv_heads=2, backend=backend).double().eval()
+    x = torch.randn(2, 30, 16, dtype=torch.float64)
+    lens = torch.tensor([30, 11])
+    plain = mha(x, x, x, lens, is_causal=True)
+    with attnkit.record_stats(mha, topk=4) as rec, attnkit.record_weights(mha) as rw:
+        out = mha(x, x, x, lens, is_causal=True)
+    assert torch.equal(out, plain)
+    assert_stats(rec[""], rw[""], tol=1e-12)
+    assert rec.kv_heads == {"": 2} and rec[""].kv_heads == 2
+
+
+@pytest.mark.parametrize("kind", ["growing", "static", "sliding"])
+def test_decode_steps_through_a_cache_are_recorded_call_by_call_at_their_positions(kind):
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(16, 4, num_kv_heads=2).double().eval()
+    cache = {"growing": attnkit.KVCache(), "static": attnkit.KVCache(max_len=20), "sliding": attnkit.KVCache(window=4)}[
+        kind
+    ]
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    with attnkit.record_stats(mha, topk=3) as rec, attnkit.record_weights(mha) as rw:
+        mha(x[:, :6], x[:, :6], x[:, :6], torch.tensor([6, 3]), is_causal=True, cache=cache)
+        for i in range(6, 9):
+            mha(x[:, i : i + 1], x[:, i : i + 1], x[:, i : i + 1], is_causal=True, cache=cache)
+    assert len(rec.calls("")) == 4
+    lengths = torch.tensor([6, 3])
+    for step, (found, w) in enumerate(zip(rec.calls(""), rw.calls(""), strict=True)):
+        # the prompt's queries at 0..5; each step's at its row's own position
+        qpos = torch.arange(6).expand(2, 6) if step == 0 else (lengths + step - 1)[:, None]
+        kpos = None
+        if kind == "sliding":
+            assert found.topk_values.shape[-1] == 3
+            continue  # ring slots: positions checked below through the distance of the last step
+        assert_stats(found, w, tol=1e-12, qpos=qpos, kpos=kpos)
+    if kind == "sliding":  # the last step of each row sees its last 4 positions: distances 0..3
+        last = rec.calls("")[-1]
+        w = rw.calls("")[-1]
+        assert torch.allclose(last.column_sum, w.sum(-2))
+        assert (last.distance <= 3 + 1e-9).all() and (last.distance > 0).all()
+
+
+def test_d2l_layers_and_their_inner_attention():
+    from attnkit import d2l
+
+    mha = d2l.MultiHeadAttention(16, 4, 0.0).eval()
+    x = torch.randn(2, 7, 16)
+    with attnkit.record_stats(mha, topk=2) as rec, attnkit.record_weights(mha) as rw:
+        mha(x, x, x, torch.tensor([7, 4]))
+    assert set(rec) == {"", "attention"}
+    assert rec["attention"].topk_values.shape == (8, 7, 2)  # the book's (B*H, Lq, k)
+    assert_stats(rec[""], rw[""].double())
+
+
+def test_selected_weights_of_a_long_prompt_are_computed_a_block_at_a_time(monkeypatch):
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(32, 4).eval()
+    x = torch.randn(1, 600, 32)
+    monkeypatch.setattr(stats, "BLOCK_BYTES", 4096)
+    with (
+        attnkit.record_weights(mha, heads=[-1, 0], queries=slice(-2, None)) as chosen,
+        attnkit.record_weights(mha) as rw,
+    ):
+        mha(x, x, x, is_causal=True)
+    assert chosen[""].shape == (1, 2, 2, 600) and chosen.selected[""] == ([0, 3], [598, 599])
+    assert torch.allclose(chosen[""], rw[""][:, [0, 3]][:, :, -2:], atol=1e-7)
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self, attn: torch.nn.Module) -> None:
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x)
+
+
+def test_bad_input_names_the_argument_and_what_exists():
+    mha = attnkit.MultiHeadAttention(8, 2)
+    x = torch.randn(1, 3, 8)
+    for topk, err in ((0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError), ("3", TypeError)):
+        with pytest.raises(err, match="topk"):
+            attnkit.record_stats(mha, topk=topk)
+        with pytest.raises(err, match="topk"):
+            attnkit.attention_stats(x[:, None], x[:, None], topk=topk)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        attnkit.record_stats("model")
+    model = SelfAttention(mha)
+    with pytest.raises(ValueError, match=r"'decoder\.\*' names no module.*'attn'"):
+        attnkit.record_stats(model, layers="decoder.*")
+    with pytest.raises(TypeError, match="heads"):
+        attnkit.record_weights(model, heads="0")
+    with pytest.raises(ValueError, match="queries"):
+        attnkit.record_weights(model, queries=[])
+    with pytest.raises(ValueError, match="has 2 heads"), attnkit.record_weights(model, heads=[2]):
+        model(x)
+    with attnkit.record_stats(model, layers="at*") as rec:
+        model(x)
+    with pytest.raises(KeyError, match="recorded: 'attn'"):
+        rec["1"]
+
+
+def test_threads_and_nesting():
+    mha = attnkit.MultiHeadAttention(8, 2).eval()
+    x = torch.randn(1, 5, 8)
+    other = []
+
+    def run():
+        mha(x, x, x)
+        other.append(True)
+
+    with attnkit.record_stats(mha, topk=1) as outer:
+        with attnkit.record_stats(mha, topk=3) as inner:
+            mha(x, x, x)
+            t = threading.Thread(target=run)
+            t.start()
+            t.join()
+        mha(x, x, x)
+    assert other and len(inner.calls("")) == 1 and len(outer.calls("")) == 2
+    assert inner[""].topk == 3 and outer[""].topk == 1
+    assert torch.equal(inner[""].topk_values[..., :1], outer.calls("")[0].topk_values)
+
+
+def test_a_saved_record_loads_back(tmp_path):
+    mha = attnkit.MultiHeadAttention(8, 2).eval()
+    x = torch.randn(1, 5, 8)
+    with attnkit.record_stats(mha, topk=2) as rec:
+        mha(x, x, x, is_causal=True)
+    path = rec.save(tmp_path / "stats.pt")
+    back = attnkit.recording.StatsRecord.from_dict(torch.load(path, weights_only=True))
+    assert back.topk == 2 and torch.equal(back[""].topk_indices, rec[""].topk_indices)
+    with pytest.raises(ValueError, match="not a saved attnkit statistics record"):
+        attnkit.recording.StatsRecord.from_dict({"x": 1})
