@@ -297,3 +297,36 @@ def test_a_12_layer_12_head_record_of_1024_tokens_is_under_25_mb_and_answers_a_c
     assert size < 25e6, f"{size / 1e6:.1f} MB"
     ready, answered = time_to_interactive(browser, page.path)  # asserts the page drew, answered, stayed offline
     assert 0 < ready <= answered
+
+
+def test_a_statistics_record_shows_summaries_and_each_querys_strongest_keys(browser, tmp_path):
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(16, 4, num_kv_heads=2).eval()
+    x = torch.randn(1, 300, 16)
+    with attnkit.record_stats(mha, topk=4) as rec:
+        mha(x, x, x, is_causal=True)
+    s = rec[""]
+    view(rec, tokens=[f"w{i}" for i in range(300)], path=tmp_path / "s.html")
+    with opened(browser, tmp_path / "s.html") as o:
+        page = o.page
+        cells = page.locator(".st-grid").nth(0).locator("td")
+        assert cells.count() == 4  # one layer x 4 heads, for entropy
+        shown = [float(t) for t in cells.all_text_contents()]
+        assert shown == pytest.approx(s.entropy[0].mean(-1).tolist(), rel=2e-3)  # every row sees a key (causal)
+        cells.nth(3).click()
+        assert "head 3 (key/value head 1)" in page.text_content("#st-heading")
+        page.fill("#st-query", "299")
+        page.dispatch_event("#st-query", "change")
+        keys = page.locator("#st-keys div").all_text_contents()
+        want = [
+            f'key {j} "w{j}": {v:.3f}'
+            for j, v in zip(
+                s.topk_indices[0, 3, 299].tolist(),
+                (s.topk_values[0, 3, 299] * 255).round().div(255).tolist(),
+                strict=True,
+            )
+        ]
+        assert keys[1:] == want
+        box = page.locator("#st-series").bounding_box()
+        page.mouse.click(box["x"] + 1, box["y"] + box["height"] / 2)  # the first query
+        assert page.locator("#st-keys div").first.text_content().startswith('query 0 "w0"')

@@ -261,6 +261,8 @@ def load_weights(path: Path, *, record: bool = False) -> Any:
             f"{path}: cannot read weights: not a tensor saved with torch.save or an array saved with numpy.save"
             f" ({type(e).__name__})"
         ) from None
+    if record and isinstance(data, dict) and data.get("attnkit_stats") == 1:
+        return data  # a statistics record (StatsRecord.save): the viewer checks it
     if record and isinstance(data, dict):
         if not data:
             raise UsageError(f"{path}: the record holds no layers (an empty dict)")

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from attnkit._files import write_atomically
-from attnkit.viewer import _data
+from attnkit.viewer import _data, _stats
 from attnkit.viewer._data import EXACT_CELLS, MAX_ENTRIES, THUMB
 
 __all__ = ["EXACT_CELLS", "MAX_ENTRIES", "THUMB", "AttentionView", "view"]
@@ -97,7 +97,10 @@ def view(
     """An interactive page of attention weights: head view, model view and matrix view, in one HTML file.
 
     Args:
-        weights: a record from :func:`attnkit.record_weights` (each module a layer, its calls on a slider; a
+        weights: a record from :func:`attnkit.record_stats` (or what its ``save`` wrote, loaded back): a page of
+            per layer x head summaries (entropy, sink mass, attention distance) and each query's strongest keys,
+            at any length (``query_tokens``, ``key_tokens``, ``layer_tokens`` and ``kv_heads`` do not apply); or
+            a record from :func:`attnkit.record_weights` (each module a layer, its calls on a slider; a
             mapping ``{name: (B, H, Lq, Lk) or (B, Lq, Lk) tensor, or a list of them, one per call}`` is read
             the same way, e.g. ``torch.save({n: rec.calls(n) for n in rec}, f)`` loaded back), or a tensor or
             array of weights ``(Lq, Lk)``, ``(H, Lq, Lk)`` or ``(layers, H, Lq, Lk)``. Weights are finite and
@@ -132,6 +135,13 @@ def view(
         >>> page.html.startswith("<!DOCTYPE html>"), page.notes
         (True, ())
     """
+    if _stats.is_stats(weights):  # a record_stats record (or one saved and loaded back): its own page
+        if title is not None and not isinstance(title, str):
+            raise TypeError(f"title must be a string, got {type(title).__name__}: {title!r}")
+        heading = title if title is not None else "attention statistics"
+        payload = _stats.encode(weights, tokens, example, heading)
+        page = AttentionView(_html(payload, heading, "stats_page.html", "stats.js"), None, tuple(payload["notes"]))
+        return AttentionView(page.html, page.save(path), page.notes) if path is not None else page
     layers, notes = _data.collect(weights, example)
     if title is not None and not isinstance(title, str):
         raise TypeError(f"title must be a string, got {type(title).__name__}: {title!r}")
@@ -161,14 +171,14 @@ def _model_named(per_layer: Any) -> Any:
     return {(name or "(model)") if isinstance(name, str) else name: value for name, value in per_layer.items()}
 
 
-def _html(payload: dict[str, Any], title: str) -> str:
+def _html(payload: dict[str, Any], title: str, page: str = "page.html", script: str = "viewer.js") -> str:
     # "<" as \u003c: no "</script>" or "<!--" inside the data can end or change its script element
     data = json.dumps(payload, separators=(",", ":"), allow_nan=False).replace("<", "\\u003c")
     parts = {
         "title": html.escape(title),
         "style": _asset("viewer.css"),
-        "script": _asset("viewer.js"),
+        "script": _asset(script),
         "data": data,
     }
-    pieces = re.split(r"\{\{(\w+)\}\}", _asset("page.html"))  # text, marker, text, marker, ..., text
+    pieces = re.split(r"\{\{(\w+)\}\}", _asset(page))  # text, marker, text, marker, ..., text
     return "".join(parts[p] if i % 2 else p for i, p in enumerate(pieces))

@@ -1,0 +1,145 @@
+// The page of a statistics record (attnkit.record_stats): summaries per layer x head, and one head's queries.
+(function () {
+  const D = JSON.parse(document.getElementById("attnkit-data").textContent);
+  const $ = (id) => document.getElementById(id);
+  const decoded = new Map();
+  function blob(id) {
+    let bytes = decoded.get(id);
+    if (bytes === undefined) {
+      const s = atob(D.blobs[id]);
+      bytes = new Uint8Array(s.length);
+      for (let i = 0; i < s.length; i++) bytes[i] = s.charCodeAt(i);
+      decoded.set(id, bytes);
+    }
+    return bytes;
+  }
+  function floats(series) {
+    const bytes = blob(series.data);
+    return new Float32Array(bytes.buffer, bytes.byteOffset, bytes.length / 4);
+  }
+  const S = { layer: 0, head: 0, step: 0, query: 0 };
+  const steps = Math.max(...D.layers.map((l) => l.calls.length));
+  const callOf = (l) => D.layers[l].calls[Math.min(S.step, D.layers[l].calls.length - 1)];
+  const MEASURES = [["entropy", "entropy"], ["sink", "sink mass"], ["distance", "distance"]];
+
+  function fmt(x) { return Math.abs(x) >= 100 ? x.toFixed(0) : x.toPrecision(3); }
+  function shade(t) { const c = Math.round(255 - 200 * Math.max(0, Math.min(1, t))); return `rgb(${c},${c},255)`; }
+
+  function renderTables() {
+    const box = $("st-tables");
+    box.textContent = "";
+    for (const [key, label] of MEASURES) {
+      const table = document.createElement("table");
+      table.className = "st-grid";
+      const values = D.layers.map((l, i) => callOf(i).summary[key]);
+      const flat = values.flat();
+      const lo = Math.min(...flat), hi = Math.max(...flat);
+      const head = table.insertRow();
+      head.insertCell().outerHTML = `<th>${label}</th>`;
+      const H = Math.max(...D.layers.map((l) => l.heads));
+      for (let h = 0; h < H; h++) head.insertCell().outerHTML = `<th>h${h}</th>`;
+      D.layers.forEach((layer, l) => {
+        const row = table.insertRow();
+        row.insertCell().outerHTML = `<th>${layer.name}</th>`;
+        values[l].forEach((v, h) => {
+          const cell = row.insertCell();
+          cell.textContent = fmt(v);
+          cell.style.background = shade(hi > lo ? (v - lo) / (hi - lo) : 0);
+          cell.title = `${layer.name}, head ${h}: ${label} ${v}`;
+          if (l === S.layer && h === S.head) cell.className = "chosen";
+          cell.addEventListener("click", () => { S.layer = l; S.head = h; render(); });
+        });
+      });
+      box.appendChild(table);
+    }
+  }
+
+  function fit(canvas) {
+    const r = canvas.getBoundingClientRect(), dpr = window.devicePixelRatio || 1;
+    canvas.width = Math.max(1, Math.round(r.width * dpr));
+    canvas.height = Math.max(1, Math.round(r.height * dpr));
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.clearRect(0, 0, r.width, r.height);
+    return [ctx, r.width, r.height];
+  }
+
+  function plot(canvas, series, head, color, mark, over) {
+    const [ctx, w, h] = over ? [canvas.getContext("2d"), canvas.getBoundingClientRect().width, canvas.getBoundingClientRect().height] : fit(canvas);
+    const all = floats(series), n = series.n, row = all.subarray(head * n, head * n + n);
+    let hi = 0;
+    for (const v of row) hi = Math.max(hi, v);
+    ctx.strokeStyle = color;
+    ctx.beginPath();
+    row.forEach((v, i) => { const x = (i + 0.5) / n * w, y = h - 4 - (hi ? v / hi : 0) * (h - 8); i ? ctx.lineTo(x, y) : ctx.moveTo(x, y); });
+    ctx.stroke();
+    ctx.fillStyle = "#333";
+    ctx.font = "11px sans-serif";
+    ctx.fillText(`max ${fmt(hi)}`, 4, 12);
+    if (mark !== undefined) { ctx.strokeStyle = "#c00"; ctx.beginPath(); ctx.moveTo(mark * w, 0); ctx.lineTo(mark * w, h); ctx.stroke(); }
+    return [ctx, w, h];
+  }
+
+  function topOf(call, head, q) {
+    const k = D.k, lq = call.lq, bytes = blob(call.top), H = D.layers[S.layer].heads;
+    const size = D.wide ? 4 : 2, cells = H * lq * k;
+    const view = new DataView(bytes.buffer);
+    const out = [];
+    for (let e = 0; e < k; e++) {
+      const at = (head * lq + q) * k + e;
+      const key = D.wide ? view.getUint32(at * 4, true) : view.getUint16(at * 2, true);
+      const code = bytes[cells * size + at];
+      if (key === (D.wide ? 0xffffffff : 0xffff)) continue; // -1: a weight of 0, no key
+      out.push([key, code / 255]);
+    }
+    return out;
+  }
+
+  function renderQuery() {
+    const layer = D.layers[S.layer], call = callOf(S.layer), head = S.head;
+    S.query = Math.max(0, Math.min(call.lq - 1, S.query));
+    $("st-query").max = String(call.lq - 1);
+    $("st-query").value = String(S.query);
+    $("st-heading").textContent = `${layer.name}, head ${head}` + (layer.kv ? ` (key/value head ${Math.floor(head / (layer.heads / layer.kv))})` : "") + ` — ${call.lq} queries, ${call.lk} keys`;
+    const measure = $("st-measure").value;
+    plot($("st-series"), call.series[measure], head, "#08306b", (S.query + 0.5) / call.lq);
+    plot($("st-received"), call.series.receivedMax, head, "#bbb");
+    const [ctx, w, h] = plot($("st-received"), call.series.received, head, "#08306b", undefined, true);
+    const top = topOf(call, head, S.query);
+    const qx = (S.query + call.lk - call.lq + 0.5) / call.lk * w;
+    ctx.strokeStyle = "#c00";
+    for (const [key, weight] of top) {
+      ctx.globalAlpha = Math.max(0.15, weight);
+      ctx.beginPath(); ctx.moveTo(qx, h); ctx.lineTo((key + 0.5) / call.lk * w, 0); ctx.stroke();
+    }
+    ctx.globalAlpha = 1;
+    const tok = (j) => (D.tokens && j < D.tokens.length ? ` ${JSON.stringify(D.tokens[j])}` : "");
+    const lines = top.map(([key, weight]) => `key ${key}${tok(key)}: ${weight.toFixed(3)}`);
+    $("st-keys").textContent = "";
+    const title = document.createElement("div");
+    title.textContent = `query ${S.query}${tok(S.query + call.lk - call.lq)}: its ${D.k} strongest keys` + (lines.length ? "" : " (it sees none)");
+    $("st-keys").appendChild(title);
+    for (const line of lines) { const div = document.createElement("div"); div.textContent = line; $("st-keys").appendChild(div); }
+  }
+
+  function render() { renderTables(); renderQuery(); }
+
+  const notes = $("notes");
+  for (const note of D.notes) { const li = document.createElement("li"); li.textContent = note; notes.appendChild(li); }
+  if (steps > 1) {
+    $("step-box").hidden = false;
+    $("step").max = String(steps - 1);
+    $("step").addEventListener("input", () => { S.step = Number($("step").value); $("step-label").textContent = `${S.step + 1} of ${steps}`; render(); });
+    $("step-label").textContent = `1 of ${steps}`;
+  }
+  $("st-measure").addEventListener("change", renderQuery);
+  $("st-query").addEventListener("change", () => { S.query = Number($("st-query").value) || 0; renderQuery(); });
+  $("st-series").addEventListener("click", (e) => {
+    const r = e.target.getBoundingClientRect();
+    S.query = Math.floor((e.clientX - r.left) / r.width * callOf(S.layer).lq);
+    renderQuery();
+  });
+  window.addEventListener("resize", renderQuery);
+  render();
+  document.documentElement.dataset.ready = "1";
+})();
