@@ -68,7 +68,8 @@ def encode(record: Any, tokens: Sequence[Any] | None, example: int, title: str) 
         notes.append("Each row's recorded strongest keys are all kept, weights rounded to 1/255.")
     if any(c["lq"] > SERIES_BINS or c["lk"] > SERIES_BINS for layer in layers for c in layer["calls"]):
         notes.append(
-            f"Series along the sequence are averaged into at most {SERIES_BINS} bins (key weight: also each bin's largest)."
+            f"Series along the sequence are averaged into at most {SERIES_BINS} bins "
+            "(the weight keys receive: also each bin's largest)."
         )
     return {
         "title": title,
