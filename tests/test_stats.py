@@ -294,3 +294,15 @@ def test_a_saved_record_loads_back(tmp_path):
     assert back.topk == 2 and torch.equal(back[""].topk_indices, rec[""].topk_indices)
     with pytest.raises(ValueError, match="not a saved attnkit statistics record"):
         attnkit.recording.StatsRecord.from_dict({"x": 1})
+
+
+def test_empty_or_zero_step_selections_are_refused_before_any_call():
+    mha = attnkit.MultiHeadAttention(8, 2)
+    for bad in (range(0), slice(None, None, 0)):
+        with pytest.raises(ValueError, match="queries"):
+            attnkit.record_weights(mha, queries=bad)
+    with pytest.raises(ValueError, match="layers"):
+        attnkit.record_stats(mha, layers=[])
+    stats_ = attnkit.attention_stats(torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), topk=1)
+    assert stats_.kv_heads == 2
+    assert attnkit.attention_stats(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), topk=1).kv_heads is None

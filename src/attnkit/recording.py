@@ -230,7 +230,8 @@ def report_weights(
         else:
             assert isinstance(record, WeightRecord)
             kept, chosen = _selected(recording, name, whole, the_parts())
-            record.add(name, kept, kv_heads, None if chosen[0] is None else len(chosen[0]))
+            # the chosen heads are no longer whole key/value groups: the record says nothing of groups
+            record.add(name, kept, kv_heads if chosen[0] is None else None)
             record.selected[name] = chosen
 
 
@@ -290,7 +291,17 @@ def _indices(chosen: Index | None, size: int, what: str, has: str) -> list[int]:
 
 
 def _check_index(chosen: object, what: str) -> None:
-    if chosen is None or isinstance(chosen, (slice, range)):
+    if chosen is None:
+        return
+    if isinstance(chosen, slice):
+        if chosen.step == 0:
+            raise ValueError(f"{what} must be a slice with a step other than 0, got {chosen!r}")
+        if not all(x is None or isinstance(x, int) for x in (chosen.start, chosen.stop, chosen.step)):
+            raise TypeError(f"{what} must be a slice of ints, got {chosen!r}")
+        return
+    if isinstance(chosen, range) and not len(chosen):
+        raise ValueError(f"{what} must name at least one index, got {chosen!r}")
+    if isinstance(chosen, range):
         return
     items = [chosen] if isinstance(chosen, int) else chosen
     if isinstance(chosen, bool) or not isinstance(items, Sequence) or isinstance(items, str):
@@ -306,6 +317,8 @@ def _chosen(named: list[tuple[str, nn.Module]], layers: str | Sequence[str], wha
     """The modules whose names match one of the ``layers`` patterns (``fnmatch``: ``"layers.*.attn"``); a pattern
     that matches none is a ValueError that lists the model's attention modules."""
     patterns = [layers] if isinstance(layers, str) else list(layers) if isinstance(layers, Sequence) else None
+    if patterns == []:
+        raise ValueError(f"{what}(layers=...) must name at least one module, got {layers!r}")
     if not patterns or not all(isinstance(p, str) for p in patterns):
         raise TypeError(f"{what}(layers=...) takes module names or patterns (strings), got {describe(layers)}")
     kept = [(n, m) for n, m in named if any(fnmatch.fnmatchcase(n, p) for p in patterns)]

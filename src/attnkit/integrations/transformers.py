@@ -30,7 +30,10 @@ What the model passes and what attnkit makes of it:
 * weights: with ``output_attentions=True`` the layer also returns them (computed beside the fused output, in
   ``(B, H, Lq, Lk)``); inside :func:`attnkit.record_weights` every call reports them, detached, without changing
   how the output is computed; inside :func:`attnkit.record_stats` their statistics, a block of rows at a time
-  (:mod:`attnkit.stats`: no ``Lq x Lk`` matrix, so a 32k-token prompt's every layer fits).
+  (:mod:`attnkit.stats`: no ``Lq x Lk`` matrix, so a 32k-token prompt's every layer fits). Their ``distance``
+  and ``sink_mass`` take keys at their slot in the cache and queries at the last ``Lq`` slots: right for a prompt
+  and for a growing cache, not for a static cache's decoding steps or a sliding-window layer's cropped cache,
+  where they are by slot (the top-k keys, entropy and column sums are exact everywhere).
 
 Not covered: paged attention (transformers' continuous batching), models whose attention does not go through
 ``AttentionInterface``, and flash-attention-only arguments (``cu_seq_lens``: packed batches go through the mask).

@@ -1,5 +1,5 @@
 """Attention statistics: exact reductions of every row of the weights, computed a block of rows at a time, so that
-no ``Lq x Lk`` matrix exists (:func:`attnkit.record_stats`, :func:`attnkit.functional.attention_stats`).
+no ``Lq x Lk`` matrix exists (:func:`attnkit.record_stats`, :func:`attention_stats`).
 
 With ``a[i, j]`` the weights as the reference backend defines them (every mask, modifier, sink and grouped-query
 layout applied; :mod:`attnkit.backends.reference`), for each example, head and query row ``i``::
@@ -20,8 +20,9 @@ statistic (``sum_j a[i, j]`` is ``1 -`` the sink's weight).
 
 How: each block of rows is scored against the keys some of its rows may see (the mask's index ranges say which:
 a causal block stops at its diagonal, a sliding window keeps its band), its softmax taken over whole rows, then
-reduced. A block holds at most :data:`BLOCK_BYTES` of weights (its scores, in place, as much again), and never
-less than one row of every head; the top-k search reads each row once for the largest of each :data:`CHUNK` keys
+reduced. A block holds at most :data:`BLOCK_BYTES` of weights, and never less than one row of every head; its
+scores and a few temporaries of its size exist beside them (so a few times that budget in all, whatever the
+length); the top-k search reads each row once for the largest of each :data:`CHUNK` keys
 and then only the chunks that can hold the k largest. The result is ``O(B * H * (Lq * k + Lk))``.
 
 Computed in float32 for float16/bfloat16 inputs (float64 for float64), returned in that dtype, detached.
@@ -173,6 +174,8 @@ def from_weights(
 
 def _result(found: list[Tensor], sink_keys: int, kv_heads: int | None) -> AttentionStats:
     values, indices, entropy, column, distance, sink = found
+    if kv_heads is not None and (entropy.dim() != 3 or kv_heads >= entropy.shape[1]):
+        kv_heads = None  # said only for grouped-query heads
     return AttentionStats(values, indices, entropy, column, distance, sink, sink_keys, kv_heads)
 
 
@@ -268,4 +271,4 @@ def attention_stats(
         score_mod=score_mod,
         sinks=sinks,
     )
-    return compute(call, topk, sink_keys)
+    return compute(call, topk, sink_keys, kv_heads=call.k.shape[1])

@@ -67,7 +67,8 @@ def _topk(w: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The ``k`` largest of each row of ``w (B, H, n, m)`` and their columns, descending; rows of fewer than ``k``
     columns padded with 0. Reads each row once for its chunk maxima, then only the ``k`` chunks of largest maxima
     and the columns past the last whole chunk: the chunk of any of the k largest has a maximum at least the k-th
-    largest, and at most k chunks do (each such maximum is another element of the row)."""
+    largest, and the k chunks of largest maxima include every chunk whose maximum exceeds the k-th largest (ties
+    may name other chunks, of equal values: the values found are the k largest all the same)."""
     B, H, n, m = w.shape
     whole = m // CHUNK
     if whole <= 2 * k:  # too few chunks to leave out
