@@ -306,3 +306,16 @@ def test_empty_or_zero_step_selections_are_refused_before_any_call():
     stats_ = attnkit.attention_stats(torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), topk=1)
     assert stats_.kv_heads == 2
     assert attnkit.attention_stats(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), topk=1).kv_heads is None
+
+
+def test_an_empty_batch_or_no_queries_gives_empty_statistics():
+    empty = attnkit.attention_stats(torch.randn(0, 2, 3, 4), torch.randn(0, 2, 5, 4), topk=2)
+    assert empty.topk_values.shape == (0, 2, 3, 2) and empty.column_sum.shape == (0, 2, 5)
+    none = attnkit.attention_stats(torch.randn(1, 2, 0, 4), torch.randn(1, 2, 5, 4), topk=2)
+    assert none.entropy.shape == (1, 2, 0) and not none.column_sum.any()
+
+
+def test_a_saved_record_with_values_that_are_not_tensors_is_refused():
+    fields = dict.fromkeys(["topk_values", "topk_indices", "entropy", "column_sum", "distance", "sink_mass"], 1)
+    with pytest.raises(ValueError, match="hold tensors"):
+        attnkit.recording.StatsRecord.from_dict({"attnkit_stats": 1, "calls": {"a": [fields]}})

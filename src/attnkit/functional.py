@@ -173,6 +173,39 @@ def attention_weights(
         tensor([[[0.5000, 0.5000, 0.0000],
                  [0.5000, 0.5000, 0.0000]]])
     """
+    masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
+    q, k, mask, w_v, scale, score_mod, sinks, three_d = scoring(q, k, masks, w_v=w_v, scale=scale, sinks=sinks)
+    with _autocast_off(q):
+        weights = reference.attention_weights(q, k, mask, w_v=w_v, scale=scale, score_mod=score_mod, sinks=sinks).to(
+            q.dtype
+        )  # (B, H, Lq, Lk)
+    return weights.squeeze(1) if three_d else weights
+
+
+class Scoring(NamedTuple):
+    """What decides a call's weights, validated: ``q (B, H, Lq, D)``, ``k (B, Hkv, Lk, D)`` (3-dim inputs given a
+    head axis, ``three_d``), the combined mask, ``w_v``, the scale, the bound score_mod and the sinks."""
+
+    q: Tensor
+    k: Tensor
+    mask: Mask
+    w_v: Tensor | None
+    scale: float
+    score_mod: mods.ScoreFn | None
+    sinks: Tensor | None
+    three_d: bool
+
+
+def scoring(
+    q: Tensor,
+    k: Tensor,
+    masks: Masks,
+    *,
+    w_v: Tensor | None = None,
+    scale: float | None = None,
+    sinks: Tensor | None = None,
+) -> Scoring:
+    """Validate what decides the weights of a call (:func:`attention_weights`, :func:`attnkit.stats.parts`)."""
     q, k, w_v = _autocast(q, k, w_v)
     three_d = check_qkv(q, k, k, ("q", "k", "k"))
     if w_v is not None:
@@ -180,14 +213,9 @@ def attention_weights(
     scale = check_scale(q.shape[-1] ** -0.5 if scale is None else scale, compute_dtype(q.dtype))
     if three_d:
         q, k = q.unsqueeze(1), k.unsqueeze(1)  # (B, 1, L, D)
-    masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
     mask = _build_mask(q, k, masks, three_d)
-    score_mod, sinks = _check_mods(q, k, score_mod, sinks)
-    with _autocast_off(q):
-        weights = reference.attention_weights(q, k, mask, w_v=w_v, scale=scale, score_mod=score_mod, sinks=sinks).to(
-            q.dtype
-        )  # (B, H, Lq, Lk)
-    return weights.squeeze(1) if three_d else weights
+    score_mod, sinks = _check_mods(q, k, masks.score_mod, sinks)
+    return Scoring(q, k, mask, w_v, scale, score_mod, sinks, three_d)
 
 
 def attend(

@@ -85,7 +85,7 @@ class WeightRecord(_Record):
         self.selected: dict[str, tuple[list[int] | None, list[int]]] = {}
 
     def add(self, name: str, weights: Tensor, kv_heads: int | None = None, heads: int | None = None) -> None:
-        super().add(name, weights, kv_heads, weights.shape[1] if weights.dim() == 4 and heads is None else heads)
+        super().add(name, weights, kv_heads, weights.shape[1] if weights.dim() == 4 else None)
 
 
 class StatsRecord(_Record):

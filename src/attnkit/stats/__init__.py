@@ -101,7 +101,11 @@ class AttentionStats:
         missing = sorted(n for n in names - set(values) if n not in ("sink_keys", "kv_heads"))
         if missing:
             raise ValueError(f"attention statistics need {', '.join(missing)}; got {', '.join(sorted(values))}")
-        return cls(**{n: v for n, v in values.items() if n in names})
+        kept = {n: v for n, v in values.items() if n in names}
+        wrong = sorted(n for n, v in kept.items() if n not in ("sink_keys", "kv_heads") and not isinstance(v, Tensor))
+        if wrong:
+            raise ValueError(f"attention statistics hold tensors; {', '.join(wrong)} is not one")
+        return cls(**kept)
 
 
 def compute(
@@ -198,17 +202,8 @@ def parts(
     arguments and shapes are its), and whether the inputs were 3-dim (one head, no head axis)."""
     from attnkit import functional as F
 
-    q, k, w_v = F._autocast(q, k, w_v)
-    three_d = F.check_qkv(q, k, k, ("q", "k", "k"))
-    if w_v is not None:
-        F._check_w_v(q, w_v)
-        scale = 1.0
-    scale = F.check_scale(q.shape[-1] ** -0.5 if scale is None else scale, compute_dtype(q.dtype))
-    if three_d:
-        q, k = q.unsqueeze(1), k.unsqueeze(1)  # (B, 1, L, D)
     masks = F.Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
-    mask = F._build_mask(q, k, masks, three_d)
-    score_mod, sinks = F._check_mods(q, k, score_mod, sinks)
+    q, k, mask, w_v, scale, score_mod, sinks, three_d = F.scoring(q, k, masks, w_v=w_v, scale=scale, sinks=sinks)
     return Parts(q, k, mask, w_v, scale, score_mod, sinks, query_positions, key_positions, three_d), three_d
 
 

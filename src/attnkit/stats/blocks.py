@@ -56,7 +56,7 @@ def blocks(
     w_v = None if parts.w_v is None else parts.w_v.detach().to(dtype)
     protected = None if parts.score_mod is None else mods.protected_storages(parts.score_mod)
     sinks = None if parts.sinks is None else mask.sink_logits(parts.sinks.detach().to(dtype))  # (B|1, H, Lq|1, 1)
-    row_bytes = B * H * max(Lk, 1) * torch.finfo(dtype).bits // 8
+    row_bytes = max(1, B * H * Lk * torch.finfo(dtype).bits // 8)  # (no batch: no block has a byte)
     step = max(1, block_bytes // row_bytes)
     chunks = ranges(0, Lk, CHUNK)  # (nc, 2)
     for start, stop in runs:
