@@ -127,6 +127,23 @@ def test_stats_equal_those_of_the_whole_weights(call):
     assert (stats.rows_of(parts, rows, block_bytes=block).double() - w[:, :, rows]).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"is_causal": True}, {"mask_mod": mods.sliding_window(40)}, {"sinks": torch.tensor([3.0, -1.0, 0.0, 9.0])}],
+    ids=["full", "causal", "window", "sinks"],
+)
+def test_long_rows_take_the_chunked_top_k_search_and_the_distance_bands(kw):
+    """Rows of hundreds of keys, in blocks of a few rows of one key/value head's heads: the top-k search through
+    chunk maxima, and the distance's keys before, after and among a block's queries."""
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 4, 300, 8, generator=g) * 2, torch.randn(2, 2, 700, 8, generator=g) * 2
+    ref = dict(kw)
+    if "mask_mod" in kw:
+        ref["mask_mod"] = mathref.sliding_window(40, 300, 700)
+    found = stats.compute(stats.parts(q, k, **kw)[0], 3, block_bytes=2**17)  # 11 rows a block
+    assert_stats(found, weights64(q, k, ref))
+
+
 def test_float64_and_low_precision():
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 50, 8, generator=g), torch.randn(2, 2, 60, 8, generator=g)
@@ -261,6 +278,14 @@ def test_bad_input_names_the_argument_and_what_exists():
         model(x)
     with pytest.raises(KeyError, match="recorded: 'attn'"):
         rec["1"]
+    # a call without values names q and k only, each once
+    with pytest.raises(
+        ValueError,
+        match=r"^the 3 heads of q must be a multiple of the 2 heads of k: q \(1, 3, 4, 4\), k \(1, 2, 5, 4\)$",
+    ):
+        attnkit.attention_stats(torch.ones(1, 3, 4, 4), torch.ones(1, 2, 5, 4))
+    with pytest.raises(ValueError, match=r"^batch sizes differ: q has 2, k has 1: q \(2, 3, 4\), k \(1, 3, 4\)$"):
+        attnkit.attention_stats(torch.ones(2, 3, 4), torch.ones(1, 3, 4))
 
 
 def test_threads_and_nesting():

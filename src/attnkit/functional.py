@@ -207,7 +207,7 @@ def scoring(
 ) -> Scoring:
     """Validate what decides the weights of a call (:func:`attention_weights`, :func:`attnkit.stats.parts`)."""
     q, k, w_v = _autocast(q, k, w_v)
-    three_d = check_qkv(q, k, k, ("q", "k", "k"))
+    three_d = check_qkv(q, k, None)
     if w_v is not None:
         _check_w_v(q, w_v)
     scale = check_scale(q.shape[-1] ** -0.5 if scale is None else scale, compute_dtype(q.dtype))
@@ -285,9 +285,10 @@ def attend(
 
 
 def check_qkv(
-    q: Tensor, k: Tensor, v: Tensor, names: tuple[str, str, str] = ("q", "k", "v"), *, same_features: bool = True
+    q: Tensor, k: Tensor, v: Tensor | None, names: tuple[str, str, str] = ("q", "k", "v"), *, same_features: bool = True
 ) -> bool:
-    """Check that queries, keys and values fit together; return True for 3-dim (head-less) inputs.
+    """Check that queries, keys and values fit together; return True for 3-dim (head-less) inputs. ``v=None``:
+    a call without values (its weights alone), whose errors name only ``q`` and ``k``.
 
     ``same_features=False`` skips the check that ``q`` and ``k`` have one feature size (layers whose
     projections bring them to one size).
@@ -298,21 +299,24 @@ def check_qkv(
             counts that do not fit, no keys, or queries without features.
     """
     nq, nk, nv = names
+    if v is None:  # checked as values equal to the keys, named as keys only
+        v, names = k, (nq, nk, nk)
+        nv = nk
     for name, t in zip(names, (q, k, v), strict=True):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be floating point, got dtype {t.dtype}")
     _check_same_kind((nq, q), (nk, k), (nv, v))
-    shapes = f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}, {nv} {tuple(v.shape)}"
+    shapes = f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}" + ("" if v is k else f", {nv} {tuple(v.shape)}")
     if q.dim() not in (3, 4):
         raise ValueError(f"{nq} must be (B, H, Lq, D) or (B, Lq, D), got {q.dim()} dims: {shapes}")
     if k.dim() != q.dim() or v.dim() != q.dim():
-        raise ValueError(f"{nq}, {nk} and {nv} must have the same number of dims: {shapes}")
+        both = f"{nq} and {nk}" if v is k else f"{nq}, {nk} and {nv}"
+        raise ValueError(f"{both} must have the same number of dims: {shapes}")
     if not q.shape[0] == k.shape[0] == v.shape[0]:
-        raise ValueError(
-            f"batch sizes differ: {nq} has {q.shape[0]}, {nk} has {k.shape[0]}, {nv} has {v.shape[0]}: {shapes}"
-        )
+        also = "" if v is k else f", {nv} has {v.shape[0]}"
+        raise ValueError(f"batch sizes differ: {nq} has {q.shape[0]}, {nk} has {k.shape[0]}{also}: {shapes}")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(
             f"{nk} has {k.shape[-2]} positions but {nv} has {v.shape[-2]}: {nk} {tuple(k.shape)}, {nv} {tuple(v.shape)}"
@@ -331,7 +335,8 @@ def check_qkv(
         if v.shape[1] != Hkv:
             raise ValueError(f"{nk} has {Hkv} heads but {nv} has {v.shape[1]}: {shapes}")
         if Hkv == 0 or H % Hkv:
-            raise ValueError(f"the {H} heads of {nq} must be a multiple of the {Hkv} heads of {nk} and {nv}: {shapes}")
+            values = "" if v is k else f" and {nv}"
+            raise ValueError(f"the {H} heads of {nq} must be a multiple of the {Hkv} heads of {nk}{values}: {shapes}")
     return q.dim() == 3
 
 

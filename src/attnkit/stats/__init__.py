@@ -18,12 +18,14 @@ layout applied; :mod:`attnkit.backends.reference`), for each example, head and q
 ring). With learned sinks a row's weights sum to less than 1: the sink's share is no key's, so it is in no
 statistic (``sum_j a[i, j]`` is ``1 -`` the sink's weight).
 
-How: each block of rows is scored against the keys some of its rows may see (the mask's index ranges say which:
-a causal block stops at its diagonal, a sliding window keeps its band), its softmax taken over whole rows, then
-reduced. A block holds at most :data:`BLOCK_BYTES` of weights, and never less than one row of every head; its
-scores and a few temporaries of its size exist beside them (so a few times that budget in all, whatever the
-length); the top-k search reads each row once for the largest of each :data:`CHUNK` keys
-and then only the chunks that can hold the k largest. The result is ``O(B * H * (Lq * k + Lk))``.
+How: each block of rows of one key/value head's query heads is scored against the keys some of its rows may see
+(the mask's index ranges say which: a causal block stops at its diagonal, a sliding window keeps its band), its
+softmax taken over whole rows by PyTorch's fused kernel, then reduced, each reduction one read of the block. A block
+holds at most :data:`BLOCK_BYTES` of weights (never less than one row), its scores as much again, both in two
+buffers every block reuses (a score_mod's results and the reductions' small temporaries come beside them: a few
+times that budget in all, whatever the length); the top-k search reads the largest of each :data:`CHUNK` keys,
+taken as the row's maximum is found, and then only the chunks that can hold the k largest. The result is
+``O(B * H * (Lq * k + Lk))``.
 
 Computed in float32 for float16/bfloat16 inputs (float64 for float64), returned in that dtype, detached.
 """
@@ -38,7 +40,7 @@ from torch import Tensor
 
 from attnkit import mods
 from attnkit.masks import compute_dtype
-from attnkit.stats.blocks import CHUNK, Parts, blocks
+from attnkit.stats.blocks import CHUNK, Block, Parts, blocks
 from attnkit.stats.reduce import Sums, Where, reduce
 
 __all__ = [
@@ -116,11 +118,11 @@ def compute(
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     dtype = compute_dtype(q.dtype)
-    sums = Sums(B, H, Lq, Lk, topk, dtype, q.device)
-    where = Where(Lq, Lk, parts.query_positions, parts.key_positions, parts.sinks is not None)
+    sums = Sums(B, H, Lq, max(Lk, parts.slots), topk, dtype, q.device)
+    where = Where(Lq, Lk, parts.query_positions, parts.key_positions)
     with torch.no_grad():
-        for r0, r1, a, w, t, live in blocks(parts, [(0, Lq)], block_bytes):
-            reduce(sums, w, t, live, r0, r1, a, where, sink_keys)
+        for block in blocks(parts, [(0, Lq)], block_bytes):
+            reduce(sums, block, where, sink_keys)
     found = [sums.values, sums.indices, sums.entropy, sums.column, sums.distance, sums.sink]
     if parts.three_d:
         found = [t.squeeze(1) for t in found]
@@ -132,7 +134,7 @@ def rows_of(parts: Parts, rows: list[int], block_bytes: int = BLOCK_BYTES) -> Te
     block by block: the last query of a long prompt without its ``Lq x Lk`` matrix."""
     q, k = parts.q, parts.k
     B, H, _, _ = q.shape
-    out = torch.zeros(B, H, len(rows), k.shape[2], dtype=compute_dtype(q.dtype), device=q.device)
+    out = torch.zeros(B, H, len(rows), max(k.shape[2], parts.slots), dtype=compute_dtype(q.dtype), device=q.device)
     runs, start = [], 0  # maximal runs of consecutive rows: (first row, one past its last)
     for i in range(1, len(rows) + 1):
         if i == len(rows) or rows[i] != rows[i - 1] + 1:
@@ -143,10 +145,15 @@ def rows_of(parts: Parts, rows: list[int], block_bytes: int = BLOCK_BYTES) -> Te
     for r0, r1 in runs:
         offsets.append(offsets[-1] + r1 - r0)
     with torch.no_grad():
-        for r0, r1, a, w, _, _ in blocks(parts, runs, block_bytes, logs=False):
+        for block in blocks(parts, runs, block_bytes):
+            r0, r1, h0, a, w = block.r0, block.r1, block.h0, block.a, block.w
             run = bisect.bisect_right(starts, r0) - 1
             o = offsets[run] + r0 - starts[run]
-            out[:, :, o : o + r1 - r0, a : a + w.shape[-1]] = w  # (B, H, n, m)
+            place = out[:, h0 : h0 + w.shape[1], o : o + r1 - r0, a : a + w.shape[-1]]  # (B, G, n, m): a view
+            if block.keep is None:
+                place.copy_(w)
+            else:
+                torch.mul(w, block.keep, out=place)
     return out.squeeze(1) if parts.three_d else out
 
 
@@ -169,7 +176,7 @@ def from_weights(
     where = Where(Lq, Lk, query_positions, key_positions)
     with torch.no_grad():
         t = torch.where(w > 0, w.log(), 0.0)  # (B, H, Lq, Lk)
-        reduce(sums, w, t, None, 0, Lq, 0, where, sink_keys)
+        reduce(sums, Block(0, Lq, 0, 0, w, t, w.new_zeros(B, H, Lq, 1), normalized=False), where, sink_keys)
     stats = [sums.values, sums.indices, sums.entropy, sums.column, sums.distance, sums.sink]
     if three_d:
         stats = [s.squeeze(1) for s in stats]

@@ -11,12 +11,13 @@ from torch import Tensor
 
 from attnkit import mods
 from attnkit._checks import ranges
-from attnkit.backends.common import additive_scores, repeat_kv, zero_dead
+from attnkit.backends.common import additive_scores, zero_dead
 from attnkit.masks import Mask, compute_dtype
 
-__all__ = ["CHUNK", "Parts", "blocks"]
+__all__ = ["CHUNK", "Block", "Parts", "blocks"]
 
-# B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim, n rows of a block, m keys of a block
+# B batch, H heads, Hkv key/value heads, G = H // Hkv heads of a block, Lq/Lk query/key length, D head dim, n rows
+# of a block, m keys of a block, c whole chunks of them
 
 # Keys per chunk: the mask says from index ranges which chunks a block's rows see (and the top-k search keeps one
 # maximum per chunk).
@@ -38,26 +39,60 @@ class Parts(NamedTuple):
     query_positions: Tensor | None = None
     key_positions: Tensor | None = None
     three_d: bool = False  # the inputs had no head axis: results drop it too
+    slots: int = 0  # the weights run over this many keys where more than k's: the rest are empty and weigh 0
 
 
-def blocks(
-    parts: Parts, runs: list[tuple[int, int]], block_bytes: int, *, logs: bool = True
-) -> Iterator[tuple[int, int, int, Tensor, Tensor, Tensor | None]]:
-    """``(r0, r1, a, w, t, live)`` for each block of rows ``[r0, r1)`` in ``runs``: ``w (B, H, n, m)`` the weights
-    of those rows over the keys ``[a, a + m)`` that some of them may see (every other key of theirs weighs 0),
-    ``t`` the log-weights (finite, any value where ``w`` is 0; with ``logs=False``, the scores' memory, spent), and
-    which rows see some key, ``(B|1, H|1, n|1, 1)`` (``None``: all do)."""
+class Block(NamedTuple):
+    """The rows ``[r0, r1)`` of heads ``[h0, h0 + G)`` of a call over the keys ``[a, a + m)`` some of them may see
+    (every other key of theirs weighs 0). The weights are ``keep * w``:
+
+    - ``w (B, G, n, m)``: each row's softmax over its keys, summing to 1 (any finite values in a row not ``live``);
+    - ``t (B, G, n, m)``: ``log w = t - lse`` where ``w > 0``, finite everywhere; ``lse (B, G, n, 1)`` (``None``:
+      ``-log`` of the row's largest ``w``, ``t`` being 0 there);
+    - ``normalized``: each row of ``w`` sums to 1 (a softmax's), or to what it sums (weights given whole);
+    - ``keep (B|1, G|1, n|1, 1)``: the share of the row's weight on keys: below 1 with sinks, 0 in a row that sees
+      no key (``None``: 1 everywhere);
+    - ``live (B|1, G|1, n|1, 1)``: which rows see some key (``None``: all do);
+    - ``maxima (B, G, n, c)``: the largest ``t`` of each whole chunk of :data:`CHUNK` keys (``None``: not taken).
+
+    ``w`` and ``t`` live in buffers the next block reuses."""
+
+    r0: int
+    r1: int
+    h0: int
+    a: int
+    w: Tensor
+    t: Tensor
+    lse: Tensor | None = None
+    normalized: bool = True
+    keep: Tensor | None = None
+    live: Tensor | None = None
+    maxima: Tensor | None = None
+
+
+def blocks(parts: Parts, runs: list[tuple[int, int]], block_bytes: int) -> Iterator[Block]:
+    """A :class:`Block` for each block of rows in ``runs`` (``(first, one past the last)`` each) and each key/value
+    head's query heads, where some row sees some key; at most ``block_bytes`` of weights each (never less than one
+    row). A block of one key/value head's heads, not of all heads, has as many more rows: its scores are one tall
+    product, which the BLAS computes faster than a wide one."""
     q, k, mask = parts.q.detach(), parts.k.detach(), parts.mask
     B, H, Lq, D = q.shape
-    Lk = k.shape[2]
+    Hkv, Lk = k.shape[1], k.shape[2]
+    G = H // Hkv  # query heads per key/value head: the heads of a block
     dtype = compute_dtype(q.dtype)
     q, k, _ = zero_dead(q, k, k, mask)  # padding and empty rows hold zeros (NaN there reaches nothing)
     q, k = q.to(dtype), k.to(dtype)
     w_v = None if parts.w_v is None else parts.w_v.detach().to(dtype)
+    if w_v is None:
+        q = q * parts.scale  # (B, H, Lq, D): scaled once, not every block's scores
     protected = None if parts.score_mod is None else mods.protected_storages(parts.score_mod)
     sinks = None if parts.sinks is None else mask.sink_logits(parts.sinks.detach().to(dtype))  # (B|1, H, Lq|1, 1)
-    row_bytes = max(1, B * H * Lk * torch.finfo(dtype).bits // 8)  # (no batch: no block has a byte)
+    row_bytes = max(1, B * G * Lk * torch.finfo(dtype).bits // 8)  # (no batch: no block has a byte)
     step = max(1, block_bytes // row_bytes)
+    longest = max((min(step, stop - start) for start, stop in runs), default=0)
+    # two buffers every block reuses: a large tensor allocated anew is paid again in page faults, block after block
+    size = B * G * longest * Lk
+    scores, weights = q.new_empty(size), q.new_empty(size)
     chunks = ranges(0, Lk, CHUNK)  # (nc, 2)
     for start, stop in runs:
         for r0 in range(start, stop, step):
@@ -66,11 +101,11 @@ def blocks(
             seen = known.some[0].nonzero()[:, 0]  # (chunks some row of the block may see,)
             if not len(seen):
                 continue  # these rows see no key: every statistic of theirs is 0
-            a, b = int(chunks[int(seen[0]), 0]), int(chunks[int(seen[-1]), 1])
-            s = _scores(q, k, w_v, parts.scale, r0, r1, a, b, block_bytes)  # (B, H, n, m)
+            first, last = int(seen[0]), int(seen[-1])
+            a, b = int(chunks[first, 0]), int(chunks[last, 1])
+            n, m = r1 - r0, b - a
             # the mask is built only over the chunks the ranges do not know to be seen whole (a causal block's
             # diagonal, a window's two edges), unless a bias or a score_mod covers them all
-            first, last = int(seen[0]), int(seen[-1])
             partial = (~known.every[0, first : last + 1]).nonzero()[:, 0] + first  # hidden ones between included
             if mask.bias is not None or parts.score_mod is not None:
                 p0, p1 = a, b
@@ -78,63 +113,77 @@ def blocks(
                 p0, p1 = int(chunks[int(partial[0]), 0]), int(chunks[int(partial[-1]), 1])
             else:
                 p0 = p1 = a
-            allowed, bias = mask.tile(r0, r1, p0, p1, dtype) if p1 > p0 else (None, None)  # (B|1, H|1, n|1, p)
-            if parts.score_mod is not None:
-                idx = mods.indices(B, H, (r0, r1), (a, b), q.device)
-                s = mods.evaluate_score(parts.score_mod, s, *idx, protected=protected)  # (B, H, n, m)
-                hidden = torch.isneginf(s)  # a score_mod's -inf hides the key, as in the reference
-                if bool(hidden.any()):
-                    allowed = ~hidden if allowed is None else allowed & ~hidden  # (B, H, n, m)
-            part = s[..., p0 - a : p1 - a]  # (B, H, n, p): a view
-            if bias is not None:
-                part.add_(bias)
-            if allowed is not None:
-                part.masked_fill_(~allowed, torch.finfo(dtype).min)  # exp() of it is 0 beside the row's largest
-            live = _live(allowed, (p0, p1) == (a, b))
-            sink = None if sinks is None else sinks[..., r0:r1, :] if sinks.shape[2] > 1 else sinks
-            w, t = _softmax(s, live, sink, logs)
-            yield r0, r1, a, w, t, live
+            tile = mask.tile(r0, r1, p0, p1, dtype) if p1 > p0 else (None, None)  # (B|1, H|1, n|1, p) each
+            score_mod = parts.score_mod
+            idx = None if score_mod is None else mods.indices(B, H, (r0, r1), (a, b), q.device)
+            for h0 in range(0, H, G):
+                s = scores[: B * G * n * m].view(B, G, n, m)
+                _scores(q[:, h0 : h0 + G], k[:, h0 // G : h0 // G + 1], w_v, r0, r1, a, b, block_bytes, s)
+                allowed, bias = (_heads(x, h0, G) for x in tile)  # (B|1, G|1, n|1, p) each
+                if score_mod is not None and idx is not None:
+                    b_idx, h_idx, q_idx, kv_idx = idx
+                    s = mods.evaluate_score(  # (B, G, n, m)
+                        score_mod, s, b_idx, h_idx[:, h0 : h0 + G], q_idx, kv_idx, protected=protected
+                    )
+                    hidden = torch.isneginf(s)  # a score_mod's -inf hides the key, as in the reference
+                    if bool(hidden.any()):
+                        allowed = ~hidden if allowed is None else allowed & ~hidden  # (B, G, n, m)
+                part = s[..., p0 - a : p1 - a]  # (B, G, n, p): a view
+                if bias is not None:
+                    part.add_(bias)
+                if allowed is not None:
+                    part.masked_fill_(~allowed, torch.finfo(dtype).min)  # exp() of it is 0 beside the row's largest
+                live = _live(allowed, (p0, p1) == (a, b))
+                sink = None if sinks is None else _heads(sinks[..., r0:r1, :] if sinks.shape[2] > 1 else sinks, h0, G)
+                w = weights[: B * G * n * m].view(B, G, n, m)
+                yield _softmax(r0, r1, h0, a, s, w, live, sink)
 
 
-def _scores(q: Tensor, k: Tensor, w_v: Tensor | None, scale: float, r0: int, r1: int, a: int, b: int, budget: int):
-    """The scores ``(B, H, n, m)`` of queries ``[r0, r1)`` against keys ``[a, b)``, before the score_mod."""
-    B, H, _, D = q.shape
-    Hkv, n, m = k.shape[1], r1 - r0, b - a
-    if w_v is None:  # each key/value head's query heads as one matrix: one product per key/value head
-        qb = q[:, :, r0:r1].reshape(B, Hkv, H // Hkv * n, D)  # (B, Hkv, G*n, D)
-        s = torch.matmul(qb, k[:, :, a:b].transpose(-1, -2))  # (B, Hkv, G*n, m)
-        return s.view(B, H, n, m).mul_(scale)  # (B, H, n, m)
-    s = q.new_empty(B, H, n, m)
-    step = max(1, budget // (B * H * n * D * q.element_size()))  # keys whose tanh features fit the budget
+def _heads(x: Tensor | None, h0: int, G: int) -> Tensor | None:
+    """Heads ``[h0, h0 + G)`` of ``x`` broadcastable to ``(B, H, n, m)``: all of it where it has no head axis, or
+    one to broadcast."""
+    return x if x is None or x.dim() < 4 or x.shape[1] == 1 else x[:, h0 : h0 + G]
+
+
+def _scores(q: Tensor, k: Tensor, w_v: Tensor | None, r0: int, r1: int, a: int, b: int, budget: int, out: Tensor):
+    """Write the scores of queries ``[r0, r1)`` of ``q (B, G, Lq, D)`` (scaled already) against keys ``[a, b)`` of
+    their one key/value head ``k (B, 1, Lk, D)``, before the score_mod, to ``out (B, G, n, m)``."""
+    B, G, _, D = q.shape
+    n, m = r1 - r0, b - a
+    if w_v is None:  # the head's query heads as one matrix: one product
+        qb = q[:, :, r0:r1].reshape(B, 1, G * n, D)  # (B, 1, G*n, D)
+        torch.matmul(qb, k[:, :, a:b].transpose(-1, -2), out=out.view(B, 1, G * n, m))  # (B, 1, G*n, m)
+        return
+    step = max(1, budget // (B * G * n * D * q.element_size()))  # keys whose tanh features fit the budget
     for j0 in range(a, b, step):
         j1 = min(j0 + step, b)
-        s[..., j0 - a : j1 - a] = additive_scores(q[:, :, r0:r1], repeat_kv(k[:, :, j0:j1], H), w_v)[0]
-    return s  # (B, H, n, m)
+        out[..., j0 - a : j1 - a] = additive_scores(q[:, :, r0:r1], k[:, :, j0:j1].expand(B, G, -1, -1), w_v)[0]
 
 
 def _live(allowed: Tensor | None, whole: bool) -> Tensor | None:
-    """Which rows see some key, ``(B|1, H|1, n|1, 1)``, or ``None`` when all do (``allowed`` covers the whole
+    """Which rows see some key, ``(B|1, G|1, n|1, 1)``, or ``None`` when all do (``allowed`` covers the whole
     block, ``whole``, or some keys are seen by every row)."""
     if allowed is None or not whole:
         return None
-    live = allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, n|1, 1)
+    live = allowed.any(dim=-1, keepdim=True)  # (B|1, G|1, n|1, 1)
     return None if bool(live.all()) else live
 
 
-def _softmax(s: Tensor, live: Tensor | None, sink: Tensor | None, logs: bool) -> tuple[Tensor, Tensor]:
-    """Weights ``(B, H, n, m)`` of masked scores (hidden ones at ``finfo.min``) over whole rows, and the
-    log-weights ``s - lse`` in the scores' memory (``logs``); rows not ``live`` are all zeros."""
-    top = s.amax(dim=-1, keepdim=True)  # (B, H, n, 1)
+def _softmax(
+    r0: int, r1: int, h0: int, a: int, s: Tensor, w: Tensor, live: Tensor | None, sink: Tensor | None
+) -> Block:
+    """The block of masked scores ``s`` (hidden ones at ``finfo.min``), its softmax written to ``w``."""
+    m = s.shape[-1]
+    whole = m // CHUNK
+    maxima = s[..., : whole * CHUNK].unflatten(-1, (whole, CHUNK)).amax(dim=-1) if whole else None  # (B, G, n, c)
+    largest = [x.amax(dim=-1, keepdim=True) for x in (maxima, s[..., whole * CHUNK :]) if x is not None and x.shape[-1]]
+    top = largest[0] if len(largest) == 1 else torch.maximum(*largest)  # (B, G, n, 1): the row's largest score
+    t = s.sub_(top)  # (B, G, n, m): 0 at the row's largest, so that its weights sum exactly and lose no digits
+    torch._softmax(t, -1, False, out=w)  # the fused kernel: one pass, and a faster exp than torch.exp's
+    keep, lse = None, None
     if sink is not None:
-        top = torch.maximum(top, sink)  # (B, H, n, 1)
-    s = s.sub_(top)
-    w = s.exp()  # (B, H, n, m)
-    total = w.sum(dim=-1, keepdim=True)  # (B, H, n, 1)
-    if sink is not None:
-        total = total + torch.exp(sink - top)  # (B, H, n, 1)
-    w = w.div_(total)
+        lse = w.amax(dim=-1, keepdim=True).log_().neg_()  # (B, G, n, 1): log sum_j exp t (the largest w: exp(-lse))
+        keep = torch.sigmoid(top + lse - sink)  # (B, G, n, 1): the keys' share beside the sink's
     if live is not None:
-        w = w.masked_fill_(~live, 0.0)
-    if logs:
-        s = s.sub_(torch.log(total))  # (B, H, n, m): log a[i, j] where a key is seen, finite elsewhere
-    return w, s
+        keep = live.to(w.dtype) if keep is None else keep * live
+    return Block(r0, r1, h0, a, w, t, lse, True, keep, live, maxima)

@@ -7,11 +7,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attnkit.stats.blocks import CHUNK
+from attnkit.stats.blocks import CHUNK, Block
 
 __all__ = ["Sums", "Where", "reduce"]
 
-# B batch, H heads, Lq/Lk query/key length, n rows of a block, m keys of a block, k the top-k
+# B batch, H heads, Lq/Lk query/key length, n rows of a block, m keys of a block, c whole chunks of them, k the top-k
 
 
 class Where(NamedTuple):
@@ -21,7 +21,6 @@ class Where(NamedTuple):
     num_keys: int
     query_positions: Tensor | None = None  # (B, Lq)
     key_positions: Tensor | None = None  # (B, Lk)
-    sinks: bool = False  # the call has sinks: its rows' weights sum to less than 1
 
 
 class Sums:
@@ -36,48 +35,60 @@ class Sums:
         self.sink = torch.zeros(B, H, Lq, dtype=dtype, device=device)
 
 
-def reduce(
-    sums: Sums, w: Tensor, t: Tensor, live: Tensor | None, r0: int, r1: int, a: int, where: Where, sink_keys: int
-) -> None:
-    """Fold one block's weights ``w (B, H, n, m)`` (keys ``[a, a + m)``) and log-weights ``t`` into ``sums``."""
-    B, H, n, m = w.shape
-    values, indices = _topk(w, sums.values.shape[-1])  # (B, H, n, k) each
-    sums.values[:, :, r0:r1] = values
-    sums.indices[:, :, r0:r1] = torch.where(values > 0, indices + a, -1)
-    # -sum_j w t as a batch of dot products (one read of each): 0 where w is 0, t being finite
-    dots = w.reshape(-1, 1, m) @ t.reshape(-1, m, 1)  # (B*H*n, 1, 1)
-    sums.entropy[:, :, r0:r1] = -dots.view(B, H, n)
-    sums.column[:, :, a : a + m] += w.sum(dim=-2)  # (B, H, m)
-    if where.key_positions is None:
-        if a < sink_keys:
-            sums.sink[:, :, r0:r1] = w[..., : sink_keys - a].sum(dim=-1)  # (B, H, n)
-    else:
+def reduce(sums: Sums, block: Block, where: Where, sink_keys: int) -> None:
+    """Fold one block's weights ``keep * w`` into ``sums``: each reduction reads ``w`` once (``t`` once more for the
+    entropy), and ``keep`` scales the results, not the weights."""
+    r0, r1, h0, a, w, t, lse, normalized, keep, live, maxima = block
+    B, H, n, m = w.shape  # H: the block's heads
+    heads = slice(h0, h0 + H)
+    share = None if keep is None else keep.expand(B, H, n, 1)  # (B, H, n, 1)
+    values, indices = _topk(w, sums.values.shape[-1], maxima)  # (B, H, n, k) each
+    if lse is None:
+        lse = values[..., :1].log().neg_()  # (B, H, n, 1): t is 0 at the row's largest weight
+    if share is not None:
+        values = values * share  # (B, H, n, k)
+    sums.values[:, heads, r0:r1] = values
+    sums.indices[:, heads, r0:r1] = torch.where(values > 0, indices + a, -1)
+    mass = None if normalized else w.sum(dim=-1)  # (B, H, n); None: 1
+    # -sum_j w log w = lse sum_j w - sum_j w t; with keep: -sum_j keep w log(keep w)
+    entropy = lse[..., 0] * (1.0 if mass is None else mass) - t.mul_(w).sum(dim=-1)  # (B, H, n): t is spent
+    if share is not None:
+        entropy = share[..., 0] * entropy - torch.special.xlogy(share[..., 0], share[..., 0]) * (
+            1.0 if mass is None else mass
+        )
+    sums.entropy[:, heads, r0:r1] = entropy
+    coefficient = w.new_ones(1, 1, 1, 1).expand(B, H, 1, n) if share is None else share.transpose(-1, -2)
+    sums.column[:, heads, a : a + m] += (coefficient @ w)[:, :, 0]  # (B, H, m): a product reads w faster than a sum
+    if where.key_positions is not None:
         first = (where.key_positions[:, None, None, a : a + m] < sink_keys).to(w.dtype)  # (B, 1, 1, m)
-        sums.sink[:, :, r0:r1] = (w * first).sum(dim=-1)  # (B, H, n)
-    if where.sinks:
-        # a ratio: from weights relative to the row's largest, which a sink's share cannot leave subnormal
-        w = torch.exp(t - t.amax(dim=-1, keepdim=True))  # (B, H, n, m)
-        if live is not None:
-            w = w.masked_fill_(~live, 0.0)
-    mass = w.sum(dim=-1)  # (B, H, n)
-    sums.distance[:, :, r0:r1] = _distance(w, mass, r0, r1, a, where)
+        sink = (w * first).sum(dim=-1)  # (B, H, n)
+    elif a < sink_keys:
+        sink = w[..., : sink_keys - a].sum(dim=-1)  # (B, H, n)
+    else:
+        sink = None
+    if sink is not None:
+        sums.sink[:, heads, r0:r1] = sink if share is None else sink * share[..., 0]
+    distance = _distance(w, mass, r0, r1, a, where)  # (B, H, n)
+    sums.distance[:, heads, r0:r1] = distance if live is None else distance * live[..., 0]
 
 
-def _topk(w: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def _topk(w: Tensor, k: int, maxima: Tensor | None) -> tuple[Tensor, Tensor]:
     """The ``k`` largest of each row of ``w (B, H, n, m)`` and their columns, descending; rows of fewer than ``k``
-    columns padded with 0. Reads each row once for its chunk maxima, then only the ``k`` chunks of largest maxima
-    and the columns past the last whole chunk: the chunk of any of the k largest has a maximum at least the k-th
-    largest, and the k chunks of largest maxima include every chunk whose maximum exceeds the k-th largest (ties
-    may name other chunks, of equal values: the values found are the k largest all the same)."""
+    columns padded with 0 (column -1). ``maxima (B, H, n, c)`` ranks each row's whole chunks of :data:`CHUNK`
+    columns as their largest weights would (``None``: taken from ``w``). Only the ``k`` chunks of largest maxima and
+    the columns past the last whole chunk are read again: the chunk of any of the k largest has a maximum at least
+    the k-th largest, and the k chunks of largest maxima include every chunk whose maximum exceeds the k-th largest
+    (ties may name other chunks, of equal values: the values found are the k largest all the same)."""
     B, H, n, m = w.shape
     whole = m // CHUNK
     if whole <= 2 * k:  # too few chunks to leave out
         top = w.topk(min(k, m), dim=-1)  # (B, H, n, <=k) each
         values, indices = top.values, top.indices
     else:
-        maxima = w[..., : whole * CHUNK].unflatten(-1, (whole, CHUNK)).amax(dim=-1)  # (B, H, n, whole)
+        grouped = w[..., : whole * CHUNK].unflatten(-1, (whole, CHUNK))  # (B, H, n, c, CHUNK)
+        if maxima is None:
+            maxima = grouped.amax(dim=-1)  # (B, H, n, c)
         chosen = maxima.topk(k, dim=-1).indices  # (B, H, n, k): chunks that may hold the k largest
-        grouped = w[..., : whole * CHUNK].unflatten(-1, (whole, CHUNK))  # (B, H, n, whole, CHUNK)
         picked = grouped.gather(3, chosen[..., None].expand(B, H, n, k, CHUNK))  # (B, H, n, k, CHUNK)
         columns = (chosen[..., None] * CHUNK + torch.arange(CHUNK, device=w.device)).flatten(-2)  # (B, H, n, k*C)
         candidates = picked.flatten(-2)  # (B, H, n, k*CHUNK)
@@ -94,27 +105,37 @@ def _topk(w: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return values, indices
 
 
-def _distance(w: Tensor, mass: Tensor, r0: int, r1: int, a: int, where: Where) -> Tensor:
-    """``sum_j w |pos(i) - pos(j)| / sum_j w`` for a block ``(B, H, n, m)``; 0 in rows of no weight."""
+def _distance(w: Tensor, mass: Tensor | None, r0: int, r1: int, a: int, where: Where) -> Tensor:
+    """``sum_j w |pos(i) - pos(j)| / sum_j w`` for a block ``(B, H, n, m)`` whose rows sum to ``mass (B, H, n)``
+    (``None``: 1); 0 in rows of no weight."""
     B, H, n, m = w.shape
     device, dtype = w.device, w.dtype
     Lq, Lk = where.num_queries, where.num_keys
     if where.query_positions is None:
         qpos = torch.arange(r0, r1, device=device, dtype=dtype).add_(Lk - Lq).view(1, 1, n, 1)  # (1, 1, n, 1)
+        lowest, highest = r0 + Lk - Lq, r1 - 1 + Lk - Lq
     else:
         qpos = where.query_positions[:, None, r0:r1, None].to(dtype)  # (B, 1, n, 1)
+        lowest, highest = int(where.query_positions[:, r0:r1].min()), int(where.query_positions[:, r0:r1].max())
     if where.key_positions is not None:  # a sliding cache's ring: as many keys as its window, each read once
         kpos = where.key_positions[:, None, None, a : a + m].to(dtype)  # (B, 1, 1, m)
         total = (w * (qpos - kpos).abs_()).sum(dim=-1)  # (B, H, n)
     else:
-        # sum_j w (pos_i - j) + 2 sum_{j > pos_i} w (j - pos_i), positions taken from the block's first query's
-        # (so that a head attending near its queries loses no digits to the distance from the start)
-        p0 = float(qpos.min()) if qpos.numel() else 0.0
-        keys = torch.arange(a, a + m, device=device, dtype=dtype).sub_(p0)  # (m,)
-        rel = (qpos - p0).view(*qpos.shape[:-1])  # (B|1, 1, n)
-        total = rel * mass - (w @ keys)  # (B, H, n)
-        later = max(0, int(float(qpos.min()) - a) + 1) if qpos.numel() else 0  # keys after some query of the block
-        if later < m:
-            past = (keys[later:] - (qpos - p0)).clamp_min_(0.0)  # (B|1, 1, n, m - later)
-            total = total + 2 * (w[..., later:] * past).sum(dim=-1)  # (B, H, n)
+        # |p - j| = (p - j) + 2 max(0, j - p): one product with the keys' positions over the block, then the keys
+        # that may stand after some query: [hi, m) after every query of the block (a product again), the band
+        # [lo, hi) key by key (as wide as the block's queries are apart; a causal block sees no key past it).
+        # Positions are taken from the block's first query's, so that a head attending near its queries loses no
+        # digits to the distance from the start.
+        lo = min(max(lowest - a + 1, 0), m)
+        hi = min(max(highest - a, lo), m)
+        keys = torch.arange(a - lowest, a - lowest + m, device=device, dtype=dtype)  # (m,)
+        rel = (qpos - lowest).view(*qpos.shape[:-1])  # (B|1, 1, n)
+        total = rel * (1.0 if mass is None else mass) - w @ keys  # (B, H, n)
+        if hi < m:
+            total += 2 * (w[..., hi:] @ keys[hi:] - rel * w[..., hi:].sum(dim=-1))  # (B, H, n)
+        if hi > lo:
+            band = (keys[lo:hi] - (qpos - lowest)).clamp_min_(0.0)  # (B|1, 1, n, hi - lo)
+            total += 2 * (w[..., lo:hi] * band).sum(dim=-1)  # (B, H, n)
+    if mass is None:
+        return total
     return torch.where(mass > 0, total / mass.clamp_min(torch.finfo(dtype).tiny), 0.0)  # (B, H, n)
