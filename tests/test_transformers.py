@@ -400,3 +400,53 @@ def test_register_refuses_eager_which_transformers_keeps_outside_its_mapping():
     under it took over every model's eager attention in the process."""
     with pytest.raises(ValueError, match="one of transformers' own attention implementations"):
         attnkit_hf.register("eager")
+
+
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+def test_statistics_recorded_through_transformers_equal_those_of_eager_weights(kind):
+    """record_stats on a model with attnkit registered: each layer's statistics are those reduced from eager's
+    output_attentions (GQA and left padding in Llama, right padding in BERT) on the real query rows; the column
+    sums over every row (a left pad's query sees no key, where eager spreads it evenly; BERT's pad queries see
+    the real keys in both)."""
+    padding = "left" if kind in DECODER_ONLY else "right"
+    models = _models(kind, (NAMES["auto"],))
+    eager, ours = models["eager"], models[NAMES["auto"]]
+    batch = _batch(kind, padding)
+    real = batch["attention_mask"].bool()  # (B, L)
+    with torch.no_grad():
+        truth = eager(**batch, output_attentions=True).attentions
+        with attnkit.record_stats(ours, topk=3) as rec:
+            ours(**batch)
+    assert len(rec) == len(truth) > 0
+    for name, t in zip(rec.keys(), truth, strict=True):
+        w = t.double() * real[:, None, :, None] if padding == "left" else t.double()  # (B, H, L, L)
+        want, got = attnkit.stats.from_weights(w, 3), rec[name]
+        for field in ("topk_values", "entropy", "distance", "sink_mass"):
+            assert max_err(getattr(got, field).transpose(1, 2)[real], getattr(want, field).transpose(1, 2)[real]) <= (
+                1e-4
+            ), (name, field)
+        assert max_err(got.column_sum, want.column_sum) <= 1e-4, name
+        named = w.gather(-1, got.topk_indices.clamp_min(0))  # (B, H, L, 3)
+        assert max_err(torch.where(got.topk_indices >= 0, named, 0.0), got.topk_values) <= 1e-5, name
+
+
+def test_a_static_cache_step_measures_distance_from_the_querys_own_slot():
+    """A static cache's decoding step: the query stands at the last slot it may see, not at the last slot of the
+    cache; a static prefill's column sums run over every slot, as its weights do."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = torch.randn(2, 4, 1, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g), torch.randn(2, 2, 9, 8)
+    step = torch.tensor([5, 3])  # each row's position: its slots past it are empty
+    mask = (torch.arange(9) <= step[:, None])[:, None, None, :]  # (B, 1, 1, 9)
+
+    class Attention(torch.nn.Module):
+        is_causal = True
+
+    model = torch.nn.Sequential(Attention())
+    with attnkit.record_stats(model, topk=2) as rec:
+        attnkit_hf.attention_forward(model[0], q, k, v, mask)
+        attnkit_hf.attention_forward(model[0], q.repeat(1, 1, 3, 1), k, v, None)  # a static prefill: 3 queries, 9 slots
+    decode, prefill = rec.calls("0")
+    w = attnkit.functional.attention_weights(q.double(), k.double(), attn_mask=mask)  # (B, H, 1, 9)
+    gap = (step[:, None, None, None] - torch.arange(9)).abs()  # (B, 1, 1, 9)
+    assert max_err(decode.distance, (w * gap).sum(-1)) <= 1e-5
+    assert prefill.column_sum.shape == (2, 4, 9) and (prefill.column_sum[..., 3:] == 0).all()

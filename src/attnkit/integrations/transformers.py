@@ -30,10 +30,12 @@ What the model passes and what attnkit makes of it:
 * weights: with ``output_attentions=True`` the layer also returns them (computed beside the fused output, in
   ``(B, H, Lq, Lk)``); inside :func:`attnkit.record_weights` every call reports them, detached, without changing
   how the output is computed; inside :func:`attnkit.record_stats` their statistics, a block of rows at a time
-  (:mod:`attnkit.stats`: no ``Lq x Lk`` matrix, so a 32k-token prompt's every layer fits). Their ``distance``
-  and ``sink_mass`` take keys at their slot in the cache and queries at the last ``Lq`` slots: right for a prompt
-  and for a growing cache, not for a static cache's decoding steps or a sliding-window layer's cropped cache,
-  where they are by slot (the top-k keys, entropy and column sums are exact everywhere).
+  (:mod:`attnkit.stats`: no ``Lq x Lk`` matrix, so a 32k-token prompt's every layer fits). Keys stand at
+  their slot in the cache; a query through a cache at the last slot the mask lets it see (itself, in a causal
+  model), so ``distance`` is right for prompts, growing and static caches, left padding and sliding windows (which
+  keep their keys in order); ``sink_mass`` counts the first ``sink_keys`` slots, which once a sliding-window
+  layer's cache has slid are no longer the first tokens. A static cache's prefill has ``column_sum`` over every
+  slot, as its weights. (Top-k keys, entropy and column sums are exact everywhere.)
 
 Not covered: paged attention (transformers' continuous batching), models whose attention does not go through
 ``AttentionInterface``, and flash-attention-only arguments (``cu_seq_lens``: packed batches go through the mask).
@@ -249,10 +251,31 @@ def attention_forward(
             return weights_over_slots()
 
     def parts() -> stats.Parts:  # called only inside attnkit.record_stats or a record_weights of chosen rows
-        return stats.parts(query, key, **masks)[0]
+        call = stats.parts(query, key, **masks, query_positions=_query_slots(attention_mask, Lq, Lk))[0]
+        return call._replace(slots=slots)
 
     report_weights(module, recorded, kv_heads=key.shape[1], parts=parts)
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, H, Dv)
+
+
+def _query_slots(attention_mask: Tensor | None, Lq: int, Lk: int) -> Tensor | None:
+    """Each query's own cache slot ``(B, Lq)`` in a call through a cache, for the statistics' distance: the last
+    slot it may see (a causal query sees itself last), which a static cache's decode step, left padding and a
+    sliding cache's window put elsewhere than the default ``i + Lk - Lq``; ``None`` without a cache or a mask
+    tensor (the default is right), or for a mask too large to read whole (a long chunk of prefill)."""
+    if attention_mask is None or Lk <= Lq or attention_mask.dim() != 4 or attention_mask.numel() > _SLOT_SCAN:
+        return None
+    if attention_mask.dtype == torch.bool:
+        allowed = attention_mask[:, 0]  # (B, Lq, Lk)
+    else:
+        allowed = attention_mask[:, 0] > torch.finfo(attention_mask.dtype).min / 2  # (B, Lq, Lk)
+    last = torch.where(allowed, torch.arange(Lk, device=allowed.device), -1).amax(dim=-1)  # (B, Lq)
+    default = torch.arange(Lk - Lq, Lk, device=allowed.device)  # (Lq,)
+    return torch.where(last >= 0, last, default)  # (B, Lq)
+
+
+# The largest mask _query_slots reads (elements): a decode step's or a short chunk's.
+_SLOT_SCAN = 2**24
 
 
 def _weights_wanted(kwargs: dict[str, Any]) -> bool:
