@@ -2,7 +2,8 @@
 the same forward without it, and eager's whole weights for comparison.
 
 Rows (each in a fresh subprocess, so that no allocator cache or earlier peak is carried over; peak = how far the
-resident set rose above its size before the forward, :func:`attnkit.bench.peak_memory`):
+resident set rose above its size before the forward, :func:`attnkit.bench.peak_memory`, in the first run; time:
+the median of ``REPEATS`` runs):
 
 * ``llama``: a Llama-shaped model built from a config (8 layers, hidden 512, 8 heads, 2 key/value heads,
   intermediate 1376), attnkit registered, B=1, one forward of ``L`` tokens under ``torch.no_grad()``: plain, and
@@ -22,11 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
 
 TOPK = 32
+# Timed runs per row (the median is reported): the 32k Llama forward takes minutes, once each.
+REPEATS = {"mha": 3, "llama": 1, "eager": 1}
 
 
 def llama(L: int, attention: str):
@@ -90,7 +94,13 @@ def one(row: str, L: int, mode: str) -> dict:
 
     start = time.perf_counter()
     result["peak_bytes"] = peak_memory(run)
-    result["seconds"] = time.perf_counter() - start
+    times = [time.perf_counter() - start]
+    for _ in range(REPEATS[row] - 1):  # the first run's peak, the median of the runs' times
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    result["seconds"] = statistics.median(times)
+    result["runs"] = [round(t, 3) for t in times]
     return result
 
 

@@ -125,6 +125,8 @@ def test_stats_equal_those_of_the_whole_weights(call):
     # the chosen rows of record_weights(queries=...) are the whole weights' rows
     rows = sorted({0, q.shape[2] - 1, q.shape[2] // 2})
     assert (stats.rows_of(parts, rows, block_bytes=block).double() - w[:, :, rows]).abs().max() <= 1e-5
+    heads = [q.shape[1] - 1, 0]  # and of chosen heads only, in the order chosen
+    assert (stats.rows_of(parts, rows, heads, block).double() - w[:, heads][:, :, rows]).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize(
@@ -244,6 +246,18 @@ def test_selected_weights_of_a_long_prompt_are_computed_a_block_at_a_time(monkey
         mha(x, x, x, is_causal=True)
     assert chosen[""].shape == (1, 2, 2, 600) and chosen.selected[""] == ([0, 3], [598, 599])
     assert torch.allclose(chosen[""], rw[""][:, [0, 3]][:, :, -2:], atol=1e-7)
+    # a head without chosen rows: only that head's blocks are computed, not every head's at full size
+    computed, real = [], stats.blocks
+
+    def spy(*args, **kwargs):
+        for block in real(*args, **kwargs):
+            computed.append(block.h0)
+            yield block
+
+    monkeypatch.setattr(stats, "blocks", spy)
+    with attnkit.record_weights(mha, heads=2) as one:
+        mha(x, x, x, is_causal=True)
+    assert set(computed) == {2} and torch.allclose(one[""], rw[""][:, [2]], atol=1e-7)
 
 
 class SelfAttention(torch.nn.Module):

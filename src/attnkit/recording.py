@@ -263,12 +263,12 @@ def _selected(
     label = name or "the model"
     rows = _indices(recording.queries, Lq, "queries", f"{label}'s call has {Lq} query rows")
     heads = _indices(recording.heads, H, "heads", f"{label} has {H} heads") if four_d else None
-    if parts is not None:
-        kept = stats.rows_of(parts, rows).to(parts.q.dtype)  # (B, H, q, Lk), or (B, q, Lk) for 3-dim inputs
+    if parts is not None:  # only the chosen heads' and rows' blocks are computed
+        kept = stats.rows_of(parts, rows, heads).to(parts.q.dtype)  # (B, h, q, Lk), or (B, q, Lk) for 3-dim inputs
     else:
         kept = w[:, :, rows] if four_d else w[:, rows]  # (B, H, q, Lk) or (B, q, Lk)
-    if heads is not None:
-        kept = kept[:, heads]  # (B, h, q, Lk)
+        if heads is not None:
+            kept = kept[:, heads]  # (B, h, q, Lk)
     return kept, (heads, rows)
 
 

@@ -129,12 +129,16 @@ def compute(
     return _result(found, sink_keys, kv_heads)
 
 
-def rows_of(parts: Parts, rows: list[int], block_bytes: int = BLOCK_BYTES) -> Tensor:
-    """The whole weights of the query ``rows`` (sorted, distinct), ``(B, H, len(rows), Lk)`` in the compute dtype,
-    block by block: the last query of a long prompt without its ``Lq x Lk`` matrix."""
+def rows_of(parts: Parts, rows: list[int], heads: list[int] | None = None, block_bytes: int = BLOCK_BYTES) -> Tensor:
+    """The whole weights of the query ``rows`` (sorted, distinct) of the ``heads`` given (all: ``None``),
+    ``(B, h, len(rows), Lk)`` in the compute dtype, block by block: the last query of a long prompt, or one head's
+    weights, without the ``H x Lq x Lk`` tensor of every head."""
     q, k = parts.q, parts.k
     B, H, _, _ = q.shape
-    out = torch.zeros(B, H, len(rows), max(k.shape[2], parts.slots), dtype=compute_dtype(q.dtype), device=q.device)
+    heads = list(range(H)) if heads is None else heads
+    out = torch.zeros(
+        B, len(heads), len(rows), max(k.shape[2], parts.slots), dtype=compute_dtype(q.dtype), device=q.device
+    )
     runs, start = [], 0  # maximal runs of consecutive rows: (first row, one past its last)
     for i in range(1, len(rows) + 1):
         if i == len(rows) or rows[i] != rows[i - 1] + 1:
@@ -145,15 +149,15 @@ def rows_of(parts: Parts, rows: list[int], block_bytes: int = BLOCK_BYTES) -> Te
     for r0, r1 in runs:
         offsets.append(offsets[-1] + r1 - r0)
     with torch.no_grad():
-        for block in blocks(parts, runs, block_bytes):
+        for block in blocks(parts, runs, block_bytes, heads):
             r0, r1, h0, a, w = block.r0, block.r1, block.h0, block.a, block.w
             run = bisect.bisect_right(starts, r0) - 1
             o = offsets[run] + r0 - starts[run]
-            place = out[:, h0 : h0 + w.shape[1], o : o + r1 - r0, a : a + w.shape[-1]]  # (B, G, n, m): a view
-            if block.keep is None:
-                place.copy_(w)
-            else:
-                torch.mul(w, block.keep, out=place)
+            if block.keep is not None:
+                w = w * block.keep  # (B, G, n, m)
+            for i, h in enumerate(heads):  # (a head may be chosen twice)
+                if h0 <= h < h0 + w.shape[1]:
+                    out[:, i, o : o + r1 - r0, a : a + w.shape[-1]] = w[:, h - h0]  # (B, n, m)
     return out.squeeze(1) if parts.three_d else out
 
 

@@ -70,38 +70,34 @@ class Block(NamedTuple):
     maxima: Tensor | None = None
 
 
-def blocks(parts: Parts, runs: list[tuple[int, int]], block_bytes: int) -> Iterator[Block]:
+def blocks(
+    parts: Parts, runs: list[tuple[int, int]], block_bytes: int, heads: list[int] | None = None
+) -> Iterator[Block]:
     """A :class:`Block` for each block of rows in ``runs`` (``(first, one past the last)`` each) and each key/value
-    head's query heads, where some row sees some key; at most ``block_bytes`` of weights each (never less than one
-    row). A block of one key/value head's heads, not of all heads, has as many more rows: its scores are one tall
-    product, which the BLAS computes faster than a wide one."""
+    head's query heads (those with one of ``heads``, when given), where some row sees some key; at most
+    ``block_bytes`` of weights each (never less than one row). A block of one key/value head's heads, not of all
+    heads, has as many more rows: its scores are one tall product, which the BLAS computes faster than a wide one."""
     q, k, mask = parts.q.detach(), parts.k.detach(), parts.mask
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     G = H // Hkv  # query heads per key/value head: the heads of a block
     dtype = compute_dtype(q.dtype)
     q, k, _ = zero_dead(q, k, k, mask)  # padding and empty rows hold zeros (NaN there reaches nothing)
-    q, k = q.to(dtype), k.to(dtype)
+    q, k = q.to(dtype).contiguous(), k.to(dtype).contiguous()  # (a layer's heads are often strided views)
     w_v = None if parts.w_v is None else parts.w_v.detach().to(dtype)
     if w_v is None:
         q = q * parts.scale  # (B, H, Lq, D): scaled once, not every block's scores
     protected = None if parts.score_mod is None else mods.protected_storages(parts.score_mod)
     sinks = None if parts.sinks is None else mask.sink_logits(parts.sinks.detach().to(dtype))  # (B|1, H, Lq|1, 1)
-    row_bytes = max(1, B * G * Lk * torch.finfo(dtype).bits // 8)  # (no batch: no block has a byte)
-    step = max(1, block_bytes // row_bytes)
-    longest = max((min(step, stop - start) for start, stop in runs), default=0)
+    item = torch.finfo(dtype).bits // 8
+    budget = max(1, block_bytes // item)  # elements of weights a block may hold
+    longest = max((stop - start for start, stop in runs), default=0)
     # two buffers every block reuses: a large tensor allocated anew is paid again in page faults, block after block
-    size = B * G * longest * Lk
+    size = min(max(budget, B * G * Lk), B * G * longest * Lk)  # (at least one row: a block never has fewer)
     scores, weights = q.new_empty(size), q.new_empty(size)
     chunks = ranges(0, Lk, CHUNK)  # (nc, 2)
     for start, stop in runs:
-        for r0 in range(start, stop, step):
-            r1 = min(r0 + step, stop)
-            known = mask.tiles(torch.tensor([[r0, r1]]), chunks)
-            seen = known.some[0].nonzero()[:, 0]  # (chunks some row of the block may see,)
-            if not len(seen):
-                continue  # these rows see no key: every statistic of theirs is 0
-            first, last = int(seen[0]), int(seen[-1])
+        for r0, r1, known, first, last in _row_blocks(mask, chunks, start, stop, max(1, budget // max(1, B * G))):
             a, b = int(chunks[first, 0]), int(chunks[last, 1])
             n, m = r1 - r0, b - a
             # the mask is built only over the chunks the ranges do not know to be seen whole (a causal block's
@@ -116,7 +112,7 @@ def blocks(parts: Parts, runs: list[tuple[int, int]], block_bytes: int) -> Itera
             tile = mask.tile(r0, r1, p0, p1, dtype) if p1 > p0 else (None, None)  # (B|1, H|1, n|1, p) each
             score_mod = parts.score_mod
             idx = None if score_mod is None else mods.indices(B, H, (r0, r1), (a, b), q.device)
-            for h0 in range(0, H, G):
+            for h0 in range(0, H, G) if heads is None else sorted({h // G * G for h in heads}):
                 s = scores[: B * G * n * m].view(B, G, n, m)
                 _scores(q[:, h0 : h0 + G], k[:, h0 // G : h0 // G + 1], w_v, r0, r1, a, b, block_bytes, s)
                 allowed, bias = (_heads(x, h0, G) for x in tile)  # (B|1, G|1, n|1, p) each
@@ -137,6 +133,30 @@ def blocks(parts: Parts, runs: list[tuple[int, int]], block_bytes: int) -> Itera
                 sink = None if sinks is None else _heads(sinks[..., r0:r1, :] if sinks.shape[2] > 1 else sinks, h0, G)
                 w = weights[: B * G * n * m].view(B, G, n, m)
                 yield _softmax(r0, r1, h0, a, s, w, live, sink)
+
+
+def _row_blocks(
+    mask: Mask, chunks: Tensor, start: int, stop: int, room: int
+) -> Iterator[tuple[int, int, mods.Tiles, int, int]]:
+    """The blocks of rows ``[r0, r1)`` of ``[start, stop)`` that see some key, as many rows each as fit ``room``
+    (rows x keys of one head) over the keys they see, never fewer than one: a causal prompt's first rows see few keys
+    and go many to a block. With what the mask's ranges say of them (``Mask.tiles``), and their first and last
+    chunk seen."""
+    r0, n = start, max(1, room // chunks.shape[0] // CHUNK)  # a first guess: rows that fit every key
+    while r0 < stop:
+        n = min(n, stop - r0)
+        while True:
+            known = mask.tiles(torch.tensor([[r0, r0 + n]]), chunks)
+            seen = known.some[0].nonzero()[:, 0]  # (chunks some row of the block may see,)
+            keys = int(chunks[int(seen[-1]), 1] - chunks[int(seen[0]), 0]) if len(seen) else 0
+            fits = max(1, room // max(keys, 1))
+            if n <= fits:
+                break
+            n = fits  # fewer rows see no more keys: this many fit
+        if len(seen):
+            yield r0, r0 + n, known, int(seen[0]), int(seen[-1])
+        r0 += n
+        n = max(1, room // (keys + n)) if keys else fits  # the next rows may see as many keys again as they are
 
 
 def _heads(x: Tensor | None, h0: int, G: int) -> Tensor | None:
