@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import attnkit
+import attnkit.plot
 from attnkit.recording import StatsRecord
 
 

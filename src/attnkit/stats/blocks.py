@@ -83,10 +83,13 @@ def blocks(
     G = H // Hkv  # query heads per key/value head: the heads of a block
     dtype = compute_dtype(q.dtype)
     q, k, _ = zero_dead(q, k, k, mask)  # padding and empty rows hold zeros (NaN there reaches nothing)
-    q, k = q.to(dtype).contiguous(), k.to(dtype).contiguous()  # (a layer's heads are often strided views)
+    # one contiguous copy of the queries, scaled in place once (not every block's scores); a layer's heads are often
+    # strided views, which the products read slowly
+    q = q.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)  # (B, H, Lq, D)
+    k = k.to(dtype).contiguous()  # (B, Hkv, Lk, D)
     w_v = None if parts.w_v is None else parts.w_v.detach().to(dtype)
     if w_v is None:
-        q = q * parts.scale  # (B, H, Lq, D): scaled once, not every block's scores
+        q.mul_(parts.scale)
     protected = None if parts.score_mod is None else mods.protected_storages(parts.score_mod)
     sinks = None if parts.sinks is None else mask.sink_logits(parts.sinks.detach().to(dtype))  # (B|1, H, Lq|1, 1)
     item = torch.finfo(dtype).bits // 8
