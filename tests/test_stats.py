@@ -352,6 +352,24 @@ def test_an_empty_batch_or_no_queries_gives_empty_statistics():
     assert empty.topk_values.shape == (0, 2, 3, 2) and empty.column_sum.shape == (0, 2, 5)
     none = attnkit.attention_stats(torch.randn(1, 2, 0, 4), torch.randn(1, 2, 5, 4), topk=2)
     assert none.entropy.shape == (1, 2, 0) and not none.column_sum.any()
+    # an empty batch at a cache's positions, and no query heads at all
+    call = stats.parts(torch.randn(0, 2, 3, 4), torch.randn(0, 2, 5, 4), query_positions=torch.zeros(0, 3))[0]
+    assert stats.compute(call, 2).distance.shape == (0, 2, 3)
+    headless = attnkit.attention_stats(torch.randn(1, 0, 3, 4), torch.randn(1, 1, 5, 4), topk=2)
+    assert headless.topk_values.shape == (1, 0, 3, 2)
+    with pytest.raises(ValueError, match="topk must be at least 1, got 0"):
+        stats.compute(call, 0)
+    with pytest.raises(ValueError, match=r"heads must be in \[0, 2\), got \[2\]"):
+        stats.rows_of(call, [0], [2])
+
+
+def test_additive_scoring_with_grouped_query_heads():
+    g = torch.Generator().manual_seed(4)
+    q, k, w_v = torch.randn(2, 4, 6, 5, generator=g), torch.randn(2, 2, 70, 5, generator=g), torch.randn(5)
+    want = attention_mods(q.double(), k.double(), k.double(), w_v=w_v.double(), is_causal=True)[1]  # (B, H, Lq, Lk)
+    assert_stats(attnkit.attention_stats(q, k, w_v=w_v, topk=3, is_causal=True), want)
+    parts, _ = stats.parts(q, k, w_v=w_v, is_causal=True)
+    assert_stats(stats.compute(parts, 3, block_bytes=512), want)  # keys in several slices per block
 
 
 def test_a_saved_record_with_values_that_are_not_tensors_is_refused():

@@ -450,3 +450,26 @@ def test_a_static_cache_step_measures_distance_from_the_querys_own_slot():
     gap = (step[:, None, None, None] - torch.arange(9)).abs()  # (B, 1, 1, 9)
     assert max_err(decode.distance, (w * gap).sum(-1)) <= 1e-5
     assert prefill.column_sum.shape == (2, 4, 9) and (prefill.column_sum[..., 3:] == 0).all()
+
+
+def test_slots_through_a_cache_read_a_mask_wider_than_the_keys_and_only_for_causal_models():
+    """Some models build the mask over the whole cache (wider than the keys passed): it is cut to the keys, as for
+    the output. A model that is not causal (cross-attention) keeps the default positions."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g), torch.randn(1, 2, 6, 8)
+    mask = (torch.arange(10) <= 4)[None, None, None]  # (1, 1, 1, 10): the query at slot 4
+
+    class Causal(torch.nn.Module):
+        is_causal = True
+
+    class Cross(torch.nn.Module):
+        is_causal = False
+
+    model = torch.nn.ModuleDict({"causal": Causal(), "cross": Cross()})
+    with attnkit.record_stats(model, topk=2) as rec:
+        attnkit_hf.attention_forward(model["causal"], q, k, v, mask)
+        attnkit_hf.attention_forward(model["cross"], q, k, v, mask)
+    w = attnkit.functional.attention_weights(q.double(), k.double(), attn_mask=mask[..., :6])  # (1, 2, 1, 6)
+    for name, slot in (("causal", 4), ("cross", 5)):  # cross: the default, the last of the 6 keys
+        gap = (slot - torch.arange(6)).abs()  # (6,)
+        assert max_err(rec[name].distance, (w * gap).sum(-1)) <= 1e-5, name

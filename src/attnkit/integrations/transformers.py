@@ -215,8 +215,8 @@ def attention_forward(
     ``value (B, Hkv, Lk, Dv)`` -> ``(output (B, Lq, H, Dv), weights (B, H, Lq, Lk) or None)``."""
     Lq, Lk = query.shape[2], key.shape[2]
     slots = Lk  # the weights come back over every key slot, as eager's
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    causal = causal and Lq > 1 and attention_mask is None  # as transformers' sdpa: the mask says it otherwise
+    model_causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    causal = model_causal and Lq > 1 and attention_mask is None  # as transformers' sdpa: the mask says it otherwise
     if causal and Lk > Lq:
         # a static cache's prefill: the slots past the queries are empty; transformers' causal is top-left
         key, value = key[:, :, :Lq], value[:, :, :Lq]  # (B, Hkv, Lq, D|Dv)
@@ -251,27 +251,28 @@ def attention_forward(
             return weights_over_slots()
 
     def parts() -> stats.Parts:  # called only inside attnkit.record_stats or a record_weights of chosen rows
-        call = stats.parts(query, key, **masks, query_positions=_query_slots(attention_mask, Lq, Lk))[0]
+        slots_seen = _query_slots(masks["attn_mask"], Lq, Lk) if model_causal else None
+        call = stats.parts(query, key, **masks, query_positions=slots_seen)[0]
         return call._replace(slots=slots)
 
     report_weights(module, recorded, kv_heads=key.shape[1], parts=parts)
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, H, Dv)
 
 
-def _query_slots(attention_mask: Tensor | None, Lq: int, Lk: int) -> Tensor | None:
-    """Each query's own cache slot ``(B, Lq)`` in a call through a cache, for the statistics' distance: the last
-    slot it may see (a causal query sees itself last), which a static cache's decode step, left padding and a
-    sliding cache's window put elsewhere than the default ``i + Lk - Lq``; ``None`` without a cache or a mask
-    tensor (the default is right), or for a mask too large to read whole (a long chunk of prefill)."""
-    if attention_mask is None or Lk <= Lq or attention_mask.dim() != 4 or attention_mask.numel() > _SLOT_SCAN:
+def _query_slots(attn_mask: Tensor | None, Lq: int, Lk: int) -> Tensor | None:
+    """Each query's own cache slot ``(B, Lq)`` in a causal model's call through a cache, for the statistics'
+    distance: the last slot it may see (a causal query sees itself last), which a static cache's decode step, left
+    padding and a sliding cache's window put elsewhere than the default ``i + Lk - Lq``. ``attn_mask`` is the call's
+    attnkit mask (:func:`_as_attnkit_mask`: over the ``Lk`` keys, ``True`` or finite where a key may be seen);
+    ``None`` without a cache or a mask (the default is right), or for a mask too large to read whole (a long chunk
+    of prefill)."""
+    if attn_mask is None or Lk <= Lq or attn_mask.dim() != 4 or attn_mask.numel() > _SLOT_SCAN:
         return None
-    if attention_mask.dtype == torch.bool:
-        allowed = attention_mask[:, 0]  # (B, Lq, Lk)
-    else:
-        allowed = attention_mask[:, 0] > torch.finfo(attention_mask.dtype).min / 2  # (B, Lq, Lk)
-    last = torch.where(allowed, torch.arange(Lk, device=allowed.device), -1).amax(dim=-1)  # (B, Lq)
-    default = torch.arange(Lk - Lq, Lk, device=allowed.device)  # (Lq,)
-    return torch.where(last >= 0, last, default)  # (B, Lq)
+    seen = attn_mask if attn_mask.dtype == torch.bool else ~torch.isneginf(attn_mask)  # (B|1, 1|H, Lq|1, Lk)
+    seen = seen.any(dim=1).expand(-1, Lq, Lk)  # (B|1, Lq, Lk)
+    last = torch.where(seen, torch.arange(Lk, device=seen.device), -1).amax(dim=-1)  # (B|1, Lq)
+    default = torch.arange(Lk - Lq, Lk, device=seen.device)  # (Lq,)
+    return torch.where(last >= 0, last, default)  # (B|1, Lq)
 
 
 # The largest mask _query_slots reads (elements): a decode step's or a short chunk's.

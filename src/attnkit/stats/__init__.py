@@ -114,6 +114,7 @@ def compute(
     parts: Parts, topk: int, sink_keys: int = SINK_KEYS, block_bytes: int = BLOCK_BYTES, kv_heads: int | None = None
 ) -> AttentionStats:
     """The statistics of the call ``parts``, block by block (see the module docstring)."""
+    check_topk(topk, sink_keys)
     q, k = parts.q.detach(), parts.k.detach()
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
@@ -131,14 +132,17 @@ def compute(
 
 def rows_of(parts: Parts, rows: list[int], heads: list[int] | None = None, block_bytes: int = BLOCK_BYTES) -> Tensor:
     """The whole weights of the query ``rows`` (sorted, distinct) of the ``heads`` given (all: ``None``),
-    ``(B, h, len(rows), Lk)`` in the compute dtype, block by block: the last query of a long prompt, or one head's
-    weights, without the ``H x Lq x Lk`` tensor of every head."""
+    ``(B, h, len(rows), max(Lk, parts.slots))`` in the compute dtype, block by block: the last query of a long prompt,
+    or one head's weights, without the ``H x Lq x Lk`` tensor of every head."""
     q, k = parts.q, parts.k
-    B, H, _, _ = q.shape
+    B, H, Lq, _ = q.shape
     heads = list(range(H)) if heads is None else heads
-    out = torch.zeros(
-        B, len(heads), len(rows), max(k.shape[2], parts.slots), dtype=compute_dtype(q.dtype), device=q.device
-    )
+    for name, chosen, size in (("heads", heads, H), ("rows", rows, Lq)):
+        wrong = [i for i in chosen if not 0 <= i < size]
+        if wrong:
+            raise ValueError(f"{name} must be in [0, {size}), got {wrong}")
+    width = max(k.shape[2], parts.slots)
+    out = torch.zeros(B, len(heads), len(rows), width, dtype=compute_dtype(q.dtype), device=q.device)  # (B, h, q, Lk)
     runs, start = [], 0  # maximal runs of consecutive rows: (first row, one past its last)
     for i in range(1, len(rows) + 1):
         if i == len(rows) or rows[i] != rows[i - 1] + 1:
@@ -245,7 +249,8 @@ def attention_stats(
     """The statistics of the weights of one call, without the weights: what :func:`attnkit.record_stats` keeps.
 
     Dot-product scoring, or additive scoring when ``w_v`` is given; the other arguments and the shapes are those of
-    :func:`attnkit.scaled_dot_product_attention`. Memory: the result and one block of :data:`BLOCK_BYTES`.
+    :func:`attnkit.scaled_dot_product_attention`. Memory: the result, two buffers of :data:`BLOCK_BYTES` (a block's
+    weights and scores) and a contiguous copy of ``k``.
 
     Args:
         topk: how many of each row's largest weights to keep. A row with fewer keys (or fewer it sees) than

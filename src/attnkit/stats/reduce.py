@@ -50,14 +50,15 @@ def reduce(sums: Sums, block: Block, where: Where, sink_keys: int) -> None:
     sums.values[:, heads, r0:r1] = values
     sums.indices[:, heads, r0:r1] = torch.where(values > 0, indices + a, -1)
     mass = None if normalized else w.sum(dim=-1)  # (B, H, n); None: 1
+    total: Tensor | float = 1.0 if mass is None else mass
     # -sum_j w log w = lse sum_j w - sum_j w t; with keep: -sum_j keep w log(keep w)
-    entropy = lse[..., 0] * (1.0 if mass is None else mass) - t.mul_(w).sum(dim=-1)  # (B, H, n): t is spent
+    entropy = lse[..., 0] * total - t.mul_(w).sum(dim=-1)  # (B, H, n): t is spent
     if share is not None:
-        entropy = share[..., 0] * entropy - torch.special.xlogy(share[..., 0], share[..., 0]) * (
-            1.0 if mass is None else mass
-        )
+        entropy = share[..., 0] * entropy - torch.special.xlogy(share[..., 0], share[..., 0]) * total  # (B, H, n)
     sums.entropy[:, heads, r0:r1] = entropy
-    coefficient = w.new_ones(1, 1, 1, 1).expand(B, H, 1, n) if share is None else share.transpose(-1, -2)
+    coefficient = (
+        w.new_ones(1, 1, 1, 1).expand(B, H, 1, n) if share is None else share.transpose(-1, -2)
+    )  # (B, H, 1, n)
     sums.column[:, heads, a : a + m] += (coefficient @ w)[:, :, 0]  # (B, H, m): a product reads w faster than a sum
     if where.key_positions is not None:
         first = (where.key_positions[:, None, None, a : a + m] < sink_keys).to(w.dtype)  # (B, 1, 1, m)
@@ -116,7 +117,8 @@ def _distance(w: Tensor, mass: Tensor | None, r0: int, r1: int, a: int, where: W
         lowest, highest = r0 + Lk - Lq, r1 - 1 + Lk - Lq
     else:
         qpos = where.query_positions[:, None, r0:r1, None].to(dtype)  # (B, 1, n, 1)
-        lowest, highest = int(where.query_positions[:, r0:r1].min()), int(where.query_positions[:, r0:r1].max())
+        chosen = where.query_positions[:, r0:r1]  # (B|1, n)
+        lowest, highest = (int(chosen.min()), int(chosen.max())) if chosen.numel() else (0, 0)
     if where.key_positions is not None:  # a sliding cache's ring: as many keys as its window, each read once
         kpos = where.key_positions[:, None, None, a : a + m].to(dtype)  # (B, 1, 1, m)
         total = (w * (qpos - kpos).abs_()).sum(dim=-1)  # (B, H, n)
