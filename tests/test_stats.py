@@ -376,3 +376,47 @@ def test_a_saved_record_with_values_that_are_not_tensors_is_refused():
     fields = dict.fromkeys(["topk_values", "topk_indices", "entropy", "column_sum", "distance", "sink_mass"], 1)
     with pytest.raises(ValueError, match="hold tensors"):
         attnkit.recording.StatsRecord.from_dict({"attnkit_stats": 1, "calls": {"a": [fields]}})
+    good = attnkit.attention_stats(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), topk=2).as_dict()
+    bad = dict(good, entropy=good["entropy"][..., None])  # (1, 2, 3, 1): not the rows of the top-k
+    with pytest.raises(ValueError, match="shapes that do not fit together"):
+        attnkit.recording.StatsRecord.from_dict({"attnkit_stats": 1, "calls": {"a": [bad]}})
+    with pytest.raises(ValueError, match=r"topk must be below 2147483648 \(more than any row has keys\), got 10{12}"):
+        attnkit.attention_stats(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), topk=10**12)
+
+
+def test_a_head_attending_next_to_its_queries_keeps_every_digit_of_its_distance():
+    """Each query puts ~0.1% of its weight on the key before it: the distance is that weight, ~9.1e-4, at every
+    position of a long sequence (a product over all keys would round it at the positions' size)."""
+    L = 3000
+    q, k = torch.ones(1, 1, L, 1), torch.zeros(1, 1, L, 1)
+    k[0, 0, 1::2] = 7.0  # keys alternate scores 0 and 7
+    kw = {"scale": 1.0, "mask_mod": mods.sliding_window(2)}
+    found = attnkit.attention_stats(q, k, topk=1, **kw)
+    w = attnkit.functional.attention_weights(q.double(), k.double(), **kw)  # (1, 1, L, L)
+    exact = (w * (torch.arange(L)[:, None] - torch.arange(L)).abs()).sum(-1)  # (1, 1, L)
+    assert ((found.distance.double() - exact).abs() / exact.clamp_min(1e-12))[..., 1:].max() <= 1e-6
+
+
+def test_rows_chosen_by_a_reversed_slice_and_grouped_heads_kept_with_chosen_rows():
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(16, 4, num_kv_heads=2).eval()
+    x = torch.randn(1, 5, 16)
+    with attnkit.record_weights(mha) as whole, attnkit.record_weights(mha, queries=slice(None, None, -2)) as rev:
+        mha(x, x, x, is_causal=True)
+    assert rev.selected[""] == ([0, 1, 2, 3], [0, 2, 4])  # the rows named, in order
+    assert torch.allclose(rev[""], whole[""][:, :, [0, 2, 4]], atol=1e-7)
+    assert rev.kv_heads == {"": 2}  # every head kept: still grouped
+
+
+def test_the_page_of_a_d2l_model_leaves_out_its_inner_attention_or_shows_it_as_one_head(tmp_path):
+    import attnkit.plot
+    from attnkit import d2l
+
+    mha, additive = d2l.MultiHeadAttention(16, 4, 0.0).eval(), d2l.AdditiveAttention(16, 0.0).eval()
+    x = torch.randn(2, 5, 16)
+    with attnkit.record_stats(mha, topk=2) as layered, attnkit.record_stats(additive, topk=2) as alone:
+        mha(x, x, x, torch.tensor([5, 3]))
+        additive(x, x, x, torch.tensor([5, 3]))
+    page = attnkit.plot.view(layered, path=tmp_path / "mha.html").path.read_text()
+    assert "Left out, having no head axis" in page and "attention" in page
+    assert attnkit.plot.view(alone, path=tmp_path / "additive.html").path.stat().st_size > 0

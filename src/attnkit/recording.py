@@ -230,8 +230,8 @@ def report_weights(
         else:
             assert isinstance(record, WeightRecord)
             kept, chosen = _selected(recording, name, whole, the_parts())
-            # the chosen heads are no longer whole key/value groups: the record says nothing of groups
-            record.add(name, kept, kv_heads if chosen[0] is None else None)
+            # chosen heads are no longer whole key/value groups: the record says nothing of groups then
+            record.add(name, kept, kv_heads if recording.heads is None else None)
             record.selected[name] = chosen
 
 
@@ -278,7 +278,7 @@ def _indices(chosen: Index | None, size: int, what: str, has: str) -> list[int]:
     if chosen is None:
         return list(range(size))
     if isinstance(chosen, slice):
-        return list(range(size))[chosen]
+        return sorted(range(size)[chosen])  # (a negative step names the same indices, kept in order)
     picked = [chosen] if isinstance(chosen, int) else list(chosen)
     out = set()
     for i in picked:

@@ -63,6 +63,8 @@ __all__ = [
 BLOCK_BYTES = 16 * 2**20
 # The first keys whose weight sink_mass sums, by default (StreamingLLM keeps 4).
 SINK_KEYS = 4
+# topk at or past this is refused: rows past their keys are padded, and so large a pad is a mistake, not a request.
+TOPK_LIMIT = 2**31
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,16 @@ class AttentionStats:
         wrong = sorted(n for n, v in kept.items() if n not in ("sink_keys", "kv_heads") and not isinstance(v, Tensor))
         if wrong:
             raise ValueError(f"attention statistics hold tensors; {', '.join(wrong)} is not one")
+        rows = kept["entropy"].shape  # (B, H, Lq) or (B, Lq)
+        shapes = {n: tuple(kept[n].shape) for n in ("topk_values", "topk_indices", "entropy", "column_sum")}
+        if (
+            kept["topk_values"].shape[:-1] != rows
+            or kept["topk_indices"].shape != kept["topk_values"].shape
+            or kept["distance"].shape != rows
+            or kept["sink_mass"].shape != rows
+            or kept["column_sum"].shape[:-1] != rows[:-1]
+        ):
+            raise ValueError(f"attention statistics of shapes that do not fit together: {shapes}")
         return cls(**kept)
 
 
@@ -223,12 +235,14 @@ def parts(
 
 
 def check_topk(topk: object, sink_keys: object = SINK_KEYS) -> None:
-    """``topk`` a whole number >= 1, ``sink_keys`` one >= 0 (``bool`` is neither)."""
+    """``topk`` a whole number in ``[1, 2**31)``, ``sink_keys`` one >= 0 (``bool`` is neither)."""
     for name, value, least in (("topk", topk, 1), ("sink_keys", sink_keys, 0)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
         if value < least:
             raise ValueError(f"{name} must be at least {least}, got {value}")
+    if topk >= TOPK_LIMIT:  # type: ignore[operator]
+        raise ValueError(f"topk must be below {TOPK_LIMIT} (more than any row has keys), got {topk}")
 
 
 def attention_stats(

@@ -123,21 +123,23 @@ def _distance(w: Tensor, mass: Tensor | None, r0: int, r1: int, a: int, where: W
         kpos = where.key_positions[:, None, None, a : a + m].to(dtype)  # (B, 1, 1, m)
         total = (w * (qpos - kpos).abs_()).sum(dim=-1)  # (B, H, n)
     else:
-        # |p - j| = (p - j) + 2 max(0, j - p): one product with the keys' positions over the block, then the keys
-        # that may stand after some query: [hi, m) after every query of the block (a product again), the band
-        # [lo, hi) key by key (as wide as the block's queries are apart; a causal block sees no key past it).
-        # Positions are taken from the block's first query's, so that a head attending near its queries loses no
-        # digits to the distance from the start.
-        lo = min(max(lowest - a + 1, 0), m)
-        hi = min(max(highest - a, lo), m)
-        keys = torch.arange(a - lowest, a - lowest + m, device=device, dtype=dtype)  # (m,)
+        # keys at least R before every query of the block ([0, lo)) or after every one ([hi, m)): there the distance
+        # is linear in the key, one product with the keys' positions each, whose rounding (of the positions' size
+        # less the block's first query's) is small beside distances of R or more; the keys between, within R of some
+        # query, are read key by key, exactly: a head attending next to its queries keeps every digit
+        R = max(r1 - r0, CHUNK)
+        lo = min(max(lowest - R - a, 0), m)
+        hi = min(max(highest + R + 1 - a, lo), m)
+        keys = torch.arange(a - lowest, a - lowest + m, device=device, dtype=dtype)  # (m,): from the first query
         rel = (qpos - lowest).view(*qpos.shape[:-1])  # (B|1, 1, n)
-        total = rel * (1.0 if mass is None else mass) - w @ keys  # (B, H, n)
+        total = torch.zeros(B, H, n, device=device, dtype=dtype)
+        if lo > 0:
+            total += rel * w[..., :lo].sum(dim=-1) - w[..., :lo] @ keys[:lo]  # (B, H, n)
         if hi < m:
-            total += 2 * (w[..., hi:] @ keys[hi:] - rel * w[..., hi:].sum(dim=-1))  # (B, H, n)
+            total += w[..., hi:] @ keys[hi:] - rel * w[..., hi:].sum(dim=-1)  # (B, H, n)
         if hi > lo:
-            band = (keys[lo:hi] - (qpos - lowest)).clamp_min_(0.0)  # (B|1, 1, n, hi - lo)
-            total += 2 * (w[..., lo:hi] * band).sum(dim=-1)  # (B, H, n)
+            near = (keys[lo:hi] - (qpos - lowest)).abs_()  # (B|1, 1, n, hi - lo)
+            total += (w[..., lo:hi] * near).sum(dim=-1)  # (B, H, n)
     if mass is None:
         return total
     return torch.where(mass > 0, total / mass.clamp_min(torch.finfo(dtype).tiny), 0.0)  # (B, H, n)

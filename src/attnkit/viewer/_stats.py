@@ -3,6 +3,7 @@ query's strongest keys, and the series along the sequence (see :func:`attnkit.vi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,10 +37,17 @@ def encode(record: Any, tokens: Sequence[Any] | None, example: int, title: str) 
         raise ValueError("the statistics record is empty: no attention module was called inside record_stats")
     names = list(record)
     calls = {n: record.calls(n) for n in names}
+    # statistics without a head axis (the book's inner attention over (B*H) rows, or a one-head layer): left out
+    # beside layers with heads (their outer layer is shown), else shown as one head each
+    headless = [n for n in names if calls[n][-1].entropy.dim() != 3]
+    if len(headless) < len(names):
+        names = [n for n in names if n not in headless]
+    else:
+        calls = {n: [_one_head(s) for s in calls[n]] for n in names}
     for n in names:
         for s in calls[n]:
             if s.entropy.dim() != 3:
-                raise ValueError(f"{n or '(model)'!r}: statistics without a head axis cannot be viewed per head")
+                raise ValueError(f"{n or '(model)'!r}: its calls' statistics do not all have a head axis")
             if not 0 <= example < s.entropy.shape[0]:
                 raise ValueError(f"example {example} is past the batch of {s.entropy.shape[0]} in {n or '(model)'!r}")
     rows = sum(s.entropy.shape[1] * s.entropy.shape[2] for n in names for s in calls[n])
@@ -55,10 +63,15 @@ def encode(record: Any, tokens: Sequence[Any] | None, example: int, title: str) 
         layers.append(
             {"name": n or "(model)", "heads": int(first.entropy.shape[1]), "kv": first.kv_heads, "calls": encoded}
         )
+    left_out = [n for n in headless if n not in names]
     notes = [
         f"Statistics of every query row, from attnkit.record_stats (top-{record.topk}, sink mass over the first "
         f"{record.sink_keys} keys): no weight matrix was kept. Summaries average the rows that see some key.",
     ]
+    if left_out:
+        notes.append(
+            f"Left out, having no head axis (the book's inner attention: its layer is shown): {', '.join(left_out)}."
+        )
     if k_page < record.topk:
         notes.append(
             f"Reduced: {rows:,} rows keep their {k_page} strongest keys of the {record.topk} recorded "
@@ -82,6 +95,13 @@ def encode(record: Any, tokens: Sequence[Any] | None, example: int, title: str) 
         "layers": layers,
         "blobs": blobs.items,
     }
+
+
+def _one_head(s: Any) -> Any:
+    """Statistics without a head axis as those of one head."""
+    if s.entropy.dim() != 2:
+        return s
+    return dataclasses.replace(s, **{name: t.unsqueeze(1) for name, t in s.tensors().items()})
 
 
 def _call(s: Any, example: int, k: int, wide: bool, blobs: _Blobs) -> dict[str, Any]:
