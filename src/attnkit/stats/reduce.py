@@ -89,16 +89,17 @@ def _topk(w: Tensor, k: int, maxima: Tensor | None) -> tuple[Tensor, Tensor]:
         grouped = w[..., : whole * CHUNK].unflatten(-1, (whole, CHUNK))  # (B, H, n, c, CHUNK)
         if maxima is None:
             maxima = grouped.amax(dim=-1)  # (B, H, n, c)
-        chosen = maxima.topk(k, dim=-1).indices  # (B, H, n, k): chunks that may hold the k largest
+        chosen = maxima.topk(k, dim=-1, sorted=False).indices  # (B, H, n, k): chunks that may hold the k largest
         picked = grouped.gather(3, chosen[..., None].expand(B, H, n, k, CHUNK))  # (B, H, n, k, CHUNK)
-        columns = (chosen[..., None] * CHUNK + torch.arange(CHUNK, device=w.device)).flatten(-2)  # (B, H, n, k*C)
         candidates = picked.flatten(-2)  # (B, H, n, k*CHUNK)
         if m > whole * CHUNK:  # the columns past the last whole chunk are always candidates
-            tail = torch.arange(whole * CHUNK, m, device=w.device).expand(B, H, n, -1)  # (B, H, n, m % CHUNK)
-            candidates = torch.cat([candidates, w[..., whole * CHUNK :]], dim=-1)
-            columns = torch.cat([columns, tail], dim=-1)
+            candidates = torch.cat([candidates, w[..., whole * CHUNK :]], dim=-1)  # (B, H, n, k*CHUNK + m % CHUNK)
         top = candidates.topk(k, dim=-1)  # (B, H, n, k) each
-        values, indices = top.values, columns.gather(-1, top.indices)
+        # the column of candidate c: in chosen chunk c // CHUNK at c % CHUNK, or past the whole chunks
+        at = top.indices  # (B, H, n, k)
+        indices = chosen.gather(-1, (at // CHUNK).clamp_max_(k - 1)) * CHUNK + at % CHUNK  # (B, H, n, k)
+        indices = torch.where(at >= k * CHUNK, at - k * CHUNK + whole * CHUNK, indices)
+        values = top.values
     if values.shape[-1] < k:
         pad = k - values.shape[-1]
         values = torch.nn.functional.pad(values, (0, pad))  # (B, H, n, k)
