@@ -151,16 +151,17 @@ def _row_blocks(
     chunk seen."""
     r0, n = start, max(1, room // chunks.shape[0] // CHUNK)  # a first guess: rows that fit every key
     while r0 < stop:
-        n, grown = min(n, stop - r0), 0
+        n, grown, fitted = min(n, stop - r0), 0, 0  # fitted: the most rows found to fit before growing
         while True:
             known = mask.tiles(torch.tensor([[r0, r0 + n]]), chunks)
             seen = known.some[0].nonzero()[:, 0]  # (chunks some row of the block may see,)
             keys = int(chunks[int(seen[-1]), 1] - chunks[int(seen[0]), 0]) if len(seen) else 0
             fits = max(1, room // max(keys, 1))
             if n > fits:
-                n = fits  # fewer rows see no more keys: this many fit
+                n = max(fits, fitted)  # fewer rows see no more keys: this many fit (or as many as did)
             elif grown < 2 and 2 * n <= fits and r0 + n < stop:
-                n, grown = min(fits, stop - r0), grown + 1  # half the room or less: more rows may fit (twice at most)
+                # half the room or less: more rows may fit (twice at most)
+                fitted, n, grown = n, min(fits, stop - r0), grown + 1
             else:
                 break
         if len(seen):
