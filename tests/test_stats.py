@@ -3,6 +3,7 @@ whole weights, written here from their definitions."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -144,6 +145,39 @@ def test_long_rows_take_the_chunked_top_k_search_and_the_distance_bands(kw):
         ref["mask_mod"] = mathref.sliding_window(40, 300, 700)
     found = stats.compute(stats.parts(q, k, **kw)[0], 3, block_bytes=2**17)  # 11 rows a block
     assert_stats(found, weights64(q, k, ref))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.integers(1, 700),
+    st.integers(1, 20),
+    st.sampled_from(["random", "ties", "few values", "zeros"]),
+    st.integers(0, 2**31 - 1),
+)
+def test_the_chunked_top_k_search_finds_the_k_largest_with_their_columns(rows, m, k, kind, seed):
+    """The search through chunk and group maxima (rows long enough to take it, and shorter ones), against a sort of
+    the whole row: the same values, and each column naming a weight equal to its value (ties among equal values
+    name any of them)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(1, 2, rows, m, generator=g, dtype=torch.float64)
+    if kind == "ties":
+        w = (w * 4).floor() / 4  # four values, each many times
+    elif kind == "few values":
+        w = torch.where(torch.rand(w.shape, generator=g, dtype=torch.float64) < 0.01, w, 0.0)
+    elif kind == "zeros":
+        w = torch.zeros_like(w)
+    maxima = w[..., : m // stats.CHUNK * stats.CHUNK].unflatten(-1, (m // stats.CHUNK, stats.CHUNK)).amax(-1)
+    reduce_module = sys.modules["attnkit.stats.reduce"]
+    for given_maxima in (None, maxima):
+        values, indices = reduce_module._topk(w, k, given_maxima)
+        want = torch.nn.functional.pad(w, (0, max(0, k - m))).sort(dim=-1, descending=True).values[..., :k]
+        assert torch.equal(values, want)
+        named = w.gather(-1, indices.clamp_min(0))
+        assert torch.equal(torch.where(indices >= 0, named, 0.0), values)
+        assert bool((indices[..., : min(k, m)] >= 0).all()) and bool((indices[..., m:] == -1).all())
+        distinct = indices[..., : min(k, m)].sort(dim=-1).values
+        assert bool((distinct[..., 1:] != distinct[..., :-1]).all())  # no column named twice
 
 
 def test_float64_and_low_precision():

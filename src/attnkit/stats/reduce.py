@@ -13,6 +13,9 @@ __all__ = ["Sums", "Where", "reduce"]
 
 # B batch, H heads, Lq/Lk query/key length, n rows of a block, m keys of a block, c whole chunks of them, k the top-k
 
+# Strided groups of a chosen chunk the top-k search ranks by their maxima before reading values (see _topk).
+GROUPS = 8
+
 
 class Where(NamedTuple):
     """Where a call's queries and keys stand: ``Lq``, ``Lk``, and the positions given (see the module docstring)."""
@@ -76,35 +79,64 @@ def reduce(sums: Sums, block: Block, where: Where, sink_keys: int) -> None:
 def _topk(w: Tensor, k: int, maxima: Tensor | None) -> tuple[Tensor, Tensor]:
     """The ``k`` largest of each row of ``w (B, H, n, m)`` and their columns, descending; rows of fewer than ``k``
     columns padded with 0 (column -1). ``maxima (B, H, n, c)`` ranks each row's whole chunks of :data:`CHUNK`
-    columns as their largest weights would (``None``: taken from ``w``). Only the ``k`` chunks of largest maxima and
-    the columns past the last whole chunk are read again: the chunk of any of the k largest has a maximum at least
-    the k-th largest, and the k chunks of largest maxima include every chunk whose maximum exceeds the k-th largest
-    (ties may name other chunks, of equal values: the values found are the k largest all the same)."""
+    columns as their largest weights would (``None``: taken from ``w``).
+
+    The search narrows twice by the same argument: a group's largest value ranks the group, and the ``k`` groups of
+    largest maxima hold the ``k`` largest values (the group of any of them has a maximum at least the k-th largest,
+    and every group whose maximum exceeds it is among the k chosen; ties may name other groups, of equal values:
+    the values found are the k largest all the same). First the ``k`` chunks of largest maxima, then, of their
+    ``k * CHUNK`` values, the ``k`` groups of largest maxima among :data:`GROUPS` strided groups a chunk (columns
+    ``j, j + GROUPS, ...`` of it); ``torch.topk`` reads ``k * CHUNK / GROUPS`` values a row at the end, not
+    ``k * CHUNK``. The columns past the last whole chunk are always candidates."""
     B, H, n, m = w.shape
     whole = m // CHUNK
     if whole <= 2 * k:  # too few chunks to leave out
         top = w.topk(min(k, m), dim=-1)  # (B, H, n, <=k) each
         values, indices = top.values, top.indices
     else:
-        grouped = w[..., : whole * CHUNK].unflatten(-1, (whole, CHUNK))  # (B, H, n, c, CHUNK)
+        w = w.contiguous()  # (B, H, n, m): a block's already; whole weights given may be a view
         if maxima is None:
-            maxima = grouped.amax(dim=-1)  # (B, H, n, c)
+            maxima = w[..., : whole * CHUNK].unflatten(-1, (whole, CHUNK)).amax(dim=-1)  # (B, H, n, c)
         chosen = maxima.topk(k, dim=-1, sorted=False).indices  # (B, H, n, k): chunks that may hold the k largest
-        picked = grouped.gather(3, chosen[..., None].expand(B, H, n, k, CHUNK))  # (B, H, n, k, CHUNK)
-        candidates = picked.flatten(-2)  # (B, H, n, k*CHUNK)
-        if m > whole * CHUNK:  # the columns past the last whole chunk are always candidates
-            candidates = torch.cat([candidates, w[..., whole * CHUNK :]], dim=-1)  # (B, H, n, k*CHUNK + m % CHUNK)
+        starts = _row_starts(w, m) + chosen * CHUNK  # (B, H, n, k): where each chosen chunk starts in w
+        picked = _windows(w, starts, CHUNK, 1)  # (B, H, n, k, CHUNK)
+        per = CHUNK // GROUPS  # values a group
+        groups = picked.view(B, H, n, k, per, GROUPS).amax(dim=-2).view(B, H, n, k * GROUPS)  # (B, H, n, k*GROUPS)
+        kept = groups.topk(k, dim=-1, sorted=False).indices  # (B, H, n, k): groups that may hold the k largest
+        # group g of the picked values: chunk slot g // GROUPS, its columns g % GROUPS + GROUPS * i
+        at_group = _row_starts(picked, k * CHUNK) + kept // GROUPS * CHUNK + kept % GROUPS  # (B, H, n, k)
+        candidates = _windows(picked, at_group, per, GROUPS).view(B, H, n, k * per)  # (B, H, n, k*per)
+        if m > whole * CHUNK:  # the columns past the last whole chunk
+            candidates = torch.cat([candidates, w[..., whole * CHUNK :]], dim=-1)  # (B, H, n, k*per + m % CHUNK)
         top = candidates.topk(k, dim=-1)  # (B, H, n, k) each
-        # the column of candidate c: in chosen chunk c // CHUNK at c % CHUNK, or past the whole chunks
+        # candidate p: value p % per of kept group p // per, or past the whole chunks
         at = top.indices  # (B, H, n, k)
-        indices = chosen.gather(-1, (at // CHUNK).clamp_max_(k - 1)) * CHUNK + at % CHUNK  # (B, H, n, k)
-        indices = torch.where(at >= k * CHUNK, at - k * CHUNK + whole * CHUNK, indices)
+        group = kept.gather(-1, (at // per).clamp_max_(k - 1))  # (B, H, n, k)
+        slot = group // GROUPS  # (B, H, n, k): which chosen chunk
+        indices = chosen.gather(-1, slot) * CHUNK + group % GROUPS + at % per * GROUPS  # (B, H, n, k)
+        indices = torch.where(at >= k * per, at - k * per + whole * CHUNK, indices)
         values = top.values
     if values.shape[-1] < k:
         pad = k - values.shape[-1]
         values = torch.nn.functional.pad(values, (0, pad))  # (B, H, n, k)
         indices = torch.nn.functional.pad(indices, (0, pad), value=-1)  # (B, H, n, k)
     return values, indices
+
+
+def _row_starts(x: Tensor, width: int) -> Tensor:
+    """Where each row of a contiguous ``x (B, H, n, ...)`` of ``width`` elements a row starts: ``(B, H, n, 1)``."""
+    B, H, n = x.shape[:3]
+    return torch.arange(0, B * H * n * width, width, device=x.device).view(B, H, n, 1)
+
+
+def _windows(x: Tensor, starts: Tensor, size: int, step: int) -> Tensor:
+    """The ``size`` elements ``start, start + step, ...`` of contiguous ``x`` from each of ``starts (B, H, n, j)``:
+    ``(B, H, n, j, size)``. One ``index_select`` of the rows of a view whose row ``r`` holds those elements from
+    ``r`` on: a ``gather`` of the same values is ~25x slower (docs/benchmarks.md)."""
+    flat = x.reshape(-1)  # a view: x is contiguous
+    span = (size - 1) * step + 1  # elements a window covers
+    windows = flat.as_strided((flat.numel() - span + 1, size), (1, step))  # (elements - span + 1, size)
+    return windows.index_select(0, starts.reshape(-1)).view(*starts.shape, size)  # (B, H, n, j, size)
 
 
 def _distance(w: Tensor, mass: Tensor | None, r0: int, r1: int, a: int, where: Where) -> Tensor:
