@@ -268,6 +268,34 @@ def test_d2l_layers_and_their_inner_attention():
     assert_stats(rec[""], rw[""].double())
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_d2l_inner_attention_through_a_cache_stands_at_the_cache_positions(window):
+    """The book's inner attention, called by its MultiHeadAttention through a KVCache (a sliding one's ring holds
+    positions out of order): its statistics, heads folded into the batch, are the layer's own, call by call."""
+    from attnkit import d2l
+
+    torch.manual_seed(0)
+    mha = d2l.MultiHeadAttention(16, 4, 0.0).double().eval()
+    cache = attnkit.KVCache(window=window)
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    with attnkit.record_stats(mha, topk=3) as rec:
+        mha(x[:, :5], x[:, :5], x[:, :5], torch.tensor([5, 3]), is_causal=True, cache=cache)
+        for i in range(5, 9):
+            mha(x[:, i : i + 1], x[:, i : i + 1], x[:, i : i + 1], None, cache=cache)
+    assert len(rec.calls("attention")) == len(rec.calls("")) == 5
+    for outer, inner in zip(rec.calls(""), rec.calls("attention"), strict=True):
+        for name in ("topk_values", "entropy", "column_sum", "distance", "sink_mass"):
+            want = getattr(outer, name).flatten(0, 1)  # (B, H, ...) -> (B*H, ...)
+            assert torch.allclose(getattr(inner, name), want, atol=1e-12), name
+    if window is not None:  # the last step sees its row's last 4 positions: distances of 0 to 3
+        assert bool((rec["attention"].distance <= 3 + 1e-9).all())
+    # called directly, the inner attention keeps the default positions
+    q = torch.randn(3, 2, 4, dtype=torch.float64)
+    with attnkit.record_stats(mha.attention, topk=1) as alone:
+        mha.attention(q, q, q, None)
+    assert torch.allclose(alone[""].distance, stats.from_weights(mha.attention.attention_weights, 1).distance)
+
+
 def test_selected_weights_of_a_long_prompt_are_computed_a_block_at_a_time(monkeypatch):
     torch.manual_seed(0)
     mha = attnkit.MultiHeadAttention(32, 4).eval()

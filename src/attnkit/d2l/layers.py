@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -14,11 +15,28 @@ from attnkit._checks import as_lengths, check_dropout, describe, listed
 from attnkit.cache import CrossKVCache, KVCache, Positions
 from attnkit.d2l.functions import transpose_output, transpose_qkv
 from attnkit.d2l.signatures import bind, check_book_inputs, check_valid_lens, unbuilt
-from attnkit.recording import report_weights
+from attnkit.recording import is_recording, report_weights
 
 __all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention"]
 
 # B batch, H heads, Lq/Lk query/key length, d head dim
+
+# Where the calls of a MultiHeadAttention's inner attention stand while it attends through a KVCache: that inner
+# module, the cache's positions ((B, Lq), (B, Lk)), and the heads folded into its batch.
+_INNER_POSITIONS: ContextVar[tuple[nn.Module, Positions, int] | None] = ContextVar(
+    "attnkit_d2l_inner_positions", default=None
+)
+
+
+def _positions_of(module: nn.Module) -> Positions | None:
+    """Where the call of ``module`` stands for the statistics recorded of it: a KVCache's positions, one row per
+    folded head ``(B*H, L)``, while a :class:`MultiHeadAttention` calls it through one (a ring's slots hold positions
+    out of order); ``None``, the default positions, otherwise or while nothing records."""
+    found = _INNER_POSITIONS.get()
+    if found is None or found[0] is not module or not is_recording():
+        return None
+    _, (queries, keys), heads = found
+    return tuple(None if p is None else p.repeat_interleave(heads, dim=0) for p in (queries, keys))  # (B*H, L)
 
 
 class DotProductAttention(nn.Module):
@@ -102,7 +120,7 @@ class DotProductAttention(nn.Module):
         self._scored, self._scores = (q, k, q._version, k._version), None
         # For looking at, as in the book; detached, so it holds no graph (copy.deepcopy works, memory is freed).
         self.attention_weights = weights.detach() if weights is not None else None
-        report_weights(self, weights)  # for attnkit.record_weights
+        report_weights(self, weights, positions=_positions_of(self))  # for attnkit.record_weights and record_stats
         return out
 
 
@@ -170,7 +188,8 @@ class AdditiveAttention(nn.Module):
             need_weights=True,
         )
         self.attention_weights = weights.detach() if weights is not None else None  # as in DotProductAttention
-        report_weights(self, self.attention_weights)  # for attnkit.record_weights
+        # for attnkit.record_weights and record_stats
+        report_weights(self, self.attention_weights, positions=_positions_of(self))
         return out
 
 
@@ -298,7 +317,15 @@ class MultiHeadAttention(nn.Module):
                 tracer.add("repeat attn_mask", [attn_mask], folded, "(B, 1, Lq, Lk) -> (B*H, Lq, Lk)")
             attn_mask = folded
         extra = {} if zeros_past is None else {"zeros_past": zeros_past}  # (a replaced .attention need not take it)
-        output = self.attention(queries, keys, values, valid_lens, attn_mask=attn_mask, is_causal=is_causal, **extra)
+        # the inner attention's statistics stand at the cache's positions, not at its slots
+        token = None if positions is None else _INNER_POSITIONS.set((self.attention, positions, H))
+        try:
+            output = self.attention(
+                queries, keys, values, valid_lens, attn_mask=attn_mask, is_causal=is_causal, **extra
+            )  # (B*H, Lq, h/H)
+        finally:
+            if token is not None:
+                _INNER_POSITIONS.reset(token)
         # for attnkit.record_weights and record_stats, in its layout
         report_weights(self, self._weights_by_head, positions=positions)
         output_concat = self.transpose_output(output)  # (B*H, Lq, h/H) -> (B, Lq, h)
