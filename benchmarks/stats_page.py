@@ -65,7 +65,8 @@ def main() -> None:
         for layer, head in ((7, 5), (3, 1), (0, 0)):
             start = time.perf_counter()
             page.locator(".st-grid").nth(0).locator("tr").nth(layer + 1).locator("td").nth(head).click()
-            page.wait_for_function(f"document.getElementById('st-heading').textContent.includes('head {head}')")
+            # answered: that head's strongest keys listed (its layer's keys inflated, if not yet)
+            page.wait_for_selector(f"#st-keys[data-shown^='{layer} {head} ']", state="attached")
             clicks.append(time.perf_counter() - start)
         browser.close()
     print(

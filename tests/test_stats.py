@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import sys
 import threading
+import zlib
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,6 +17,7 @@ import attnkit
 import mathref
 from attnkit import mods, stats
 from mathref import attention_mods
+from pages import blob, payload
 
 # B batch, H heads, Lq/Lk query/key length
 
@@ -482,3 +485,50 @@ def test_the_page_of_a_d2l_model_leaves_out_its_inner_attention_or_shows_it_as_o
     page = attnkit.plot.view(layered, path=tmp_path / "mha.html").path.read_text()
     assert "Left out, having no head axis" in page and "attention" in page
     assert attnkit.plot.view(alone, path=tmp_path / "additive.html").path.stat().st_size > 0
+
+
+def page_keys(data: dict, call: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The keys ((H, Lq, k), -1 naming none) and weights (in 1/255 steps) a statistics page keeps of one call,
+    inflated and decoded as its script does (attnkit/viewer/stats.js)."""
+    raw = zlib.decompress(blob(data, call["top"]))
+    H = len(call["summary"]["entropy"])
+    cells = H * call["lq"] * data["k"]
+    code = np.frombuffer(raw[: 4 * cells], dtype=np.uint8).reshape(4, cells).T.copy().view("<u4")[:, 0]
+    z = code.astype(np.int64) - 1
+    offset = np.where(z % 2 == 0, z // 2, -(z + 1) // 2)  # pos(i) - key
+    pos = np.arange(call["lq"])[None, :, None] + call["lk"] - call["lq"]
+    keys = np.where(code.reshape(H, call["lq"], -1) == 0, -1, pos - offset.reshape(H, call["lq"], -1))
+    weights = np.frombuffer(raw[4 * cells :], dtype=np.uint8).reshape(H, call["lq"], -1) / 255
+    return keys, weights
+
+
+@pytest.mark.parametrize("budget", [None, 500])
+def test_the_page_keeps_the_strongest_keys_it_has_room_for_deflated(budget, tmp_path, monkeypatch):
+    """Keys before and after their queries (cross-attention, no causal mask), padded keys naming none, and a budget
+    too small for every recorded key: the page keeps each row's strongest ones, a prefix of the record's, and says
+    how many."""
+    import attnkit.plot
+    from attnkit.viewer import _stats
+
+    if budget is not None:
+        monkeypatch.setattr(_stats, "ENTRY_BYTES", budget)
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(16, 4).eval()
+    with attnkit.record_stats(mha, topk=8) as rec:
+        mha(torch.randn(2, 30, 16), torch.randn(2, 70, 16), torch.randn(2, 70, 16), valid_lens=torch.tensor([70, 5]))
+    for example in (0, 1):  # keys on both sides of their queries; keys past a row's 5 naming none
+        data = payload(attnkit.plot.view(rec, example=example, path=tmp_path / f"s{example}.html"))
+        call = data["layers"][0]["calls"][0]
+        k = data["k"]
+        if budget is None:
+            assert k == 8 and any("are all kept" in n for n in data["notes"])
+        else:
+            assert 1 <= k < 8 and len(blob(data, call["top"])) <= budget
+            assert any(f"keep their {k} strongest keys of the 8" in n for n in data["notes"])
+        keys, weights = page_keys(data, call)
+        s = rec[""]
+        want = s.topk_indices[example, :, :, :k].numpy()
+        assert (keys == want).all()
+        assert np.abs(weights - s.topk_values[example, :, :, :k].numpy()).max() <= 0.5 / 255 + 1e-6
+    positions = np.arange(30)[None, :, None] + 40
+    assert (rec[""].topk_indices[0].numpy() > positions).any() and (rec[""].topk_indices[1, ..., 5:] == -1).all()

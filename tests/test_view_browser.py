@@ -330,3 +330,33 @@ def test_a_statistics_record_shows_summaries_and_each_querys_strongest_keys(brow
         box = page.locator("#st-series").bounding_box()
         page.mouse.click(box["x"] + 1, box["y"] + box["height"] / 2)  # the first query
         assert page.locator("#st-keys div").first.text_content().startswith('query 0 "w0"')
+
+
+def test_a_statistics_page_inflates_keys_on_both_sides_of_their_query_and_rows_with_fewer_keys(browser, tmp_path):
+    """Cross-attention without a causal mask (keys after the query's position), one example's keys cut to 3 by
+    valid_lens (the rest name none): the keys the page lists are the record's."""
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(16, 2).eval()
+    with attnkit.record_stats(mha, topk=5) as rec:
+        mha(torch.randn(2, 30, 16), torch.randn(2, 40, 16), torch.randn(2, 40, 16), valid_lens=torch.tensor([40, 3]))
+    s = rec[""]
+    for example in (0, 1):
+        view(rec, example=example, path=tmp_path / f"s{example}.html")
+        with opened(browser, tmp_path / f"s{example}.html") as o:
+            page = o.page
+            page.locator(".st-grid").nth(0).locator("td").nth(1).click()  # head 1
+            for query in (0, 7, 29):
+                page.fill("#st-query", str(query))
+                page.dispatch_event("#st-query", "change")
+                keys = page.locator("#st-keys div").all_text_contents()
+                kept = s.topk_indices[example, 1, query] >= 0
+                want = [
+                    f"key {j}: {v:.3f}"
+                    for j, v in zip(
+                        s.topk_indices[example, 1, query][kept].tolist(),
+                        (s.topk_values[example, 1, query][kept] * 255).round().div(255).tolist(),
+                        strict=True,
+                    )
+                ]
+                assert keys[1:] == want and len(want) == (5 if example == 0 else 3)
+    assert (s.topk_indices[0, 1, 0] > 10).any()  # keys after the first query's position (10)

@@ -36,7 +36,8 @@ def _positions_of(module: nn.Module) -> Positions | None:
     if found is None or found[0] is not module or not is_recording():
         return None
     _, (queries, keys), heads = found
-    return tuple(None if p is None else p.repeat_interleave(heads, dim=0) for p in (queries, keys))  # (B*H, L)
+    folded = [None if p is None else p.repeat_interleave(heads, dim=0) for p in (queries, keys)]  # (B*H, L) each
+    return folded[0], folded[1]
 
 
 class DotProductAttention(nn.Module):

@@ -4,6 +4,7 @@ query's strongest keys, and the series along the sequence (see :func:`attnkit.vi
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,8 +17,8 @@ __all__ = ["ENTRY_BYTES", "SERIES_BINS", "encode", "is_stats"]
 
 # H heads, Lq/Lk query/key length, k top entries a row keeps on the page
 
-# The page keeps each row's strongest keys up to this many bytes in all (3 a key: its position, uint16, and its
-# weight in 1/255 steps; 5 past 65,536 keys): under 25 MB of page for 8 layers x 8 heads x 32,768 queries.
+# The page keeps each row's strongest keys up to this many bytes in all, deflated (see _top): under 25 MB of page for
+# 8 layers x 8 heads x 32,768 queries.
 ENTRY_BYTES = 14_000_000
 # Series along the sequence (entropy, distance, sink mass per query; weight received per key) are averaged into at
 # most this many bins a head (column sums: the largest of each bin too).
@@ -51,14 +52,12 @@ def encode(record: Any, tokens: Sequence[Any] | None, example: int, title: str) 
             if not 0 <= example < s.entropy.shape[0]:
                 raise ValueError(f"example {example} is past the batch of {s.entropy.shape[0]} in {n or '(model)'!r}")
     rows = sum(s.entropy.shape[1] * s.entropy.shape[2] for n in names for s in calls[n])
-    lk_max = max(s.column_sum.shape[-1] for n in names for s in calls[n])
-    wide = lk_max > 65536
-    k_page = max(1, min(record.topk, ENTRY_BYTES // max(1, rows * (5 if wide else 3))))
     token_list = None if tokens is None else labels(tokens, "tokens")
+    k_page, tops = _fitted(names, calls, example, record.topk)
     blobs = _Blobs()
     layers = []
     for n in names:
-        encoded = [_call(s, example, k_page, wide, blobs) for s in calls[n]]
+        encoded = [_call(s, example, top, blobs) for s, top in zip(calls[n], tops[n], strict=True)]
         first = calls[n][-1]
         layers.append(
             {"name": n or "(model)", "heads": int(first.entropy.shape[1]), "kv": first.kv_heads, "calls": encoded}
@@ -75,7 +74,7 @@ def encode(record: Any, tokens: Sequence[Any] | None, example: int, title: str) 
     if k_page < record.topk:
         notes.append(
             f"Reduced: {rows:,} rows keep their {k_page} strongest keys of the {record.topk} recorded "
-            f"(the page holds at most {ENTRY_BYTES // 1_000_000} MB of them), weights rounded to 1/255."
+            f"(the page holds at most {ENTRY_BYTES // 1_000_000} MB of them, deflated), weights rounded to 1/255."
         )
     else:
         notes.append("Each row's recorded strongest keys are all kept, weights rounded to 1/255.")
@@ -89,7 +88,6 @@ def encode(record: Any, tokens: Sequence[Any] | None, example: int, title: str) 
         "notes": notes,
         "topk": record.topk,
         "k": k_page,
-        "wide": wide,
         "sinkKeys": record.sink_keys,
         "tokens": token_list,
         "layers": layers,
@@ -104,28 +102,57 @@ def _one_head(s: Any) -> Any:
     return dataclasses.replace(s, **{name: t.unsqueeze(1) for name, t in s.tensors().items()})
 
 
-def _call(s: Any, example: int, k: int, wide: bool, blobs: _Blobs) -> dict[str, Any]:
+def _fitted(
+    names: list[str], calls: dict[str, list[Any]], example: int, topk: int
+) -> tuple[int, dict[str, list[bytes]]]:
+    """The most strongest keys a row can keep with every call's top entries (deflated, :func:`_top`) in
+    :data:`ENTRY_BYTES`, and those entries: tried with all ``topk``, then with as many as the bytes a key took
+    leave room for, fewer until they fit (one key at least)."""
+    k = topk
+    while True:
+        tops = {n: [_top(s, example, k) for s in calls[n]] for n in names}
+        size = sum(len(t) for n in names for t in tops[n])
+        if size <= ENTRY_BYTES or k == 1:
+            return k, tops
+        k = max(1, min(k - 1, int(k * ENTRY_BYTES / size * 0.97)))
+
+
+def _top(s: Any, example: int, k: int) -> bytes:
+    """The ``k`` strongest keys of each row of one call, deflated (zlib; the page inflates them with
+    ``DecompressionStream``): for ``(H, Lq, k)`` entries, each key's offset from its query's position
+    ``pos(i) - j`` (``pos(i) = i + Lk - Lq``), zigzagged (``2d`` for ``d >= 0``, ``-2d - 1`` below), plus 1, 0
+    naming no key, as four byte planes of uint32 (every entry's lowest byte, then the next...: the keys near their
+    query deflate to almost their lowest bytes only), then each weight in 1/255 steps, uint8."""
     values = s.topk_values[example, :, :, :k].float().numpy()  # (H, Lq, k)
-    index = s.topk_indices[example, :, :, :k].numpy()  # (H, Lq, k)
+    index = s.topk_indices[example, :, :, :k].numpy().astype(np.int64)  # (H, Lq, k)
+    Lq, Lk = index.shape[1], int(s.column_sum.shape[-1])
+    offset = np.arange(Lq, dtype=np.int64)[None, :, None] + (Lk - Lq) - index  # (H, Lq, k): pos(i) - j
+    zigzag = np.where(index < 0, 0, np.where(offset >= 0, 2 * offset, -2 * offset - 1) + 1)  # (H, Lq, k)
+    if zigzag.size and int(zigzag.max()) >= 2**32:
+        raise ValueError(f"a page of statistics holds keys up to 2**31 positions from their query, got Lk={Lk}")
+    code = zigzag.astype("<u4")  # (H, Lq, k)
+    planes = code.view(np.uint8).reshape(-1, 4).T  # (4, H*Lq*k): byte b of every entry
+    weights = np.rint(values * 255).clip(0, 255).astype(np.uint8)
+    return zlib.compress(planes.tobytes() + weights.tobytes(), 1)
+
+
+def _call(s: Any, example: int, top: bytes, blobs: _Blobs) -> dict[str, Any]:
     entropy = s.entropy[example].double().numpy()  # (H, Lq)
     distance = s.distance[example].double().numpy()
     sink = s.sink_mass[example].double().numpy()
     column = s.column_sum[example].double().numpy()  # (H, Lk)
     H, Lq = entropy.shape
-    live = values[..., 0] > 0  # (H, Lq): rows that see some key
+    live = s.topk_values[example, :, :, 0].float().numpy() > 0  # (H, Lq): rows that see some key
     count = np.maximum(live.sum(-1), 1)
 
     def mean(x: np.ndarray) -> list[float]:
         return [float(v) for v in np.where(live, x, 0).sum(-1) / count]
 
-    codes = np.rint(values * 255).clip(0, 255).astype(np.uint8)
-    keys = np.where(index < 0, 2**32 - 1 if wide else 2**16 - 1, index).astype("<u4" if wide else "<u2")  # -1: none
-    top = blobs.add(keys.tobytes() + codes.tobytes())
     return {
         "lq": Lq,
         "lk": int(column.shape[-1]),
         "summary": {"entropy": mean(entropy), "sink": mean(sink), "distance": mean(distance)},
-        "top": top,
+        "top": blobs.add(top),
         "series": {
             "entropy": _bins(entropy, live, blobs),
             "distance": _bins(distance, live, blobs),

@@ -80,21 +80,32 @@
     return [ctx, w, h];
   }
 
-  function topOf(call, head, q) {
-    const k = D.k, lq = call.lq, bytes = blob(call.top), H = D.layers[S.layer].heads;
-    const size = D.wide ? 4 : 2, cells = H * lq * k;
-    const view = new DataView(bytes.buffer);
+  // Each call's strongest keys, deflated by the page's maker (attnkit/viewer/_stats.py, _top), inflated once when
+  // first shown: byte planes of uint32 codes (0: no key, else 1 + the zigzagged pos(i) - key), then the weights.
+  const inflated = new Map();
+  function inflate(id) {
+    const stream = new Blob([blob(id)]).stream().pipeThrough(new DecompressionStream("deflate"));
+    return new Response(stream).arrayBuffer().then((buffer) => {
+      const bytes = new Uint8Array(buffer);
+      inflated.set(id, bytes);
+      return bytes;
+    });
+  }
+
+  function topOf(bytes, call, H, head, q) {
+    const k = D.k, lq = call.lq, cells = H * lq * k;
     const out = [];
     for (let e = 0; e < k; e++) {
       const at = (head * lq + q) * k + e;
-      const key = D.wide ? view.getUint32(at * 4, true) : view.getUint16(at * 2, true);
-      const code = bytes[cells * size + at];
-      if (key === (D.wide ? 0xffffffff : 0xffff)) continue; // -1: a weight of 0, no key
-      out.push([key, code / 255]);
+      const code = bytes[at] + bytes[cells + at] * 256 + bytes[2 * cells + at] * 65536 + bytes[3 * cells + at] * 16777216;
+      if (code === 0) continue; // a weight of 0: no key
+      const z = code - 1, offset = z % 2 === 0 ? z / 2 : -(z + 1) / 2; // pos(i) - key
+      out.push([q + call.lk - call.lq - offset, bytes[4 * cells + at] / 255]);
     }
     return out;
   }
 
+  let tickets = 0; // a newer view supersedes one still inflating
   function renderQuery() {
     const layer = D.layers[S.layer], call = callOf(S.layer), head = S.head;
     S.query = Math.max(0, Math.min(call.lq - 1, S.query));
@@ -105,8 +116,15 @@
     plot($("st-series"), call.series[measure], head, "#08306b", (S.query + 0.5) / call.lq);
     plot($("st-received"), call.series.receivedMax, head, "#bbb");
     const [ctx, w, h] = plot($("st-received"), call.series.received, head, "#08306b", undefined, true);
-    const top = topOf(call, head, S.query);
-    const qx = (S.query + call.lk - call.lq + 0.5) / call.lk * w;
+    const ticket = ++tickets, query = S.query, shown = `${S.layer} ${head} ${query}`;
+    const draw = (bytes) => { if (ticket === tickets) drawKeys(ctx, w, h, topOf(bytes, call, layer.heads, head, query), call, query, shown); };
+    const bytes = inflated.get(call.top);
+    if (bytes) { draw(bytes); return Promise.resolve(); } // shown at once: no wait for a call already inflated
+    return inflate(call.top).then(draw);
+  }
+
+  function drawKeys(ctx, w, h, top, call, query, shown) {
+    const qx = (query + call.lk - call.lq + 0.5) / call.lk * w;
     ctx.strokeStyle = "#c00";
     for (const [key, weight] of top) {
       ctx.globalAlpha = Math.max(0.15, weight);
@@ -117,12 +135,13 @@
     const lines = top.map(([key, weight]) => `key ${key}${tok(key)}: ${weight.toFixed(3)}`);
     $("st-keys").textContent = "";
     const title = document.createElement("div");
-    title.textContent = `query ${S.query}${tok(S.query + call.lk - call.lq)}: its ${D.k} strongest keys` + (lines.length ? "" : " (it sees none)");
+    title.textContent = `query ${query}${tok(query + call.lk - call.lq)}: its ${D.k} strongest keys` + (lines.length ? "" : " (it sees none)");
     $("st-keys").appendChild(title);
     for (const line of lines) { const div = document.createElement("div"); div.textContent = line; $("st-keys").appendChild(div); }
+    $("st-keys").dataset.shown = shown; // layer, head and query of the keys listed (for tests and benchmarks)
   }
 
-  function render() { renderTables(); renderQuery(); }
+  function render() { renderTables(); return renderQuery(); }
 
   const notes = $("notes");
   for (const note of D.notes) { const li = document.createElement("li"); li.textContent = note; notes.appendChild(li); }
@@ -140,6 +159,5 @@
     renderQuery();
   });
   window.addEventListener("resize", renderQuery);
-  render();
-  document.documentElement.dataset.ready = "1";
+  render().then(() => { document.documentElement.dataset.ready = "1"; });
 })();
