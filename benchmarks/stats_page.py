@@ -1,8 +1,9 @@
 """The viewer's page of a 32k-token statistics record: its size, and how long a click takes in headless Chromium.
 
 The record has the shape of benchmarks/stats.py's Llama row (8 layers x 8 heads x 32,768 queries, top-32, 2
-key/value heads), filled with statistics of random causal rows (the page's size and speed depend on the shapes
-only). Needs Debian's chromium and playwright (``make browser``).
+key/value heads), filled with statistics of random causal rows whose keys stand up to 64 positions before their
+query (the page deflates each key's offset from its query: how many keys a row keeps depends on where they are,
+the rest of the page on the shapes only). Needs Debian's chromium and playwright (``make browser``).
 
 Usage: ``python benchmarks/stats_page.py [--length 32768]``
 """

@@ -422,6 +422,10 @@ def test_an_empty_batch_or_no_queries_gives_empty_statistics():
     assert stats.compute(call, 2).distance.shape == (0, 2, 3)
     headless = attnkit.attention_stats(torch.randn(1, 0, 3, 4), torch.randn(1, 1, 5, 4), topk=2)
     assert headless.topk_values.shape == (1, 0, 3, 2)
+    # rows long enough for the chunked top-k search, and none of them
+    long = attnkit.attention_stats(torch.randn(0, 2, 3, 4), torch.randn(0, 2, 1000, 4), topk=3)
+    assert long.topk_indices.shape == (0, 2, 3, 3)
+    assert stats.from_weights(torch.rand(0, 2, 1000), 3).topk_values.shape == (0, 2, 3)
     with pytest.raises(ValueError, match="topk must be at least 1, got 0"):
         stats.compute(call, 0)
     with pytest.raises(ValueError, match=r"heads must be in \[0, 2\), got \[2\]"):
@@ -502,7 +506,7 @@ def page_keys(data: dict, call: dict) -> tuple[np.ndarray, np.ndarray]:
     return keys, weights
 
 
-@pytest.mark.parametrize("budget", [None, 500])
+@pytest.mark.parametrize("budget", [None, 500, 10])
 def test_the_page_keeps_the_strongest_keys_it_has_room_for_deflated(budget, tmp_path, monkeypatch):
     """Keys before and after their queries (cross-attention, no causal mask), padded keys naming none, and a budget
     too small for every recorded key: the page keeps each row's strongest ones, a prefix of the record's, and says
@@ -522,6 +526,10 @@ def test_the_page_keeps_the_strongest_keys_it_has_room_for_deflated(budget, tmp_
         k = data["k"]
         if budget is None:
             assert k == 8 and any("are all kept" in n for n in data["notes"])
+        elif budget == 10:  # no key fits: one a row all the same, and the page says it is past its room
+            assert k == 1 and any(
+                "keep their 1 strongest keys" in n and "the fewest it keeps" in n for n in data["notes"]
+            )
         else:
             assert 1 <= k < 8 and len(blob(data, call["top"])) <= budget
             assert any(f"keep their {k} strongest keys of the 8" in n for n in data["notes"])

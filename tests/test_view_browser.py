@@ -64,10 +64,13 @@ class Opened:
 
 
 @contextmanager
-def opened(browser, path: Path, fragment: str = "", *, ready: bool = True) -> Iterator[Opened]:
+def opened(browser, path: Path, fragment: str = "", *, ready: bool = True, init: str = "") -> Iterator[Opened]:
     """``path`` opened in a fresh offline context; on leaving, no error logged and nothing asked for but ``path``.
-    ``ready``: wait for the viewer to draw its first view (a host page of an iframe has none of its own)."""
+    ``ready``: wait for the viewer to draw its first view (a host page of an iframe has none of its own). ``init``:
+    a script run before the page's own."""
     context = browser.new_context(viewport={"width": 1200, "height": 900}, offline=True)
+    if init:
+        context.add_init_script(init)
     try:
         page = context.new_page()
         url = path.resolve().as_uri()
@@ -360,3 +363,39 @@ def test_a_statistics_page_inflates_keys_on_both_sides_of_their_query_and_rows_w
                 ]
                 assert keys[1:] == want and len(want) == (5 if example == 0 else 3)
     assert (s.topk_indices[0, 1, 0] > 10).any()  # keys after the first query's position (10)
+
+
+def test_a_statistics_page_inflates_each_call_once_and_says_so_where_it_cannot(browser, tmp_path):
+    """Views asked for faster than a call inflates share one inflation, and list no keys of another view meanwhile;
+    a browser without DecompressionStream gets the page, ready, with a line saying why no keys are listed."""
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(16, 2).eval()
+    x = torch.randn(1, 50, 16)
+    with attnkit.record_stats(mha, topk=3) as rec:
+        mha(x, x, x, is_causal=True)
+        mha(x[:, :20], x[:, :20], x[:, :20], is_causal=True)  # a second call: the step slider
+    view(rec, path=tmp_path / "s.html")
+    counting = """
+        window.inflations = 0;
+        const Original = window.DecompressionStream;
+        window.DecompressionStream = class extends Original {
+            constructor(format) { super(format); window.inflations += 1; }
+        };
+    """
+    with opened(browser, tmp_path / "s.html", init=counting) as o:
+        page = o.page
+        page.evaluate("""() => {
+            const step = document.getElementById("step");
+            step.value = "1";
+            for (let i = 0; i < 20; i++) {
+                step.dispatchEvent(new Event("input"));
+                window.dispatchEvent(new Event("resize"));
+            }
+        }""")
+        page.wait_for_selector("#st-keys[data-shown='0 0 0']", state="attached")
+        assert page.evaluate("window.inflations") == 2  # the first call's at load, the second's once
+        assert "its 3 strongest keys" in page.locator("#st-keys div").first.text_content()
+    without = "delete window.DecompressionStream;"
+    with opened(browser, tmp_path / "s.html", init=without) as o:
+        assert "cannot inflate" in o.page.locator("#st-keys").text_content()
+        assert o.page.locator(".st-grid td").count() == 6  # the summaries: 3 measures x 2 heads

@@ -22,7 +22,9 @@ __all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention"]
 # B batch, H heads, Lq/Lk query/key length, d head dim
 
 # Where the calls of a MultiHeadAttention's inner attention stand while it attends through a KVCache: that inner
-# module, the cache's positions ((B, Lq), (B, Lk)), and the heads folded into its batch.
+# module, the cache's positions ((B, Lq), (B, Lk)), and the heads folded into its batch. For recording only (it
+# changes no output), so scoped state rather than an argument: a replaced .attention (the book's exercises swap in
+# their own) need not take one, and the identity check keeps it from any module that .attention calls in turn.
 _INNER_POSITIONS: ContextVar[tuple[nn.Module, Positions, int] | None] = ContextVar(
     "attnkit_d2l_inner_positions", default=None
 )

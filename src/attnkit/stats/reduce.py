@@ -90,7 +90,7 @@ def _topk(w: Tensor, k: int, maxima: Tensor | None) -> tuple[Tensor, Tensor]:
     ``k * CHUNK``. The columns past the last whole chunk are always candidates."""
     B, H, n, m = w.shape
     whole = m // CHUNK
-    if whole <= 2 * k:  # too few chunks to leave out
+    if whole <= 2 * k or w.numel() == 0:  # too few chunks to leave out (or no rows)
         top = w.topk(min(k, m), dim=-1)  # (B, H, n, <=k) each
         values, indices = top.values, top.indices
     else:
@@ -132,7 +132,7 @@ def _row_starts(x: Tensor, width: int) -> Tensor:
 def _windows(x: Tensor, starts: Tensor, size: int, step: int) -> Tensor:
     """The ``size`` elements ``start, start + step, ...`` of contiguous ``x`` from each of ``starts (B, H, n, j)``:
     ``(B, H, n, j, size)``. One ``index_select`` of the rows of a view whose row ``r`` holds those elements from
-    ``r`` on: a ``gather`` of the same values is ~25x slower (docs/benchmarks.md)."""
+    ``r`` on: a ``gather`` of the same values is ~30x slower (docs/benchmarks.md)."""
     flat = x.reshape(-1)  # a view: x is contiguous
     span = (size - 1) * step + 1  # elements a window covers
     windows = flat.as_strided((flat.numel() - span + 1, size), (1, step))  # (elements - span + 1, size)

@@ -53,7 +53,7 @@ def encode(record: Any, tokens: Sequence[Any] | None, example: int, title: str) 
                 raise ValueError(f"example {example} is past the batch of {s.entropy.shape[0]} in {n or '(model)'!r}")
     rows = sum(s.entropy.shape[1] * s.entropy.shape[2] for n in names for s in calls[n])
     token_list = None if tokens is None else labels(tokens, "tokens")
-    k_page, tops = _fitted(names, calls, example, record.topk)
+    k_page, tops, size = _fitted(names, calls, example, record.topk)
     blobs = _Blobs()
     layers = []
     for n in names:
@@ -72,9 +72,15 @@ def encode(record: Any, tokens: Sequence[Any] | None, example: int, title: str) 
             f"Left out, having no head axis (the book's inner attention: its layer is shown): {', '.join(left_out)}."
         )
     if k_page < record.topk:
+        room = (
+            f"the page holds at most {ENTRY_BYTES / 1e6:g} MB of them, deflated"
+            if size <= ENTRY_BYTES
+            else f"they take {size / 1e6:.1f} MB deflated, past the page's {ENTRY_BYTES / 1e6:g} MB: one a row is "
+            "the fewest it keeps"
+        )
         notes.append(
-            f"Reduced: {rows:,} rows keep their {k_page} strongest keys of the {record.topk} recorded "
-            f"(the page holds at most {ENTRY_BYTES // 1_000_000} MB of them, deflated), weights rounded to 1/255."
+            f"Reduced: {rows:,} rows keep their {k_page} strongest keys of the {record.topk} recorded ({room}), "
+            "weights rounded to 1/255."
         )
     else:
         notes.append("Each row's recorded strongest keys are all kept, weights rounded to 1/255.")
@@ -104,16 +110,16 @@ def _one_head(s: Any) -> Any:
 
 def _fitted(
     names: list[str], calls: dict[str, list[Any]], example: int, topk: int
-) -> tuple[int, dict[str, list[bytes]]]:
+) -> tuple[int, dict[str, list[bytes]], int]:
     """The most strongest keys a row can keep with every call's top entries (deflated, :func:`_top`) in
     :data:`ENTRY_BYTES`, and those entries: tried with all ``topk``, then with as many as the bytes a key took
-    leave room for, fewer until they fit (one key at least)."""
+    leave room for, fewer until they fit (one key at least); and their bytes."""
     k = topk
     while True:
         tops = {n: [_top(s, example, k) for s in calls[n]] for n in names}
         size = sum(len(t) for n in names for t in tops[n])
         if size <= ENTRY_BYTES or k == 1:
-            return k, tops
+            return k, tops, size
         k = max(1, min(k - 1, int(k * ENTRY_BYTES / size * 0.97)))
 
 

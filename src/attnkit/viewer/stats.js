@@ -82,14 +82,17 @@
 
   // Each call's strongest keys, deflated by the page's maker (attnkit/viewer/_stats.py, _top), inflated once when
   // first shown: byte planes of uint32 codes (0: no key, else 1 + the zigzagged pos(i) - key), then the weights.
-  const inflated = new Map();
+  const inflated = new Map(), inflating = new Map(); // id -> bytes; id -> the promise of them (one inflation each)
   function inflate(id) {
-    const stream = new Blob([blob(id)]).stream().pipeThrough(new DecompressionStream("deflate"));
-    return new Response(stream).arrayBuffer().then((buffer) => {
-      const bytes = new Uint8Array(buffer);
-      inflated.set(id, bytes);
-      return bytes;
-    });
+    if (!inflating.has(id)) {
+      const stream = new Blob([blob(id)]).stream().pipeThrough(new DecompressionStream("deflate"));
+      inflating.set(id, new Response(stream).arrayBuffer().then((buffer) => {
+        const bytes = new Uint8Array(buffer);
+        inflated.set(id, bytes);
+        return bytes;
+      }));
+    }
+    return inflating.get(id);
   }
 
   function topOf(bytes, call, H, head, q) {
@@ -120,7 +123,21 @@
     const draw = (bytes) => { if (ticket === tickets) drawKeys(ctx, w, h, topOf(bytes, call, layer.heads, head, query), call, query, shown); };
     const bytes = inflated.get(call.top);
     if (bytes) { draw(bytes); return Promise.resolve(); } // shown at once: no wait for a call already inflated
-    return inflate(call.top).then(draw);
+    keysNote(`query ${query}: inflating this call's strongest keys…`);
+    if (typeof DecompressionStream === "undefined") {
+      keysNote("This browser cannot inflate the page's strongest keys (it lacks DecompressionStream: Chrome 80, Firefox 113, Safari 16.4 or later can); the summaries and series above are whole.");
+      return Promise.resolve();
+    }
+    return inflate(call.top).then(draw, (error) => keysNote(`The strongest keys could not be inflated: ${error}`));
+  }
+
+  function keysNote(text) { // the key list replaced by a line of text: no keys of another view stay listed
+    const box = $("st-keys");
+    box.textContent = "";
+    delete box.dataset.shown;
+    const line = document.createElement("div");
+    line.textContent = text;
+    box.appendChild(line);
   }
 
   function drawKeys(ctx, w, h, top, call, query, shown) {
