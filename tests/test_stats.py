@@ -402,9 +402,14 @@ def test_a_saved_record_loads_back(tmp_path):
 
 def test_empty_or_zero_step_selections_are_refused_before_any_call():
     mha = attnkit.MultiHeadAttention(8, 2)
-    for bad in (range(0), slice(None, None, 0)):
+    for bad in (range(0), slice(None, None, 0), slice(5, 2), slice(-2, -5), slice(2, 5, -1), slice(3, 3)):
         with pytest.raises(ValueError, match="queries"):
             attnkit.record_weights(mha, queries=bad)
+    attnkit.record_weights(mha, queries=slice(5, 2, -1), heads=slice(-1, 3))  # names some at some lengths
+    x = torch.randn(1, 4, 8)
+    for kw, named in (({"queries": slice(10, 20)}, "4 query rows"), ({"heads": slice(5, 9)}, "2 heads")):
+        with attnkit.record_weights(mha, **kw), pytest.raises(ValueError, match=f"names no .*: .* has {named}"):
+            mha(x, x, x)
     with pytest.raises(ValueError, match="layers"):
         attnkit.record_stats(mha, layers=[])
     stats_ = attnkit.attention_stats(torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), topk=1)

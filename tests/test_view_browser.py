@@ -399,3 +399,29 @@ def test_a_statistics_page_inflates_each_call_once_and_says_so_where_it_cannot(b
     with opened(browser, tmp_path / "s.html", init=without) as o:
         assert "cannot inflate" in o.page.locator("#st-keys").text_content()
         assert o.page.locator(".st-grid td").count() == 6  # the summaries: 3 measures x 2 heads
+
+
+def test_a_statistics_page_shows_layer_names_as_text_never_as_markup(browser, tmp_path):
+    model = torch.nn.Module()
+    name = '<img src=x onerror="document[`body`][`dataset`][`pwned`]=1"><i>bold</i>'
+    model.add_module(name, attnkit.MultiHeadAttention(8, 2).eval())
+    x = torch.randn(1, 4, 8)
+    with attnkit.record_stats(model, topk=2) as rec:
+        model.get_submodule(name)(x, x, x)
+    view(rec, path=tmp_path / "s.html")
+    with opened(browser, tmp_path / "s.html") as o:
+        page = o.page
+        assert page.locator(".st-grid img, .st-grid i").count() == 0
+        assert page.evaluate("document.body.dataset.pwned") is None
+        assert page.locator(".st-grid th").nth(3).text_content() == name  # entropy, h0, h1, then the layer
+
+
+def test_a_statistics_page_of_a_call_without_queries_says_so(browser, tmp_path):
+    mha = attnkit.MultiHeadAttention(8, 2).eval()
+    with attnkit.record_stats(mha, topk=2) as rec:
+        mha(torch.randn(1, 0, 8), torch.randn(1, 4, 8), torch.randn(1, 4, 8))
+    with pytest.raises(TypeError, match="example must be a whole number"):
+        view(rec, example=True)
+    view(rec, path=tmp_path / "s.html")
+    with opened(browser, tmp_path / "s.html") as o:
+        assert o.page.locator("#st-keys").text_content() == "This call has no queries."

@@ -277,15 +277,17 @@ def _indices(chosen: Index | None, size: int, what: str, has: str) -> list[int]:
     ``size``; all of them when ``None``."""
     if chosen is None:
         return list(range(size))
+    noun = what[:-1] if what != "queries" else "query"
     if isinstance(chosen, slice):
-        return sorted(range(size)[chosen])  # (a negative step names the same indices, kept in order)
+        found = sorted(range(size)[chosen])  # (a negative step names the same indices, kept in order)
+        if not found:
+            raise ValueError(f"record_weights({what}={chosen!r}) names no {noun}: {has}")
+        return found
     picked = [chosen] if isinstance(chosen, int) else list(chosen)
     out = set()
     for i in picked:
         if not -size <= i < size:
-            raise ValueError(
-                f"record_weights({what}=...) names {what[:-1] if what != 'queries' else 'query'} {i}, but {has}"
-            )
+            raise ValueError(f"record_weights({what}=...) names {noun} {i}, but {has}")
         out.add(i % size)
     return sorted(out)
 
@@ -298,6 +300,9 @@ def _check_index(chosen: object, what: str) -> None:
             raise ValueError(f"{what} must be a slice with a step other than 0, got {chosen!r}")
         if not all(x is None or isinstance(x, int) for x in (chosen.start, chosen.stop, chosen.step)):
             raise TypeError(f"{what} must be a slice of ints, got {chosen!r}")
+        start, stop, step = chosen.start, chosen.stop, chosen.step or 1
+        if start is not None and stop is not None and (start < 0) == (stop < 0) and (stop - start) * step <= 0:
+            raise ValueError(f"{what} must name at least one index, got {chosen!r}: it names none at any length")
         return
     if isinstance(chosen, range) and not len(chosen):
         raise ValueError(f"{what} must name at least one index, got {chosen!r}")

@@ -120,7 +120,10 @@ class DotProductAttention(nn.Module):
             zeros_past=zeros_past,
         )
         q, k = queries.detach(), keys.detach()
-        self._scored, self._scores = (q, k, q._version, k._version), None
+        if q.is_inference() or k.is_inference():  # no version counter to tell a later change: computed now
+            self._scored, self._scores = None, torch.bmm(q, k.transpose(1, 2)) / math.sqrt(q.shape[-1])  # (B, Lq, Lk)
+        else:
+            self._scored, self._scores = (q, k, q._version, k._version), None
         # For looking at, as in the book; detached, so it holds no graph (copy.deepcopy works, memory is freed).
         self.attention_weights = weights.detach() if weights is not None else None
         report_weights(self, weights, positions=_positions_of(self))  # for attnkit.record_weights and record_stats

@@ -27,7 +27,7 @@ times that budget in all, whatever the length); the top-k search reads the large
 taken as the row's maximum is found, and then only the chunks that can hold the k largest. The result is
 ``O(B * H * (Lq * k + Lk))``.
 
-Computed in float32 for float16/bfloat16 inputs (float64 for float64), returned in that dtype, detached.
+Computed and returned in float32 for float16/bfloat16 inputs (float64 for float64, float32 for float32), detached.
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ def is_stats(record: Any) -> bool:
 
 def encode(record: Any, tokens: Sequence[Any] | None, example: int, title: str) -> dict[str, Any]:
     """The page's data: for each layer its calls, each with its summaries, series and top entries as blobs."""
+    if isinstance(example, bool) or not isinstance(example, int):
+        raise TypeError(f"example must be a whole number (a row of the batch), got {example!r}")
     if not isinstance(record, StatsRecord):
         record = StatsRecord.from_dict(dict(record))
     if not len(record):

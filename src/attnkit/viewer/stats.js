@@ -35,12 +35,13 @@
       const flat = values.flat();
       const lo = Math.min(...flat), hi = Math.max(...flat);
       const head = table.insertRow();
-      head.insertCell().outerHTML = `<th>${label}</th>`;
+      const th = (row, text) => { const cell = document.createElement("th"); cell.textContent = text; row.appendChild(cell); };
+      th(head, label); // text, never markup: a layer's name comes from the model or a saved file
       const H = Math.max(...D.layers.map((l) => l.heads));
-      for (let h = 0; h < H; h++) head.insertCell().outerHTML = `<th>h${h}</th>`;
+      for (let h = 0; h < H; h++) th(head, `h${h}`);
       D.layers.forEach((layer, l) => {
         const row = table.insertRow();
-        row.insertCell().outerHTML = `<th>${layer.name}</th>`;
+        th(row, layer.name);
         values[l].forEach((v, h) => {
           const cell = row.insertCell();
           cell.textContent = fmt(v);
@@ -121,6 +122,7 @@
     const [ctx, w, h] = plot($("st-received"), call.series.received, head, "#08306b", undefined, true);
     const ticket = ++tickets, query = S.query, shown = `${S.layer} ${head} ${query}`;
     const draw = (bytes) => { if (ticket === tickets) drawKeys(ctx, w, h, topOf(bytes, call, layer.heads, head, query), call, query, shown); };
+    if (call.lq === 0) { keysNote("This call has no queries."); return Promise.resolve(); }
     const bytes = inflated.get(call.top);
     if (bytes) { draw(bytes); return Promise.resolve(); } // shown at once: no wait for a call already inflated
     keysNote(`query ${query}: inflating this call's strongest keys…`);
