@@ -398,6 +398,17 @@ def test_a_saved_record_loads_back(tmp_path):
     assert back.topk == 2 and torch.equal(back[""].topk_indices, rec[""].topk_indices)
     with pytest.raises(ValueError, match="not a saved attnkit statistics record"):
         attnkit.recording.StatsRecord.from_dict({"x": 1})
+    # a call through a cache keeps where its queries and keys stand, saved and loaded back
+    cache = attnkit.KVCache(window=3)
+    with attnkit.record_stats(mha, topk=2) as cached:
+        mha(x, x, x, is_causal=True, cache=cache)
+        mha(x[:, :1], x[:, :1], x[:, :1], is_causal=True, cache=cache)
+    saved = attnkit.recording.StatsRecord.from_dict(torch.load(cached.save(tmp_path / "c.pt"), weights_only=True))
+    assert saved[""].query_positions.tolist() == [[5]]
+    assert torch.equal(saved[""].key_positions, cached[""].key_positions) and cached[""].key_positions.shape[0] == 1
+    values = saved[""].as_dict() | {"query_positions": torch.zeros(1, 2, dtype=torch.long)}
+    with pytest.raises(ValueError, match="do not fit together"):
+        stats.AttentionStats.from_dict(values)
 
 
 def test_empty_or_zero_step_selections_are_refused_before_any_call():

@@ -425,3 +425,37 @@ def test_a_statistics_page_of_a_call_without_queries_says_so(browser, tmp_path):
     view(rec, path=tmp_path / "s.html")
     with opened(browser, tmp_path / "s.html") as o:
         assert o.page.locator("#st-keys").text_content() == "This call has no queries."
+
+
+@pytest.mark.parametrize("cache", ["static", "sliding"])
+def test_a_statistics_page_labels_calls_through_a_cache_with_the_tokens_at_their_positions(browser, tmp_path, cache):
+    """A decoding step through a static cache (keys: its capacity) or a sliding one (a ring of slots): the step's
+    query is the token at its own position, each key the token its slot holds."""
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(8, 2).eval()
+    kv = attnkit.KVCache(max_len=16) if cache == "static" else attnkit.KVCache(window=3)
+    x = torch.randn(1, 6, 8)
+    with attnkit.record_stats(mha, topk=3) as rec:
+        mha(x[:, :4], x[:, :4], x[:, :4], is_causal=True, cache=kv)
+        for i in (4, 5):
+            mha(x[:, i : i + 1], x[:, i : i + 1], x[:, i : i + 1], is_causal=True, cache=kv)
+    last = rec[""]
+    assert last.query_positions is not None and last.query_positions.tolist() == [[5]]
+    view(rec, tokens=[f"w{i}" for i in range(16)], path=tmp_path / "s.html")
+    with opened(browser, tmp_path / "s.html") as o:
+        page = o.page
+        page.evaluate("""() => {
+            const step = document.getElementById("step");
+            step.value = "2";
+            step.dispatchEvent(new Event("input"));
+        }""")
+        page.wait_for_selector("#st-keys[data-shown='0 0 0']", state="attached")
+        lines = page.locator("#st-keys div").all_text_contents()
+        assert lines[0].startswith('query 0 "w5"')
+        slots = [j for j in last.topk_indices[0, 0, 0].tolist() if j >= 0]
+        where = slots if last.key_positions is None else [int(last.key_positions[0, j]) for j in slots]
+        if cache == "sliding":  # its ring holds the last 3 positions, in slots of their own
+            assert sorted(where) == [3, 4, 5] and where != slots
+        assert [line.split(": ")[0] for line in lines[1:]] == [
+            f'key {p}{f" (slot {j})" if p != j else ""} "w{p}"' for p, j in zip(where, slots, strict=True)
+        ]

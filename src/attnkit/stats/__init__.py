@@ -72,7 +72,10 @@ class AttentionStats:
     """The statistics of one call (see the module docstring for each formula). Shapes follow the weights': for
     weights ``(B, H, Lq, Lk)``, ``topk_values``/``topk_indices`` ``(B, H, Lq, k)``, ``entropy``, ``distance`` and
     ``sink_mass`` ``(B, H, Lq)``, ``column_sum`` ``(B, H, Lk)`` (without the ``H`` axis for 3-dim weights).
-    ``kv_heads``: the call's key/value heads when fewer than its query heads (grouped-query attention)."""
+    ``kv_heads``: the call's key/value heads when fewer than its query heads (grouped-query attention).
+    ``query_positions`` ``(B|1, Lq)`` and ``key_positions`` ``(B|1, Lk)``, int64: where the call's queries and keys
+    stand when not at the default ``i + Lk - Lq`` and ``j`` (a :class:`~attnkit.KVCache`'s rows, a sliding cache's
+    ring; ``None``: the default)."""
 
     topk_values: Tensor
     topk_indices: Tensor
@@ -82,6 +85,8 @@ class AttentionStats:
     sink_mass: Tensor
     sink_keys: int = SINK_KEYS
     kv_heads: int | None = None
+    query_positions: Tensor | None = None
+    key_positions: Tensor | None = None
 
     @property
     def topk(self) -> int:
@@ -102,21 +107,31 @@ class AttentionStats:
     @classmethod
     def from_dict(cls, values: dict) -> AttentionStats:
         names = {f.name for f in fields(cls)}
-        missing = sorted(n for n in names - set(values) if n not in ("sink_keys", "kv_heads"))
+        optional = ("sink_keys", "kv_heads", "query_positions", "key_positions")
+        missing = sorted(n for n in names - set(values) if n not in optional)
         if missing:
             raise ValueError(f"attention statistics need {', '.join(missing)}; got {', '.join(sorted(values))}")
         kept = {n: v for n, v in values.items() if n in names}
-        wrong = sorted(n for n, v in kept.items() if n not in ("sink_keys", "kv_heads") and not isinstance(v, Tensor))
+        wrong = sorted(
+            n
+            for n, v in kept.items()
+            if n not in optional[:2] and not isinstance(v, Tensor) and not (n in optional and v is None)
+        )
         if wrong:
             raise ValueError(f"attention statistics hold tensors; {', '.join(wrong)} is not one")
         rows = kept["entropy"].shape  # (B, H, Lq) or (B, Lq)
         shapes = {n: tuple(kept[n].shape) for n in ("topk_values", "topk_indices", "entropy", "column_sum")}
+        B, Lq, Lk = rows[0], rows[-1], kept["column_sum"].shape[-1]
+        positions = [(kept.get("query_positions"), Lq), (kept.get("key_positions"), Lk)]
         if (
             kept["topk_values"].shape[:-1] != rows
             or kept["topk_indices"].shape != kept["topk_values"].shape
             or kept["distance"].shape != rows
             or kept["sink_mass"].shape != rows
             or kept["column_sum"].shape[:-1] != rows[:-1]
+            or any(
+                p is not None and (p.dim() != 2 or p.shape[0] not in (1, B) or p.shape[1] != L) for p, L in positions
+            )
         ):
             raise ValueError(f"attention statistics of shapes that do not fit together: {shapes}")
         return cls(**kept)
@@ -139,7 +154,7 @@ def compute(
     found = [sums.values, sums.indices, sums.entropy, sums.column, sums.distance, sums.sink]
     if parts.three_d:
         found = [t.squeeze(1) for t in found]
-    return _result(found, sink_keys, kv_heads)
+    return _result(found, sink_keys, kv_heads, (parts.query_positions, parts.key_positions))
 
 
 def rows_of(parts: Parts, rows: list[int], heads: list[int] | None = None, block_bytes: int = BLOCK_BYTES) -> Tensor:
@@ -200,14 +215,17 @@ def from_weights(
     stats = [sums.values, sums.indices, sums.entropy, sums.column, sums.distance, sums.sink]
     if three_d:
         stats = [s.squeeze(1) for s in stats]
-    return _result(stats, sink_keys, kv_heads)
+    return _result(stats, sink_keys, kv_heads, (query_positions, key_positions))
 
 
-def _result(found: list[Tensor], sink_keys: int, kv_heads: int | None) -> AttentionStats:
+def _result(
+    found: list[Tensor], sink_keys: int, kv_heads: int | None, positions: tuple[Tensor | None, Tensor | None]
+) -> AttentionStats:
     values, indices, entropy, column, distance, sink = found
     if kv_heads is not None and (entropy.dim() != 3 or kv_heads >= entropy.shape[1]):
         kv_heads = None  # said only for grouped-query heads
-    return AttentionStats(values, indices, entropy, column, distance, sink, sink_keys, kv_heads)
+    where = [None if p is None else p.detach().to(torch.long) for p in positions]  # (B|1, Lq), (B|1, Lk)
+    return AttentionStats(values, indices, entropy, column, distance, sink, sink_keys, kv_heads, *where)
 
 
 def parts(

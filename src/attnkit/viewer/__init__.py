@@ -99,7 +99,9 @@ def view(
     Args:
         weights: a record from :func:`attnkit.record_stats` (or what its ``save`` wrote, loaded back): a page of
             per layer x head summaries (entropy, sink mass, attention distance) and each query's strongest keys,
-            at any length (``query_tokens``, ``key_tokens``, ``layer_tokens`` and ``kv_heads`` do not apply); or
+            at any length (``query_tokens``, ``key_tokens``, ``layer_tokens`` and ``kv_heads`` do not apply; a
+            call through a :class:`~attnkit.KVCache` labels its queries and keys with the tokens at their own
+            positions, which the record keeps); or
             a record from :func:`attnkit.record_weights` (each module a layer, its calls on a slider; a
             mapping ``{name: (B, H, Lq, Lk) or (B, Lq, Lk) tensor, or a list of them, one per call}`` is read
             the same way, e.g. ``torch.save({n: rec.calls(n) for n in rec}, f)`` loaded back), or a tensor or

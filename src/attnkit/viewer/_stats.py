@@ -107,7 +107,8 @@ def _one_head(s: Any) -> Any:
     """Statistics without a head axis as those of one head."""
     if s.entropy.dim() != 2:
         return s
-    return dataclasses.replace(s, **{name: t.unsqueeze(1) for name, t in s.tensors().items()})
+    positions = ("query_positions", "key_positions")  # (B|1, L): no head axis to add
+    return dataclasses.replace(s, **{n: t.unsqueeze(1) for n, t in s.tensors().items() if n not in positions})
 
 
 def _fitted(
@@ -156,9 +157,16 @@ def _call(s: Any, example: int, top: bytes, blobs: _Blobs) -> dict[str, Any]:
     def mean(x: np.ndarray) -> list[float]:
         return [float(v) for v in np.where(live, x, 0).sum(-1) / count]
 
+    # where the queries and keys stand when not at the default (a cache's rows): the tokens they are, int32 each
+    qpos, kpos = (
+        None if p is None else blobs.add(p[example if p.shape[0] > 1 else 0].numpy().astype("<i4").tobytes())
+        for p in (s.query_positions, s.key_positions)
+    )
     return {
         "lq": Lq,
         "lk": int(column.shape[-1]),
+        "qpos": qpos,
+        "kpos": kpos,
         "summary": {"entropy": mean(entropy), "sink": mean(sink), "distance": mean(distance)},
         "top": blobs.add(top),
         "series": {

@@ -142,8 +142,14 @@
     box.appendChild(line);
   }
 
+  // Where a call's queries and keys stand: given for a cache's rows (blob of int32), else i + Lk - Lq and j.
+  function positions(id) { const b = blob(id); return new Int32Array(b.buffer, b.byteOffset, b.length / 4); }
+  const queryAt = (call, q) => (call.qpos !== null ? positions(call.qpos)[q] : q + call.lk - call.lq);
+  const keyAt = (call, j) => (call.kpos !== null ? positions(call.kpos)[j] : j);
+
   function drawKeys(ctx, w, h, top, call, query, shown) {
-    const qx = (query + call.lk - call.lq + 0.5) / call.lk * w;
+    const at = queryAt(call, query), slot = call.kpos !== null ? null : at; // the query's own key slot, if known
+    const qx = Math.min(slot === null ? call.lk - 0.5 : slot + 0.5, call.lk) / call.lk * w;
     ctx.strokeStyle = "#c00";
     for (const [key, weight] of top) {
       ctx.globalAlpha = Math.max(0.15, weight);
@@ -151,10 +157,13 @@
     }
     ctx.globalAlpha = 1;
     const tok = (j) => (D.tokens && j < D.tokens.length ? ` ${JSON.stringify(D.tokens[j])}` : "");
-    const lines = top.map(([key, weight]) => `key ${key}${tok(key)}: ${weight.toFixed(3)}`);
+    const lines = top.map(([key, weight]) => {
+      const p = keyAt(call, key); // a sliding cache's slot holds a position of its own
+      return `key ${p}${p !== key ? ` (slot ${key})` : ""}${tok(p)}: ${weight.toFixed(3)}`;
+    });
     $("st-keys").textContent = "";
     const title = document.createElement("div");
-    title.textContent = `query ${query}${tok(query + call.lk - call.lq)}: its ${D.k} strongest keys` + (lines.length ? "" : " (it sees none)");
+    title.textContent = `query ${query}${tok(at)}: its ${D.k} strongest keys` + (lines.length ? "" : " (it sees none)");
     $("st-keys").appendChild(title);
     for (const line of lines) { const div = document.createElement("div"); div.textContent = line; $("st-keys").appendChild(div); }
     $("st-keys").dataset.shown = shown; // layer, head and query of the keys listed (for tests and benchmarks)
