@@ -118,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
             "view and a matrix view. WEIGHTS_FILE: (Lq, Lk), (H, Lq, Lk) or (layers, H, Lq, Lk) weights saved with "
             "torch.save or numpy.save, or a record: torch.save({name: rec.calls(name) for name in rec}, FILE) "
             "after attnkit.record_weights. Large inputs are reduced (each row keeps its largest weights), and the "
-            "page says so."
+            "page says so. Or a statistics record, rec.save(FILE) after attnkit.record_stats: a page of per layer "
+            "x head summaries and each query's strongest keys, at any length (--tokens and --example apply; "
+            "--query-tokens, --key-tokens and --kv-heads do not)."
         ),
     )
     v.add_argument("weights_file", metavar="WEIGHTS_FILE")
