@@ -86,9 +86,10 @@ def blocks(
     q, k, _ = zero_dead(q, k, k, mask)  # padding and empty rows hold zeros (NaN there reaches nothing)
     if H == 0:
         return  # no heads, no weights
-    # contiguous (a layer's heads are often strided views, which the products read slowly), and the keys scaled
-    # once, not every block's scores: a copy of k, G times smaller than one of q
-    q = q.to(dtype).contiguous()  # (B, H, Lq, D)
+    # the keys scaled once, not every block's scores: a copy of k, G times smaller than one of q. The queries are
+    # copied a block at a time (_scores: a block's rows as one contiguous matrix, which the product reads fast
+    # where a layer's heads are strided views), never whole: at 32k tokens q is 64 MiB a layer
+    q = q.to(dtype)  # (B, H, Lq, D)
     w_v = None if parts.w_v is None else parts.w_v.detach().to(dtype)
     if w_v is None:
         k = k.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True).mul_(parts.scale)  # (B, Hkv, Lk, D)
