@@ -407,13 +407,23 @@ def test_a_saved_record_loads_back(tmp_path):
     assert saved[""].query_positions.tolist() == [[5]]
     assert torch.equal(saved[""].key_positions, cached[""].key_positions) and cached[""].key_positions.shape[0] == 1
     values = saved[""].as_dict() | {"query_positions": torch.zeros(1, 2, dtype=torch.long)}
-    with pytest.raises(ValueError, match="do not fit together"):
+    with pytest.raises(ValueError, match=r"do not fit together: .*'query_positions': \(1, 2\)"):
         stats.AttentionStats.from_dict(values)
+    with pytest.raises(ValueError, match="positions are whole numbers, got torch.float32"):
+        stats.AttentionStats.from_dict(saved[""].as_dict() | {"query_positions": torch.zeros(1, 1)})
 
 
 def test_empty_or_zero_step_selections_are_refused_before_any_call():
     mha = attnkit.MultiHeadAttention(8, 2)
-    for bad in (range(0), slice(None, None, 0), slice(5, 2), slice(-2, -5), slice(2, 5, -1), slice(3, 3)):
+    empty_at_any_length = (
+        slice(5, 2),
+        slice(-2, -5),
+        slice(2, 5, -1),
+        slice(3, 3),
+        slice(None, 0),
+        slice(None, -1, -1),
+    )
+    for bad in (range(0), slice(None, None, 0), *empty_at_any_length):
         with pytest.raises(ValueError, match="queries"):
             attnkit.record_weights(mha, queries=bad)
     attnkit.record_weights(mha, queries=slice(5, 2, -1), heads=slice(-1, 3))  # names some at some lengths
@@ -421,6 +431,9 @@ def test_empty_or_zero_step_selections_are_refused_before_any_call():
     for kw, named in (({"queries": slice(10, 20)}, "4 query rows"), ({"heads": slice(5, 9)}, "2 heads")):
         with attnkit.record_weights(mha, **kw), pytest.raises(ValueError, match=f"names no .*: .* has {named}"):
             mha(x, x, x)
+    with attnkit.record_weights(mha, queries=slice(None)) as every:  # a call of no queries: all of them, none
+        mha(x[:, :0], x, x)
+    assert every[""].shape == (1, 2, 0, 4)
     with pytest.raises(ValueError, match="layers"):
         attnkit.record_stats(mha, layers=[])
     stats_ = attnkit.attention_stats(torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), topk=1)
@@ -556,3 +569,16 @@ def test_the_page_keeps_the_strongest_keys_it_has_room_for_deflated(budget, tmp_
         assert np.abs(weights - s.topk_values[example, :, :, :k].numpy()).max() <= 0.5 / 255 + 1e-6
     positions = np.arange(30)[None, :, None] + 40
     assert (rec[""].topk_indices[0].numpy() > positions).any() and (rec[""].topk_indices[1, ..., 5:] == -1).all()
+
+
+def test_the_books_layers_run_and_record_under_inference_mode():
+    from attnkit import d2l
+
+    mha, x = d2l.MultiHeadAttention(16, 4, 0.0).eval(), torch.randn(2, 5, 16)
+    with torch.inference_mode():
+        with attnkit.record_stats(mha, topk=2) as rec:
+            y = mha(x, x, x, torch.tensor([5, 3]))
+        scores = mha.attention.scores  # computed when read, as outside inference_mode
+    q = mha.transpose_qkv(mha.W_q(x))
+    assert y.shape == (2, 5, 16) and rec[""].entropy.shape == (2, 4, 5)
+    assert torch.allclose(scores, q @ mha.transpose_qkv(mha.W_k(x)).transpose(1, 2) / 2)

@@ -456,6 +456,22 @@ def test_a_statistics_page_labels_calls_through_a_cache_with_the_tokens_at_their
         where = slots if last.key_positions is None else [int(last.key_positions[0, j]) for j in slots]
         if cache == "sliding":  # its ring holds the last 3 positions, in slots of their own
             assert sorted(where) == [3, 4, 5] and where != slots
+        own = [int(p) for p in last.key_positions[0]].index(5) if last.key_positions is not None else 5
+        assert page.get_attribute("#st-keys", "data-query-slot") == str(own)  # the lines start at its own key
+        # the prefill's queries (4 of them through the ring) start their lines at their own keys too
+        page.evaluate("""() => {
+            const step = document.getElementById("step");
+            step.value = "0";
+            step.dispatchEvent(new Event("input"));
+        }""")
+        first = rec.calls("")[0]
+        for q in range(4):
+            page.fill("#st-query", str(q))
+            page.dispatch_event("#st-query", "change")
+            page.wait_for_selector(f"#st-keys[data-shown='0 0 {q}']", state="attached")
+            kpos = first.key_positions
+            own = q if kpos is None else [int(p) for p in kpos[0]].index(int(first.query_positions[0, q]))
+            assert page.get_attribute("#st-keys", "data-query-slot") == str(own)
         assert [line.split(": ")[0] for line in lines[1:]] == [
             f'key {p}{f" (slot {j})" if p != j else ""} "w{p}"' for p, j in zip(where, slots, strict=True)
         ]

@@ -280,7 +280,7 @@ def _indices(chosen: Index | None, size: int, what: str, has: str) -> list[int]:
     noun = what[:-1] if what != "queries" else "query"
     if isinstance(chosen, slice):
         found = sorted(range(size)[chosen])  # (a negative step names the same indices, kept in order)
-        if not found:
+        if not found and size:  # (a call of no rows has none to name: all of them, none)
             raise ValueError(f"record_weights({what}={chosen!r}) names no {noun}: {has}")
         return found
     picked = [chosen] if isinstance(chosen, int) else list(chosen)
@@ -300,8 +300,9 @@ def _check_index(chosen: object, what: str) -> None:
             raise ValueError(f"{what} must be a slice with a step other than 0, got {chosen!r}")
         if not all(x is None or isinstance(x, int) for x in (chosen.start, chosen.stop, chosen.step)):
             raise TypeError(f"{what} must be a slice of ints, got {chosen!r}")
-        start, stop, step = chosen.start, chosen.stop, chosen.step or 1
-        if start is not None and stop is not None and (start < 0) == (stop < 0) and (stop - start) * step <= 0:
+        step = chosen.step or 1
+        start, stop = (0 if step > 0 else -1) if chosen.start is None else chosen.start, chosen.stop  # from the end
+        if stop is not None and (start < 0) == (stop < 0) and (stop - start) * step <= 0:
             raise ValueError(f"{what} must name at least one index, got {chosen!r}: it names none at any length")
         return
     if isinstance(chosen, range) and not len(chosen):

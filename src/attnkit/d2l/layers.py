@@ -86,11 +86,12 @@ class DotProductAttention(nn.Module):
 
         Computed when first read, from the queries and keys that call kept, so a forward does only the book's two
         matmuls (``attnkit bench``, contender ``d2l``). Raises ``RuntimeError`` if they were modified in place
-        since the call.
+        since the call (which ``torch.inference_mode`` tensors, keeping no version counter, cannot tell).
         """
         if self._scores is None and self._scored is not None:
             q, k, q_version, k_version = self._scored
-            if (q._version, k._version) != (q_version, k_version):
+            now = [-1 if t.is_inference() else t._version for t in (q, k)]
+            if now != [q_version, k_version]:
                 raise RuntimeError(
                     "scores: the queries or keys of the last call were modified in place since; read .scores "
                     "before changing them"
@@ -120,10 +121,9 @@ class DotProductAttention(nn.Module):
             zeros_past=zeros_past,
         )
         q, k = queries.detach(), keys.detach()
-        if q.is_inference() or k.is_inference():  # no version counter to tell a later change: computed now
-            self._scored, self._scores = None, torch.bmm(q, k.transpose(1, 2)) / math.sqrt(q.shape[-1])  # (B, Lq, Lk)
-        else:
-            self._scored, self._scores = (q, k, q._version, k._version), None
+        # inference tensors keep no version counter (-1: a change after the call cannot be told, see .scores)
+        q_version, k_version = (-1 if t.is_inference() else t._version for t in (q, k))
+        self._scored, self._scores = (q, k, q_version, k_version), None
         # For looking at, as in the book; detached, so it holds no graph (copy.deepcopy works, memory is freed).
         self.attention_weights = weights.detach() if weights is not None else None
         report_weights(self, weights, positions=_positions_of(self))  # for attnkit.record_weights and record_stats

@@ -75,7 +75,7 @@ class AttentionStats:
     ``kv_heads``: the call's key/value heads when fewer than its query heads (grouped-query attention).
     ``query_positions`` ``(B|1, Lq)`` and ``key_positions`` ``(B|1, Lk)``, int64: where the call's queries and keys
     stand when not at the default ``i + Lk - Lq`` and ``j`` (a :class:`~attnkit.KVCache`'s rows, a sliding cache's
-    ring; ``None``: the default)."""
+    ring; through transformers, a cache's slots; ``None``: the default)."""
 
     topk_values: Tensor
     topk_indices: Tensor
@@ -120,9 +120,12 @@ class AttentionStats:
         if wrong:
             raise ValueError(f"attention statistics hold tensors; {', '.join(wrong)} is not one")
         rows = kept["entropy"].shape  # (B, H, Lq) or (B, Lq)
-        shapes = {n: tuple(kept[n].shape) for n in ("topk_values", "topk_indices", "entropy", "column_sum")}
+        shapes = {n: tuple(v.shape) for n, v in kept.items() if isinstance(v, Tensor)}
         B, Lq, Lk = rows[0], rows[-1], kept["column_sum"].shape[-1]
         positions = [(kept.get("query_positions"), Lq), (kept.get("key_positions"), Lk)]
+        floating = [str(p.dtype) for p, _ in positions if p is not None and (p.is_floating_point() or p.is_complex())]
+        if floating:
+            raise ValueError(f"attention statistics' positions are whole numbers, got {', '.join(floating)}")
         if (
             kept["topk_values"].shape[:-1] != rows
             or kept["topk_indices"].shape != kept["topk_values"].shape

@@ -87,8 +87,8 @@ def blocks(
     if H == 0:
         return  # no heads, no weights
     # the keys scaled once, not every block's scores: a copy of k, G times smaller than one of q. The queries are
-    # copied a block at a time (_scores: a block's rows as one contiguous matrix, which the product reads fast
-    # where a layer's heads are strided views), never whole: at 32k tokens q is 64 MiB a layer
+    # not copied whole (at 32k tokens q is 64 MiB a layer): _scores' reshape copies a block's rows of G > 1 heads,
+    # and reads one head's in place, strided or not, as fast (measured); float16/bfloat16 ones are converted whole
     q = q.to(dtype)  # (B, H, Lq, D)
     w_v = None if parts.w_v is None else parts.w_v.detach().to(dtype)
     if w_v is None:

@@ -148,8 +148,10 @@
   const keyAt = (call, j) => (call.kpos !== null ? positions(call.kpos)[j] : j);
 
   function drawKeys(ctx, w, h, top, call, query, shown) {
-    const at = queryAt(call, query), slot = call.kpos !== null ? null : at; // the query's own key slot, if known
-    const qx = Math.min(slot === null ? call.lk - 0.5 : slot + 0.5, call.lk) / call.lk * w;
+    const at = queryAt(call, query); // the query's own key: the slot holding its position, where slots are known
+    const own = call.kpos !== null ? positions(call.kpos).indexOf(at) : at;
+    const slot = own >= 0 && own < call.lk ? own : query + call.lk - call.lq;
+    const qx = (slot + 0.5) / call.lk * w;
     ctx.strokeStyle = "#c00";
     for (const [key, weight] of top) {
       ctx.globalAlpha = Math.max(0.15, weight);
@@ -167,6 +169,7 @@
     $("st-keys").appendChild(title);
     for (const line of lines) { const div = document.createElement("div"); div.textContent = line; $("st-keys").appendChild(div); }
     $("st-keys").dataset.shown = shown; // layer, head and query of the keys listed (for tests and benchmarks)
+    $("st-keys").dataset.querySlot = String(slot); // the key slot its lines start from
   }
 
   function render() { renderTables(); return renderQuery(); }
