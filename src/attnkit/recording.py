@@ -300,8 +300,10 @@ def _check_index(chosen: object, what: str) -> None:
             raise ValueError(f"{what} must be a slice with a step other than 0, got {chosen!r}")
         if not all(x is None or isinstance(x, int) for x in (chosen.start, chosen.stop, chosen.step)):
             raise TypeError(f"{what} must be a slice of ints, got {chosen!r}")
+        # empty at every length: start and stop counted from the same end, stop not past start (a start left out
+        # is the first index, or the last for a negative step)
         step = chosen.step or 1
-        start, stop = (0 if step > 0 else -1) if chosen.start is None else chosen.start, chosen.stop  # from the end
+        start, stop = (0 if step > 0 else -1) if chosen.start is None else chosen.start, chosen.stop
         if stop is not None and (start < 0) == (stop < 0) and (stop - start) * step <= 0:
             raise ValueError(f"{what} must name at least one index, got {chosen!r}: it names none at any length")
         return

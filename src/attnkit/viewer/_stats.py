@@ -141,7 +141,7 @@ def _top(s: Any, example: int, k: int) -> bytes:
         raise ValueError(f"a page of statistics holds keys up to 2**31 positions from their query, got Lk={Lk}")
     code = zigzag.astype("<u4")  # (H, Lq, k)
     planes = code.view(np.uint8).reshape(-1, 4).T  # (4, H*Lq*k): byte b of every entry
-    weights = np.rint(values * 255).clip(0, 255).astype(np.uint8)
+    weights = np.rint(values * 255).clip(0, 255).astype(np.uint8)  # (H, Lq, k)
     return zlib.compress(planes.tobytes() + weights.tobytes(), 1)
 
 
