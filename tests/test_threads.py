@@ -4,6 +4,7 @@ watches and chunked settings, with real threads (a barrier forces the overlap) a
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -320,3 +321,25 @@ def test_a_task_made_inside_a_watch_or_settings_block_stops_at_its_close():
 
     ran, block_size = asyncio.run(main())
     assert ran == [] and block_size == chunked.Settings().block_size
+
+
+@pytest.mark.parametrize("book", [False, True], ids=["attnkit", "d2l"])
+def test_a_layer_of_inferred_sizes_first_called_by_two_threads_at_once_draws_its_weights_once(book):
+    from attnkit import d2l
+
+    for _ in range(10):  # the race lost most tries before the weights were drawn under a lock
+        mha = d2l.MultiHeadAttention(32, 4, 0.0).eval() if book else attnkit.MultiHeadAttention(32, 4).eval()
+        x = torch.randn(1, 20, 32)
+        args = (x, x, x, None) if book else (x, x, x)
+        first, second = _in_threads(*[functools.partial(mha, *args)] * 2)
+        assert torch.equal(first, second)  # one set of weights, seen by both
+        assert all(type(m) is nn.Linear for m in (mha.W_q, mha.W_k, mha.W_v, mha.W_o))
+
+
+def test_a_layer_of_inferred_sizes_given_weights_before_its_first_call_still_becomes_plain_linear_layers():
+    made = attnkit.MultiHeadAttention(32, 4).eval()
+    x = torch.randn(1, 3, 32)
+    made(x, x, x)
+    loaded = attnkit.MultiHeadAttention(32, 4).eval()
+    loaded.load_state_dict(made.state_dict())
+    assert torch.equal(loaded(x, x, x), made(x, x, x)) and type(loaded.W_q) is nn.Linear

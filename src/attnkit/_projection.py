@@ -19,7 +19,9 @@ profilers, quantisers and LoRA tooling rely on them): anything else calls the mo
 
 from __future__ import annotations
 
+import threading
 import weakref
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -39,8 +41,25 @@ _has_global_hook = getattr(torch.nn.modules.module, "_has_any_global_hook", lamb
 def make(in_features: int | None, out_features: int, *, bias: bool) -> nn.Linear:
     """``nn.Linear``, or ``nn.LazyLinear`` (its input size inferred at the first call) when ``in_features`` is None."""
     if in_features is None:
-        return nn.LazyLinear(out_features, bias=bias)
+        return _LazyLinear(out_features, bias=bias)
     return nn.Linear(in_features, out_features, bias=bias)
+
+
+# The first calls of lazy projections draw their weights one at a time: a lock, not state (a module holding one could
+# not be deep-copied).
+_FIRST_CALL = threading.Lock()
+
+
+class _LazyLinear(nn.LazyLinear):
+    """``nn.LazyLinear`` whose first call may come from two threads at once. PyTorch's hook that draws the weights
+    and turns the module into an ``nn.Linear`` is not safe so (the second thread finds the hook gone and fails):
+    here it runs once, the other thread waiting, then finding the weights drawn."""
+
+    def _infer_parameters(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
+        with _FIRST_CALL:
+            # (another thread may have done it while this one waited: the module is an nn.Linear then)
+            if isinstance(module, nn.LazyLinear):
+                super()._infer_parameters(module, args, kwargs)
 
 
 def check_features(name: str, x: Tensor, proj: nn.Linear) -> None:
