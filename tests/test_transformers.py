@@ -430,6 +430,31 @@ def test_statistics_recorded_through_transformers_equal_those_of_eager_weights(k
         assert max_err(torch.where(got.topk_indices >= 0, named, 0.0), got.topk_values) <= 1e-5, name
 
 
+def test_statistics_of_an_unpadded_prompt_come_from_the_forwards_row_sums(monkeypatch):
+    """Llama (GQA, causal) on a prompt without padding, under no_grad: the forward runs PyTorch's fused kernel,
+    which gives each row's log-sum-exp, and every layer's statistics are computed tile by tile from it
+    (attnkit.stats.tiled), equal to those reduced from eager's output_attentions."""
+    from attnkit.stats import tiled
+
+    used = []
+    original = tiled.compute
+    monkeypatch.setattr(tiled, "compute", lambda *a: (used.append(1), original(*a))[1])
+    models = _models("llama", (NAMES["auto"],))
+    eager, ours = models["eager"], models[NAMES["auto"]]
+    ids = _batch("llama", "right")["input_ids"][:1]  # (1, L): the first row, all real
+    with torch.no_grad():
+        truth = eager(ids, output_attentions=True).attentions
+        plain = ours(ids).logits
+        with attnkit.record_stats(ours, topk=3) as rec:
+            logits = ours(ids).logits
+    assert len(used) == len(rec) == len(truth) > 0
+    assert torch.equal(logits, plain)
+    for name, t in zip(rec.keys(), truth, strict=True):
+        want, got = attnkit.stats.from_weights(t.double(), 3), rec[name]
+        for field in ("topk_values", "entropy", "distance", "sink_mass", "column_sum"):
+            assert max_err(getattr(got, field), getattr(want, field)) <= 1e-4, (name, field)
+
+
 def test_a_static_cache_step_measures_distance_from_the_querys_own_slot():
     """A static cache's decoding step: the query stands at the last slot it may see, not at the last slot of the
     cache; a static prefill's column sums run over every slot, as its weights do."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 
@@ -115,3 +116,86 @@ def ranges(start: int, stop: int, step: int) -> Tensor:
     int64 ``[first, end)`` pairs, on the CPU."""
     starts = torch.arange(start, stop, step)  # (n,)
     return torch.stack([starts, (starts + step).clamp(max=stop)], dim=1)  # (n, 2)
+
+
+def check_qkv(
+    q: Tensor, k: Tensor, v: Tensor | None, names: tuple[str, str, str] = ("q", "k", "v"), *, same_features: bool = True
+) -> bool:
+    """Check that queries, keys and values fit together; return True for 3-dim (head-less) inputs. ``v=None``:
+    a call without values (its weights alone), whose errors name only ``q`` and ``k``.
+
+    ``same_features=False`` skips the check that ``q`` and ``k`` have one feature size (layers whose
+    projections bring them to one size).
+
+    Raises:
+        TypeError: a non-tensor, a non-floating dtype, or mixed dtypes.
+        ValueError: mixed devices, wrong number of dims, batch sizes, feature sizes, key/value lengths or head
+            counts that do not fit, no keys, or queries without features.
+    """
+    nq, nk, nv = names
+    if v is None:  # checked as values equal to the keys, named as keys only
+        v, names = k, (nq, nk, nk)
+        nv = nk
+    for name, t in zip(names, (q, k, v), strict=True):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got dtype {t.dtype}")
+    check_same_kind((nq, q), (nk, k), (nv, v))
+    shapes = f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}" + ("" if v is k else f", {nv} {tuple(v.shape)}")
+    if q.dim() not in (3, 4):
+        raise ValueError(f"{nq} must be (B, H, Lq, D) or (B, Lq, D), got {q.dim()} dims: {shapes}")
+    if k.dim() != q.dim() or v.dim() != q.dim():
+        both = f"{nq} and {nk}" if v is k else f"{nq}, {nk} and {nv}"
+        raise ValueError(f"{both} must have the same number of dims: {shapes}")
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        also = "" if v is k else f", {nv} has {v.shape[0]}"
+        raise ValueError(f"batch sizes differ: {nq} has {q.shape[0]}, {nk} has {k.shape[0]}{also}: {shapes}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"{nk} has {k.shape[-2]} positions but {nv} has {v.shape[-2]}: {nk} {tuple(k.shape)}, {nv} {tuple(v.shape)}"
+        )
+    if same_features and q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"{nq} and {nk} must have the same feature size, got {q.shape[-1]} and {k.shape[-1]}: "
+            f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}"
+        )
+    if k.shape[-2] == 0:
+        raise ValueError(f"{nk} must have at least one position: {shapes}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"{nq} must have at least one feature (D >= 1): {shapes}")
+    if q.dim() == 4:
+        H, Hkv = q.shape[1], k.shape[1]
+        if v.shape[1] != Hkv:
+            raise ValueError(f"{nk} has {Hkv} heads but {nv} has {v.shape[1]}: {shapes}")
+        if Hkv == 0 or H % Hkv:
+            values = "" if v is k else f" and {nv}"
+            raise ValueError(f"the {H} heads of {nq} must be a multiple of the {Hkv} heads of {nk}{values}: {shapes}")
+    return q.dim() == 3
+
+
+def check_scale(scale: object, dtype: torch.dtype = torch.float64) -> float:
+    """Any real number (Python or NumPy, any precision) finite in ``dtype``, the dtype the scores are computed in,
+    is a scale; ``bool``, NaN and infinities are not (``1e300`` is infinite in float32: every score would be)."""
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a number, got {scale!r}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value}")
+    largest = torch.finfo(dtype).max
+    if abs(value) > largest:
+        raise ValueError(
+            f"scale must be finite in {str(dtype).removeprefix('torch.')}, the dtype the scores are computed in "
+            f"(at most {largest:g} in magnitude), got {value:g}"
+        )
+    return value
+
+
+def check_same_kind(*named: tuple[str, Tensor]) -> None:
+    """Every tensor named has the first's dtype and device."""
+    (n0, t0), rest = named[0], named[1:]
+    for name, t in rest:
+        if t.dtype != t0.dtype:
+            raise TypeError(f"{n0} and {name} must have the same dtype, got {t0.dtype} and {t.dtype}")
+        if t.device != t0.device:
+            raise ValueError(f"{n0} and {name} must be on the same device, got {t0.device} and {t.device}")

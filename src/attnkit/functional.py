@@ -9,7 +9,6 @@ a row with nothing to attend to gives zeros. Inputs are never modified.
 from __future__ import annotations
 
 import contextlib
-import math
 import numbers
 from typing import NamedTuple
 
@@ -17,7 +16,7 @@ import torch
 from torch import Tensor
 
 from attnkit import dispatch, mods, trace
-from attnkit._checks import describe
+from attnkit._checks import check_qkv, check_same_kind, check_scale, describe
 from attnkit.backends import reference
 from attnkit.backends.contract import Call
 from attnkit.masks import Mask, compute_dtype
@@ -33,6 +32,16 @@ class AttentionOutput(NamedTuple):
 
     output: Tensor
     weights: Tensor | None
+
+
+class Attended(NamedTuple):
+    """What :func:`attend` gives attnkit's layers: the :class:`AttentionOutput`'s two, and ``lse (B, H, Lq)``, each
+    row's log-sum-exp of its scaled scores where the call asked for it and the backend had it at no cost (``None``
+    otherwise): :func:`attnkit.stats.compute` then need not take the rows' sums again."""
+
+    output: Tensor
+    weights: Tensor | None
+    lse: Tensor | None = None
 
 
 class Masks(NamedTuple):
@@ -103,9 +112,10 @@ def scaled_dot_product_attention(
                 [[0.5000, 0.5000, 0.0000]]])
     """
     masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
-    return attend(
+    out, weights, _ = attend(
         q, k, v, masks, scale=scale, sinks=sinks, dropout_p=dropout_p, need_weights=need_weights, backend=backend
     )
+    return AttentionOutput(out, weights)
 
 
 def additive_attention(
@@ -143,7 +153,10 @@ def additive_attention(
         tensor([[[0.5000]]])
     """
     masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
-    return attend(q, k, v, masks, w_v=w_v, sinks=sinks, dropout_p=dropout_p, need_weights=need_weights, backend=backend)
+    out, weights, _ = attend(
+        q, k, v, masks, w_v=w_v, sinks=sinks, dropout_p=dropout_p, need_weights=need_weights, backend=backend
+    )
+    return AttentionOutput(out, weights)
 
 
 def attention_weights(
@@ -231,7 +244,8 @@ def attend(
     need_weights: bool = False,
     backend: str = "auto",
     zeros_past: Tensor | None = None,
-) -> AttentionOutput:
+    need_lse: bool = False,
+) -> Attended:
     """:func:`scaled_dot_product_attention` (``w_v`` None) or :func:`additive_attention`, as attnkit's layers call
     it: the masks as one value, and what a layer knows of its keys and values beside.
 
@@ -239,6 +253,8 @@ def attend(
         zeros_past: ``(B,)`` lengths past which each example's keys and values are zeros (a
             :class:`~attnkit.KVCache`'s promise, which its ``update`` returns): the backends then need not read
             that band to know it holds nothing that could leak (:func:`attnkit.backends.common.zero_dead`).
+        need_lse: also give each row's log-sum-exp where the chosen backend has it at no cost (a layer whose
+            statistics are recorded: :func:`attnkit.record_stats`).
     """
     q, k, v, w_v = _autocast(q, k, v, w_v)
     three_d = check_qkv(q, k, v)
@@ -274,87 +290,17 @@ def attend(
     )
     chosen = dispatch.choose(backend, call)
     with _autocast_off(q):
-        out, weights = chosen.attention(call)  # (B, H, Lq, Dv), (B, H, Lq, Lk) or None
+        with_lse = getattr(chosen, "attention_with_lse", None) if need_lse and not three_d else None
+        found = None if with_lse is None else with_lse(call)  # ((B, H, Lq, Dv), (B, H, Lq)) or None
+        out, weights = chosen.attention(call) if found is None else (found[0], None)  # (B, H, Lq, Dv), (B, H, Lq, Lk)
+    lse = None if found is None else found[1]  # (B, H, Lq)
     if three_d:
         out = out.squeeze(1)  # (B, Lq, Dv)
         weights = None if weights is None else weights.squeeze(1)  # (B, Lq, Lk)
     tracer = trace.active()
     if tracer is not None:
         trace.attention_steps(tracer, q, k, v, w_v, three_d, out, chosen.NAME, masks, sinks is not None)
-    return AttentionOutput(out, weights)
-
-
-def check_qkv(
-    q: Tensor, k: Tensor, v: Tensor | None, names: tuple[str, str, str] = ("q", "k", "v"), *, same_features: bool = True
-) -> bool:
-    """Check that queries, keys and values fit together; return True for 3-dim (head-less) inputs. ``v=None``:
-    a call without values (its weights alone), whose errors name only ``q`` and ``k``.
-
-    ``same_features=False`` skips the check that ``q`` and ``k`` have one feature size (layers whose
-    projections bring them to one size).
-
-    Raises:
-        TypeError: a non-tensor, a non-floating dtype, or mixed dtypes.
-        ValueError: mixed devices, wrong number of dims, batch sizes, feature sizes, key/value lengths or head
-            counts that do not fit, no keys, or queries without features.
-    """
-    nq, nk, nv = names
-    if v is None:  # checked as values equal to the keys, named as keys only
-        v, names = k, (nq, nk, nk)
-        nv = nk
-    for name, t in zip(names, (q, k, v), strict=True):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be floating point, got dtype {t.dtype}")
-    _check_same_kind((nq, q), (nk, k), (nv, v))
-    shapes = f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}" + ("" if v is k else f", {nv} {tuple(v.shape)}")
-    if q.dim() not in (3, 4):
-        raise ValueError(f"{nq} must be (B, H, Lq, D) or (B, Lq, D), got {q.dim()} dims: {shapes}")
-    if k.dim() != q.dim() or v.dim() != q.dim():
-        both = f"{nq} and {nk}" if v is k else f"{nq}, {nk} and {nv}"
-        raise ValueError(f"{both} must have the same number of dims: {shapes}")
-    if not q.shape[0] == k.shape[0] == v.shape[0]:
-        also = "" if v is k else f", {nv} has {v.shape[0]}"
-        raise ValueError(f"batch sizes differ: {nq} has {q.shape[0]}, {nk} has {k.shape[0]}{also}: {shapes}")
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            f"{nk} has {k.shape[-2]} positions but {nv} has {v.shape[-2]}: {nk} {tuple(k.shape)}, {nv} {tuple(v.shape)}"
-        )
-    if same_features and q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"{nq} and {nk} must have the same feature size, got {q.shape[-1]} and {k.shape[-1]}: "
-            f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}"
-        )
-    if k.shape[-2] == 0:
-        raise ValueError(f"{nk} must have at least one position: {shapes}")
-    if q.shape[-1] == 0:
-        raise ValueError(f"{nq} must have at least one feature (D >= 1): {shapes}")
-    if q.dim() == 4:
-        H, Hkv = q.shape[1], k.shape[1]
-        if v.shape[1] != Hkv:
-            raise ValueError(f"{nk} has {Hkv} heads but {nv} has {v.shape[1]}: {shapes}")
-        if Hkv == 0 or H % Hkv:
-            values = "" if v is k else f" and {nv}"
-            raise ValueError(f"the {H} heads of {nq} must be a multiple of the {Hkv} heads of {nk}{values}: {shapes}")
-    return q.dim() == 3
-
-
-def check_scale(scale: object, dtype: torch.dtype = torch.float64) -> float:
-    """Any real number (Python or NumPy, any precision) finite in ``dtype``, the dtype the scores are computed in,
-    is a scale; ``bool``, NaN and infinities are not (``1e300`` is infinite in float32: every score would be)."""
-    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a number, got {scale!r}")
-    value = float(scale)
-    if not math.isfinite(value):
-        raise ValueError(f"scale must be finite, got {value}")
-    largest = torch.finfo(dtype).max
-    if abs(value) > largest:
-        raise ValueError(
-            f"scale must be finite in {str(dtype).removeprefix('torch.')}, the dtype the scores are computed in "
-            f"(at most {largest:g} in magnitude), got {value:g}"
-        )
-    return value
+    return Attended(out, weights, lse)
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
@@ -384,15 +330,6 @@ def _autocast_off(q: Tensor) -> contextlib.AbstractContextManager:
     return torch.autocast(q.device.type, enabled=False)
 
 
-def _check_same_kind(*named: tuple[str, Tensor]) -> None:
-    (n0, t0), rest = named[0], named[1:]
-    for name, t in rest:
-        if t.dtype != t0.dtype:
-            raise TypeError(f"{n0} and {name} must have the same dtype, got {t0.dtype} and {t.dtype}")
-        if t.device != t0.device:
-            raise ValueError(f"{n0} and {name} must be on the same device, got {t0.device} and {t.device}")
-
-
 def _check_w_v(q: Tensor, w_v: Tensor) -> None:
     if not isinstance(w_v, Tensor):
         raise TypeError(f"w_v must be a tensor of shape (h,) = ({q.shape[-1]},), got {type(w_v).__name__}")
@@ -401,7 +338,7 @@ def _check_w_v(q: Tensor, w_v: Tensor) -> None:
             f"w_v must have shape (h,) = ({q.shape[-1]},) to match the hidden size of q and k, "
             f"got {tuple(w_v.shape)}: q {tuple(q.shape)}, w_v {tuple(w_v.shape)}"
         )
-    _check_same_kind(("q", q), ("w_v", w_v))
+    check_same_kind(("q", q), ("w_v", w_v))
 
 
 def _check_mods(

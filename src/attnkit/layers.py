@@ -14,10 +14,10 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import _projection, dispatch, mods, stats, trace
-from attnkit._checks import check_dropout, check_sizes
+from attnkit._checks import check_dropout, check_qkv, check_sizes
 from attnkit.cache import CrossKVCache, KVCache, Positions
-from attnkit.functional import Masks, attend, attention_weights, check_qkv
-from attnkit.recording import is_recording, report_weights
+from attnkit.functional import Masks, attend, attention_weights
+from attnkit.recording import is_recording, report_weights, wants_stats
 
 __all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention"]
 
@@ -66,17 +66,32 @@ class _Attention(nn.Module):
         Returns ``(B, [H,] Lq, dv)``."""
         masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
         q, k, w_v = self._scoring(queries, keys, values)
-        out = attend(
-            q, k, values, masks, w_v=w_v, sinks=self.sinks, dropout_p=self._dropout_p(), backend=self.backend
-        ).output  # (B, [H,] Lq, dv)
-        self._record(q, k, masks, w_v)
+        out, _, lse = attend(
+            q,
+            k,
+            values,
+            masks,
+            w_v=w_v,
+            sinks=self.sinks,
+            dropout_p=self._dropout_p(),
+            backend=self.backend,
+            need_lse=wants_stats(self),
+        )  # (B, [H,] Lq, dv), (B, H, Lq) or None
+        self._record(q, k, masks, w_v, lse=lse)
         return out
 
     def _record(
-        self, q: Tensor, k: Tensor, masks: Masks, w_v: Tensor | None = None, positions: Positions | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        masks: Masks,
+        w_v: Tensor | None = None,
+        positions: Positions | None = None,
+        lse: Tensor | None = None,
     ) -> None:
         """Compute the weights beside the fast path, or their statistics: detached, without the output (see the
-        module docstring); ``positions``: where a cache's queries and keys stand."""
+        module docstring); ``positions``: where a cache's queries and keys stand; ``lse (B, H, Lq)``: each row's
+        log-sum-exp, when the fast path gave it."""
         if not is_recording():  # the cost while nothing records: one lookup
             return
 
@@ -88,7 +103,7 @@ class _Attention(nn.Module):
             query_positions, key_positions = positions or (None, None)
             with torch.no_grad(), trace.paused():
                 found, three_d = stats.parts(q, k, w_v=w_v, sinks=self.sinks, **masks._asdict())
-            return found._replace(query_positions=query_positions, key_positions=key_positions)
+            return found._replace(query_positions=query_positions, key_positions=key_positions, lse=lse)
 
         report_weights(self, weights, kv_heads=k.shape[1] if k.dim() == 4 else None, parts=parts)
 
@@ -301,8 +316,8 @@ class MultiHeadAttention(_Attention):
         elif cache is not None:
             raise TypeError(f"cache must be an attnkit.KVCache or attnkit.CrossKVCache, got {type(cache).__name__}")
         masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
-        out = self._attend(q, k, v, masks, zeros_past)  # (B, H, Lq, d)
-        self._record(q, k, masks, positions=positions)
+        out, lse = self._attend(q, k, v, masks, zeros_past, need_lse=wants_stats(self))  # (B, H, Lq, d), (B, H, Lq)
+        self._record(q, k, masks, positions=positions, lse=lse)
         merged = out.transpose(1, 2).reshape(B, Lq, H * d)  # (B, H, Lq, d) -> (B, Lq, H*d)
         if tracer is not None:
             tracer.add("merge heads", [out], merged, "(B, H, Lq, d) -> (B, Lq, H*d)")
@@ -312,12 +327,24 @@ class MultiHeadAttention(_Attention):
         self._stacked.clear()  # derived from the parameters, which .to(), .double(), .cuda() replace
         return super()._apply(fn, recurse)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, masks: Masks, zeros_past: Tensor | None) -> Tensor:
-        """Attention on the split heads: ``(B, H, Lq, d)``, ``(B, Hkv, Lk, d)`` twice -> ``(B, H, Lq, d)``;
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, masks: Masks, zeros_past: Tensor | None, need_lse: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attention on the split heads: ``(B, H, Lq, d)``, ``(B, Hkv, Lk, d)`` twice -> ``(B, H, Lq, d)``, and
+        each row's log-sum-exp ``(B, H, Lq)`` where ``need_lse`` and the backend had it (else ``None``);
         ``zeros_past (B,)``: a KVCache's promise (:meth:`attnkit.KVCache.update`)."""
-        return attend(
-            q, k, v, masks, sinks=self.sinks, dropout_p=self._dropout_p(), backend=self.backend, zeros_past=zeros_past
-        ).output
+        out, _, lse = attend(
+            q,
+            k,
+            v,
+            masks,
+            sinks=self.sinks,
+            dropout_p=self._dropout_p(),
+            backend=self.backend,
+            zeros_past=zeros_past,
+            need_lse=need_lse,
+        )  # (B, H, Lq, d), (B, H, Lq) or None
+        return out, lse
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:

@@ -1,16 +1,9 @@
 """Recording what attention modules attend to: :func:`record_weights` (whole weights, or the layers, heads and
 query rows chosen), :func:`record_stats` (statistics of every row, :mod:`attnkit.stats`, in memory linear in the
-length), and :func:`report_weights`, which every attention module calls after its forward (attnkit's layers,
-:mod:`attnkit.d2l`, the transformers integration).
-
-Weights are kept only when asked, so the fast path stays fast::
-
-    with attnkit.record_weights(model) as rec:
-        model(x)
-    rec["encoder.attention"]            # (B, H, Lq, Lk), pre-dropout, detached
-
-While recording, the differentiable output still comes from the fast backend; the weights are computed beside it
-(by the reference math, under ``torch.no_grad()``): they are for looking at, not for a loss.
+length), and :func:`report_weights`, which every attention module calls after its forward. Weights are kept only
+when asked, so the fast path stays fast: ``with attnkit.record_weights(model) as rec: model(x)``, then
+``rec["encoder.attention"]`` is ``(B, H, Lq, Lk)``, pre-dropout, detached. The differentiable output still comes
+from the fast backend; the weights are computed beside it, under ``torch.no_grad()``: for looking at, not a loss.
 
 A recording belongs to the thread or asyncio task that opened it (the open recordings live in a
 :class:`contextvars.ContextVar`, never on the modules, so ``copy.deepcopy(model)`` copies none of it).
@@ -41,6 +34,7 @@ __all__ = [
     "record_weights",
     "recorder",
     "report_weights",
+    "wants_stats",
 ]
 
 # What a selection of heads or query rows may be: one index, several, or a slice (negative ones count from the end).
@@ -162,6 +156,11 @@ _RECORDINGS: ContextVar[tuple[_Recording, ...]] = ContextVar("attnkit_recordings
 def is_recording() -> bool:
     """Whether some recording is open in this thread or task (the cost of asking: one lookup)."""
     return bool(_RECORDINGS.get())
+
+
+def wants_stats(module: nn.Module) -> bool:
+    """Whether a recording open in this thread or task keeps ``module``'s statistics (then its rows' sums help)."""
+    return any(isinstance(r.record, StatsRecord) and id(module) in r.names for r in _RECORDINGS.get())
 
 
 def recorder(module: nn.Module) -> tuple[_Record, str] | None:

@@ -53,6 +53,29 @@ SUPPORTS = Supports(
 )
 
 
+def attention_with_lse(call: Call) -> tuple[Tensor, Tensor] | None:
+    """The output and each row's log-sum-exp of its scaled scores, ``(B, H, Lq)`` in float32 (float64 for
+    float64), from PyTorch's fused CPU kernel, which computes both anyway: for a call this backend runs through that
+    kernel without a mask (none, or causal with ``Lq == Lk``), on the CPU, in float32 or float64, without dropout
+    or gradients; ``None`` for any other (:func:`attnkit.stats.compute` then takes the row sums itself). The kernel
+    is the one ``scaled_dot_product_attention`` runs for these calls, so the output is the same."""
+    q, k, v, mask = call.q, call.k, call.v, call.mask
+    only_causal = mask.is_causal and mask.num_queries == mask.num_keys and not _has_more_than_causal(mask)
+    if not (mask.is_empty or only_causal) or call.score_mod is not None or call.dropout_p or call.needs_grad:
+        return None
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or not q.numel() or not k.numel():
+        return None
+    if q.shape[-1] != v.shape[-1] or not _HAS_GQA:  # the kernel takes one head size; GQA as SDPA's
+        return None
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = flash(q, k, v, 0.0, mask.is_causal, scale=call.scale)[:2]
+    return out, lse  # (B, H, Lq, Dv), (B, H, Lq)
+
+
+def _has_more_than_causal(mask: Mask) -> bool:
+    return not (mask.valid_lens is None and mask.bool_mask is None and mask.bias is None and mask.mask_mod is None)
+
+
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v, mask, scale, dropout_p = call.q, call.k, call.v, call.mask, call.scale, call.dropout_p
     H, Hkv = q.shape[1], k.shape[1]
@@ -70,13 +93,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     lengths = None if call.score_mod is not None else _key_lengths(mask)
     if lengths and _worth_grouping(lengths, Lk, Lq, H * (q.shape[-1] + v.shape[-1])):
         return _by_length(q, k, v, lengths, mask.is_causal, scale, dropout_p, gqa), None
-    only_causal = (
-        mask.is_causal
-        and mask.valid_lens is None
-        and mask.bool_mask is None
-        and mask.bias is None
-        and mask.mask_mod is None
-    )
+    only_causal = mask.is_causal and not _has_more_than_causal(mask)
     if call.score_mod is None and (mask.is_empty or (only_causal and Lq == Lk)):
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=mask.is_causal, scale=scale, **gqa

@@ -111,7 +111,7 @@ class DotProductAttention(nn.Module):
         zeros_past: Tensor | None = None,
     ) -> Tensor:
         check_book_inputs(queries, keys, values, same_features=True)
-        out, weights = functional.attend(
+        out, weights, _ = functional.attend(
             queries,
             keys,
             values,

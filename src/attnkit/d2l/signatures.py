@@ -9,15 +9,14 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from attnkit import functional
-from attnkit._checks import as_lengths, check_dropout, check_sizes
+from attnkit._checks import as_lengths, check_dropout, check_qkv, check_sizes
 
 __all__ = ["bind", "check_book_inputs", "check_valid_lens", "unbuilt"]
 
 
 def check_book_inputs(queries: Tensor, keys: Tensor, values: Tensor, *, same_features: bool) -> None:
     """The book's layers take 3-dim ``(B, L, features)`` inputs; a ValueError naming the argument otherwise."""
-    if not functional.check_qkv(queries, keys, values, ("queries", "keys", "values"), same_features=same_features):
+    if not check_qkv(queries, keys, values, ("queries", "keys", "values"), same_features=same_features):
         raise ValueError(
             "queries, keys and values must be 3-dim, (B, Lq, d), (B, Lk, d) and (B, Lk, dv), as in the book (heads "
             f"are folded into the batch: transpose_qkv), got queries {tuple(queries.shape)}, keys "

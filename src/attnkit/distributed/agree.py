@@ -14,12 +14,11 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit._checks import as_lengths, short
+from attnkit._checks import as_lengths, check_qkv, check_scale, short
 from attnkit.backends import chunked
 from attnkit.distributed import comm
 from attnkit.distributed.plan import Plan
 from attnkit.distributed.sequence import LAYOUTS, check_layout, length, segments
-from attnkit.functional import check_qkv, check_scale
 
 __all__ = ["Request", "agree"]
 

@@ -82,7 +82,9 @@ class RingMultiHeadAttention(MultiHeadAttention):
         )
         self.group, self.layout, self.timeout = group, layout, timeout
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, masks: Masks, zeros_past: Tensor | None) -> Tensor:
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, masks: Masks, zeros_past: Tensor | None, need_lse: bool = False
+    ) -> tuple[Tensor, None]:
         refused = None  # refused after the ranks agree, so that a rank alone in its mistake stops the others too
         if masks.attn_mask is not None:
             refused = (
@@ -102,7 +104,7 @@ class RingMultiHeadAttention(MultiHeadAttention):
         ring = comm.Ring(self.group)
         request = Request(q, k, v, masks.valid_lens, masks.is_causal, None, self.layout, masks.mask_mod)
         plan = agree(ring, request, self.timeout, refused=refused)
-        return RingAttention.apply(q, k, v, plan)  # (B, H, L_r, d)
+        return RingAttention.apply(q, k, v, plan), None  # (B, H, L_r, d); no recording, so no lse
 
 
 def sum_gradients(module: nn.Module, *, group: object | None = None, timeout: float | timedelta | None = None) -> None:

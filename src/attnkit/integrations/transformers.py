@@ -59,8 +59,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from attnkit import mods, stats
-from attnkit.functional import attention_weights, scaled_dot_product_attention
-from attnkit.recording import report_weights
+from attnkit.functional import Masks, attend, attention_weights
+from attnkit.recording import report_weights, wants_stats
 
 try:
     import transformers as _transformers  # noqa: F401 - checked here so that the error says what to install
@@ -234,9 +234,17 @@ def attention_forward(
         "sinks": s_aux,
         "scale": scaling,
     }
-    out = scaled_dot_product_attention(
-        query, key, value, dropout_p=float(dropout), backend=backend, **masks
-    ).output  # (B, H, Lq, Dv)
+    out, _, lse = attend(
+        query,
+        key,
+        value,
+        Masks(None, masks["attn_mask"], causal, masks["mask_mod"], score_mod),
+        scale=scaling,
+        sinks=s_aux,
+        dropout_p=float(dropout),
+        backend=backend,
+        need_lse=wants_stats(module),
+    )  # (B, H, Lq, Dv), (B, H, Lq) or None
 
     def weights_over_slots() -> Tensor:
         w = attention_weights(query, key, **masks)  # (B, H, Lq, Lk)
@@ -253,7 +261,7 @@ def attention_forward(
     def parts() -> stats.Parts:  # called only inside attnkit.record_stats or a record_weights of chosen rows
         slots_seen = _query_slots(masks["attn_mask"], Lq, Lk) if model_causal else None
         call = stats.parts(query, key, **masks, query_positions=slots_seen)[0]
-        return call._replace(slots=slots)
+        return call._replace(slots=slots, lse=lse)
 
     report_weights(module, recorded, kv_heads=key.shape[1], parts=parts)
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, H, Dv)

@@ -26,8 +26,10 @@ CHUNK = 32
 
 class Parts(NamedTuple):
     """One call, validated, as the statistics need it: ``q (B, H, Lq, D)``, ``k (B, Hkv, Lk, D)``, its combined
-    ``mask``, ``w_v`` (additive scoring) or ``scale``, the bound ``score_mod``, ``sinks (H,)``, and the positions
-    of its queries ``(B, Lq)`` and keys ``(B, Lk)`` where they are not the default (see the module docstring)."""
+    ``mask``, ``w_v`` (additive scoring) or ``scale``, the bound ``score_mod``, ``sinks (H,)``, the positions
+    of its queries ``(B, Lq)`` and keys ``(B, Lk)`` where they are not the default (see the module docstring),
+    and ``lse (B, H, Lq)``, each row's log-sum-exp of its scores, where the forward gave it
+    (:mod:`attnkit.stats.tiled`)."""
 
     q: Tensor
     k: Tensor
@@ -40,6 +42,7 @@ class Parts(NamedTuple):
     key_positions: Tensor | None = None
     three_d: bool = False  # the inputs had no head axis: results drop it too
     slots: int = 0  # the weights run over this many keys where more than k's: the rest are empty and weigh 0
+    lse: Tensor | None = None
 
 
 class Block(NamedTuple):

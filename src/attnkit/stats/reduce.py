@@ -9,7 +9,7 @@ from torch import Tensor
 
 from attnkit.stats.blocks import CHUNK, Block
 
-__all__ = ["Sums", "Where", "reduce"]
+__all__ = ["Sums", "Where", "chunk_topk", "reduce"]
 
 # B batch, H heads, Lq/Lk query/key length, n rows of a block, m keys of a block, c whole chunks of them, k the top-k
 
@@ -98,24 +98,11 @@ def _topk(w: Tensor, k: int, maxima: Tensor | None) -> tuple[Tensor, Tensor]:
         if maxima is None:
             maxima = w[..., : whole * CHUNK].unflatten(-1, (whole, CHUNK)).amax(dim=-1)  # (B, H, n, c)
         chosen = maxima.topk(k, dim=-1, sorted=False).indices  # (B, H, n, k): chunks that may hold the k largest
-        starts = _row_starts(w, m) + chosen * CHUNK  # (B, H, n, k): where each chosen chunk starts in w
-        picked = _windows(w, starts, CHUNK, 1)  # (B, H, n, k, CHUNK)
-        per = CHUNK // GROUPS  # values a group
-        groups = picked.view(B, H, n, k, per, GROUPS).amax(dim=-2).view(B, H, n, k * GROUPS)  # (B, H, n, k*GROUPS)
-        kept = groups.topk(k, dim=-1, sorted=False).indices  # (B, H, n, k): groups that may hold the k largest
-        # group g of the picked values: chunk slot g // GROUPS, its columns g % GROUPS + GROUPS * i
-        at_group = _row_starts(picked, k * CHUNK) + kept // GROUPS * CHUNK + kept % GROUPS  # (B, H, n, k)
-        candidates = _windows(picked, at_group, per, GROUPS).view(B, H, n, k * per)  # (B, H, n, k*per)
-        if m > whole * CHUNK:  # the columns past the last whole chunk
-            candidates = torch.cat([candidates, w[..., whole * CHUNK :]], dim=-1)  # (B, H, n, k*per + m % CHUNK)
-        top = candidates.topk(k, dim=-1)  # (B, H, n, k) each
-        # candidate p: value p % per of kept group p // per, or past the whole chunks
-        at = top.indices  # (B, H, n, k)
-        group = kept.gather(-1, (at // per).clamp_max_(k - 1))  # (B, H, n, k)
-        slot = group // GROUPS  # (B, H, n, k): which chosen chunk
-        indices = chosen.gather(-1, slot) * CHUNK + group % GROUPS + at % per * GROUPS  # (B, H, n, k)
-        indices = torch.where(at >= k * per, at - k * per + whole * CHUNK, indices)
-        values = top.values
+        starts = (
+            _row_starts(w.shape[:-1], m, w.device) + chosen * CHUNK
+        )  # (B, H, n, k): where each chosen chunk starts in w
+        tail = w[..., whole * CHUNK :] if m > whole * CHUNK else None  # (B, H, n, m % CHUNK)
+        values, indices = chunk_topk(w, chosen, starts, k, tail)  # (B, H, n, k) each
     if values.shape[-1] < k:
         pad = k - values.shape[-1]
         values = torch.nn.functional.pad(values, (0, pad))  # (B, H, n, k)
@@ -123,10 +110,36 @@ def _topk(w: Tensor, k: int, maxima: Tensor | None) -> tuple[Tensor, Tensor]:
     return values, indices
 
 
-def _row_starts(x: Tensor, width: int) -> Tensor:
-    """Where each row of a contiguous ``x (B, H, n, ...)`` of ``width`` elements a row starts: ``(B, H, n, 1)``."""
-    B, H, n = x.shape[:3]
-    return torch.arange(0, B * H * n * width, width, device=x.device).view(B, H, n, 1)
+def chunk_topk(w: Tensor, chosen: Tensor, starts: Tensor, k: int, tail: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The ``k`` largest values, descending, and their columns, of the chunks ``chosen (..., k)`` of each row (the
+    chunks of largest maxima), which start at ``starts (..., k)`` in contiguous ``w``; and of ``tail (..., t)``, the
+    columns past a row's last whole chunk, when given: its columns follow the whole chunks'. (:func:`_topk`.)"""
+    *lead, _ = chosen.shape
+    picked = _windows(w, starts, CHUNK, 1)  # (..., k, CHUNK)
+    per = CHUNK // GROUPS  # values a group
+    groups = picked.view(*lead, k, per, GROUPS).amax(dim=-2).view(*lead, k * GROUPS)  # (..., k*GROUPS)
+    kept = groups.topk(k, dim=-1, sorted=False).indices  # (..., k): groups that may hold the k largest
+    # group g of the picked values: chunk slot g // GROUPS, its columns g % GROUPS + GROUPS * i
+    at_group = _row_starts(picked.shape[:-2], k * CHUNK, w.device) + kept // GROUPS * CHUNK + kept % GROUPS  # (..., k)
+    candidates = _windows(picked, at_group, per, GROUPS).view(*lead, k * per)  # (..., k*per)
+    if tail is not None:
+        candidates = torch.cat([candidates, tail], dim=-1)  # (..., k*per + t)
+    top = candidates.topk(k, dim=-1)  # (..., k) each
+    # candidate p: value p % per of kept group p // per, or in the tail
+    at = top.indices  # (..., k)
+    group = kept.gather(-1, (at // per).clamp_max_(k - 1))  # (..., k)
+    slot = group // GROUPS  # (..., k): which chosen chunk
+    indices = chosen.gather(-1, slot) * CHUNK + group % GROUPS + at % per * GROUPS  # (..., k)
+    if tail is not None:
+        first = w.shape[-1] - tail.shape[-1]  # the tail's first column: past the row's whole chunks
+        indices = torch.where(at >= k * per, at - k * per + first, indices)
+    return top.values, indices
+
+
+def _row_starts(lead: torch.Size, width: int, device: torch.device) -> Tensor:
+    """Where each row of a contiguous tensor of rows ``lead`` (its leading axes) of ``width`` elements each
+    starts: ``(*lead, 1)``."""
+    return torch.arange(0, lead.numel() * width, width, device=device).view(*lead, 1)
 
 
 def _windows(x: Tensor, starts: Tensor, size: int, step: int) -> Tensor:

@@ -1,0 +1,192 @@
+"""The statistics of a call whose rows' log-sum-exp the forward gave (:mod:`attnkit.stats`): each weight is then
+``exp(score - lse)`` on its own, so the scores are taken a tile of keys at a time, each tile reduced while it is in
+cache, and only the top-k search reads the weights again, a few chunks a row.
+
+Why a second path: without ``lse`` a row's softmax needs the whole row first, and at 32k tokens a block of whole
+rows is 128 rows x 32,768 keys, a product the BLAS computes at ~100 GFLOPS on this machine; a tile of 512 rows x
+1,024 keys in a buffer that stays in cache runs at ~170 (``docs/benchmarks.md``). PyTorch's fused CPU kernel
+returns ``lse`` with the output (:func:`attnkit.backends.sdpa.attention_with_lse`), so the forward pays nothing.
+
+Taken for the calls that kernel runs: dot-product scoring without a mask or with a causal one (``Lq == Lk``), no
+score_mod, no sinks, the default positions, float32 or float64 (:func:`supports`). ``lse`` is the kernel's, within
+a few units in the last place of the exact one: each row's weights sum to 1 within that, and the mean distance is
+divided by the row's own sum.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnkit.stats.blocks import CHUNK, Parts
+from attnkit.stats.reduce import Sums, chunk_topk
+
+__all__ = ["ROWS", "TILE", "compute", "supports"]
+
+# B batch, H heads, Hkv key/value heads, G = H // Hkv, Lq/Lk query/key length, D head dim, n rows of each head in a
+# tile, r = G * n rows of a tile, w keys of a tile, c chunks of CHUNK keys, k the top-k
+
+# Keys a tile, and rows a tile (a key/value head's query heads' rows, as one product): 2 MiB of float32 scores,
+# each core's half in its own cache.
+TILE = 1024
+ROWS = 512
+# log of the smallest normal number: exp() of less is a subnormal or 0, which PyTorch's CPU exp computes slowly
+_LOWEST = {
+    dtype: float(torch.tensor(torch.finfo(dtype).tiny, dtype=dtype).log()) for dtype in (torch.float32, torch.float64)
+}
+
+
+def supports(parts: Parts) -> bool:
+    """Whether this path computes ``parts``' statistics (see the module docstring)."""
+    q, k, mask, lse = parts.q, parts.k, parts.mask, parts.lse
+    if lse is None or parts.w_v is not None or parts.score_mod is not None or parts.sinks is not None:
+        return False
+    if parts.query_positions is not None or parts.key_positions is not None:
+        return False
+    causal_alone = mask.is_causal and mask.num_queries == mask.num_keys
+    causal_alone = causal_alone and mask.valid_lens is None and mask.bool_mask is None
+    causal_alone = causal_alone and mask.bias is None and mask.mask_mod is None
+    B, H, Lq, _ = q.shape
+    return (
+        (mask.is_empty or causal_alone)
+        and q.dtype in (torch.float32, torch.float64)
+        and k.dtype == q.dtype
+        and lse.dtype == q.dtype
+        and tuple(lse.shape) == (B, H, Lq)
+        and Lq > 0
+        and k.shape[2] > 0
+    )
+
+
+def compute(parts: Parts, sums: Sums, sink_keys: int) -> None:
+    """Fill ``sums`` with the statistics of ``parts`` (which :func:`supports`), a tile at a time."""
+    assert parts.lse is not None
+    q, lse = parts.q.detach(), parts.lse.detach()
+    B, H, Lq, D = q.shape
+    Hkv, Lk = parts.k.shape[1], parts.k.shape[2]
+    G = H // Hkv
+    causal = parts.mask.is_causal
+    k = parts.k.detach().to(memory_format=torch.contiguous_format, copy=True).mul_(parts.scale)  # (B, Hkv, Lk, D)
+    n = min(max(1, ROWS // G), Lq)
+    width = min(TILE, -(-Lk // CHUNK) * CHUNK)  # keys of every tile but a row block's last
+    tiles = -(-Lk // width)
+    # reused buffers: one tile's scores, and a row block's weights, tile after tile (the top-k search reads them)
+    scores = q.new_empty(G * n * width)  # (r * w,)
+    store = q.new_empty(G * n * tiles * width)  # (tiles * r * w,)
+    maxima = q.new_empty(G * n * tiles * width // CHUNK)  # (r * c,)
+    for b in range(B):
+        for h in range(Hkv):
+            heads = slice(h * G, (h + 1) * G)
+            for r0 in range(0, Lq, n):
+                r1 = min(r0 + n, Lq)
+                keys = min(Lk, r1 + Lk - Lq) if causal else Lk  # the keys some row of the block sees
+                _rows(q[b, heads], k[b, h], lse[b, heads], sums, b, heads, r0, r1, keys, causal, sink_keys,
+                      (scores, store, maxima), width)  # fmt: skip
+
+
+def _rows(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    sums: Sums,
+    b: int,
+    heads: slice,
+    r0: int,
+    r1: int,
+    keys: int,
+    causal: bool,
+    sink_keys: int,
+    buffers: tuple[Tensor, Tensor, Tensor],
+    width: int,
+) -> None:
+    """The rows ``[r0, r1)`` of the query heads ``heads`` of example ``b``: ``q (G, Lq, D)``, their key/value head's
+    keys ``k (Lk, D)`` (scaled), ``lse (G, Lq)``, over the keys ``[0, keys)``."""
+    G, Lq, D = q.shape
+    Lk = k.shape[0]
+    n = r1 - r0
+    rows = G * n
+    dtype, device = q.dtype, q.device
+    scores, store, maxima = buffers
+    chunks = -(-keys // CHUNK)  # the block's chunks, over its tiles
+    maxima = maxima[: rows * chunks].view(rows, chunks)  # (r, c)
+    qb = q[:, r0:r1].reshape(rows, D)  # (r, D)
+    shift = -lse[:, r0:r1].reshape(rows, 1)  # (r, 1)
+    lowest, highest = r0 + Lk - Lq, r1 - 1 + Lk - Lq  # the rows' positions: i + Lk - Lq
+    qpos = torch.arange(lowest, highest + 1, device=device).repeat(G)  # (r,)
+    rel = (qpos - lowest).to(dtype)  # (r,): from the lowest row's
+    reach = max(n, CHUNK)  # keys nearer than this to some row have their distances taken key by key
+    entropy = torch.zeros(rows, dtype=dtype, device=device)  # (r,): sum_j w log w
+    distance = torch.zeros(rows, dtype=dtype, device=device)  # (r,): sum_j w |pos(i) - j|
+    sink = torch.zeros(rows, dtype=dtype, device=device)  # (r,)
+    ones = torch.ones(G, 1, n, dtype=dtype, device=device)  # (G, 1, n)
+    offsets: list[int] = []  # where each tile starts in store
+    widths: list[int] = []  # its keys
+    for a in range(0, keys, width):
+        wide = min(width, -(-(keys - a) // CHUNK) * CHUNK)  # a multiple of CHUNK, past the last key at most
+        real = min(wide, Lk - a)  # keys that exist (the rest pad the last chunk)
+        offsets.append(len(offsets) * rows * width)
+        widths.append(wide)
+        t = scores[: rows * wide].view(rows, wide)  # (r, w)
+        if real == wide:
+            torch.mm(qb, k[a : a + wide].T, out=t)  # (r, w)
+        else:
+            t[:, :real] = qb @ k[a : a + real].T  # (r, real)
+            t[:, real:] = float("-inf")
+        kpos = torch.arange(a, a + wide, device=device)  # (w,)
+        hides = real < wide or (causal and a + wide - 1 > lowest)  # some key past some row's position, or none
+        if causal and a + wide - 1 > lowest:
+            t.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))  # (r, w)
+        c0 = a // CHUNK
+        torch.amax(t.view(rows, wide // CHUNK, CHUNK), dim=-1, out=maxima[:, c0 : c0 + wide // CHUNK])
+        t.add_(shift)  # (r, w): log w
+        w = store[offsets[-1] : offsets[-1] + rows * wide].view(rows, wide)  # (r, w)
+        # exp() below log(tiny) takes PyTorch's slow path (10-30x, measured): such weights, and hidden keys, are 0
+        under = t < _LOWEST[dtype] if hides or float(t.amin()) < _LOWEST[dtype] else None  # (r, w)
+        if under is not None:
+            t.clamp_min_(_LOWEST[dtype])
+        torch.exp(t, out=w)
+        if under is not None:
+            w.masked_fill_(under, 0.0)  # (t stays finite: their terms are 0 x t)
+        entropy += torch.linalg.vecdot(w, t)  # (r,)
+        column = torch.bmm(ones, w.view(G, n, wide))[:, 0, :real]  # (G, real): a product reads w faster than a sum
+        sums.column[b, heads, a : a + real] += column
+        if a < sink_keys:
+            sink += w[:, : sink_keys - a].sum(dim=-1)  # (r,)
+        if a + wide > lowest - reach and a <= highest + reach:  # near some row: key by key, exactly
+            distance += torch.linalg.vecdot(w, (qpos[:, None] - kpos[None, :]).abs_().to(dtype))  # (r,)
+        else:  # one product with the keys' positions from the lowest row's: its rounding is small beside reach
+            moment = w @ (kpos - lowest).to(dtype)  # (r,)
+            far = rel * w.sum(dim=-1) - moment  # (r,): the keys before every row
+            distance += far if a < lowest else far.neg_()
+    sums.entropy[b, heads, r0:r1] = entropy.neg_().view(G, n)
+    sums.distance[b, heads, r0:r1] = distance.view(G, n)
+    sums.sink[b, heads, r0:r1] = sink.view(G, n)
+    values, indices = _topk(store, maxima, offsets, widths, sums.values.shape[-1])  # (r, k) each
+    sums.values[b, heads, r0:r1] = values.view(G, n, -1)
+    sums.indices[b, heads, r0:r1] = torch.where(values > 0, indices, -1).view(G, n, -1)
+
+
+def _topk(store: Tensor, maxima: Tensor, offsets: list[int], widths: list[int], k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` largest weights of each row of a row block held tile by tile in ``store`` (tile ``i`` at
+    ``offsets[i]``, ``(r, widths[i])``), and their keys, descending; ``maxima (r, c)`` each chunk's largest score."""
+    rows, c = maxima.shape
+    if c <= 2 * k:  # few chunks: the whole rows, side by side, searched at once
+        whole = torch.cat(
+            [store[o : o + rows * w].view(rows, w) for o, w in zip(offsets, widths, strict=True)], dim=1
+        )  # (r, c*C)
+        top = whole.topk(min(k, whole.shape[1]), dim=-1)  # (r, <=k) each
+        values, indices = top.values, top.indices
+        if values.shape[1] < k:
+            pad = k - values.shape[1]
+            values = torch.nn.functional.pad(values, (0, pad))  # (r, k)
+            indices = torch.nn.functional.pad(indices, (0, pad), value=-1)  # (r, k)
+        return values, indices
+    chosen = maxima.topk(k, dim=-1, sorted=False).indices  # (r, k): the chunks that may hold the k largest
+    per_tile = widths[0] // CHUNK
+    tile = chosen // per_tile  # (r, k)
+    starts_of = torch.tensor(offsets, device=store.device)[tile]  # (r, k)
+    width_of = torch.tensor(widths, device=store.device)[tile]  # (r, k)
+    row = torch.arange(rows, device=store.device).view(rows, 1)  # (r, 1)
+    starts = starts_of + row * width_of + chosen % per_tile * CHUNK  # (r, k): where each chosen chunk starts
+    values, indices = chunk_topk(store, chosen, starts, k)  # (r, k) each
+    return values, indices

@@ -1,0 +1,162 @@
+"""attnkit.stats.tiled: statistics from the rows' log-sum-exp the forward gave, a tile of keys at a time, against the
+float64 weights; and the sdpa backend's kernel that gives it (attnkit.backends.sdpa.attention_with_lse)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import stats
+from attnkit.backends import sdpa
+from attnkit.backends.contract import Call
+from attnkit.functional import Masks, _build_mask
+from attnkit.stats import tiled
+from test_stats import assert_stats
+
+# B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim
+
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def weights64(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """The float64 weights, from their definition: ``(B, H, Lq, Lk)``."""
+    G = q.shape[1] // k.shape[1]
+    s = q.double() @ k.double().repeat_interleave(G, 1).transpose(-1, -2) * scale  # (B, H, Lq, Lk)
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1)
+
+
+@st.composite
+def calls(draw):
+    """Shapes (grouped heads, several examples, lengths that end mid-chunk and mid-tile), causal or not, scores from
+    flat to so sharp that most weights underflow, float32 or float64, and tiles small enough to take several."""
+    B, Hkv, G = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 4]))
+    causal = draw(st.booleans())
+    Lq = draw(st.integers(1, 300))
+    Lk = Lq if causal else draw(st.integers(1, 300))
+    D = draw(st.sampled_from([1, 8, 16]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    sharp = draw(st.sampled_from([0.1, 1.0, 4.0, 40.0]))  # 40: scores hundreds apart, most weights below 1e-38
+    q = torch.randn(B, Hkv * G, Lq, D, generator=g, dtype=dtype) * sharp
+    k = torch.randn(B, Hkv, Lk, D, generator=g, dtype=dtype)
+    tile, rows = draw(st.sampled_from([32, 64, 1024])), draw(st.sampled_from([1, 8, 512]))
+    return q, k, causal, draw(st.integers(1, 12)), tile, rows
+
+
+@contextlib.contextmanager
+def tiles(tile: int, rows: int) -> Iterator[None]:
+    """tiled.TILE and tiled.ROWS set for one example (hypothesis runs many in one test: no monkeypatch)."""
+    saved = tiled.TILE, tiled.ROWS
+    tiled.TILE, tiled.ROWS = tile, rows
+    try:
+        yield
+    finally:
+        tiled.TILE, tiled.ROWS = saved
+
+
+@settings(max_examples=150, deadline=None)
+@given(calls())
+def test_statistics_from_the_kernels_row_sums_equal_those_of_the_whole_weights(call):
+    q, k, causal, topk, tile, rows = call
+    scale = q.shape[-1] ** -0.5
+    _, lse = FLASH(q, k, k, 0.0, causal, scale=scale)[:2]  # (B, H, Lq)
+    parts, _ = stats.parts(q, k, is_causal=causal)
+    parts = parts._replace(lse=lse)
+    assert tiled.supports(parts)
+    with tiles(tile, rows):
+        found = stats.compute(parts, topk)
+    # each weight is off by the scores' rounding, about eps x the largest score (as on the whole-row path: sharp
+    # float32 scores of ~100 give 1e-5)
+    kk = k.double().repeat_interleave(q.shape[1] // k.shape[1], 1)  # (B, H, Lk, D)
+    largest = float((q.double() @ kk.transpose(-1, -2)).abs().max()) * scale
+    assert_stats(found, weights64(q, k, causal, scale), tol=max(1e-5, 4 * torch.finfo(q.dtype).eps * largest))
+
+
+def test_long_rows_take_the_chunked_top_k_search_over_tiles(monkeypatch):
+    """Rows of thousands of keys over tiles of 256: the top-k search through chunk maxima across tiles (a last tile
+    narrower than the others), with ties; and the distance's far tiles, before every row."""
+    monkeypatch.setattr(tiled, "TILE", 256)
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 4, 1500, 16, generator=g) * 2, torch.randn(2, 2, 1500, 16, generator=g) * 2
+    k[:, :, 700:760] = k[:, :, 100:160]  # equal keys: tied weights in two tiles
+    for causal in (True, False):
+        _, lse = FLASH(q, k, k, 0.0, causal, scale=0.25)[:2]
+        parts = stats.parts(q, k, is_causal=causal)[0]._replace(lse=lse)
+        assert_stats(stats.compute(parts, 5), weights64(q, k, causal, 0.25))
+
+
+def test_calls_the_kernel_does_not_run_take_the_whole_row_path():
+    q, k = torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    lse = torch.zeros(1, 2, 10)
+    for kw in ({"valid_lens": torch.tensor([4])}, {"sinks": torch.zeros(2)}, {"is_causal": True, "scale": 0.5}):
+        parts = stats.parts(q, k, **kw)[0]._replace(lse=lse)
+        assert tiled.supports(parts) == ("is_causal" in kw)
+    parts = stats.parts(q, k[:, :, :7], is_causal=True)[0]._replace(lse=lse)  # causal with Lq != Lk
+    assert not tiled.supports(parts)
+    parts = stats.parts(q.half(), k.half())[0]._replace(lse=lse)
+    assert not tiled.supports(parts)
+    parts = stats.parts(q, k)[0]._replace(lse=lse, query_positions=torch.arange(10)[None])
+    assert not tiled.supports(parts)
+
+
+def _call(q, k, v, causal=False, **kw) -> Call:
+    masks = Masks(is_causal=causal, valid_lens=kw.pop("valid_lens", None))
+    return Call(q, k, v, _build_mask(q, k, masks, False), scale=q.shape[-1] ** -0.5, **kw)
+
+
+def test_the_kernel_gives_sdpas_output_and_each_rows_log_sum_exp():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 40, 4, 16, generator=g).transpose(1, 2)  # (B, H, L, D), a view as a model's
+    k, v = torch.randn(2, 2, 40, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g)
+    for causal in (False, True):
+        found = sdpa.attention_with_lse(_call(q, k, v, causal))
+        assert found is not None
+        out, lse = found
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        assert torch.equal(out, want)
+        s = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) / 4  # (B, H, L, L)
+        if causal:
+            s = s.masked_fill(torch.ones(40, 40, dtype=torch.bool).triu(1), float("-inf"))
+        assert lse.shape == (2, 4, 40) and (lse.double() - s.logsumexp(-1)).abs().max() <= 1e-5
+
+
+def test_the_kernel_is_asked_only_for_calls_it_runs_as_sdpa_would():
+    q, k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    assert sdpa.attention_with_lse(_call(q, k, v, valid_lens=torch.tensor([3]))) is None  # a mask
+    assert sdpa.attention_with_lse(_call(q, k[:, :, :4], v[:, :, :4], causal=True)) is None  # causal, Lq != Lk
+    assert sdpa.attention_with_lse(_call(q.half(), k.half(), v.half())) is None
+    assert sdpa.attention_with_lse(_call(q, k, v[..., :4])) is None  # another value size
+    assert sdpa.attention_with_lse(_call(q, k, v, dropout_p=0.1)) is None
+    assert sdpa.attention_with_lse(_call(q.requires_grad_(), k, v)) is None  # its backward is not attnkit's
+    with torch.no_grad():
+        assert sdpa.attention_with_lse(_call(q, k, v)) is not None
+
+
+def test_a_layer_recorded_without_grad_takes_the_kernels_row_sums(monkeypatch):
+    """MultiHeadAttention, causal, GQA, under no_grad: the statistics come from the tiled path, equal to the whole
+    weights', and the output is the one the layer gives unrecorded."""
+    used = []
+    original = tiled.compute
+    monkeypatch.setattr(tiled, "compute", lambda *a: (used.append(1), original(*a))[1])
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(32, 4, num_kv_heads=2).eval()
+    x = torch.randn(2, 90, 32)
+    with torch.no_grad():
+        plain = mha(x, x, x, is_causal=True)
+        with attnkit.record_stats(mha, topk=4) as rec:
+            out = mha(x, x, x, is_causal=True)
+        with attnkit.record_weights(mha) as rw:
+            mha(x, x, x, is_causal=True)
+    assert used == [1]
+    assert torch.equal(out, plain)
+    assert_stats(rec[""], rw[""].double())
+    with torch.no_grad(), attnkit.record_stats(mha, topk=4):  # a mask: the whole-row path
+        mha(x, x, x, torch.tensor([90, 40]), is_causal=True)
+    assert used == [1]
