@@ -35,7 +35,8 @@ def weights64(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> t
 @st.composite
 def calls(draw):
     """Shapes (grouped heads, several examples, lengths that end mid-chunk and mid-tile), causal or not, scores from
-    flat to so sharp that most weights underflow, float32 or float64, and tiles small enough to take several."""
+    flat to so sharp that most weights underflow, float32 or float64, tiles small enough to take several, and a
+    budget that keeps one tile's weights at a time, a few, or all."""
     B, Hkv, G = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 4]))
     causal = draw(st.booleans())
     Lq = draw(st.integers(1, 300))
@@ -47,7 +48,7 @@ def calls(draw):
     q = torch.randn(B, Hkv * G, Lq, D, generator=g, dtype=dtype) * sharp
     k = torch.randn(B, Hkv, Lk, D, generator=g, dtype=dtype)
     tile, rows = draw(st.sampled_from([32, 64, 1024])), draw(st.sampled_from([1, 8, 512]))
-    return q, k, causal, draw(st.integers(1, 12)), tile, rows
+    return q, k, causal, draw(st.integers(1, 12)), tile, rows, draw(st.sampled_from([1, 2**14, 2**24]))
 
 
 @contextlib.contextmanager
@@ -64,14 +65,14 @@ def tiles(tile: int, rows: int) -> Iterator[None]:
 @settings(max_examples=150, deadline=None)
 @given(calls())
 def test_statistics_from_the_kernels_row_sums_equal_those_of_the_whole_weights(call):
-    q, k, causal, topk, tile, rows = call
+    q, k, causal, topk, tile, rows, block = call
     scale = q.shape[-1] ** -0.5
     _, lse = FLASH(q, k, k, 0.0, causal, scale=scale)[:2]  # (B, H, Lq)
     parts, _ = stats.parts(q, k, is_causal=causal)
     parts = parts._replace(lse=lse)
     assert tiled.supports(parts)
     with tiles(tile, rows):
-        found = stats.compute(parts, topk)
+        found = stats.compute(parts, topk, block_bytes=block)
     # each weight is off by the scores' rounding, about eps x the largest score (as on the whole-row path: sharp
     # float32 scores of ~100 give 1e-5)
     kk = k.double().repeat_interleave(q.shape[1] // k.shape[1], 1)  # (B, H, Lk, D)
@@ -81,7 +82,8 @@ def test_statistics_from_the_kernels_row_sums_equal_those_of_the_whole_weights(c
 
 def test_long_rows_take_the_chunked_top_k_search_over_tiles(monkeypatch):
     """Rows of thousands of keys over tiles of 256: the top-k search through chunk maxima across tiles (a last tile
-    narrower than the others), with ties; and the distance's far tiles, before every row."""
+    narrower than the others), with ties, its weights kept 2 tiles at a time or all at once; and the distance's far
+    tiles, before every row."""
     monkeypatch.setattr(tiled, "TILE", 256)
     g = torch.Generator().manual_seed(5)
     q, k = torch.randn(2, 4, 1500, 16, generator=g) * 2, torch.randn(2, 2, 1500, 16, generator=g) * 2
@@ -89,7 +91,8 @@ def test_long_rows_take_the_chunked_top_k_search_over_tiles(monkeypatch):
     for causal in (True, False):
         _, lse = FLASH(q, k, k, 0.0, causal, scale=0.25)[:2]
         parts = stats.parts(q, k, is_causal=causal)[0]._replace(lse=lse)
-        assert_stats(stats.compute(parts, 5), weights64(q, k, causal, 0.25))
+        for block in (2**19, 2**24):  # 512 rows x 256 keys x 4 bytes: 2 tiles, or all
+            assert_stats(stats.compute(parts, 5, block_bytes=block), weights64(q, k, causal, 0.25))
 
 
 def test_calls_the_kernel_does_not_run_take_the_whole_row_path():

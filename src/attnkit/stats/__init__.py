@@ -159,7 +159,7 @@ def compute(
     where = Where(Lq, Lk, parts.query_positions, parts.key_positions)
     with torch.no_grad():
         if tiled.supports(parts):  # the forward gave each row's log-sum-exp
-            tiled.compute(parts, sums, sink_keys)
+            tiled.compute(parts, sums, sink_keys, block_bytes)
         else:
             for block in blocks(parts, [(0, Lq)], block_bytes):
                 reduce(sums, block, where, sink_keys)

@@ -15,6 +15,8 @@ divided by the row's own sum.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -30,10 +32,10 @@ __all__ = ["ROWS", "TILE", "compute", "supports"]
 # each core's half in its own cache.
 TILE = 1024
 ROWS = 512
-# log of the smallest normal number: exp() of less is a subnormal or 0, which PyTorch's CPU exp computes slowly
-_LOWEST = {
-    dtype: float(torch.tensor(torch.finfo(dtype).tiny, dtype=dtype).log()) for dtype in (torch.float32, torch.float64)
-}
+# Scores below this under the row's log-sum-exp give weights taken as 0: exp() of log(tiny) or less (a subnormal
+# or 0) takes PyTorch's slow path on the CPU (10-35x, measured), and so does log(tiny) itself; one above it does not.
+# The weights lost are below 3.2e-38 (float32) or 6.1e-308 (float64).
+_LOWEST = {dtype: math.log(torch.finfo(dtype).tiny) + 1.0 for dtype in (torch.float32, torch.float64)}
 
 
 def supports(parts: Parts) -> bool:
@@ -58,8 +60,9 @@ def supports(parts: Parts) -> bool:
     )
 
 
-def compute(parts: Parts, sums: Sums, sink_keys: int) -> None:
-    """Fill ``sums`` with the statistics of ``parts`` (which :func:`supports`), a tile at a time."""
+def compute(parts: Parts, sums: Sums, sink_keys: int, block_bytes: int) -> None:
+    """Fill ``sums`` with the statistics of ``parts`` (which :func:`supports`), a tile at a time; the weights kept
+    for the top-k search at most ``block_bytes`` (never less than one tile)."""
     assert parts.lse is not None
     q, lse = parts.q.detach(), parts.lse.detach()
     B, H, Lq, D = q.shape
@@ -69,11 +72,12 @@ def compute(parts: Parts, sums: Sums, sink_keys: int) -> None:
     k = parts.k.detach().to(memory_format=torch.contiguous_format, copy=True).mul_(parts.scale)  # (B, Hkv, Lk, D)
     n = min(max(1, ROWS // G), Lq)
     width = min(TILE, -(-Lk // CHUNK) * CHUNK)  # keys of every tile but a row block's last
-    tiles = -(-Lk // width)
-    # reused buffers: one tile's scores, and a row block's weights, tile after tile (the top-k search reads them)
+    # tiles whose weights are kept at once: the top-k search reads them, then the next ones take their place
+    group = min(max(1, block_bytes // (G * n * width * q.element_size())), -(-Lk // width))
+    # reused buffers: one tile's scores, and the weights of a row block's last tiles, tile after tile
     scores = q.new_empty(G * n * width)  # (r * w,)
-    store = q.new_empty(G * n * tiles * width)  # (tiles * r * w,)
-    maxima = q.new_empty(G * n * tiles * width // CHUNK)  # (r * c,)
+    store = q.new_empty(G * n * group * width)  # (group * r * w,)
+    maxima = q.new_empty(G * n * group * width // CHUNK)  # (r * c,)
     for b in range(B):
         for h in range(Hkv):
             heads = slice(h * G, (h + 1) * G)
@@ -81,7 +85,7 @@ def compute(parts: Parts, sums: Sums, sink_keys: int) -> None:
                 r1 = min(r0 + n, Lq)
                 keys = min(Lk, r1 + Lk - Lq) if causal else Lk  # the keys some row of the block sees
                 _rows(q[b, heads], k[b, h], lse[b, heads], sums, b, heads, r0, r1, keys, causal, sink_keys,
-                      (scores, store, maxima), width)  # fmt: skip
+                      (scores, store, maxima), width, group)  # fmt: skip
 
 
 def _rows(
@@ -98,17 +102,18 @@ def _rows(
     sink_keys: int,
     buffers: tuple[Tensor, Tensor, Tensor],
     width: int,
+    group: int,
 ) -> None:
     """The rows ``[r0, r1)`` of the query heads ``heads`` of example ``b``: ``q (G, Lq, D)``, their key/value head's
-    keys ``k (Lk, D)`` (scaled), ``lse (G, Lq)``, over the keys ``[0, keys)``."""
+    keys ``k (Lk, D)`` (scaled), ``lse (G, Lq)``, over the keys ``[0, keys)``, ``width`` keys a tile and ``group``
+    tiles' weights kept at once."""
     G, Lq, D = q.shape
     Lk = k.shape[0]
     n = r1 - r0
     rows = G * n
     dtype, device = q.dtype, q.device
     scores, store, maxima = buffers
-    chunks = -(-keys // CHUNK)  # the block's chunks, over its tiles
-    maxima = maxima[: rows * chunks].view(rows, chunks)  # (r, c)
+    maxima = maxima[: rows * group * width // CHUNK].view(rows, -1)  # (r, c): the kept tiles' chunks
     qb = q[:, r0:r1].reshape(rows, D)  # (r, D)
     shift = -lse[:, r0:r1].reshape(rows, 1)  # (r, 1)
     lowest, highest = r0 + Lk - Lq, r1 - 1 + Lk - Lq  # the rows' positions: i + Lk - Lq
@@ -119,9 +124,15 @@ def _rows(
     distance = torch.zeros(rows, dtype=dtype, device=device)  # (r,): sum_j w |pos(i) - j|
     sink = torch.zeros(rows, dtype=dtype, device=device)  # (r,)
     ones = torch.ones(G, 1, n, dtype=dtype, device=device)  # (G, 1, n)
-    offsets: list[int] = []  # where each tile starts in store
+    offsets: list[int] = []  # where each kept tile starts in store
     widths: list[int] = []  # its keys
+    first = 0  # the first key of the kept tiles
+    best: tuple[Tensor, Tensor] | None = None  # the k largest of the tiles before them, and their keys
+    topk = sums.values.shape[-1]
     for a in range(0, keys, width):
+        if len(offsets) == group:  # the store is full: the k largest of its tiles, beside those before
+            best = _merge(best, _topk(store, maxima[:, : sum(widths) // CHUNK], offsets, widths, topk), first)
+            offsets, widths, first = [], [], a
         wide = min(width, -(-(keys - a) // CHUNK) * CHUNK)  # a multiple of CHUNK, past the last key at most
         real = min(wide, Lk - a)  # keys that exist (the rest pad the last chunk)
         offsets.append(len(offsets) * rows * width)
@@ -136,11 +147,11 @@ def _rows(
         hides = real < wide or (causal and a + wide - 1 > lowest)  # some key past some row's position, or none
         if causal and a + wide - 1 > lowest:
             t.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))  # (r, w)
-        c0 = a // CHUNK
+        c0 = (a - first) // CHUNK
         torch.amax(t.view(rows, wide // CHUNK, CHUNK), dim=-1, out=maxima[:, c0 : c0 + wide // CHUNK])
         t.add_(shift)  # (r, w): log w
         w = store[offsets[-1] : offsets[-1] + rows * wide].view(rows, wide)  # (r, w)
-        # exp() below log(tiny) takes PyTorch's slow path (10-30x, measured): such weights, and hidden keys, are 0
+        # exp() near or below log(tiny) takes PyTorch's slow path (_LOWEST): such weights, and hidden keys', are 0
         under = t < _LOWEST[dtype] if hides or float(t.amin()) < _LOWEST[dtype] else None  # (r, w)
         if under is not None:
             t.clamp_min_(_LOWEST[dtype])
@@ -161,9 +172,21 @@ def _rows(
     sums.entropy[b, heads, r0:r1] = entropy.neg_().view(G, n)
     sums.distance[b, heads, r0:r1] = distance.view(G, n)
     sums.sink[b, heads, r0:r1] = sink.view(G, n)
-    values, indices = _topk(store, maxima, offsets, widths, sums.values.shape[-1])  # (r, k) each
+    values, indices = _merge(best, _topk(store, maxima[:, : sum(widths) // CHUNK], offsets, widths, topk), first)
     sums.values[b, heads, r0:r1] = values.view(G, n, -1)
     sums.indices[b, heads, r0:r1] = torch.where(values > 0, indices, -1).view(G, n, -1)
+
+
+def _merge(best: tuple[Tensor, Tensor] | None, found: tuple[Tensor, Tensor], first: int) -> tuple[Tensor, Tensor]:
+    """The k largest of ``best`` and of ``found`` (``(r, k)`` values and keys each, descending; ``found``'s keys
+    counted from key ``first``, -1 naming none)."""
+    values, indices = found
+    indices = torch.where(indices >= 0, indices + first, -1)  # (r, k)
+    if best is None:
+        return values, indices
+    both = torch.cat([best[0], values], dim=-1)  # (r, 2k)
+    top = both.topk(values.shape[-1], dim=-1)  # (r, k) each
+    return top.values, torch.cat([best[1], indices], dim=-1).gather(-1, top.indices)
 
 
 def _topk(store: Tensor, maxima: Tensor, offsets: list[int], widths: list[int], k: int) -> tuple[Tensor, Tensor]:
