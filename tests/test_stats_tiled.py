@@ -52,14 +52,14 @@ def calls(draw):
 
 
 @contextlib.contextmanager
-def tiles(tile: int, rows: int) -> Iterator[None]:
-    """tiled.TILE and tiled.ROWS set for one example (hypothesis runs many in one test: no monkeypatch)."""
-    saved = tiled.TILE, tiled.ROWS
-    tiled.TILE, tiled.ROWS = tile, rows
+def tiles(tile: int, rows: int, kept: int) -> Iterator[None]:
+    """tiled.TILE, ROWS and KEPT_BYTES set for one example (hypothesis runs many in one test: no monkeypatch)."""
+    saved = tiled.TILE, tiled.ROWS, tiled.KEPT_BYTES
+    tiled.TILE, tiled.ROWS, tiled.KEPT_BYTES = tile, rows, kept
     try:
         yield
     finally:
-        tiled.TILE, tiled.ROWS = saved
+        tiled.TILE, tiled.ROWS, tiled.KEPT_BYTES = saved
 
 
 @settings(max_examples=150, deadline=None)
@@ -71,8 +71,8 @@ def test_statistics_from_the_kernels_row_sums_equal_those_of_the_whole_weights(c
     parts, _ = stats.parts(q, k, is_causal=causal)
     parts = parts._replace(lse=lse)
     assert tiled.supports(parts)
-    with tiles(tile, rows):
-        found = stats.compute(parts, topk, block_bytes=block)
+    with tiles(tile, rows, block):
+        found = stats.compute(parts, topk)
     # each weight is off by the scores' rounding, about eps x the largest score (as on the whole-row path: sharp
     # float32 scores of ~100 give 1e-5)
     kk = k.double().repeat_interleave(q.shape[1] // k.shape[1], 1)  # (B, H, Lk, D)
@@ -92,7 +92,8 @@ def test_long_rows_take_the_chunked_top_k_search_over_tiles(monkeypatch):
         _, lse = FLASH(q, k, k, 0.0, causal, scale=0.25)[:2]
         parts = stats.parts(q, k, is_causal=causal)[0]._replace(lse=lse)
         for block in (2**19, 2**24):  # 512 rows x 256 keys x 4 bytes: 2 tiles, or all
-            assert_stats(stats.compute(parts, 5, block_bytes=block), weights64(q, k, causal, 0.25))
+            monkeypatch.setattr(tiled, "KEPT_BYTES", block)
+            assert_stats(stats.compute(parts, 5), weights64(q, k, causal, 0.25))
 
 
 def test_calls_the_kernel_does_not_run_take_the_whole_row_path():

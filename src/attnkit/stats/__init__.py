@@ -30,7 +30,8 @@ taken as the row's maximum is found, and then only the chunks that can hold the 
 When the forward gave each row's log-sum-exp (a layer recorded under ``torch.no_grad()`` whose call ran PyTorch's
 fused CPU kernel: no mask or a causal one, float32 or float64), each weight is ``exp(score - lse)`` on its own, and
 the rows are taken a tile of keys at a time instead, each tile reduced while it is in cache
-(:mod:`attnkit.stats.tiled`): the same statistics, about a fifth faster at 32k tokens.
+(:mod:`attnkit.stats.tiled`): the same statistics, about a fifth faster at 32k tokens, holding one tile's scores
+and at most :data:`attnkit.stats.tiled.KEPT_BYTES` of weights for the top-k search, whatever the length.
 
 Computed and returned in float32 for float16/bfloat16 inputs (float64 for float64, float32 for float32), detached.
 """
@@ -159,7 +160,7 @@ def compute(
     where = Where(Lq, Lk, parts.query_positions, parts.key_positions)
     with torch.no_grad():
         if tiled.supports(parts):  # the forward gave each row's log-sum-exp
-            tiled.compute(parts, sums, sink_keys, block_bytes)
+            tiled.compute(parts, sums, sink_keys)
         else:
             for block in blocks(parts, [(0, Lq)], block_bytes):
                 reduce(sums, block, where, sink_keys)

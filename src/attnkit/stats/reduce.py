@@ -9,7 +9,7 @@ from torch import Tensor
 
 from attnkit.stats.blocks import CHUNK, Block
 
-__all__ = ["Sums", "Where", "chunk_topk", "reduce"]
+__all__ = ["Sums", "Where", "chunk_topk", "reduce", "windows"]
 
 # B batch, H heads, Lq/Lk query/key length, n rows of a block, m keys of a block, c whole chunks of them, k the top-k
 
@@ -115,13 +115,13 @@ def chunk_topk(w: Tensor, chosen: Tensor, starts: Tensor, k: int, tail: Tensor |
     chunks of largest maxima), which start at ``starts (..., k)`` in contiguous ``w``; and of ``tail (..., t)``, the
     columns past a row's last whole chunk, when given: its columns follow the whole chunks'. (:func:`_topk`.)"""
     *lead, _ = chosen.shape
-    picked = _windows(w, starts, CHUNK, 1)  # (..., k, CHUNK)
+    picked = windows(w, starts, CHUNK, 1)  # (..., k, CHUNK)
     per = CHUNK // GROUPS  # values a group
     groups = picked.view(*lead, k, per, GROUPS).amax(dim=-2).view(*lead, k * GROUPS)  # (..., k*GROUPS)
     kept = groups.topk(k, dim=-1, sorted=False).indices  # (..., k): groups that may hold the k largest
     # group g of the picked values: chunk slot g // GROUPS, its columns g % GROUPS + GROUPS * i
     at_group = _row_starts(picked.shape[:-2], k * CHUNK, w.device) + kept // GROUPS * CHUNK + kept % GROUPS  # (..., k)
-    candidates = _windows(picked, at_group, per, GROUPS).view(*lead, k * per)  # (..., k*per)
+    candidates = windows(picked, at_group, per, GROUPS).view(*lead, k * per)  # (..., k*per)
     if tail is not None:
         candidates = torch.cat([candidates, tail], dim=-1)  # (..., k*per + t)
     top = candidates.topk(k, dim=-1)  # (..., k) each
@@ -142,7 +142,7 @@ def _row_starts(lead: torch.Size, width: int, device: torch.device) -> Tensor:
     return torch.arange(0, lead.numel() * width, width, device=device).view(*lead, 1)
 
 
-def _windows(x: Tensor, starts: Tensor, size: int, step: int) -> Tensor:
+def windows(x: Tensor, starts: Tensor, size: int, step: int) -> Tensor:
     """The ``size`` elements ``start, start + step, ...`` of contiguous ``x`` from each of ``starts (B, H, n, j)``:
     ``(B, H, n, j, size)``. One ``index_select`` of the rows of a view whose row ``r`` holds those elements from
     ``r`` on: a ``gather`` of the same values is ~30x slower (docs/benchmarks.md)."""

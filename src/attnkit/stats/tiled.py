@@ -16,14 +16,15 @@ divided by the row's own sum.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from attnkit.stats.blocks import CHUNK, Parts
-from attnkit.stats.reduce import Sums, chunk_topk
+from attnkit.stats.reduce import Sums, chunk_topk, windows
 
-__all__ = ["ROWS", "TILE", "compute", "supports"]
+__all__ = ["KEPT_BYTES", "ROWS", "TILE", "compute", "supports"]
 
 # B batch, H heads, Hkv key/value heads, G = H // Hkv, Lq/Lk query/key length, D head dim, n rows of each head in a
 # tile, r = G * n rows of a tile, w keys of a tile, c chunks of CHUNK keys, k the top-k
@@ -32,6 +33,10 @@ __all__ = ["ROWS", "TILE", "compute", "supports"]
 # each core's half in its own cache.
 TILE = 1024
 ROWS = 512
+# The weights a row block keeps for its top-k search, at most (never less than one tile): 512 rows x 32,768 keys
+# of float32. Longer rows keep theirs a group of tiles at a time, and each group's k best chunks join the best so
+# far; at 16 MiB (4 groups at 32k) those merges cost ~13% of the pass (measured), hence the larger budget.
+KEPT_BYTES = 64 * 2**20
 # Scores below this under the row's log-sum-exp give weights taken as 0: exp() of log(tiny) or less (a subnormal
 # or 0) takes PyTorch's slow path on the CPU (10-35x, measured), and so does log(tiny) itself; one above it does not.
 # The weights lost are below 3.2e-38 (float32) or 6.1e-308 (float64).
@@ -60,9 +65,8 @@ def supports(parts: Parts) -> bool:
     )
 
 
-def compute(parts: Parts, sums: Sums, sink_keys: int, block_bytes: int) -> None:
-    """Fill ``sums`` with the statistics of ``parts`` (which :func:`supports`), a tile at a time; the weights kept
-    for the top-k search at most ``block_bytes`` (never less than one tile)."""
+def compute(parts: Parts, sums: Sums, sink_keys: int) -> None:
+    """Fill ``sums`` with the statistics of ``parts`` (which :func:`supports`), a tile at a time."""
     assert parts.lse is not None
     q, lse = parts.q.detach(), parts.lse.detach()
     B, H, Lq, D = q.shape
@@ -73,7 +77,7 @@ def compute(parts: Parts, sums: Sums, sink_keys: int, block_bytes: int) -> None:
     n = min(max(1, ROWS // G), Lq)
     width = min(TILE, -(-Lk // CHUNK) * CHUNK)  # keys of every tile but a row block's last
     # tiles whose weights are kept at once: the top-k search reads them, then the next ones take their place
-    group = min(max(1, block_bytes // (G * n * width * q.element_size())), -(-Lk // width))
+    group = min(max(1, KEPT_BYTES // (G * n * width * q.element_size())), -(-Lk // width))
     # reused buffers: one tile's scores, and the weights of a row block's last tiles, tile after tile
     scores = q.new_empty(G * n * width)  # (r * w,)
     store = q.new_empty(G * n * group * width)  # (group * r * w,)
@@ -127,11 +131,11 @@ def _rows(
     offsets: list[int] = []  # where each kept tile starts in store
     widths: list[int] = []  # its keys
     first = 0  # the first key of the kept tiles
-    best: tuple[Tensor, Tensor] | None = None  # the k largest of the tiles before them, and their keys
+    kept: _Chunks | None = None  # the chunks of the tiles before them that may hold the k largest
     topk = sums.values.shape[-1]
     for a in range(0, keys, width):
         if len(offsets) == group:  # the store is full: the k largest of its tiles, beside those before
-            best = _merge(best, _topk(store, maxima[:, : sum(widths) // CHUNK], offsets, widths, topk), first)
+            kept = _keep(kept, store, maxima[:, : sum(widths) // CHUNK], offsets, widths, first, topk)
             offsets, widths, first = [], [], a
         wide = min(width, -(-(keys - a) // CHUNK) * CHUNK)  # a multiple of CHUNK, past the last key at most
         real = min(wide, Lk - a)  # keys that exist (the rest pad the last chunk)
@@ -172,44 +176,59 @@ def _rows(
     sums.entropy[b, heads, r0:r1] = entropy.neg_().view(G, n)
     sums.distance[b, heads, r0:r1] = distance.view(G, n)
     sums.sink[b, heads, r0:r1] = sink.view(G, n)
-    values, indices = _merge(best, _topk(store, maxima[:, : sum(widths) // CHUNK], offsets, widths, topk), first)
+    kept = _keep(kept, store, maxima[:, : sum(widths) // CHUNK], offsets, widths, first, topk)
+    values, indices = _topk(kept, topk)  # (r, k) each
     sums.values[b, heads, r0:r1] = values.view(G, n, -1)
     sums.indices[b, heads, r0:r1] = torch.where(values > 0, indices, -1).view(G, n, -1)
 
 
-def _merge(best: tuple[Tensor, Tensor] | None, found: tuple[Tensor, Tensor], first: int) -> tuple[Tensor, Tensor]:
-    """The k largest of ``best`` and of ``found`` (``(r, k)`` values and keys each, descending; ``found``'s keys
-    counted from key ``first``, -1 naming none)."""
-    values, indices = found
-    indices = torch.where(indices >= 0, indices + first, -1)  # (r, k)
-    if best is None:
-        return values, indices
-    both = torch.cat([best[0], values], dim=-1)  # (r, 2k)
-    top = both.topk(values.shape[-1], dim=-1)  # (r, k) each
-    return top.values, torch.cat([best[1], indices], dim=-1).gather(-1, top.indices)
+class _Chunks(NamedTuple):
+    """The chunks of a row block that may hold each row's k largest weights, of the tiles seen so far: their
+    weights ``values (r, j, CHUNK)``, largest scores ``maxima (r, j)`` and numbers ``ids (r, j)`` (key ``ids *
+    CHUNK`` first), ``j <= k``: the k chunks of largest maxima hold the k largest weights (:func:`_topk` in
+    :mod:`attnkit.stats.reduce`), and so do the k of largest maxima among those kept and a new tile's."""
+
+    values: Tensor
+    maxima: Tensor
+    ids: Tensor
 
 
-def _topk(store: Tensor, maxima: Tensor, offsets: list[int], widths: list[int], k: int) -> tuple[Tensor, Tensor]:
-    """The ``k`` largest weights of each row of a row block held tile by tile in ``store`` (tile ``i`` at
-    ``offsets[i]``, ``(r, widths[i])``), and their keys, descending; ``maxima (r, c)`` each chunk's largest score."""
+def _keep(
+    kept: _Chunks | None, store: Tensor, maxima: Tensor, offsets: list[int], widths: list[int], first: int, k: int
+) -> _Chunks:
+    """``kept`` and the kept tiles in ``store`` (tile ``i`` at ``offsets[i]``, ``(r, widths[i])``, the first of
+    them at key ``first``; ``maxima (r, c)`` each of their chunks' largest score), narrowed to the k chunks of
+    largest maxima."""
     rows, c = maxima.shape
-    if c <= 2 * k:  # few chunks: the whole rows, side by side, searched at once
-        whole = torch.cat(
-            [store[o : o + rows * w].view(rows, w) for o, w in zip(offsets, widths, strict=True)], dim=1
-        )  # (r, c*C)
-        top = whole.topk(min(k, whole.shape[1]), dim=-1)  # (r, <=k) each
-        values, indices = top.values, top.indices
-        if values.shape[1] < k:
-            pad = k - values.shape[1]
-            values = torch.nn.functional.pad(values, (0, pad))  # (r, k)
-            indices = torch.nn.functional.pad(indices, (0, pad), value=-1)  # (r, k)
-        return values, indices
-    chosen = maxima.topk(k, dim=-1, sorted=False).indices  # (r, k): the chunks that may hold the k largest
+    chosen = maxima.topk(min(k, c), dim=-1, sorted=False).indices  # (r, j): chunks of the kept tiles
     per_tile = widths[0] // CHUNK
-    tile = chosen // per_tile  # (r, k)
-    starts_of = torch.tensor(offsets, device=store.device)[tile]  # (r, k)
-    width_of = torch.tensor(widths, device=store.device)[tile]  # (r, k)
+    tile = chosen // per_tile  # (r, j)
+    starts_of = torch.tensor(offsets, device=store.device)[tile]  # (r, j)
+    width_of = torch.tensor(widths, device=store.device)[tile]  # (r, j)
     row = torch.arange(rows, device=store.device).view(rows, 1)  # (r, 1)
-    starts = starts_of + row * width_of + chosen % per_tile * CHUNK  # (r, k): where each chosen chunk starts
-    values, indices = chunk_topk(store, chosen, starts, k)  # (r, k) each
-    return values, indices
+    starts = starts_of + row * width_of + chosen % per_tile * CHUNK  # (r, j): where each chosen chunk starts
+    found = _Chunks(windows(store, starts, CHUNK, 1), maxima.gather(-1, chosen), chosen + first // CHUNK)
+    if kept is None:
+        return found
+    both = _Chunks(*(torch.cat(pair, dim=1) for pair in zip(kept, found, strict=True)))  # (r, j', ...) each
+    if both.ids.shape[1] <= k:
+        return both
+    chosen = both.maxima.topk(k, dim=-1, sorted=False).indices  # (r, k)
+    j = both.ids.shape[1]
+    starts = torch.arange(0, rows * j * CHUNK, j * CHUNK, device=store.device).view(rows, 1) + chosen * CHUNK
+    return _Chunks(windows(both.values, starts, CHUNK, 1), both.maxima.gather(-1, chosen), both.ids.gather(-1, chosen))
+
+
+def _topk(kept: _Chunks, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` largest weights of each row in the chunks ``kept``, descending, and their keys (0 and -1 past a
+    row's chunks)."""
+    rows, j, _ = kept.values.shape
+    if j == k:  # as many chunks as values wanted: narrowed further by strided groups (reduce.chunk_topk)
+        starts = torch.arange(0, rows * j * CHUNK, CHUNK, device=kept.ids.device).view(rows, j)  # (r, k)
+        return chunk_topk(kept.values, kept.ids, starts, k)  # (r, k) each
+    flat = kept.values.reshape(rows, j * CHUNK)  # (r, j*CHUNK): fewer chunks than k, every value a candidate
+    top = flat.topk(min(k, j * CHUNK), dim=-1)  # (r, <=k) each
+    indices = kept.ids.gather(-1, top.indices // CHUNK) * CHUNK + top.indices % CHUNK  # (r, <=k)
+    pad = k - top.values.shape[1]
+    values = torch.nn.functional.pad(top.values, (0, pad))  # (r, k)
+    return values, torch.nn.functional.pad(indices, (0, pad), value=-1)  # (r, k) each
