@@ -433,12 +433,13 @@ def test_statistics_recorded_through_transformers_equal_those_of_eager_weights(k
 def test_statistics_of_an_unpadded_prompt_come_from_the_forwards_row_sums(monkeypatch):
     """Llama (GQA, causal) on a prompt without padding, under no_grad: the forward runs PyTorch's fused kernel,
     which gives each row's log-sum-exp, and every layer's statistics are computed tile by tile from it
-    (attnkit.stats.tiled), equal to those reduced from eager's output_attentions."""
+    (attnkit.stats.tiled; rows of any length, here), equal to those reduced from eager's output_attentions."""
     from attnkit.stats import tiled
 
     used = []
     original = tiled.compute
     monkeypatch.setattr(tiled, "compute", lambda *a: (used.append(1), original(*a))[1])
+    monkeypatch.setattr(tiled, "MIN_KEYS", 1)  # (rows of 11 keys: tiled all the same)
     models = _models("llama", (NAMES["auto"],))
     eager, ours = models["eager"], models[NAMES["auto"]]
     ids = _batch("llama", "right")["input_ids"][:1]  # (1, L): the first row, all real
@@ -453,6 +454,8 @@ def test_statistics_of_an_unpadded_prompt_come_from_the_forwards_row_sums(monkey
         want, got = attnkit.stats.from_weights(t.double(), 3), rec[name]
         for field in ("topk_values", "entropy", "distance", "sink_mass", "column_sum"):
             assert max_err(getattr(got, field), getattr(want, field)) <= 1e-4, (name, field)
+        named = t.double().gather(-1, got.topk_indices.clamp_min(0))  # (1, H, L, 3)
+        assert max_err(torch.where(got.topk_indices >= 0, named, 0.0), got.topk_values) <= 1e-5, name
 
 
 def test_a_static_cache_step_measures_distance_from_the_querys_own_slot():

@@ -34,7 +34,7 @@ class AttentionOutput(NamedTuple):
     weights: Tensor | None
 
 
-class Attended(NamedTuple):
+class AttendResult(NamedTuple):
     """What :func:`attend` gives attnkit's layers: the :class:`AttentionOutput`'s two, and ``lse (B, H, Lq)``, each
     row's log-sum-exp of its scaled scores where the call asked for it and the backend had it at no cost (``None``
     otherwise): :func:`attnkit.stats.compute` then need not take the rows' sums again."""
@@ -245,7 +245,7 @@ def attend(
     backend: str = "auto",
     zeros_past: Tensor | None = None,
     need_lse: bool = False,
-) -> Attended:
+) -> AttendResult:
     """:func:`scaled_dot_product_attention` (``w_v`` None) or :func:`additive_attention`, as attnkit's layers call
     it: the masks as one value, and what a layer knows of its keys and values beside.
 
@@ -300,7 +300,7 @@ def attend(
     tracer = trace.active()
     if tracer is not None:
         trace.attention_steps(tracer, q, k, v, w_v, three_d, out, chosen.NAME, masks, sinks is not None)
-    return Attended(out, weights, lse)
+    return AttendResult(out, weights, lse)
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")

@@ -410,9 +410,10 @@ def record_stats(
 
     The modules recorded and the rules (threads and tasks, nesting, copies) are those of :func:`record_weights`;
     decoding steps through a cache are recorded call by call. The output still comes from the fast backend; the
-    statistics are computed beside it, a block of rows at a time (at most :data:`attnkit.stats.BLOCK_BYTES` of
-    weights at once), from the same queries, keys, masks, modifiers and sinks, detached. The book's layers, which
-    compute their weights anyway, have them reduced from those.
+    statistics are computed beside it, a block of rows at a time in a budget that does not grow with the length
+    (or, under ``torch.no_grad()`` where the forward's fused kernel gave each row's log-sum-exp, a tile at a time:
+    :mod:`attnkit.stats`), from the same queries, keys, masks, modifiers and sinks, detached. The book's layers,
+    which compute their weights anyway, have them reduced from those.
 
     Args:
         model: any module.

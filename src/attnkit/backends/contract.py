@@ -5,6 +5,7 @@ Every backend module defines::
     NAME: str
     SUPPORTS: Supports                                  # what it can run, declared
     def attention(call: Call) -> tuple[Tensor, Tensor | None]
+    def attention_with_lse(call: Call) -> tuple[Tensor, Tensor] | None   # optional: also each row's log-sum-exp
 
 :func:`attnkit.dispatch.choose` is the only place that chooses: it asks ``SUPPORTS.why_not(call)`` of each
 backend, which says, one reason per line of the declaration, why that backend cannot run the call.
@@ -122,9 +123,7 @@ class Call:
 
     def _may_overflow(self) -> bool:
         mask, q, k = self.mask, self.q.detach(), self.k.detach()
-        causal_alone = mask.is_causal and mask.num_queries == mask.num_keys and mask.valid_lens is None
-        causal_alone = causal_alone and mask.bool_mask is None and mask.bias is None and mask.mask_mod is None
-        if mask.is_empty or causal_alone or self.w_v is not None or not q.numel() or not k.numel():
+        if mask.is_empty or mask.is_plain_causal or self.w_v is not None or not q.numel() or not k.numel():
             return False
         limit = torch.finfo(compute_dtype(q.dtype)).max
         growth = abs(self.scale) * q.shape[-1]

@@ -58,22 +58,23 @@ def attention_with_lse(call: Call) -> tuple[Tensor, Tensor] | None:
     float64), from PyTorch's fused CPU kernel, which computes both anyway: for a call this backend runs through that
     kernel without a mask (none, or causal with ``Lq == Lk``), on the CPU, in float32 or float64, without dropout
     or gradients; ``None`` for any other (:func:`attnkit.stats.compute` then takes the row sums itself). The kernel
-    is the one ``scaled_dot_product_attention`` runs for these calls, so the output is the same."""
+    is the one ``scaled_dot_product_attention`` runs for these calls, so the output is the same (called directly, it
+    does not consult ``torch.nn.attention.sdpa_kernel``'s choice: under ``record_stats`` only)."""
     q, k, v, mask = call.q, call.k, call.v, call.mask
-    only_causal = mask.is_causal and mask.num_queries == mask.num_keys and not _has_more_than_causal(mask)
-    if not (mask.is_empty or only_causal) or call.score_mod is not None or call.dropout_p or call.needs_grad:
+    if not (mask.is_empty or mask.is_plain_causal) or call.score_mod is not None or call.dropout_p or call.needs_grad:
         return None
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or not q.numel() or not k.numel():
         return None
     if q.shape[-1] != v.shape[-1] or not _HAS_GQA:  # the kernel takes one head size; GQA as SDPA's
         return None
+    if q.stride(-1) != 1:  # SDPA takes another kernel for such queries (5e-7 apart): the output would change
+        return None
+    # the kernel reads each row of k and v as contiguous (a positions-last cache's keys would give a wrong output,
+    # not an error); attention() copies them so too
+    k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))  # (B, Hkv, Lk, D|Dv) each
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out, lse = flash(q, k, v, 0.0, mask.is_causal, scale=call.scale)[:2]
     return out, lse  # (B, H, Lq, Dv), (B, H, Lq)
-
-
-def _has_more_than_causal(mask: Mask) -> bool:
-    return not (mask.valid_lens is None and mask.bool_mask is None and mask.bias is None and mask.mask_mod is None)
 
 
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
@@ -93,8 +94,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     lengths = None if call.score_mod is not None else _key_lengths(mask)
     if lengths and _worth_grouping(lengths, Lk, Lq, H * (q.shape[-1] + v.shape[-1])):
         return _by_length(q, k, v, lengths, mask.is_causal, scale, dropout_p, gqa), None
-    only_causal = mask.is_causal and not _has_more_than_causal(mask)
-    if call.score_mod is None and (mask.is_empty or (only_causal and Lq == Lk)):
+    if call.score_mod is None and (mask.is_empty or mask.is_plain_causal):
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=mask.is_causal, scale=scale, **gqa
         )  # (B, H, Lq, Dv)

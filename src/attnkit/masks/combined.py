@@ -151,6 +151,12 @@ class Mask:
         return mask
 
     @property
+    def is_plain_causal(self) -> bool:
+        """True when the mask is causal alone over as many queries as keys: SDPA's ``is_causal=True``."""
+        plain = self.valid_lens is None and self.bool_mask is None and self.bias is None and self.mask_mod is None
+        return self.is_causal and plain and self.num_queries == self.num_keys
+
+    @property
     def is_empty(self) -> bool:
         """True when every query may attend to every key with no bias."""
         return (

@@ -28,7 +28,8 @@ taken as the row's maximum is found, and then only the chunks that can hold the 
 ``O(B * H * (Lq * k + Lk))``.
 
 When the forward gave each row's log-sum-exp (a layer recorded under ``torch.no_grad()`` whose call ran PyTorch's
-fused CPU kernel: no mask or a causal one, float32 or float64), each weight is ``exp(score - lse)`` on its own, and
+fused CPU kernel: no mask or a causal one, float32 or float64) and rows are long (:data:`attnkit.stats.tiled.
+MIN_KEYS`), each weight is ``exp(score - lse)`` on its own, and
 the rows are taken a tile of keys at a time instead, each tile reduced while it is in cache
 (:mod:`attnkit.stats.tiled`): the same statistics, about a fifth faster at 32k tokens, holding one tile's scores
 and at most :data:`attnkit.stats.tiled.KEPT_BYTES` of weights for the top-k search, whatever the length.
@@ -159,9 +160,13 @@ def compute(
     sums = Sums(B, H, Lq, max(Lk, parts.slots), topk, dtype, q.device)
     where = Where(Lq, Lk, parts.query_positions, parts.key_positions)
     with torch.no_grad():
-        if tiled.supports(parts):  # the forward gave each row's log-sum-exp
-            tiled.compute(parts, sums, sink_keys)
-        else:
+        # the forward gave each row's log-sum-exp, and rows are long: a tile at a time, unless some row's weights
+        # do not sum to 1
+        tiles = tiled.supports(parts) and Lk >= tiled.MIN_KEYS
+        if tiles and not tiled.compute(parts, sums, sink_keys):
+            del sums  # (before its replacement exists: at 32k tokens a layer's top-k alone is 100 MiB)
+            sums, tiles = Sums(B, H, Lq, max(Lk, parts.slots), topk, dtype, q.device), False
+        if not tiles:
             for block in blocks(parts, [(0, Lq)], block_bytes):
                 reduce(sums, block, where, sink_keys)
     found = [sums.values, sums.indices, sums.entropy, sums.column, sums.distance, sums.sink]

@@ -8,9 +8,10 @@ rows is 128 rows x 32,768 keys, a product the BLAS computes at ~100 GFLOPS on th
 returns ``lse`` with the output (:func:`attnkit.backends.sdpa.attention_with_lse`), so the forward pays nothing.
 
 Taken for the calls that kernel runs: dot-product scoring without a mask or with a causal one (``Lq == Lk``), no
-score_mod, no sinks, the default positions, float32 or float64 (:func:`supports`). ``lse`` is the kernel's, within
-a few units in the last place of the exact one: each row's weights sum to 1 within that, and the mean distance is
-divided by the row's own sum.
+score_mod, no sinks, the default positions, float32 or float64 (:func:`supports`). ``lse`` is the kernel's, rounded
+in its own order: each row's weights sum to 1 within a few units in the last place of the scores' size, and the
+mean distance is divided by the row's own sum. Where some row's sum is further from 1 than
+:data:`MASS_TOLERANCE` (scores of ~1e30, or NaN), the whole-row path takes the call instead.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import Tensor
 from attnkit.stats.blocks import CHUNK, Parts
 from attnkit.stats.reduce import Sums, chunk_topk, windows
 
-__all__ = ["KEPT_BYTES", "ROWS", "TILE", "compute", "supports"]
+__all__ = ["KEPT_BYTES", "MASS_TOLERANCE", "MIN_KEYS", "ROWS", "TILE", "compute", "supports"]
 
 # B batch, H heads, Hkv key/value heads, G = H // Hkv, Lq/Lk query/key length, D head dim, n rows of each head in a
 # tile, r = G * n rows of a tile, w keys of a tile, c chunks of CHUNK keys, k the top-k
@@ -37,9 +38,16 @@ ROWS = 512
 # of float32. Longer rows keep theirs a group of tiles at a time, and each group's k best chunks join the best so
 # far; at 16 MiB (4 groups at 32k) those merges cost ~13% of the pass (measured), hence the larger budget.
 KEPT_BYTES = 64 * 2**20
-# Scores below this under the row's log-sum-exp give weights taken as 0: exp() of log(tiny) or less (a subnormal
-# or 0) takes PyTorch's slow path on the CPU (10-35x, measured), and so does log(tiny) itself; one above it does not.
-# The weights lost are below 3.2e-38 (float32) or 6.1e-308 (float64).
+# Rows of fewer keys take the whole-row path (attnkit.stats.compute's policy): whole rows of 16,384 keys or fewer
+# make tall enough products, and its fused softmax is faster than exp() here; at 16k the two tie, at 32k tiles run
+# ~20% faster, below 8k 0-20% slower (docs/benchmarks.md).
+MIN_KEYS = 16384
+# How far from 1 a row's weights may sum (the kernel's log-sum-exp against this pass's scores, each rounded in its
+# own order: ~1e-6 in float32 for scores of tens); past it the call takes the whole-row path.
+MASS_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-12}
+# exp() of log(tiny) or less (a subnormal or 0) takes PyTorch's slow path on the CPU (10-35x, measured), and so
+# does log(tiny) itself; one above it does not. A tile's scores below this under the row's log-sum-exp (hidden keys'
+# -inf, weights below 3.2e-38 in float32) are clamped to it, and the weights that are not 0 taken one by one.
 _LOWEST = {dtype: math.log(torch.finfo(dtype).tiny) + 1.0 for dtype in (torch.float32, torch.float64)}
 
 
@@ -50,12 +58,9 @@ def supports(parts: Parts) -> bool:
         return False
     if parts.query_positions is not None or parts.key_positions is not None:
         return False
-    causal_alone = mask.is_causal and mask.num_queries == mask.num_keys
-    causal_alone = causal_alone and mask.valid_lens is None and mask.bool_mask is None
-    causal_alone = causal_alone and mask.bias is None and mask.mask_mod is None
     B, H, Lq, _ = q.shape
     return (
-        (mask.is_empty or causal_alone)
+        (mask.is_empty or mask.is_plain_causal)
         and q.dtype in (torch.float32, torch.float64)
         and k.dtype == q.dtype
         and lse.dtype == q.dtype
@@ -65,8 +70,11 @@ def supports(parts: Parts) -> bool:
     )
 
 
-def compute(parts: Parts, sums: Sums, sink_keys: int) -> None:
-    """Fill ``sums`` with the statistics of ``parts`` (which :func:`supports`), a tile at a time."""
+def compute(parts: Parts, sums: Sums, sink_keys: int) -> bool:
+    """Fill ``sums`` with the statistics of ``parts`` (which :func:`supports`), a tile at a time. False, and
+    ``sums`` to be thrown away, where some row's weights do not sum to 1 within :data:`MASS_TOLERANCE`: scores so
+    large that this pass's rounding and the kernel's part ways, or NaN (the whole-row path, whose rows sum to 1 by
+    construction, then takes the call)."""
     assert parts.lse is not None
     q, lse = parts.q.detach(), parts.lse.detach()
     B, H, Lq, D = q.shape
@@ -87,9 +95,11 @@ def compute(parts: Parts, sums: Sums, sink_keys: int) -> None:
             heads = slice(h * G, (h + 1) * G)
             for r0 in range(0, Lq, n):
                 r1 = min(r0 + n, Lq)
-                keys = min(Lk, r1 + Lk - Lq) if causal else Lk  # the keys some row of the block sees
-                _rows(q[b, heads], k[b, h], lse[b, heads], sums, b, heads, r0, r1, keys, causal, sink_keys,
-                      (scores, store, maxima), width, group)  # fmt: skip
+                seen = min(Lk, r1 + Lk - Lq) if causal else Lk  # the keys some row of the block sees
+                if not _rows(q[b, heads], k[b, h], lse[b, heads], sums, b, heads, r0, r1, seen, causal, sink_keys,
+                             (scores, store, maxima), width, group):  # fmt: skip
+                    return False
+    return True
 
 
 def _rows(
@@ -101,16 +111,16 @@ def _rows(
     heads: slice,
     r0: int,
     r1: int,
-    keys: int,
+    seen: int,
     causal: bool,
     sink_keys: int,
     buffers: tuple[Tensor, Tensor, Tensor],
     width: int,
     group: int,
-) -> None:
+) -> bool:
     """The rows ``[r0, r1)`` of the query heads ``heads`` of example ``b``: ``q (G, Lq, D)``, their key/value head's
-    keys ``k (Lk, D)`` (scaled), ``lse (G, Lq)``, over the keys ``[0, keys)``, ``width`` keys a tile and ``group``
-    tiles' weights kept at once."""
+    keys ``k (Lk, D)`` (scaled), ``lse (G, Lq)``, over the keys ``[0, seen)``, ``width`` keys a tile and ``group``
+    tiles' weights kept at once; False where their weights do not sum to 1 (:func:`compute`)."""
     G, Lq, D = q.shape
     Lk = k.shape[0]
     n = r1 - r0
@@ -126,6 +136,7 @@ def _rows(
     reach = max(n, CHUNK)  # keys nearer than this to some row have their distances taken key by key
     entropy = torch.zeros(rows, dtype=dtype, device=device)  # (r,): sum_j w log w
     distance = torch.zeros(rows, dtype=dtype, device=device)  # (r,): sum_j w |pos(i) - j|
+    mass = torch.zeros(rows, dtype=dtype, device=device)  # (r,): sum_j w, 1 within MASS_TOLERANCE
     sink = torch.zeros(rows, dtype=dtype, device=device)  # (r,)
     ones = torch.ones(G, 1, n, dtype=dtype, device=device)  # (G, 1, n)
     offsets: list[int] = []  # where each kept tile starts in store
@@ -133,11 +144,11 @@ def _rows(
     first = 0  # the first key of the kept tiles
     kept: _Chunks | None = None  # the chunks of the tiles before them that may hold the k largest
     topk = sums.values.shape[-1]
-    for a in range(0, keys, width):
+    for a in range(0, seen, width):
         if len(offsets) == group:  # the store is full: the k largest of its tiles, beside those before
             kept = _keep(kept, store, maxima[:, : sum(widths) // CHUNK], offsets, widths, first, topk)
             offsets, widths, first = [], [], a
-        wide = min(width, -(-(keys - a) // CHUNK) * CHUNK)  # a multiple of CHUNK, past the last key at most
+        wide = min(width, -(-(seen - a) // CHUNK) * CHUNK)  # a multiple of CHUNK, past the last key at most
         real = min(wide, Lk - a)  # keys that exist (the rest pad the last chunk)
         offsets.append(len(offsets) * rows * width)
         widths.append(wide)
@@ -155,14 +166,20 @@ def _rows(
         torch.amax(t.view(rows, wide // CHUNK, CHUNK), dim=-1, out=maxima[:, c0 : c0 + wide // CHUNK])
         t.add_(shift)  # (r, w): log w
         w = store[offsets[-1] : offsets[-1] + rows * wide].view(rows, wide)  # (r, w)
-        # exp() near or below log(tiny) takes PyTorch's slow path (_LOWEST): such weights, and hidden keys', are 0
-        under = t < _LOWEST[dtype] if hides or float(t.amin()) < _LOWEST[dtype] else None  # (r, w)
-        if under is not None:
-            t.clamp_min_(_LOWEST[dtype])
-        torch.exp(t, out=w)
-        if under is not None:
-            w.masked_fill_(under, 0.0)  # (t stays finite: their terms are 0 x t)
+        low = _LOWEST[dtype]  # exp() at or below log(tiny) takes PyTorch's slow path: not on a whole tile
+        if hides or float(t.amin()) < low:
+            under = t < low  # (r, w): hidden keys (-inf) and weights near or past the smallest normal number
+            tiny = under & (t > float("-inf"))  # (r, w): of those, the weights that are subnormal or round to 0
+            exact = t[tiny] if bool(tiny.any()) else None  # (u,): their exp() alone on the slow path
+            torch.exp(t.clamp_min_(low), out=w)
+            w.masked_fill_(under, 0.0)  # (t stays finite there: their terms are 0 x t)
+            if exact is not None:
+                w[tiny], t[tiny] = exact.exp(), exact
+        else:
+            torch.exp(t, out=w)
         entropy += torch.linalg.vecdot(w, t)  # (r,)
+        row_mass = w.sum(dim=-1)  # (r,)
+        mass += row_mass
         column = torch.bmm(ones, w.view(G, n, wide))[:, 0, :real]  # (G, real): a product reads w faster than a sum
         sums.column[b, heads, a : a + real] += column
         if a < sink_keys:
@@ -171,15 +188,18 @@ def _rows(
             distance += torch.linalg.vecdot(w, (qpos[:, None] - kpos[None, :]).abs_().to(dtype))  # (r,)
         else:  # one product with the keys' positions from the lowest row's: its rounding is small beside reach
             moment = w @ (kpos - lowest).to(dtype)  # (r,)
-            far = rel * w.sum(dim=-1) - moment  # (r,): the keys before every row
+            far = rel * row_mass - moment  # (r,): the keys before every row
             distance += far if a < lowest else far.neg_()
+    if not bool(((mass - 1).abs() <= MASS_TOLERANCE[dtype]).all()):
+        return False
     sums.entropy[b, heads, r0:r1] = entropy.neg_().view(G, n)
-    sums.distance[b, heads, r0:r1] = distance.view(G, n)
+    sums.distance[b, heads, r0:r1] = (distance / mass).view(G, n)  # its definition's division
     sums.sink[b, heads, r0:r1] = sink.view(G, n)
     kept = _keep(kept, store, maxima[:, : sum(widths) // CHUNK], offsets, widths, first, topk)
     values, indices = _topk(kept, topk)  # (r, k) each
     sums.values[b, heads, r0:r1] = values.view(G, n, -1)
     sums.indices[b, heads, r0:r1] = torch.where(values > 0, indices, -1).view(G, n, -1)
+    return True
 
 
 class _Chunks(NamedTuple):
@@ -207,7 +227,8 @@ def _keep(
     width_of = torch.tensor(widths, device=store.device)[tile]  # (r, j)
     row = torch.arange(rows, device=store.device).view(rows, 1)  # (r, 1)
     starts = starts_of + row * width_of + chosen % per_tile * CHUNK  # (r, j): where each chosen chunk starts
-    found = _Chunks(windows(store, starts, CHUNK, 1), maxima.gather(-1, chosen), chosen + first // CHUNK)
+    values = windows(store, starts, CHUNK, 1)  # (r, j, CHUNK)
+    found = _Chunks(values, maxima.gather(-1, chosen), chosen + first // CHUNK)  # (r, j, CHUNK), (r, j), (r, j)
     if kept is None:
         return found
     both = _Chunks(*(torch.cat(pair, dim=1) for pair in zip(kept, found, strict=True)))  # (r, j', ...) each
@@ -216,7 +237,8 @@ def _keep(
     chosen = both.maxima.topk(k, dim=-1, sorted=False).indices  # (r, k)
     j = both.ids.shape[1]
     starts = torch.arange(0, rows * j * CHUNK, j * CHUNK, device=store.device).view(rows, 1) + chosen * CHUNK
-    return _Chunks(windows(both.values, starts, CHUNK, 1), both.maxima.gather(-1, chosen), both.ids.gather(-1, chosen))
+    values = windows(both.values, starts, CHUNK, 1)  # (r, k, CHUNK)
+    return _Chunks(values, both.maxima.gather(-1, chosen), both.ids.gather(-1, chosen))  # (r, k, ...) each
 
 
 def _topk(kept: _Chunks, k: int) -> tuple[Tensor, Tensor]:
