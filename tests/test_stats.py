@@ -582,3 +582,14 @@ def test_the_books_layers_run_and_record_under_inference_mode():
     q = mha.transpose_qkv(mha.W_q(x))
     assert y.shape == (2, 5, 16) and rec[""].entropy.shape == (2, 4, 5)
     assert torch.allclose(scores, q @ mha.transpose_qkv(mha.W_k(x)).transpose(1, 2) / 2)
+
+
+def test_a_key_of_minus_infinity_weighs_0_and_leaves_every_statistic_finite():
+    """A key whose score is -inf in the data (not a mask): weight exactly 0, as in the output; its entropy term is
+    0, not -inf x 0 (a tester's finding: NaN entropy on the whole-row path)."""
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.ones(2, 2, 40, 3), torch.randn(2, 1, 40, 3, generator=g)
+    k[0, 0, 7] = float("-inf")
+    w = attnkit.functional.attention_weights(q.double(), k.double(), is_causal=True)  # (2, 2, 40, 40)
+    assert torch.isfinite(w).all() and w[0, :, 8:, 7].eq(0).all()
+    assert_stats(attnkit.attention_stats(q, k, topk=3, is_causal=True), w)

@@ -87,6 +87,9 @@ def blocks(
     G = H // Hkv  # query heads per key/value head: the heads of a block
     dtype = compute_dtype(q.dtype)
     q, k, _ = zero_dead(q, k, k, mask)  # padding and empty rows hold zeros (NaN there reaches nothing)
+    # an infinite input makes scores of -inf (weight 0, whose entropy term would be -inf x 0): clamped in each block
+    # where some sum is not finite (a sum's overflow clamps too, harmlessly)
+    clamp = not bool(torch.isfinite(q.sum()) & torch.isfinite(k.sum()))
     if H == 0:
         return  # no heads, no weights
     # the keys scaled once, not every block's scores: a copy of k, G times smaller than one of q. The queries are
@@ -143,7 +146,7 @@ def blocks(
                 live = _live(allowed, (p0, p1) == (a, b))
                 sink = None if sinks is None else _heads(sinks[..., r0:r1, :] if sinks.shape[2] > 1 else sinks, h0, G)
                 w = weights[: B * G * n * m].view(B, G, n, m)  # (B, G, n, m)
-                yield _softmax(r0, r1, h0, a, s, w, live, sink)
+                yield _softmax(r0, r1, h0, a, s, w, live, sink, clamp)
 
 
 def _row_blocks(
@@ -205,15 +208,26 @@ def _live(allowed: Tensor | None, whole: bool) -> Tensor | None:
 
 
 def _softmax(
-    r0: int, r1: int, h0: int, a: int, s: Tensor, w: Tensor, live: Tensor | None, sink: Tensor | None
+    r0: int,
+    r1: int,
+    h0: int,
+    a: int,
+    s: Tensor,
+    w: Tensor,
+    live: Tensor | None,
+    sink: Tensor | None,
+    clamp: bool = False,
 ) -> Block:
-    """The block of masked scores ``s`` (hidden ones at ``finfo.min``), its softmax written to ``w``."""
+    """The block of masked scores ``s`` (hidden ones at ``finfo.min``), its softmax written to ``w``; ``clamp``:
+    scores of -inf (from an infinite input) to ``finfo.min`` first, so that ``t`` stays finite."""
     m = s.shape[-1]
     whole = m // CHUNK
     maxima = s[..., : whole * CHUNK].unflatten(-1, (whole, CHUNK)).amax(dim=-1) if whole else None  # (B, G, n, c)
     largest = [x.amax(dim=-1, keepdim=True) for x in (maxima, s[..., whole * CHUNK :]) if x is not None and x.shape[-1]]
     top = largest[0] if len(largest) == 1 else torch.maximum(*largest)  # (B, G, n, 1): the row's largest score
     t = s.sub_(top)  # (B, G, n, m): 0 at the row's largest, so that its weights sum exactly and lose no digits
+    if clamp:
+        t.clamp_min_(torch.finfo(t.dtype).min)  # (NaN stays NaN)
     # PyTorch's fused kernel, into the reused buffer: a 4M-element block in 1.3 ms where exp() alone takes 2.5
     # (docs/benchmarks.md). torch.softmax has no out=; the private op's signature is checked against torch 2.13
     # (constraints.txt), and every statistics test fails if it moves.
