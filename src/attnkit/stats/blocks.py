@@ -87,9 +87,6 @@ def blocks(
     G = H // Hkv  # query heads per key/value head: the heads of a block
     dtype = compute_dtype(q.dtype)
     q, k, _ = zero_dead(q, k, k, mask)  # padding and empty rows hold zeros (NaN there reaches nothing)
-    # an infinite input makes scores of -inf (weight 0, whose entropy term would be -inf x 0): clamped in each block
-    # where some sum is not finite (a sum's overflow clamps too, harmlessly)
-    clamp = not bool(torch.isfinite(q.sum()) & torch.isfinite(k.sum()))
     if H == 0:
         return  # no heads, no weights
     # the keys scaled once, not every block's scores: a copy of k, G times smaller than one of q. The queries are
@@ -101,6 +98,10 @@ def blocks(
         k = k.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True).mul_(parts.scale)  # (B, Hkv, Lk, D)
     else:
         k = k.to(dtype).contiguous()  # (B, Hkv, Lk, D)
+    # an infinite input makes scores of -inf (weight 0, whose entropy term would be -inf x 0): clamped in each block
+    # where a sum in the compute dtype is not finite (an overflow clamps too, harmlessly; float16's sums, which
+    # overflow at 65504, are not the ones read)
+    clamp = not bool(torch.isfinite(q.sum()) & torch.isfinite(k.sum()))
     protected = None if parts.score_mod is None else mods.protected_storages(parts.score_mod)
     sinks = None if parts.sinks is None else mask.sink_logits(parts.sinks.detach().to(dtype))  # (B|1, H, Lq|1, 1)
     item = torch.finfo(dtype).bits // 8

@@ -159,9 +159,10 @@ def _rows(
             t[:, :real] = qb @ k[a : a + real].T  # (r, real)
             t[:, real:] = float("-inf")
         kpos = torch.arange(a, a + wide, device=device)  # (w,)
-        hides = real < wide or (causal and a + wide - 1 > lowest)  # some key past some row's position, or none
-        if causal and a + wide - 1 > lowest:
+        diagonal = causal and a + wide - 1 > lowest  # some key past some row's position
+        if diagonal:
             t.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))  # (r, w)
+        hides = diagonal or real < wide  # some key hidden, or past the last one
         c0 = (a - first) // CHUNK
         torch.amax(t.view(rows, wide // CHUNK, CHUNK), dim=-1, out=maxima[:, c0 : c0 + wide // CHUNK])
         t.add_(shift)  # (r, w): log w
