@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attnkit import dispatch, mods, trace
+from attnkit import dispatch, mods, trace, varlen
 from attnkit._checks import check_qkv, check_same_kind, check_scale, describe
 from attnkit.backends import reference
 from attnkit.backends.contract import Call
@@ -288,19 +288,35 @@ def attend(
         sinks=sinks,
         zeros_past=zeros_past,
     )
-    chosen = dispatch.choose(backend, call)
+    need_lse = need_lse and not three_d
+    pieces = varlen.split(call)  # packed documents: one call per document, so that none reaches another
     with _autocast_off(q):
-        with_lse = getattr(chosen, "attention_with_lse", None) if need_lse and not three_d else None
-        found = None if with_lse is None else with_lse(call)  # ((B, H, Lq, Dv), (B, H, Lq)) or None
-        out, weights = chosen.attention(call) if found is None else (found[0], None)  # (B, H, Lq, Dv), (B, H, Lq, Lk)
-    lse = None if found is None else found[1]  # (B, H, Lq)
+        if pieces is None:
+            name, (out, weights, lse) = _run(backend, call, need_lse)
+        else:
+            ran = [None if p.call is None else _run(backend, p.call, need_lse) for p in pieces]
+            names = [r[0] for r in ran if r is not None]
+            name = names[0] if names else "reference"
+            out, weights, lse = varlen.assemble(call, pieces, [None if r is None else r[1] for r in ran])
     if three_d:
         out = out.squeeze(1)  # (B, Lq, Dv)
         weights = None if weights is None else weights.squeeze(1)  # (B, Lq, Lk)
     tracer = trace.active()
     if tracer is not None:
-        trace.attention_steps(tracer, q, k, v, w_v, three_d, out, chosen.NAME, masks, sinks is not None)
+        trace.attention_steps(tracer, q, k, v, w_v, three_d, out, name, masks, sinks is not None)
     return AttendResult(out, weights, lse)
+
+
+def _run(backend: str, call: Call, need_lse: bool) -> tuple[str, varlen.Result]:
+    """The backend's name and what it gave: output ``(B, H, Lq, Dv)``, weights ``(B, H, Lq, Lk)`` or ``None``, and
+    each row's log-sum-exp ``(B, H, Lq)`` where asked for and the backend has it at no cost."""
+    chosen = dispatch.choose(backend, call)
+    with_lse = getattr(chosen, "attention_with_lse", None) if need_lse else None
+    found = None if with_lse is None else with_lse(call)  # ((B, H, Lq, Dv), (B, H, Lq)) or None
+    if found is not None:
+        return chosen.NAME, varlen.Result(found[0], None, found[1])
+    out, weights = chosen.attention(call)
+    return chosen.NAME, varlen.Result(out, weights, None)
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")

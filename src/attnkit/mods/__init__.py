@@ -43,6 +43,7 @@ from attnkit.mods.base import Tiles as Tiles
 from attnkit.mods.base import bind as bind
 from attnkit.mods.base import check_callable as check_callable
 from attnkit.mods.builtins import alibi, alibi_slopes, and_masks, document, or_masks, prefix_lm, sliding_window, softcap
+from attnkit.mods.builtins import conjuncts as conjuncts
 from attnkit.mods.closure import Uninspectable as Uninspectable
 from attnkit.mods.closure import grad_inputs as grad_inputs
 from attnkit.mods.closure import read_tensors as read_tensors

@@ -210,6 +210,14 @@ def and_masks(*mask_mods: MaskFn) -> MaskMod:
     return _Combined(_check_mods(mask_mods, "and_masks"), every_one=True)
 
 
+def conjuncts(mask_mod: MaskFn) -> tuple[MaskFn, ...]:
+    """The mask_mods that must all allow a pair: those inside :func:`and_masks` (nested ones too), else the
+    mask_mod itself."""
+    if isinstance(mask_mod, _Combined) and mask_mod.every_one:
+        return tuple(part for m in mask_mod.mods for part in conjuncts(m))
+    return (mask_mod,)
+
+
 def or_masks(*mask_mods: MaskFn) -> MaskMod:
     """A mask_mod that allows a pair when any one of ``mask_mods`` does (FlexAttention's ``or_masks``)."""
     return _Combined(_check_mods(mask_mods, "or_masks"), every_one=False)
