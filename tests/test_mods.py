@@ -1090,12 +1090,26 @@ def test_a_score_mod_singular_where_the_mask_hides_gives_finite_gradients(backen
 
 
 def test_chunked_refuses_a_backward_after_what_the_mask_reads_changed_in_place():
-    ids = torch.tensor([[0] * 8 + [1] * 8])
+    lens = torch.tensor([8])
     q = torch.randn(1, 2, 16, 4, requires_grad=True)
-    out = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=mods.document(ids), backend="chunked").output
-    ids[0] = torch.tensor([0] * 2 + [1] * 14)  # a reused buffer, refilled before the backward pass
+    out = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=mods.prefix_lm(lens), backend="chunked").output
+    lens[0] = 2  # a reused buffer, refilled before the backward pass
     with pytest.raises(RuntimeError, match="modified in place between the forward and the backward"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+def test_document_ids_refilled_before_the_backward_change_nothing(backend):
+    """Packed documents run as one call per document (attnkit.varlen), split where the forward pass found the
+    boundaries: the backward pass never reads the ids again, so refilling them cannot change the gradient."""
+    ids = torch.tensor([[0] * 8 + [1] * 8])
+    q = torch.randn(1, 2, 16, 4, dtype=torch.float64, requires_grad=True)
+    out = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=mods.document(ids), backend=backend).output
+    ids[0] = torch.tensor([0] * 2 + [1] * 14)
+    (grad,) = torch.autograd.grad(out.sum(), q)
+    halves = [attnkit.scaled_dot_product_attention(x, x, x).output for x in (q[:, :, :8], q[:, :, 8:])]
+    (want,) = torch.autograd.grad(torch.cat(halves, dim=2).sum(), q)
+    assert max_err(grad, want) <= OUT_TOL64
 
 
 @pytest.mark.parametrize("backend", ("reference", "sdpa", "chunked"))

@@ -5,9 +5,11 @@ Policy for ``backend="auto"``, first backend that can run the call wins:
 * weights wanted: ``reference`` (the only backend that returns them);
 * on CUDA, a call with a ``mask_mod`` or ``score_mod``: ``flex`` (PyTorch's compiled FlexAttention) first,
   then as below;
-* a ``mask_mod`` that hides most of the scores (a sliding window, packed documents: ``chunked`` visits at most
-  ``SPARSE_BELOW`` of them), a ``score_mod`` other than a bias, or ``sinks``: ``chunked``, which skips what is
-  hidden and takes them all, then ``sdpa`` (a mask_mod as one dense mask, when small), then ``reference``;
+* a ``mask_mod`` or ``sinks``: ``tiles`` (PyTorch's fused CPU kernel on the tiles the mask shows, skipping the
+  hidden ones), then as below;
+* a ``mask_mod`` that hides most of the scores (a sliding window: ``chunked`` visits at most ``SPARSE_BELOW`` of
+  them), a ``score_mod`` other than a bias, or ``sinks``: ``chunked``, which skips what is hidden and takes them
+  all, then ``sdpa`` (a mask_mod as one dense mask, when small), then ``reference``;
 * dot-product scoring: ``sdpa`` (PyTorch's fused kernels), then ``chunked``, then ``reference``; ``decode`` first
   (a few queries without autograd: the decode step) over keys and values stored positions last (a
   :class:`~attnkit.KVCache`'s long context), and for a masked call of a few queries on CPU, which sdpa could run only
@@ -53,7 +55,7 @@ def available_backends(device: str | torch.device | None = None) -> list[str]:
 
     Example:
         >>> available_backends("cpu")
-        ['reference', 'sdpa', 'chunked', 'decode']
+        ['reference', 'sdpa', 'chunked', 'tiles', 'decode']
     """
     here = {"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"}
     types = here if device is None else {torch.device(device).type}
@@ -128,8 +130,11 @@ def _preferences(call: Call) -> tuple[str, ...]:
         flex: tuple[str, ...] = ()
         if call.q.device.type == "cuda" and (call.mask.mask_mod is not None or call.score_mod is not None):
             flex = ("flex",)
+        fused = ("tiles",) if call.mask.mask_mod is not None or call.sinks is not None else ()
         if call.sinks is not None or not call.score_bias or _sparse(call):
-            return (*flex, "chunked", "sdpa", "reference")
+            return (*flex, *fused, "chunked", "sdpa", "reference")
+        if fused:
+            return (*flex, *fused, "sdpa", "chunked", "reference")
         if decode.is_positions_last(call.k, call.v) or (_few_queries(call) and not call.mask.is_empty):
             # a KVCache's long context, laid out for the decode step; or a masked decode step over the usual
             # layout, where sdpa would first read the whole cache to bound its hidden scores (finding c)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit.backends.common import repeat_kv, zero_dead
+from attnkit.backends.common import Watched, repeat_kv, zero_dead
 from attnkit.backends.contract import Call, Supports
 from attnkit.backends.online import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads, key_blocks
 from attnkit.masks import Mask, compute_dtype
@@ -129,7 +129,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     scorer = Scorer(wf, scale, call.score_mod, B, H, protected)
     inputs = (qf, kf, vf, wf, sinks, *closed_over)
     backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    watched = _Watched.of(call) if backward else None
+    watched = Watched.of(call) if backward else None
     out = _OnlineSoftmax.apply(qf, kf, vf, wf, sinks, mask, scorer, block, watched, *closed_over)  # (B, H, Lq, Dv)
     return out.to(q.dtype), None
 
@@ -152,7 +152,7 @@ class _OnlineSoftmax(torch.autograd.Function):
         mask: Mask,
         scorer: Scorer,
         block: int,
-        watched: _Watched | None,
+        watched: Watched | None,
         *closed_over: Tensor,
     ) -> Tensor:
         sink_logits = None if sinks is None else _sink_logits(sinks, mask, q.shape)  # (B, H, Lq)
@@ -169,7 +169,7 @@ class _OnlineSoftmax(torch.autograd.Function):
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, w_v, sinks, out, lse, *closed_over = ctx.saved_tensors
         if ctx.watched is not None:
-            ctx.watched.check()
+            ctx.watched.check(NAME)
         mask: Mask = ctx.mask
         dout = dout.to(out.dtype)
         delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
@@ -182,35 +182,6 @@ class _OnlineSoftmax(torch.autograd.Function):
             weight = torch.exp(_sink_logits(sinks, mask, q.shape) - lse)  # (B, H, Lq)
             dsinks = -(weight * delta).sum(dim=(0, 2))  # (H,)
         return (grads.dq, grads.dk, grads.dv, grads.dw, dsinks, None, None, None, None, *closed_grads)
-
-
-class _Watched:
-    """The tensors the backward pass reads again through the mask and the modifiers (lengths, masks, a mask_mod's
-    ids, what a score_mod closes over), with their versions at the forward pass: the recomputing backward would
-    silently use new values if one were changed in place in between, where autograd raises."""
-
-    def __init__(self, tensors: list[Tensor]) -> None:
-        self.versions = [(t, t._version) for t in tensors]
-
-    @classmethod
-    def of(cls, call: Call) -> _Watched:
-        mask = call.mask
-        tensors = [t for t in (mask.valid_lens, mask.bool_mask, mask.bias) if t is not None]
-        for fn in (mask.mask_mod, call.score_mod):
-            if fn is not None:
-                read = call.tensors_read(fn)
-                assert read is not None  # SUPPORTS: refused under autograd otherwise
-                tensors += read
-        return cls(tensors)
-
-    def check(self) -> None:
-        for t, version in self.versions:
-            if t._version != version:
-                raise RuntimeError(
-                    f"a tensor of shape {tuple(t.shape)} that this attention call reads (a mask, lengths, or what its "
-                    f"mask_mod or score_mod closes over) was modified in place between the forward and the backward "
-                    f"pass; the chunked backend reads it again to recompute: clone it before changing it"
-                )
 
 
 def _sink_logits(sinks: Tensor, mask: Mask, shape: torch.Size) -> Tensor:

@@ -93,3 +93,32 @@ def _finite_suffixes(mask: Mask, k: Tensor, v: Tensor, zeros_past: Tensor | None
     shortest = int(counts.min())
     # one reduction: a sum is finite only if every term is (a finite sum that overflows reads as not: zeroed)
     return bool(torch.isfinite(k[:, :, shortest:].sum() + v[:, :, shortest:].sum()))
+
+
+class Watched:
+    """The tensors the backward pass reads again through the mask and the modifiers (lengths, masks, a mask_mod's
+    ids, what a score_mod closes over), with their versions at the forward pass: the recomputing backward would
+    silently use new values if one were changed in place in between, where autograd raises."""
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        self.versions = [(t, t._version) for t in tensors]
+
+    @classmethod
+    def of(cls, call: Call) -> Watched:
+        mask = call.mask
+        tensors = [t for t in (mask.valid_lens, mask.bool_mask, mask.bias) if t is not None]
+        for fn in (mask.mask_mod, call.score_mod):
+            if fn is not None:
+                read = call.tensors_read(fn)
+                assert read is not None  # SUPPORTS: refused under autograd otherwise
+                tensors += read
+        return cls(tensors)
+
+    def check(self, backend: str) -> None:
+        for t, version in self.versions:
+            if t._version != version:
+                raise RuntimeError(
+                    f"a tensor of shape {tuple(t.shape)} that this attention call reads (a mask, lengths, or what its "
+                    f"mask_mod or score_mod closes over) was modified in place between the forward and the backward "
+                    f"pass; the {backend} backend reads it again to recompute: clone it before changing it"
+                )

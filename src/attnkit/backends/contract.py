@@ -157,7 +157,7 @@ class Supports:
     per key/value head (``None``: any number); ``huge_scores``: a hidden score that overflows is hidden all the
     same (False: the mask is added as ``-inf``, where an overflowing hidden score would give NaN);
     ``opaque_modifiers``: modifiers whose tensors cannot be found, under autograd (False: its backward reads them
-    again and must check they did not change)."""
+    again and must check they did not change); ``value_dim``: values of another head size than the queries'."""
 
     scoring: frozenset[str] = frozenset({DOT, ADDITIVE})
     weights: bool = True
@@ -173,6 +173,7 @@ class Supports:
     max_queries: int | None = None
     huge_scores: bool = True
     opaque_modifiers: bool = True
+    value_dim: bool = True
 
     def why_not(self, call: Call) -> list[str]:
         """Each reason this declaration refuses ``call``; ``[]`` when it can run it."""
@@ -186,6 +187,8 @@ class Supports:
             reasons.append(
                 f"at most {self.max_queries} queries per key/value head (this call has {call.queries_per_kv_head})"
             )
+        if not self.value_dim and call.v.shape[-1] != call.q.shape[-1]:
+            reasons.append(f"values of the queries' head size only (D={call.q.shape[-1]}, Dv={call.v.shape[-1]})")
         if not self.grad and call.needs_grad:
             reasons.append("no autograd (the output of this call needs a gradient)")
         if call.scoring not in self.scoring:
@@ -255,6 +258,8 @@ class Supports:
             can.append("masks only scores that cannot overflow")
         if not self.opaque_modifiers:
             can.append("under autograd, modifiers it can look into")
+        if not self.value_dim:
+            can.append("values of the queries' head size")
         return ", ".join(can)
 
 

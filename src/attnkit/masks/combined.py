@@ -8,6 +8,7 @@ import functools
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import mods
@@ -65,7 +66,7 @@ class Mask:
         self.bias_shift = bias_shift  # (B|1, H|1, Lq, 1) subtracted from the bias, or None
         self.mask_mod = mask_mod  # mask_mod(b, h, q_idx, kv_idx) -> bool, built-ins bound to Lq, Lk; or None
         self.device = device
-        self.plans: dict[tuple[int, ...], object] = {}  # chunked's key-block plans, made once a call
+        self.plans: dict[tuple[object, ...], object] = {}  # the backends' block plans, made once a call
 
     @classmethod
     def build(
@@ -256,6 +257,48 @@ class Mask:
             by_mod = self.mask_mod.tiles(rows, cols) if isinstance(self.mask_mod, mods.MaskMod) else None
             known = known & (by_mod if by_mod is not None else mods.Tiles.unknown(nq, nk))
         return known
+
+    def classify(self, rows: Tensor, cols: Tensor) -> mods.Tiles:
+        """Exactly which blocks (query ranges ``rows`` ``(nq, 2)``, key ranges ``cols`` ``(nk, 2)``) are hidden
+        (``some`` False) or visible in full (``every``): from index ranges where the parts say (:meth:`tiles`), and
+        by evaluating the mask on the blocks only looking can tell, a block of rows at a time (FlexAttention's block
+        mask). Looking at every pair some query may see, it learns the :attr:`liveness` too, and keeps it."""
+        known = self.tiles(rows, cols)
+        if not self.opaque or not len(rows) or not len(cols):
+            return known
+        some, every = known.some.clone(), known.every.clone()
+        lead = self._lead_shape()
+        live_keys = torch.zeros(*lead, self.num_keys, dtype=torch.bool, device=self.device)  # (B|1, H|1, Lk)
+        live_rows = torch.zeros(*lead, self.num_queries, dtype=torch.bool, device=self.device)  # (B|1, H|1, Lq)
+        width = int(cols[0, 1] - cols[0, 0])  # every block of keys but the last is this wide
+        for r, c in every.nonzero().tolist():  # (few rows: a visible block makes its rows and keys live)
+            live_rows[..., rows[r, 0] : rows[r, 1]] = True
+            live_keys[..., cols[c, 0] : cols[c, 1]] = True
+        for r, (r0, r1) in enumerate(rows.tolist()):
+            maybe = (some[r] & ~every[r]).nonzero()[:, 0]
+            if not len(maybe):
+                continue
+            per_look = max(1, LIVENESS_BLOCK_ELEMENTS // max(1, lead.numel() * (r1 - r0) * width))
+            first, last = int(maybe[0]), int(maybe[-1])
+            for a in range(first, last + 1, per_look):
+                z = min(a + per_look, last + 1)  # blocks [a, z), keys [j0, j1)
+                j0, j1 = int(cols[a, 0]), int(cols[z - 1, 1])
+                allowed = self.allowed_tile(r0, r1, j0, j1)
+                assert allowed is not None  # (opaque: some part gives one)
+                allowed = allowed.reshape((1,) * (4 - allowed.dim()) + allowed.shape)  # (B|1, H|1, n|1, m)
+                by_key = allowed.any(dim=-2)  # (B|1, H|1, m), unexpanded: a function of q and k alone is looked
+                # at once, not once per head
+                live_keys[..., j0:j1] |= by_key
+                live_rows[..., r0:r1] |= allowed.any(dim=-1)
+                pad = (z - a) * width - (j1 - j0)  # the last block of keys may be narrower
+                shown = F.pad(by_key.reshape(-1, j1 - j0).any(dim=0), (0, pad), value=False)  # (z-a) * width
+                full = F.pad(allowed.reshape(-1, j1 - j0).all(dim=0), (0, pad), value=True)
+                look = some[r, a:z] & ~every[r, a:z]  # (z - a,): the blocks only looking could tell
+                some[r, a:z] = torch.where(look, shown.view(z - a, width).any(dim=-1).cpu(), some[r, a:z])
+                every[r, a:z] = torch.where(look, full.view(z - a, width).all(dim=-1).cpu(), every[r, a:z])
+        if "liveness" not in self.__dict__:  # (functools.cached_property keeps its value there)
+            self.__dict__["liveness"] = (_none_if_all(live_keys), _none_if_all(live_rows))
+        return mods.Tiles(some, every)
 
     def _visible_row_max(self) -> Tensor:
         """Each row's largest bias over the keys it may see, ``(B|1, H|1, Lq, 1)`` in the bias's dtype, detached
