@@ -133,12 +133,12 @@ def _preferences(call: Call) -> tuple[str, ...]:
         fused = ("tiles",) if call.mask.mask_mod is not None or call.sinks is not None else ()
         if call.sinks is not None or not call.score_bias or _sparse(call):
             return (*flex, *fused, "chunked", "sdpa", "reference")
-        if fused:
-            return (*flex, *fused, "sdpa", "chunked", "reference")
         if decode.is_positions_last(call.k, call.v) or (_few_queries(call) and not call.mask.is_empty):
             # a KVCache's long context, laid out for the decode step; or a masked decode step over the usual
             # layout, where sdpa would first read the whole cache to bound its hidden scores (finding c)
-            return (*flex, "decode", "sdpa", "chunked", "reference")
+            return (*flex, "decode", *fused, "sdpa", "chunked", "reference")
+        if fused:
+            return (*flex, *fused, "sdpa", "chunked", "reference")
         return (*flex, "sdpa", "chunked", "reference")
     B, H, Lq, D = call.q.shape
     if B * H * Lq * call.k.shape[2] * D >= ADDITIVE_CHUNK_ELEMENTS:

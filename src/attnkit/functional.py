@@ -84,8 +84,8 @@ def scaled_dot_product_attention(
         scale: multiplies the scores; ``1 / sqrt(D)`` when ``None``.
         dropout_p: dropout on the weights (always applied when > 0; layers pass 0 in eval mode).
         need_weights: also return the weights (runs the reference backend).
-        backend: ``"auto"`` or a backend's name: ``"reference"``, ``"sdpa"``, ``"chunked"``, ``"decode"``,
-            ``"flex"`` (:mod:`attnkit.dispatch`).
+        backend: ``"auto"`` or a backend's name: ``"reference"``, ``"sdpa"``, ``"chunked"``, ``"tiles"``,
+            ``"decode"``, ``"flex"`` (:mod:`attnkit.dispatch`).
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, True = may attend (FlexAttention's signature;
             built-ins in :mod:`attnkit.mods`); combines with the other masks (all must allow a pair).
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, on the scaled scores, before the float
@@ -294,7 +294,7 @@ def attend(
         if pieces is None:
             name, (out, weights, lse) = _run(backend, call, need_lse)
         else:
-            ran = [None if p.call is None else _run(backend, p.call, need_lse) for p in pieces]
+            ran = [None if p.call is None else _run_piece(backend, p, need_lse) for p in pieces]
             names = [r[0] for r in ran if r is not None]
             name = names[0] if names else "reference"
             out, weights, lse = varlen.assemble(call, pieces, [None if r is None else r[1] for r in ran])
@@ -305,6 +305,19 @@ def attend(
     if tracer is not None:
         trace.attention_steps(tracer, q, k, v, w_v, three_d, out, name, masks, sinks is not None)
     return AttendResult(out, weights, lse)
+
+
+def _run_piece(backend: str, piece: varlen.Piece, need_lse: bool) -> tuple[str, varlen.Result]:
+    """:func:`_run` on one packed document's piece; a backend named that cannot run it says which piece."""
+    assert piece.call is not None
+    try:
+        return _run(backend, piece.call, need_lse)
+    except ValueError as error:
+        r0, r1 = piece.rows
+        raise ValueError(
+            f"{error} (said of one packed document: queries [{r0}, {r1}) of examples [{piece.batch.start}, "
+            f"{piece.batch.stop}); a call with a document mask runs as one call per document)"
+        ) from None
 
 
 def _run(backend: str, call: Call, need_lse: bool) -> tuple[str, varlen.Result]:

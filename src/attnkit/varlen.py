@@ -70,16 +70,29 @@ def split(call: Call) -> list[Piece] | None:
     B = call.q.shape[0]
     shared = ids_q.shape[0] == 1 and ids_k.shape[0] == 1
     groups = [slice(0, B)] if shared else [slice(b, b + 1) for b in range(B)]
+    # Each tensor is cut once (torch.split): slicing it once per piece would make each piece's backward add into a
+    # zero tensor of the whole input's size (pieces x size).
+    sizes = [g.stop - g.start for g in groups]
+    qs, ks, vs = (t.split(sizes, dim=0) for t in (call.q, call.k, call.v))  # (B', H|Hkv, L, D) each
     pieces = []
-    for batch in groups:
+    for batch, q, k, v in zip(groups, qs, ks, vs, strict=True):
         row_q = ids_q[0 if ids_q.shape[0] == 1 else batch.start]  # (Lq,)
         row_k = ids_k[0 if ids_k.shape[0] == 1 else batch.start]  # (Lk,)
-        key_runs: dict[int, list[tuple[int, int]]] = {}
-        for a, z, d in _runs(row_k):
-            key_runs.setdefault(d, []).append((a, z))
-        for r0, r1, d in _runs(row_q):
-            keys = _keys(key_runs.get(d, []), call.k.device)
-            piece_call = None if keys is None else _restrict(call, batch, (r0, r1), keys, rest)
+        q_runs, k_runs = _runs(row_q), _runs(row_k)
+        q_parts = q.split([z - a for a, z, _ in q_runs], dim=2)  # (B', H, n, D) each
+        spans = [(a, z) for a, z, _ in k_runs]
+        k_parts = dict(zip(spans, k.split([z - a for a, z in spans], dim=2), strict=True))  # (B', Hkv, m, D) each
+        v_parts = dict(zip(spans, v.split([z - a for a, z in spans], dim=2), strict=True))
+        by_id: dict[int, list[tuple[int, int]]] = {}
+        for a, z, d in k_runs:
+            by_id.setdefault(d, []).append((a, z))
+        for (r0, r1, d), q_part in zip(q_runs, q_parts, strict=True):
+            runs = by_id.get(d, [])
+            keys = _keys(runs, call.k.device)
+            piece_call = None
+            if keys is not None:
+                kv = [torch.cat([parts[r] for r in runs], dim=2) for parts in (k_parts, v_parts)]  # (B', Hkv, m, D)
+                piece_call = _restrict(call, batch, (r0, r1), keys, rest, q_part, *kv)
             pieces.append(Piece(batch, (r0, r1), keys, piece_call))
     return pieces
 
@@ -124,7 +137,11 @@ def assemble(call: Call, pieces: list[Piece], results: list[Result | None]) -> R
     def whole(parts: list[list[Tensor]]) -> Tensor:
         return torch.cat([torch.cat(group, dim=2) for group in parts], dim=0)  # (B, H, Lq, ...)
 
-    return Result(whole(outs), None if weights is None else whole(weights), None if lses is None else whole(lses))
+    out = whole(outs)  # (B, H, Lq, Dv)
+    if all(r is None for r in results):  # no document has keys: k, v, the sinks still get (zero) gradients
+        unused = [t.sum() for t in (call.k, call.v, call.w_v, call.sinks) if t is not None]
+        out = out + torch.where(torch.zeros((), dtype=torch.bool, device=q.device), sum(unused), 0.0)
+    return Result(out, None if weights is None else whole(weights), None if lses is None else whole(lses))
 
 
 # ------------------------------------------------------------------------------------------- finding the pieces
@@ -135,11 +152,26 @@ def _document(mask_mod: mods.MaskFn | None) -> tuple[mods.document, mods.MaskFn 
     if mask_mod is None:
         return None
     parts = mods.conjuncts(mask_mod)
-    doc = next((m for m in parts if isinstance(m, mods.document)), None)
-    if doc is None:
+    docs = [m for m in parts if isinstance(m, mods.document)]
+    if not docs:
         return None
-    rest = [m for m in parts if m is not doc]
+    rest = [m for m in parts if not isinstance(m, mods.document)]
+    doc = docs[0]
+    for other in docs[1:]:  # several document masks: a pair attends when both ids agree, so split on pairs of ids
+        doc = _both(doc, other)
     return doc, (None if not rest else rest[0] if len(rest) == 1 else mods.and_masks(*rest))
+
+
+def _both(one: mods.document, other: mods.document) -> mods.document:
+    """One document mask whose ids agree where both masks' ids agree: ``(id, other id)`` pairs, numbered."""
+    low = int(torch.minimum(other.ids_q.min(), other.keys.min()))
+    span = int(torch.maximum(other.ids_q.max(), other.keys.max())) - low + 1
+
+    def pair(a: Tensor, b: Tensor) -> Tensor:  # (B|1, L) each -> (B|1, L)
+        a, b = torch.broadcast_tensors(a.detach(), b.detach())
+        return a.long() * span + (b.long() - low)
+
+    return mods.document(pair(one.ids_q, other.ids_q), pair(one.keys, other.keys))
 
 
 def _runs(ids: Tensor) -> list[tuple[int, int, int]]:
@@ -178,11 +210,19 @@ def _count_below(limit: Tensor, keys: Keys) -> Tensor:
     return torch.searchsorted(keys, limit.contiguous())
 
 
-def _restrict(call: Call, batch: slice, rows: tuple[int, int], keys: Keys, rest: mods.MaskFn | None) -> Call:
-    r0, r1 = rows
-    q = call.q[batch, :, r0:r1]  # (B', H, n, D)
-    k = _take(call.k[batch], 2, keys)  # (B', Hkv, m, D)
-    v = _take(call.v[batch], 2, keys)  # (B', Hkv, m, Dv)
+def _restrict(
+    call: Call,
+    batch: slice,
+    rows: tuple[int, int],
+    keys: Keys,
+    rest: mods.MaskFn | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+) -> Call:
+    """The call of one piece: its queries ``q (B', H, n, D)``, keys ``k (B', Hkv, m, D)`` and values, the rest of
+    the mask restricted to them, the score_mod moved."""
+    r0 = rows[0]
     mask = _restrict_mask(call.mask, batch, rows, keys, k.shape[2], rest)
     score_mod = None if call.score_mod is None else _moved_score(call.score_mod, batch.start, r0, keys)
     return dataclasses.replace(call, q=q, k=k, v=v, mask=mask, score_mod=score_mod, zeros_past=None)

@@ -82,14 +82,14 @@ def _plan(mask: Mask) -> list[Rows]:
     if not len(rows) or not len(cols):
         return []
     known = mask.classify(rows, cols)  # (nq, nk) each
-    some, every = known.some, known.every
+    some, every = known.some.tolist(), known.every.tolist()  # (lists: indexing a tensor per tile is slow)
     plans = []
     for r, (r0, r1) in enumerate(rows.tolist()):
         runs: list[Run] = []
         for c, (j0, j1) in enumerate(cols.tolist()):
-            if not some[r, c]:
+            if not some[r][c]:
                 continue
-            full = bool(every[r, c])
+            full = every[r][c]
             if runs and runs[-1].j1 == j0 and runs[-1].full == full:
                 runs[-1] = Run(runs[-1].j0, j1, full)
             else:
@@ -99,13 +99,9 @@ def _plan(mask: Mask) -> list[Rows]:
 
 
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
-    plan(call.mask)  # first: looking at the tiles, it learns which keys and rows are live (zero_dead's question)
-    q, k, v = zero_dead(call.q, call.k, call.v, call.mask, call.zeros_past)
-    # the kernel reads each row of q, k and v as contiguous (a positions-last cache's keys would give a wrong output)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    sinks = call.sinks
+    q, k, v = _inputs(call)
     watched = Watched.of(call) if call.needs_grad else None  # what the backward pass reads again
-    out = _Tiles.apply(q, k, v, sinks, call.mask, call.scale, watched)  # (B, H, Lq, D)
+    out = _Tiles.apply(q, k, v, call.sinks, call.mask, call.scale, watched)  # (B, H, Lq, D)
     return out, None
 
 
@@ -113,10 +109,16 @@ def attention_with_lse(call: Call) -> tuple[Tensor, Tensor] | None:
     """The output and each row's log-sum-exp, which the runs' merge computes anyway; ``None`` under autograd."""
     if call.needs_grad:
         return None
-    plan(call.mask)
-    q, k, v = zero_dead(call.q, call.k, call.v, call.mask, call.zeros_past)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = _inputs(call)
     return _forward(q, k, v, call.sinks, call.mask, call.scale)
+
+
+def _inputs(call: Call) -> tuple[Tensor, Tensor, Tensor]:
+    plan(call.mask)  # first: looking at the tiles, it learns which keys and rows are live (zero_dead's question)
+    q, k, v = zero_dead(call.q, call.k, call.v, call.mask, call.zeros_past)
+    # the kernel reads each row of q, k and v as contiguous (a positions-last cache's keys would give a wrong output)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return q, k, v
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, mask: Mask, scale: float) -> tuple[Tensor, Tensor]:

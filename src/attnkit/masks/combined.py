@@ -285,7 +285,8 @@ class Mask:
                 j0, j1 = int(cols[a, 0]), int(cols[z - 1, 1])
                 allowed = self.allowed_tile(r0, r1, j0, j1)
                 assert allowed is not None  # (opaque: some part gives one)
-                allowed = allowed.reshape((1,) * (4 - allowed.dim()) + allowed.shape)  # (B|1, H|1, n|1, m)
+                allowed = allowed.reshape((1,) * (4 - allowed.dim()) + allowed.shape)  # (B|1, H|1, n|1, m|1)
+                allowed = allowed.expand(*allowed.shape[:2], r1 - r0, j1 - j0)  # (B|1, H|1, n, m), a view
                 by_key = allowed.any(dim=-2)  # (B|1, H|1, m), unexpanded: a function of q and k alone is looked
                 # at once, not once per head
                 live_keys[..., j0:j1] |= by_key

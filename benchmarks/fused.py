@@ -1,0 +1,187 @@
+"""Flexible attention against PyTorch's fused CPU kernel, same-run ratios (docs/benchmarks.md, "Flexible attention
+at the fused kernel's speed"; issue 24's rows).
+
+B=1, H=8, D=64, float32, forward + backward, attnkit's default backend (``auto``) at each ``--lengths``:
+
+* ``causal mask_mod``: causal given as a user ``mask_mod`` (``q_idx >= kv_idx``), against SDPA ``is_causal``.
+  Target: at most 1.2x.
+* ``window`` and ``window + causal``: ``sliding_window(1024)``, alone and with ``is_causal``, against SDPA without a
+  mask. Target: at most 0.18x.
+* ``softcap``, ``alibi``, ``bias table``: ``softcap(30)``, ALiBi, a learned table of relative-position biases, all
+  causal, against SDPA ``is_causal``. Target: at most 1.5x.
+* ``packed``: documents of log-normal lengths (at most 2048, 16384 tokens; benchmarks/flex.py's), packed with a causal
+  document mask, against one SDPA ``is_causal`` call per document. Target: at most 1.2x.
+* ``forward``: the window's and the causal mask_mod's forward against compiled FlexAttention's forward on the same
+  mask (``--flex``; compiling takes a minute here). Target: at most 1.0x.
+
+Each measurement's contenders run in turn, round after round (benchmarks/flex.py's ``timed_rounds``), so that load
+from elsewhere on a shared machine falls on all of them alike; ratios compare contenders of one run.
+
+Usage::
+
+    python benchmarks/fused.py --lengths 8192,16384 --repeats 3 --flex
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import attnkit
+from attnkit import mods
+from flex import document_lengths, timed_rounds
+from results import finish
+
+B, H, D = 1, 8, 64
+WINDOW = 1024
+TARGETS = {
+    "causal mask_mod": 1.2,
+    "window": 0.18,
+    "window + causal": 0.18,
+    "softcap": 1.5,
+    "alibi": 1.5,
+    "bias table": 1.5,
+    "packed": 1.2,
+    "forward window": 1.0,
+    "forward causal mask_mod": 1.0,
+}
+PEER = {"window": "sdpa, no mask", "window + causal": "sdpa, no mask", "packed": "sdpa per document"}
+
+# B batch, H heads, L length, D head dim
+
+
+def contenders(length: int) -> dict[str, Callable[[], None]]:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, length, D, requires_grad=True) for _ in range(3))  # (B, H, L, D) each
+    dout = torch.randn(B, H, length, D)  # (B, H, L, D)
+    table = torch.zeros(2 * length - 1, requires_grad=True)  # a learned bias per distance
+
+    def relative(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score + table[q_idx - kv_idx + length - 1]
+
+    def sdpa(**kw: Any) -> Callable[[], None]:
+        return lambda: F.scaled_dot_product_attention(q, k, v, **kw).backward(dout)
+
+    def ours(**kw: Any) -> Callable[[], None]:
+        return lambda: attnkit.scaled_dot_product_attention(q, k, v, **kw).output.backward(dout)
+
+    return {
+        "sdpa is_causal": sdpa(is_causal=True),
+        "sdpa, no mask": sdpa(),
+        "causal mask_mod": ours(mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx),
+        "window": ours(mask_mod=mods.sliding_window(WINDOW)),
+        "window + causal": ours(mask_mod=mods.sliding_window(WINDOW), is_causal=True),
+        "softcap": ours(score_mod=mods.softcap(30.0), is_causal=True),
+        "alibi": ours(score_mod=mods.alibi(mods.alibi_slopes(H)), is_causal=True),
+        "bias table": ours(score_mod=relative, is_causal=True),
+    }
+
+
+def packed_contenders() -> dict[str, Callable[[], None]]:
+    lengths = document_lengths()
+    torch.manual_seed(0)
+    n = sum(lengths)
+    q, k, v = (torch.randn(B, H, n, D, requires_grad=True) for _ in range(3))  # (B, H, N, D) each
+    dout = torch.randn(B, H, n, D)
+    ids = torch.arange(len(lengths)).repeat_interleave(torch.tensor(lengths))[None]  # (1, N)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+
+    def per_document() -> None:
+        for a, m in zip(starts, lengths, strict=True):
+            part = [t[:, :, a : a + m] for t in (q, k, v)]
+            F.scaled_dot_product_attention(*part, is_causal=True).backward(dout[:, :, a : a + m])
+
+    def packed() -> None:
+        attnkit.scaled_dot_product_attention(q, k, v, is_causal=True, mask_mod=mods.document(ids)).output.backward(dout)
+
+    return {"sdpa per document": per_document, "packed": packed}
+
+
+def forward_contenders(length: int) -> dict[str, Callable[[], None]]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, length, D) for _ in range(3))
+    compiled = torch.compile(flex_attention)
+
+    def window_fn(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx - kv_idx >= 0) & (q_idx - kv_idx < WINDOW)
+
+    def causal_fn(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return q_idx >= kv_idx
+
+    found = {}
+    for name, fn, ours in (
+        ("window", window_fn, mods.sliding_window(WINDOW)),
+        ("causal mask_mod", causal_fn, causal_fn),
+    ):
+        block_mask = create_block_mask(fn, None, None, length, length, device="cpu")
+        found[f"flex {name}"] = lambda bm=block_mask: compiled(q, k, v, block_mask=bm)
+        found[f"forward {name}"] = lambda m=ours: attnkit.scaled_dot_product_attention(q, k, v, mask_mod=m)
+    return found
+
+
+def measure(lengths: list[int], repeats: int, flex: bool) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for length in lengths:
+        seconds = timed_rounds(contenders(length), repeats)
+        ratios = {
+            name: seconds[name] / seconds[PEER.get(name, "sdpa is_causal")]
+            for name in seconds
+            if not name.startswith("sdpa")
+        }
+        row: dict[str, Any] = {"seconds": seconds, "ratios": ratios}
+        if flex:
+            with torch.no_grad():
+                forward = timed_rounds(forward_contenders(length), repeats)
+            row["forward seconds"] = forward
+            for name in ("window", "causal mask_mod"):
+                row["ratios"][f"forward {name}"] = forward[f"forward {name}"] / forward[f"flex {name}"]
+        results[str(length)] = row
+    packed = timed_rounds(packed_contenders(), repeats)
+    results["packed"] = {"seconds": packed, "ratios": {"packed": packed["packed"] / packed["sdpa per document"]}}
+    return results
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, B={B}, H={H}, D={D}", ""]
+    lines += ["| row | L | seconds (median) | peer | ratio | target |", "|---|---:|---:|---|---:|---:|"]
+    for length, row in results.items():
+        seconds = {**row["seconds"], **row.get("forward seconds", {})}
+        for name, ratio in row["ratios"].items():
+            peer = PEER.get(name, "sdpa is_causal")
+            if name.startswith("forward"):
+                peer = "compiled flex_attention " + name.removeprefix("forward ")
+            at = "16384 tokens" if length == "packed" else length
+            lines.append(f"| {name} | {at} | {seconds[name]:.3f} | {peer} | {ratio:.2f}x | <= {TARGETS[name]}x |")
+    return "\n".join(lines)
+
+
+def missed_targets(results: dict[str, Any]) -> list[str]:
+    return [
+        f"{name} at {length}: {ratio:.2f}x > {TARGETS[name]}x"
+        for length, row in results.items()
+        for name, ratio in row["ratios"].items()
+        if ratio > TARGETS[name]
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="8192,16384")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--flex", action="store_true", help="also the forward against compiled FlexAttention")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    results = measure([int(n) for n in args.lengths.split(",")], args.repeats, args.flex)
+    return finish(results, report(results), missed_targets(results), args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""The tiles backend (PyTorch's fused CPU flash kernel on the tiles a mask shows) against the float64 math of
+tests/mathref.py: outputs and every gradient, with tiles of 8 so that small calls have hidden, full and partial
+tiles, for every kind of mask, sinks, grouped key/value heads and Lq != Lk; NaN where no query may see; the plan
+(which tiles are skipped, which need no mask) and what it learns of the mask on the way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
+import attnkit
+import mathref
+from attnkit import dispatch, mods
+from attnkit._checks import ranges
+from attnkit.backends import tiles
+from attnkit.masks import Mask
+from mathref import max_err
+
+# B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim
+
+H, HKV, D = 4, 2, 8
+OUT_TOL64, GRAD_TOL64 = 1e-12, 1e-10
+
+
+@pytest.fixture(autouse=True)
+def _small_tiles(monkeypatch):
+    """Tiles of 8 x 8, and one thread (tiny tensors: threads only add synchronisation on a busy 2-core machine)."""
+    monkeypatch.setattr(tiles, "BLOCK", 8)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@st.composite
+def _cases(draw) -> dict:
+    B = draw(st.integers(1, 2))
+    Lq = draw(st.integers(1, 40))
+    Lk = Lq if draw(st.booleans()) else draw(st.integers(1, 40))
+    return {
+        "B": B,
+        "Lq": Lq,
+        "Lk": Lk,
+        "is_causal": draw(st.booleans()),
+        "valid_lens": draw(st.sampled_from([None, "per example", "per query"])),
+        "attn_mask": draw(st.sampled_from([None, "bool", "float"])),
+        "mask_mod": draw(st.sampled_from([None, "window", "prefix", "user causal", "user stripes", "per head"])),
+        "sinks": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def _arguments(case: dict) -> tuple[dict, dict, list[torch.Tensor]]:
+    """attnkit's keyword arguments, mathref's, and the leaves: q, k, v (float64, requiring grad), the sinks."""
+    g = torch.Generator().manual_seed(case["seed"])
+    B, Lq, Lk = case["B"], case["Lq"], case["Lk"]
+    q = torch.randn(B, H, Lq, D, generator=g, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(B, HKV, Lk, D, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    ours: dict = {"is_causal": case["is_causal"]}
+    if case["valid_lens"] is not None:
+        shape = (B,) if case["valid_lens"] == "per example" else (B, Lq)
+        ours["valid_lens"] = torch.randint(0, Lk + 1, shape, generator=g)
+    if case["attn_mask"] == "bool":
+        ours["attn_mask"] = torch.rand(B, 1, Lq, Lk, generator=g) < 0.7
+    elif case["attn_mask"] == "float":  # a bias (without gradient: the backend does not differentiate one)
+        ours["attn_mask"] = torch.randn(B, H, Lq, Lk, generator=g, dtype=torch.float64)
+    math = dict(ours)
+    prefix = torch.randint(0, Lk + 1, (B,), generator=g)
+    mask_mod, math_mod = {
+        None: (None, None),
+        "window": (mods.sliding_window(5), mathref.sliding_window(5, Lq, Lk)),
+        "prefix": (mods.prefix_lm(prefix), mathref.prefix_lm(prefix, Lq, Lk)),
+        "user causal": ((lambda b, h, i, j: i >= j),) * 2,
+        "user stripes": ((lambda b, h, i, j: (j // 3) % 2 == 0),) * 2,  # partial tiles with whole columns hidden
+        "per head": ((lambda b, h, i, j: (i - j).abs() <= 2 * h + b),) * 2,
+    }[case["mask_mod"]]
+    if mask_mod is not None:
+        ours["mask_mod"], math["mask_mod"] = mask_mod, math_mod
+    leaves = [q, k, v]
+    if case["sinks"]:
+        ours["sinks"] = math["sinks"] = torch.randn(H, generator=g, dtype=torch.float64).requires_grad_()
+        leaves.append(ours["sinks"])
+    return ours, math, leaves
+
+
+@hypothesis_settings(max_examples=60, deadline=None)
+@given(case=_cases())
+def test_tiles_equal_the_math_outputs_and_gradients(case):
+    ours, math, leaves = _arguments(case)
+    q, k, v = leaves[:3]
+    out = attnkit.scaled_dot_product_attention(q, k, v, backend="tiles", **ours).output
+    want, _ = mathref.attention_mods(q, k, v, **math)
+    assert max_err(out, want) <= OUT_TOL64
+    dout = torch.randn_like(out)
+    got, expected = torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout)
+    for name, a, b in zip(["q", "k", "v", "sinks"][: len(leaves)], got, expected, strict=True):
+        assert max_err(a, b) <= GRAD_TOL64, name
+
+
+@hypothesis_settings(max_examples=30, deadline=None)
+@given(case=_cases())
+def test_nan_where_no_query_may_see_reaches_nothing(case):
+    """NaN in every key and value no query may see and in every query that sees no key: the outputs and gradients
+    of everything else are those of the call with zeros there."""
+    ours, math, leaves = _arguments(case)
+    q, k, v = (t.detach() for t in leaves[:3])
+    B, Lq, Lk = case["B"], case["Lq"], case["Lk"]
+    mask = Mask.build(
+        batch=B,
+        heads=H,
+        num_queries=Lq,
+        num_keys=Lk,
+        valid_lens=ours.get("valid_lens"),
+        attn_mask=ours.get("attn_mask"),
+        is_causal=ours["is_causal"],
+        mask_mod=ours.get("mask_mod"),
+    )
+    allowed = mathref.allowed_mask(B, H, Lq, Lk, **{n: ours[n] for n in ("valid_lens", "attn_mask") if n in ours})
+    if "mask_mod" in math:
+        allowed = allowed & mathref.mask_from_mod(math["mask_mod"], B, H, Lq, Lk)
+    if ours["is_causal"]:
+        allowed = allowed & mathref.allowed_mask(B, H, Lq, Lk, is_causal=True)
+    del mask
+    dead_rows = ~allowed.any(dim=-1)  # (B, H, Lq)
+    dead_keys = ~allowed.unflatten(1, (HKV, -1)).any(dim=(2, 3))  # (B, Hkv, Lk)
+    poison = [
+        torch.where(dead_rows[..., None], float("nan"), q),
+        torch.where(dead_keys[..., None], float("nan"), k),
+        torch.where(dead_keys[..., None], float("nan"), v),
+    ]
+    clean = [torch.where(dead_rows[..., None], 0.0, q), *(torch.where(dead_keys[..., None], 0.0, t) for t in (k, v))]
+    got = [t.requires_grad_() for t in poison]
+    want_in = [t.requires_grad_() for t in clean]
+    out = attnkit.scaled_dot_product_attention(*got, backend="tiles", **ours).output
+    want = attnkit.scaled_dot_product_attention(*want_in, backend="reference", **ours).output
+    assert torch.isfinite(out).all()
+    assert max_err(out, want) <= OUT_TOL64
+    dout = torch.randn_like(out)
+    grads, expected = torch.autograd.grad(out, got, dout), torch.autograd.grad(want, want_in, dout)
+    for name, a, b in zip("qkv", grads, expected, strict=True):
+        assert torch.isfinite(a).all(), name
+        assert max_err(a, b) <= GRAD_TOL64, name
+
+
+def test_a_user_causal_mask_plans_as_is_causal_does():
+    """Evaluated once per tile, a causal mask_mod gives the plan of is_causal: tiles below the diagonal run without a
+    mask, those above are skipped, the diagonal ones are partial."""
+    L = 40
+    by_fn = tiles.plan(Mask.build(batch=1, heads=H, num_queries=L, num_keys=L, mask_mod=lambda b, h, i, j: i >= j))
+    by_flag = tiles.plan(Mask.build(batch=1, heads=H, num_queries=L, num_keys=L, is_causal=True))
+    assert by_fn == by_flag
+    assert by_fn[2] == tiles.Rows(16, 24, (tiles.Run(0, 16, True), tiles.Run(16, 24, False)))
+
+
+def test_classify_learns_the_liveness_the_scan_would_find():
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(0, 30, (2, 33), generator=g)
+
+    def build() -> Mask:
+        return Mask.build(
+            batch=2,
+            heads=H,
+            num_queries=33,
+            num_keys=30,
+            valid_lens=lens,
+            mask_mod=lambda b, h, i, j: (i + j + h) % 5 != 0,
+        )
+
+    scanned = build().liveness
+    mask = build()
+    mask.classify(ranges(0, 33, 8), ranges(0, 30, 8))
+    learned = mask.__dict__["liveness"]
+    for a, b in zip(scanned, learned, strict=True):
+        assert (a is None and b is None) or torch.equal(a.expand_as(b), b.expand_as(a))
+
+
+def test_a_tensor_the_mask_reads_changed_before_the_backward_is_refused():
+    lens = torch.tensor([8])
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    out = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=mods.prefix_lm(lens), backend="tiles").output
+    lens[0] = 2
+    with pytest.raises(RuntimeError, match="modified in place between the forward and the backward"):
+        out.sum().backward()
+
+
+def test_auto_takes_tiles_for_a_mask_mod_and_says_why_not_where_it_cannot():
+    q = torch.randn(1, H, 64, D)
+    with dispatch.watch() as ran:
+        attnkit.scaled_dot_product_attention(q, q, q, mask_mod=mods.sliding_window(8))
+    assert ran == ["tiles"]
+    v = torch.randn(1, H, 64, D + 1)
+    with pytest.raises(ValueError, match=r"tiles: values of the queries' head size only \(D=8, Dv=9\)"):
+        attnkit.scaled_dot_product_attention(q, q, v, mask_mod=mods.sliding_window(8), backend="tiles")
+
+
+@pytest.mark.parametrize(
+    "mask_mod",
+    [
+        lambda b, h, i, j: i % 2 == 0,  # no key axis
+        lambda b, h, i, j: b == 0,
+        lambda b, h, i, j: h == 0,
+        lambda b, h, i, j: torch.tensor(True),  # a 0-dim result (PyTorch's noop_mask)
+    ],
+    ids=["queries only", "examples only", "heads only", "0-dim"],
+)
+def test_mask_mods_that_ignore_some_indices(mask_mod):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, H, 30, D, generator=g, dtype=torch.float64) for _ in range(3))
+    out = attnkit.scaled_dot_product_attention(q, k, v, mask_mod=mask_mod, backend="tiles").output
+    want, _ = mathref.attention_mods(q, k, v, mask_mod=mask_mod)
+    assert max_err(out, want) <= OUT_TOL64
