@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import attnkit
 import mathref
-from attnkit import dispatch, mods
+from attnkit import dispatch, functional, mods
 from attnkit._checks import ranges
 from attnkit.backends import tiles
 from attnkit.masks import Mask
@@ -49,6 +49,7 @@ def _cases(draw) -> dict:
         "attn_mask": draw(st.sampled_from([None, "bool", "float"])),
         "mask_mod": draw(st.sampled_from([None, "window", "prefix", "user causal", "user stripes", "per head"])),
         "sinks": draw(st.booleans()),
+        "alibi": draw(st.booleans()),
         "seed": draw(st.integers(0, 2**16)),
     }
 
@@ -79,6 +80,9 @@ def _arguments(case: dict) -> tuple[dict, dict, list[torch.Tensor]]:
     }[case["mask_mod"]]
     if mask_mod is not None:
         ours["mask_mod"], math["mask_mod"] = mask_mod, math_mod
+    if case.get("alibi"):  # steep slopes, so that the split of the bias meets large parts
+        slopes = torch.rand(H, generator=g, dtype=torch.float64) * 2
+        ours["score_mod"], math["score_mod"] = mods.alibi(slopes), mathref.alibi(slopes, Lq, Lk)
     leaves = [q, k, v]
     if case["sinks"]:
         ours["sinks"] = math["sinks"] = torch.randn(H, generator=g, dtype=torch.float64).requires_grad_()
@@ -98,6 +102,76 @@ def test_tiles_equal_the_math_outputs_and_gradients(case):
     got, expected = torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout)
     for name, a, b in zip(["q", "k", "v", "sinks"][: len(leaves)], got, expected, strict=True):
         assert max_err(a, b) <= GRAD_TOL64, name
+
+
+@hypothesis_settings(max_examples=40, deadline=None)
+@given(
+    case=st.fixed_dictionaries(
+        {
+            "B": st.integers(1, 2),
+            "Lq": st.integers(17, 40),
+            "shift": st.sampled_from([0, 0, 5, 8]),  # Lk - Lq
+            "mask": st.sampled_from(["none", "causal", "window", "user causal", "causal window"]),
+            "sinks": st.booleans(),
+            "seed": st.integers(0, 2**16),
+        }
+    )
+)
+def test_alibi_split_by_key_and_by_query_equals_the_math(case):
+    """ALiBi over tiles that run without a mask: the kernel reads the bias's part for each key, and the part for each
+    query comes back in the log-sum-exp. Rows of 17 or more make such tiles beside others (below and above the
+    diagonal), whose results merge by that log-sum-exp; steep slopes make the parts large."""
+    g = torch.Generator().manual_seed(case["seed"])
+    B, Lq = case["B"], case["Lq"]
+    Lk = Lq + case["shift"]
+    q = torch.randn(B, H, Lq, D, generator=g, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(B, HKV, Lk, D, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    slopes = torch.rand(H, generator=g, dtype=torch.float64) * 2
+    ours: dict = {"score_mod": mods.alibi(slopes), "is_causal": case["mask"] in ("causal", "causal window")}
+    math: dict = {"score_mod": mathref.alibi(slopes, Lq, Lk), "is_causal": ours["is_causal"]}
+    if "window" in case["mask"]:
+        ours["mask_mod"], math["mask_mod"] = mods.sliding_window(12), mathref.sliding_window(12, Lq, Lk)
+    elif case["mask"] == "user causal":
+        ours["mask_mod"] = math["mask_mod"] = lambda b, h, i, j: i + (Lk - Lq) >= j
+    leaves = [q, k, v]
+    if case["sinks"]:
+        ours["sinks"] = math["sinks"] = torch.randn(H, generator=g, dtype=torch.float64).requires_grad_()
+        leaves.append(ours["sinks"])
+    out = attnkit.scaled_dot_product_attention(q, k, v, backend="tiles", **ours).output
+    want, _ = mathref.attention_mods(q, k, v, **math)
+    assert max_err(out, want) <= OUT_TOL64
+    dout = torch.randn_like(out)
+    got, expected = torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout)
+    for name, a, b in zip(["q", "k", "v", "sinks"][: len(leaves)], got, expected, strict=True):
+        assert max_err(a, b) <= GRAD_TOL64, name
+    # the log-sum-exp the statistics read: the part for each query is back in it
+    masks = functional.Masks(is_causal=ours["is_causal"], mask_mod=ours.get("mask_mod"), score_mod=ours["score_mod"])
+    with torch.no_grad():
+        got_lse = functional.attend(q, k, v, masks, sinks=ours.get("sinks"), backend="tiles", need_lse=True).lse
+        scores = mathref.scores_from_mod(math["score_mod"], q @ k.repeat_interleave(H // HKV, 1).mT / D**0.5)
+        allowed = mathref.allowed_mask(B, H, Lq, Lk, is_causal=ours["is_causal"])  # (B|1, H|1, Lq, Lk)
+        if "mask_mod" in math:
+            allowed = allowed & mathref.mask_from_mod(math["mask_mod"], B, H, Lq, Lk)
+        terms = scores.masked_fill(~allowed, float("-inf"))  # (B, H, Lq, Lk)
+        if "sinks" in ours:
+            terms = torch.cat([terms, ours["sinks"].view(1, H, 1, 1).expand(B, H, Lq, 1)], dim=-1)
+        want_lse = torch.logsumexp(terms, dim=-1)  # (B, H, Lq); every row sees its own key
+    assert got_lse is not None and max_err(got_lse, want_lse) <= OUT_TOL64
+
+
+def test_alibi_slopes_that_require_grad_are_refused_and_auto_goes_elsewhere():
+    q, k, v = (torch.randn(1, H, 20, D, requires_grad=True) for _ in range(3))
+    slopes = mods.alibi_slopes(H).requires_grad_()
+    with pytest.raises(ValueError, match="does not differentiate the tensors a score_mod reads"):
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=mods.alibi(slopes), is_causal=True, backend="tiles")
+    with dispatch.watch() as chosen:
+        out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=mods.alibi(slopes), is_causal=True).output
+    assert chosen != ["tiles"]
+    out.sum().backward()
+    assert slopes.grad is not None and torch.isfinite(slopes.grad).all()
+    with dispatch.watch() as chosen:
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=mods.alibi(slopes.detach()), is_causal=True)
+    assert chosen == ["tiles"]
 
 
 @hypothesis_settings(max_examples=30, deadline=None)
@@ -147,12 +221,54 @@ def test_nan_where_no_query_may_see_reaches_nothing(case):
 
 def test_a_user_causal_mask_plans_as_is_causal_does():
     """Evaluated once per tile, a causal mask_mod gives the plan of is_causal: tiles below the diagonal run without a
-    mask, those above are skipped, the diagonal ones are partial."""
+    mask, those above are skipped, the diagonal ones are causal; and the whole call runs as one causal call (a score
+    bias keeps the tiles)."""
     L = 40
-    by_fn = tiles.plan(Mask.build(batch=1, heads=H, num_queries=L, num_keys=L, mask_mod=lambda b, h, i, j: i >= j))
-    by_flag = tiles.plan(Mask.build(batch=1, heads=H, num_queries=L, num_keys=L, is_causal=True))
+    user = Mask.build(batch=1, heads=H, num_queries=L, num_keys=L, mask_mod=lambda b, h, i, j: i >= j)
+    by_fn, by_flag = (
+        tiles.plan(user),
+        tiles.plan(Mask.build(batch=1, heads=H, num_queries=L, num_keys=L, is_causal=True)),
+    )
     assert by_fn == by_flag
-    assert by_fn[2] == tiles.Rows(16, 24, (tiles.Run(0, 16, True), tiles.Run(16, 24, False)))
+    assert by_fn[2] == tiles.Rows(16, 24, (tiles.Run(0, 16, tiles.FULL), tiles.Run(16, 24, tiles.CAUSAL)))
+    assert tiles.schedule(user, biased=False) == [tiles.Rows(0, L, (tiles.Run(0, L, tiles.CAUSAL),))]
+    assert tiles.schedule(user, biased=True) == by_fn
+
+
+@pytest.mark.parametrize(
+    ("kw", "kinds"),
+    [
+        # a window narrower than a tile: the diagonal tile hides more than its upper half (one run with the one before)
+        ({"mask_mod": mods.sliding_window(5)}, [tiles.MASKED]),
+        # a window of two tiles: the tile before the diagonal is partial, the diagonal one causal
+        ({"mask_mod": mods.sliding_window(16), "is_causal": True}, [tiles.MASKED, tiles.FULL, tiles.CAUSAL]),
+        # causal, then a padded key in the diagonal tile: no longer exactly causal there
+        (
+            {"is_causal": True, "valid_lens": torch.tensor([[20] * 16 + [22] * 8 + [40] * 16])},
+            [tiles.FULL, tiles.MASKED],
+        ),
+    ],
+)
+def test_only_exactly_causal_diagonal_tiles_are_causal(kw, kinds):
+    L = 40
+    mask = Mask.build(batch=1, heads=H, num_queries=L, num_keys=L, **kw)
+    rows = tiles.plan(mask)
+    assert [run.kind for run in rows[2].runs] == kinds
+    assert tiles.schedule(mask, biased=False) == rows  # not causal throughout: the tiles stay
+
+
+def test_causal_tiles_need_the_diagonal_of_the_call():
+    """Lq != Lk: the kernel's is_causal hides the upper half of a square call, so a tile is causal only where it
+    sits on the call's diagonal (bottom-right aligned); the tiles of a shift that is not a multiple of the tile
+    size never are, and the call never runs as one."""
+    aligned = Mask.build(batch=1, heads=H, num_queries=16, num_keys=32, is_causal=True)
+    assert [r.runs for r in tiles.plan(aligned)] == [
+        (tiles.Run(0, 16, tiles.FULL), tiles.Run(16, 24, tiles.CAUSAL)),
+        (tiles.Run(0, 24, tiles.FULL), tiles.Run(24, 32, tiles.CAUSAL)),
+    ]
+    assert tiles.schedule(aligned, biased=False) == tiles.plan(aligned)
+    shifted = Mask.build(batch=1, heads=H, num_queries=16, num_keys=35, is_causal=True)
+    assert tiles.CAUSAL not in {run.kind for r in tiles.plan(shifted) for run in r.runs}
 
 
 def test_classify_learns_the_liveness_the_scan_would_find():

@@ -5,8 +5,8 @@ Policy for ``backend="auto"``, first backend that can run the call wins:
 * weights wanted: ``reference`` (the only backend that returns them);
 * on CUDA, a call with a ``mask_mod`` or ``score_mod``: ``flex`` (PyTorch's compiled FlexAttention) first,
   then as below;
-* a ``mask_mod`` or ``sinks``: ``tiles`` (PyTorch's fused CPU kernel on the tiles the mask shows, skipping the
-  hidden ones), then as below;
+* a ``mask_mod``, ``sinks`` or a ``score_mod`` that is a bias (ALiBi): ``tiles`` (PyTorch's fused CPU kernel on
+  the tiles the mask shows, skipping the hidden ones; the bias as the kernel's float mask), then as below;
 * a ``mask_mod`` that hides most of the scores (a sliding window: ``chunked`` visits at most ``SPARSE_BELOW`` of
   them), a ``score_mod`` other than a bias, or ``sinks``: ``chunked``, which skips what is hidden and takes them
   all, then ``sdpa`` (a mask_mod as one dense mask, when small), then ``reference``;
@@ -130,7 +130,8 @@ def _preferences(call: Call) -> tuple[str, ...]:
         flex: tuple[str, ...] = ()
         if call.q.device.type == "cuda" and (call.mask.mask_mod is not None or call.score_mod is not None):
             flex = ("flex",)
-        fused = ("tiles",) if call.mask.mask_mod is not None or call.sinks is not None else ()
+        bias_mod = call.score_mod is not None and call.score_bias
+        fused = ("tiles",) if call.mask.mask_mod is not None or call.sinks is not None or bias_mod else ()
         if call.sinks is not None or not call.score_bias or _sparse(call):
             return (*flex, *fused, "chunked", "sdpa", "reference")
         if decode.is_positions_last(call.k, call.v) or (_few_queries(call) and not call.mask.is_empty):

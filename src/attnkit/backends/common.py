@@ -37,14 +37,18 @@ def dense_mask(call: Call, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | 
         assert isinstance(call.score_mod, mods.ScoreMod)  # the backends that call this support only a bias
         B, H = call.q.shape[:2]
         rows, cols = (0, call.mask.num_queries), (0, call.mask.num_keys)
-        score_bias = call.score_mod.bias(*mods.indices(B, H, rows, cols, call.q.device))  # (B|1, H|1, Lq, Lk)
-        if score_bias is None:  # a ScoreMod subclass that overrides bias() and returns None
-            raise TypeError(
-                f"{type(call.score_mod).__name__}.bias() returned None: return the bias, or do not override it"
-            )
-        score_bias = score_bias.to(dtype)
+        score_bias = bias_of(call.score_mod, mods.indices(B, H, rows, cols, call.q.device), dtype)
         bias = score_bias if bias is None else bias + score_bias  # (B|1, H|1, Lq, Lk)
     return allowed, bias
+
+
+def bias_of(score_mod: mods.ScoreMod, idx: tuple, dtype: torch.dtype) -> Tensor:
+    """A score_mod that is a bias, over the block of the index tensors ``idx`` (:func:`attnkit.mods.indices`), in
+    ``dtype``: broadcastable to ``(B, H, n, m)``."""
+    found = score_mod.bias(*idx)
+    if found is None:  # a ScoreMod subclass that overrides bias() and returns None
+        raise TypeError(f"{type(score_mod).__name__}.bias() returned None: return the bias, or do not override it")
+    return found.to(dtype)
 
 
 def zero_dead(

@@ -98,6 +98,13 @@ class Call:
         return bias is not None and bias.requires_grad and torch.is_grad_enabled()
 
     @property
+    def differentiates_score_mod(self) -> bool:
+        """A built-in score_mod reads a tensor that requires grad (ALiBi's slopes), while autograd records."""
+        if not isinstance(self.score_mod, mods.ScoreMod) or not torch.is_grad_enabled():
+            return False
+        return any(t.requires_grad for t in self.score_mod.tensors())
+
+    @property
     def needs_grad(self) -> bool:
         """Autograd records and something the output depends on requires grad: the inputs, the float mask, the
         sinks, or a tensor a score_mod reads."""
@@ -157,7 +164,8 @@ class Supports:
     per key/value head (``None``: any number); ``huge_scores``: a hidden score that overflows is hidden all the
     same (False: the mask is added as ``-inf``, where an overflowing hidden score would give NaN);
     ``opaque_modifiers``: modifiers whose tensors cannot be found, under autograd (False: its backward reads them
-    again and must check they did not change); ``value_dim``: values of another head size than the queries'."""
+    again and must check they did not change); ``value_dim``: values of another head size than the queries';
+    ``score_mod_grad``: gradients to the tensors a built-in score_mod reads (ALiBi's slopes)."""
 
     scoring: frozenset[str] = frozenset({DOT, ADDITIVE})
     weights: bool = True
@@ -174,6 +182,7 @@ class Supports:
     huge_scores: bool = True
     opaque_modifiers: bool = True
     value_dim: bool = True
+    score_mod_grad: bool = True
 
     def why_not(self, call: Call) -> list[str]:
         """Each reason this declaration refuses ``call``; ``[]`` when it can run it."""
@@ -222,6 +231,8 @@ class Supports:
                         f"adds a score_mod as one dense bias, here of {elements} elements, over its limit of "
                         f"{self.dense_mask_limit}"
                     )
+        if not self.score_mod_grad and call.differentiates_score_mod:
+            reasons.append("does not differentiate the tensors a score_mod reads (here one requires grad)")
         if call.sinks is not None and not self.sinks:
             reasons.append("no sinks")
         if not self.opaque_modifiers and call.needs_grad and not call.modifiers_inspectable:
@@ -260,6 +271,8 @@ class Supports:
             can.append("under autograd, modifiers it can look into")
         if not self.value_dim:
             can.append("values of the queries' head size")
+        if self.score_mod != "none" and not self.score_mod_grad:
+            can.append("no gradients to a score_mod's tensors")
         return ", ".join(can)
 
 

@@ -3,17 +3,26 @@
 A plan (:func:`plan`) classifies each tile of ``BLOCK`` queries x ``BLOCK`` keys as hidden, visible in full or
 partly visible: from index ranges for the built-in masks (:meth:`attnkit.masks.Mask.tiles`: ``valid_lens``,
 ``is_causal``, sliding windows, prefixes), and for what only looking can tell (a user's ``mask_mod``, a boolean
-``attn_mask``) by evaluating the mask once per tile, as FlexAttention's block mask does. Each block of queries then
-runs the kernel (``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``, which also returns each row's
-log-sum-exp) once per run of neighbouring tiles of one kind: visible runs without a mask, partly visible ones with
-that run's mask as a float ``-inf`` bias, evaluated again there. Hidden tiles are never touched. The runs' results
-are merged by their log-sum-exps in the compute dtype (float32, float64 for float64), the sinks as one more term.
+``attn_mask``) by evaluating the mask once per tile, as FlexAttention's block mask does. A partly visible tile on the
+diagonal whose mask is exactly causal is marked so, and a mask that is causal self-attention throughout, whatever its
+parts, runs as one causal call (:func:`schedule`). Each block of queries then runs the kernel
+(``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``, which also returns each row's log-sum-exp) once per
+run of neighbouring tiles of one kind: visible runs without a mask, causal tiles with the kernel's ``is_causal``,
+partly visible runs with that run's mask as a float ``-inf`` bias, evaluated again there. Hidden tiles are never
+touched. The runs' results are merged by their log-sum-exps in the compute dtype (float32, float64 for float64), the
+sinks as one more term.
+
+A score_mod that is a bias (ALiBi) is added as the kernel's float mask. Where it splits into a part for each key and
+a part for each query (:meth:`attnkit.mods.ScoreMod.split_bias`: ALiBi off the diagonal), the kernel reads one row of
+it broadcast over the queries, and the part for each query, which changes no weight, is taken out of the run's
+log-sum-exp; elsewhere the bias is built over the tile.
 
 The backward pass runs the kernel's backward op on the same runs: given the whole row's output and log-sum-exp, it
 returns exact partial gradients for a subset of keys (checked against float64 in tests/test_tiles.py).
 
-Cannot: additive scoring, weights, dropout, score_mods, gradients to a float ``attn_mask``, values of another head
-size than the queries', scores a hidden pair could overflow with (the mask is added as ``-inf``): :data:`SUPPORTS`.
+Cannot: additive scoring, weights, dropout, score_mods other than a bias or gradients to what they read, gradients to
+a float ``attn_mask``, values of another head size than the queries', scores a hidden pair could overflow with (the
+mask is added as ``-inf``): :data:`SUPPORTS`.
 """
 
 from __future__ import annotations
@@ -23,10 +32,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from attnkit import mods
 from attnkit._checks import ranges
-from attnkit.backends.common import Watched, zero_dead
+from attnkit.backends.common import Watched, bias_of, zero_dead
 from attnkit.backends.contract import DOT, Call, Supports
 from attnkit.masks import Mask
+from attnkit.mods import ScoreMod
 
 NAME = "tiles"
 
@@ -41,7 +52,8 @@ SUPPORTS = Supports(
     weights=False,
     dropout=False,
     bias_grad=False,
-    score_mod="none",
+    score_mod="bias",
+    score_mod_grad=False,
     devices=frozenset({"cpu"}),
     dtypes=frozenset({torch.float32, torch.float64}),
     huge_scores=False,
@@ -53,12 +65,17 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+# What a run of keys is to a block of queries: every pair visible; a square tile on the diagonal whose mask is
+# exactly causal (the kernel's own ``is_causal``, which skips the hidden half); some pairs visible (a float mask).
+FULL, CAUSAL, MASKED = "full", "causal", "masked"
+
+
 class Run(NamedTuple):
-    """Keys ``[j0, j1)`` seen by a block of queries: every pair visible (``full``), or some (a mask to build)."""
+    """Keys ``[j0, j1)`` seen by a block of queries, and how (``FULL``, ``CAUSAL`` or ``MASKED``)."""
 
     j0: int
     j1: int
-    full: bool
+    kind: str
 
 
 class Rows(NamedTuple):
@@ -77,6 +94,17 @@ def plan(mask: Mask) -> list[Rows]:
     return mask.plans[key]  # type: ignore[return-value]
 
 
+def schedule(mask: Mask, *, biased: bool) -> list[Rows]:
+    """The plan to run: a mask that is causal self-attention and nothing else, whatever its parts (a user's
+    ``q_idx >= kv_idx``, or that and ``is_causal``), is one causal call of the kernel over every query, as SDPA's
+    ``is_causal`` (a plan of many blocks merges their results: 1.15-1.2x that call). Not with a score bias
+    (``biased``), which the kernel would then add over all ``Lq x Lk`` pairs at once."""
+    rows = plan(mask)
+    if biased or not _causal_throughout(rows, mask):
+        return rows
+    return [Rows(0, mask.num_queries, (Run(0, mask.num_keys, CAUSAL),))]
+
+
 def _plan(mask: Mask) -> list[Rows]:
     rows, cols = ranges(0, mask.num_queries, BLOCK), ranges(0, mask.num_keys, BLOCK)  # (nq, 2), (nk, 2)
     if not len(rows) or not len(cols):
@@ -89,19 +117,44 @@ def _plan(mask: Mask) -> list[Rows]:
         for c, (j0, j1) in enumerate(cols.tolist()):
             if not some[r][c]:
                 continue
-            full = every[r][c]
-            if runs and runs[-1].j1 == j0 and runs[-1].full == full:
-                runs[-1] = Run(runs[-1].j0, j1, full)
+            kind = FULL if every[r][c] else CAUSAL if _causal_tile(mask, r0, r1, j0, j1) else MASKED
+            if runs and runs[-1].j1 == j0 and runs[-1].kind == kind != CAUSAL:
+                runs[-1] = Run(runs[-1].j0, j1, kind)
             else:
-                runs.append(Run(j0, j1, full))
+                runs.append(Run(j0, j1, kind))
         plans.append(Rows(r0, r1, tuple(runs)))
     return plans
+
+
+def _causal_tile(mask: Mask, r0: int, r1: int, j0: int, j1: int) -> bool:
+    """Whether the tile is square, on the diagonal of the call (query ``p`` beside key ``p + Lk - Lq``), and its
+    mask exactly causal there: what the kernel's ``is_causal`` hides in a square call. Looked at once a plan."""
+    if j0 - r0 != mask.num_keys - mask.num_queries or j1 - j0 != r1 - r0 or mask.bias is not None:
+        return False
+    allowed = mask.allowed_tile(r0, r1, j0, j1)  # (B|1, H|1, n|1, m) or None
+    if allowed is None:
+        return False
+    n = r1 - r0
+    lower = torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril()  # (n, n)
+    return bool((allowed == lower).all())
+
+
+def _causal_throughout(rows: list[Rows], mask: Mask) -> bool:
+    """Every block of queries sees the keys before its tile on the diagonal in full, that tile as causal, nothing
+    after it: the whole mask is causal self-attention."""
+    if mask.num_queries != mask.num_keys:
+        return False
+    for r in rows:
+        runs = ((Run(0, r.r0, FULL),) if r.r0 else ()) + (Run(r.r0, r.r1, CAUSAL),)
+        if r.runs != runs:
+            return False
+    return True
 
 
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v = _inputs(call)
     watched = Watched.of(call) if call.needs_grad else None  # what the backward pass reads again
-    out = _Tiles.apply(q, k, v, call.sinks, call.mask, call.scale, watched)  # (B, H, Lq, D)
+    out = _Tiles.apply(q, k, v, call.sinks, call.mask, call.scale, _bias_mod(call), watched)  # (B, H, Lq, D)
     return out, None
 
 
@@ -110,7 +163,13 @@ def attention_with_lse(call: Call) -> tuple[Tensor, Tensor] | None:
     if call.needs_grad:
         return None
     q, k, v = _inputs(call)
-    return _forward(q, k, v, call.sinks, call.mask, call.scale)
+    return _forward(q, k, v, call.sinks, call.mask, call.scale, _bias_mod(call))
+
+
+def _bias_mod(call: Call) -> ScoreMod | None:
+    """The call's score_mod, a bias (SUPPORTS refuses the others), or ``None``."""
+    assert call.score_mod is None or isinstance(call.score_mod, ScoreMod)
+    return call.score_mod
 
 
 def _inputs(call: Call) -> tuple[Tensor, Tensor, Tensor]:
@@ -121,12 +180,45 @@ def _inputs(call: Call) -> tuple[Tensor, Tensor, Tensor]:
     return q, k, v
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, mask: Mask, scale: float) -> tuple[Tensor, Tensor]:
+class _Args(NamedTuple):
+    """What the kernel takes for one run, and what to make of its log-sum-exp."""
+
+    attn_mask: Tensor | None  # (B|1, H|1, n, m) float, -inf where hidden; None: none
+    causal: bool  # the kernel's is_causal
+    seen: Tensor | None  # (B|1, H|1, n): the rows that see some of the run's keys; None: every row
+    shift: Tensor | None  # (1, H, n): a part of the score bias the same over a row, left out of the mask (the
+    # kernel's log-sum-exp lacks it; the output does not depend on it); None: none
+
+
+def _run_args(mask: Mask, score_mod: ScoreMod | None, batch: int, rows: Rows, run: Run, dtype: torch.dtype) -> _Args:
+    r0, r1 = rows.r0, rows.r1
+    plain = run.kind == FULL and mask.bias is None
+    if score_mod is None:
+        if plain:
+            return _Args(None, False, None, None)
+        if run.kind == CAUSAL:
+            return _Args(None, True, None, None)
+        bias, seen = _run_mask(mask, r0, r1, run, dtype)  # (B|1, H|1, n, m), (B|1, H|1, n) or None
+        return _Args(bias, False, seen, None)
+    heads, n, m = mask.heads, r1 - r0, run.j1 - run.j0
+    if plain:
+        split = score_mod.split_bias(heads, (r0, r1), (run.j0, run.j1), mask.device)  # (H, m), (H, n) or None
+        if split is not None:
+            by_key = split[0].to(dtype)[None, :, None, :].expand(1, heads, n, m)  # (1, H, n, m), one row read
+            return _Args(by_key, False, None, split[1].to(dtype)[None])
+    bias, seen = _run_mask(mask, r0, r1, run, dtype)  # (B|1, H|1, n, m), (B|1, H|1, n) or None
+    idx = mods.indices(batch, heads, (r0, r1), (run.j0, run.j1), mask.device)
+    return _Args(bias + bias_of(score_mod, idx, dtype), False, seen, None)  # (B|1, H, n, m)
+
+
+def _forward(
+    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, mask: Mask, scale: float, score_mod: ScoreMod | None
+) -> tuple[Tensor, Tensor]:
     B, H, Lq, D = q.shape
     out = q.new_zeros((B, H, Lq, v.shape[-1]))  # (B, H, Lq, D)
     lse = q.new_zeros((B, H, Lq))  # (B, H, Lq): 0 in rows that see no key (and no sink)
     sink = None if sinks is None else mask.sink_logits(sinks.to(q.dtype))[..., 0]  # (B|1, H, Lq|1)
-    for rows in plan(mask):
+    for rows in schedule(mask, biased=score_mod is not None):
         r0, r1 = rows.r0, rows.r1
         row_sink = None if sink is None else sink[..., r0:r1] if sink.shape[-1] != 1 else sink  # (B|1, H, n|1)
         if not rows.runs:
@@ -134,32 +226,30 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, mask: Mask, 
                 lse[:, :, r0:r1] = row_sink  # the sink alone: weights 0, output 0
             continue
         qb = q[:, :, r0:r1]  # (B, H, n, D)
-        parts = [_run_forward(qb, k, v, mask, scale, r0, r1, run) for run in rows.runs]
+        parts = [
+            _run_forward(qb, k, v, scale, _run_args(mask, score_mod, B, rows, run, q.dtype), run) for run in rows.runs
+        ]
         o, l = _merge(parts, row_sink)  # noqa: E741  (B, H, n, D), (B, H, n)
         out[:, :, r0:r1], lse[:, :, r0:r1] = o, l
     return out, lse
 
 
-def _run_forward(
-    qb: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float, r0: int, r1: int, run: Run
-) -> tuple[Tensor, Tensor]:
+def _run_forward(qb: Tensor, k: Tensor, v: Tensor, scale: float, args: _Args, run: Run) -> tuple[Tensor, Tensor]:
     """The kernel on one run: its output ``(B, H, n, D)`` and log-sum-exp ``(B, H, n)``, ``-inf`` in rows that see
     none of its keys (where the kernel gives 0)."""
     km, vm = k[:, :, run.j0 : run.j1], v[:, :, run.j0 : run.j1]  # (B, Hkv, m, D) each
-    if run.full and mask.bias is None:
-        o, l = _flash(qb, km, vm, 0.0, False, scale=scale)[:2]  # noqa: E741
-        return o, l
-    bias, seen = _run_mask(mask, r0, r1, run, qb.dtype)  # (B|1, H|1, n, m), (B|1, H|1, n) or None
-    o, l = _flash(qb, km, vm, 0.0, False, attn_mask=bias, scale=scale)[:2]  # noqa: E741
-    if seen is not None:
-        l = torch.where(seen, l, float("-inf"))  # noqa: E741  (B, H, n)
+    o, l = _flash(qb, km, vm, 0.0, args.causal, attn_mask=args.attn_mask, scale=scale)[:2]  # noqa: E741
+    if args.shift is not None:
+        l = l + args.shift  # noqa: E741  (B, H, n): the kernel saw each score less the shift
+    if args.seen is not None:
+        l = torch.where(args.seen, l, float("-inf"))  # noqa: E741  (B, H, n)
     return o, l
 
 
 def _run_mask(mask: Mask, r0: int, r1: int, run: Run, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
     """A run's mask as the float bias the kernel adds (``-inf`` where hidden), ``(B|1, H|1, n, m)``, and which rows
     see some of its keys (``None``: all of them)."""
-    allowed, bias = mask.tile(r0, r1, run.j0, run.j1, dtype, every=run.full)  # (B|1, H|1, n|1, m) each, or None
+    allowed, bias = mask.tile(r0, r1, run.j0, run.j1, dtype, every=run.kind == FULL)  # (B|1, H|1, n|1, m) or None
     n, m = r1 - r0, run.j1 - run.j0
     bias = torch.zeros((), dtype=dtype, device=mask.device) if bias is None else bias
     filled = bias if allowed is None else torch.where(allowed, bias, float("-inf"))  # (B|1, H|1, n|1, m)
@@ -198,11 +288,19 @@ def _merge(parts: list[tuple[Tensor, Tensor]], sink: Tensor | None) -> tuple[Ten
 class _Tiles(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, mask: Mask, scale: float, watched: Watched | None
+        ctx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        sinks: Tensor | None,
+        mask: Mask,
+        scale: float,
+        score_mod: ScoreMod | None,
+        watched: Watched | None,
     ) -> Tensor:
-        out, lse = _forward(q, k, v, sinks, mask, scale)
+        out, lse = _forward(q, k, v, sinks, mask, scale, score_mod)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
-        ctx.mask, ctx.scale, ctx.watched = mask, scale, watched
+        ctx.mask, ctx.scale, ctx.score_mod, ctx.watched = mask, scale, score_mod, watched
         return out
 
     @staticmethod
@@ -214,15 +312,16 @@ class _Tiles(torch.autograd.Function):
         mask: Mask = ctx.mask
         dout = dout.to(out.dtype).contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for rows in plan(mask):
+        for rows in schedule(mask, biased=ctx.score_mod is not None):
             r0, r1 = rows.r0, rows.r1
             qb, ob, lb, db = q[:, :, r0:r1], out[:, :, r0:r1], lse[:, :, r0:r1], dout[:, :, r0:r1]
             for run in rows.runs:
                 km, vm = k[:, :, run.j0 : run.j1], v[:, :, run.j0 : run.j1]  # (B, Hkv, m, D)
-                bias = None
-                if not (run.full and mask.bias is None):
-                    bias, _ = _run_mask(mask, r0, r1, run, q.dtype)  # (B|1, H|1, n, m)
-                g = _flash_backward(db, qb, km, vm, ob, lb, 0.0, False, attn_mask=bias, scale=ctx.scale)
+                args = _run_args(mask, ctx.score_mod, q.shape[0], rows, run, q.dtype)
+                run_lse = lb if args.shift is None else lb - args.shift  # (B, H, n): as the kernel sees the run
+                g = _flash_backward(
+                    db, qb, km, vm, ob, run_lse, 0.0, args.causal, attn_mask=args.attn_mask, scale=ctx.scale
+                )
                 dq[:, :, r0:r1] += g[0]  # (B, H, n, D)
                 dk[:, :, run.j0 : run.j1] += g[1]  # (B, Hkv, m, D)
                 dv[:, :, run.j0 : run.j1] += g[2]  # (B, Hkv, m, D)
@@ -232,4 +331,4 @@ class _Tiles(torch.autograd.Function):
             sink = mask.sink_logits(sinks.to(q.dtype))[..., 0]  # (B|1, H, Lq|1)
             delta = (dout * out).sum(dim=-1)  # (B, H, Lq)
             dsinks = -(torch.exp(sink - lse) * delta).sum(dim=(0, 2)).to(sinks.dtype)  # (H,)
-        return dq, dk, dv, dsinks, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None

@@ -98,6 +98,15 @@ class ScoreMod:
         float mask); ``None`` when it is not."""
         return None
 
+    def split_bias(
+        self, heads: int, rows: tuple[int, int], cols: tuple[int, int], device: torch.device | None
+    ) -> tuple[Tensor, Tensor] | None:
+        """The bias over queries ``[r0, r1)`` and keys ``[j0, j1)`` as a part for each key and a part for each
+        query, ``(H, m)`` and ``(H, n)``, whose sums are the bias (one head per query head); ``None`` when it is not
+        so there. The part for each query changes no weight, so a kernel that takes a float mask need read one row
+        of it, not a whole tile."""
+        return None
+
     def tensors(self) -> tuple[Tensor, ...]:
         return ()
 

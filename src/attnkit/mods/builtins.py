@@ -248,6 +248,26 @@ class alibi(ScoreMod):  # noqa: N801
     def bias(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return -self.slopes[h] * (q_idx + self.offset - kv_idx).abs()
 
+    def split_bias(
+        self, heads: int, rows: tuple[int, int], cols: tuple[int, int], device: torch.device | None
+    ) -> tuple[Tensor, Tensor] | None:
+        """On one side of the diagonal, ``-s |p - j| = sign s (j - c) + sign s (c - p)`` (``sign`` 1 below the
+        diagonal, -1 above) for any centre ``c``: here the middle query, so that the parts stay near the bias on
+        the keys that weigh most."""
+        (r0, r1), (j0, j1) = rows, cols
+        nearest, farthest = r0 + self.offset - (j1 - 1), r1 - 1 + self.offset - j0  # the least and most p - j
+        if nearest >= 0:
+            sign = 1.0
+        elif farthest <= 0:
+            sign = -1.0
+        else:
+            return None
+        centre = (r0 + r1 - 1) // 2 + self.offset
+        slopes = sign * self.slopes.to(device, torch.float64)[:, None]  # (H, 1); exact products, rounded once
+        by_key = slopes * (torch.arange(j0, j1, device=device) - centre)  # (H, m)
+        by_row = slopes * (centre - self.offset - torch.arange(r0, r1, device=device))  # (H, n)
+        return by_key, by_row
+
     def bind(self, *, batch: int, heads: int, num_queries: int, num_keys: int, device: torch.device | None) -> ScoreMod:
         if self.slopes.shape != (heads,):
             raise ValueError(f"alibi: slopes must have shape (H,) = ({heads},), got {tuple(self.slopes.shape)}")
