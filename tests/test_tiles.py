@@ -328,3 +328,31 @@ def test_mask_mods_that_ignore_some_indices(mask_mod):
     out = attnkit.scaled_dot_product_attention(q, k, v, mask_mod=mask_mod, backend="tiles").output
     want, _ = mathref.attention_mods(q, k, v, mask_mod=mask_mod)
     assert max_err(out, want) <= OUT_TOL64
+
+
+def test_plans_of_masks_of_the_indices_alone_are_kept_for_the_next_calls():
+    """A built-in window (and is_causal) is the same function of the indices at every layer and step: its plan, its
+    liveness and its masked runs' masks are found once. Masks that read tensors, or a user's function, whose
+    contents may change between calls, are planned again each call."""
+    L = 40
+
+    def build(**kw) -> Mask:
+        return Mask.build(batch=1, heads=H, num_queries=L, num_keys=L, **kw)
+
+    first, second = build(mask_mod=mods.sliding_window(12)), build(mask_mod=mods.sliding_window(12))
+    assert tiles.plan(first) is tiles.plan(second)
+    assert second.__dict__["liveness"] is first.__dict__["liveness"]
+    assert tiles.plan(build(mask_mod=mods.sliding_window(13))) is not tiles.plan(first)
+    assert tiles.plan(build(mask_mod=mods.sliding_window(12), is_causal=True)) is not tiles.plan(first)
+    user = lambda b, h, i, j: i >= j  # noqa: E731
+    assert tiles.plan(build(mask_mod=user)) is not tiles.plan(build(mask_mod=user))
+    lens = torch.tensor([30])
+    assert tiles.plan(build(valid_lens=lens)) is not tiles.plan(build(valid_lens=lens))
+
+    q, k, v = (torch.randn(1, H, L, D, dtype=torch.float64) for _ in range(3))
+    once = attnkit.scaled_dot_product_attention(q, k, v, mask_mod=mods.sliding_window(12), backend="tiles").output
+    kept = second.plans[("tiles kept", tiles.BLOCK)]
+    assert kept.masks  # the masked runs' masks, found by the call above
+    again = attnkit.scaled_dot_product_attention(q, k, v, mask_mod=mods.sliding_window(12), backend="tiles").output
+    want, _ = mathref.attention_mods(q, k, v, mask_mod=mathref.sliding_window(12, L, L))
+    assert max_err(once, want) <= OUT_TOL64 and torch.equal(once, again)

@@ -27,6 +27,9 @@ mask is added as ``-inf``): :data:`SUPPORTS`.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import threading
 from typing import NamedTuple
 
 import torch
@@ -46,6 +49,11 @@ NAME = "tiles"
 # Queries and keys of one tile. 256 x 256: the kernel's own blocks (its q/kv split sizes) fit in a tile many times,
 # and a causal or windowed mask leaves few partly visible tiles (docs/benchmarks.md, "Flexible attention").
 BLOCK = 256
+
+# Plans kept for masks that are functions of the indices alone (Mask.index_key), the last used ones, and the
+# booleans of their masked runs' masks each keeps (16 MiB): a model's layers and steps plan and look once.
+KEPT_PLANS = 8
+KEPT_MASK_ELEMENTS = 2**24
 
 SUPPORTS = Supports(
     scoring=frozenset({DOT}),
@@ -86,12 +94,46 @@ class Rows(NamedTuple):
     runs: tuple[Run, ...]
 
 
+@dataclasses.dataclass
+class _Kept:
+    """A plan kept for the masks of one :attr:`~attnkit.masks.Mask.index_key`: its blocks, the liveness, and the
+    masked runs' masks as found (``(r0, j0, j1)`` -> allowed ``(B|1, H|1, n|1, m)``), within a budget."""
+
+    rows: list[Rows]
+    liveness: tuple[Tensor | None, Tensor | None]
+    masks: dict[tuple[int, int, int], Tensor] = dataclasses.field(default_factory=dict)
+    elements: int = 0
+
+
+_KEPT: collections.OrderedDict[tuple[object, ...], _Kept] = collections.OrderedDict()  # the last used last
+_KEPT_LOCK = threading.Lock()
+
+
 def plan(mask: Mask) -> list[Rows]:
-    """The blocks of queries and the runs of keys each sees (kept on the mask: the backward pass reuses it)."""
+    """The blocks of queries and the runs of keys each sees: kept on the mask (the backward pass reuses it), and for
+    a mask that is a function of the indices alone, for the calls after (every layer, every step)."""
     key = ("tiles", BLOCK)
-    if key not in mask.plans:
+    if key in mask.plans:
+        return mask.plans[key]  # type: ignore[return-value]
+    index_key = mask.index_key
+    if index_key is None:
         mask.plans[key] = _plan(mask)
-    return mask.plans[key]  # type: ignore[return-value]
+        return mask.plans[key]  # type: ignore[return-value]
+    kept_key = (index_key, BLOCK)
+    with _KEPT_LOCK:
+        kept = _KEPT.get(kept_key)
+        if kept is not None:
+            _KEPT.move_to_end(kept_key)
+    if kept is None:
+        rows = _plan(mask)
+        kept = _Kept(rows, mask.liveness)
+        with _KEPT_LOCK:
+            _KEPT[kept_key] = kept
+            while len(_KEPT) > KEPT_PLANS:
+                _KEPT.popitem(last=False)
+    mask.__dict__.setdefault("liveness", kept.liveness)  # (functools.cached_property keeps its value there)
+    mask.plans[key], mask.plans[("tiles kept", BLOCK)] = kept.rows, kept
+    return kept.rows
 
 
 def schedule(mask: Mask, *, biased: bool) -> list[Rows]:
@@ -249,7 +291,15 @@ def _run_forward(qb: Tensor, k: Tensor, v: Tensor, scale: float, args: _Args, ru
 def _run_mask(mask: Mask, r0: int, r1: int, run: Run, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
     """A run's mask as the float bias the kernel adds (``-inf`` where hidden), ``(B|1, H|1, n, m)``, and which rows
     see some of its keys (``None``: all of them)."""
-    allowed, bias = mask.tile(r0, r1, run.j0, run.j1, dtype, every=run.kind == FULL)  # (B|1, H|1, n|1, m) or None
+    kept: _Kept | None = mask.plans.get(("tiles kept", BLOCK))  # type: ignore[assignment]
+    allowed: Tensor | None
+    if kept is not None and run.kind != FULL and (r0, run.j0, run.j1) in kept.masks:
+        allowed, bias = kept.masks[(r0, run.j0, run.j1)], None  # (B|1, H|1, n|1, m); a kept mask has no bias
+    else:
+        allowed, bias = mask.tile(r0, r1, run.j0, run.j1, dtype, every=run.kind == FULL)  # (B|1, H|1, n|1, m)|None
+        if kept is not None and allowed is not None and kept.elements + allowed.numel() <= KEPT_MASK_ELEMENTS:
+            kept.masks[(r0, run.j0, run.j1)] = allowed
+            kept.elements += allowed.numel()
     n, m = r1 - r0, run.j1 - run.j0
     bias = torch.zeros((), dtype=dtype, device=mask.device) if bias is None else bias
     filled = bias if allowed is None else torch.where(allowed, bias, float("-inf"))  # (B|1, H|1, n|1, m)

@@ -169,6 +169,25 @@ class Mask:
         )
 
     @property
+    def index_key(self) -> tuple[object, ...] | None:
+        """A hashable value equal for two masks exactly when they are the same function of the indices: for masks
+        made of ``is_causal`` and built-in mask_mods that read no tensor (``sliding_window``), whose plans can be
+        kept for the calls after; ``None`` for any other (lengths, boolean or float masks, a user's function,
+        document ids: tensors whose contents may change between calls)."""
+        if self.valid_lens is not None or self.bool_mask is not None or self.bias is not None:
+            return None
+        mod = self.mask_mod
+        if mod is not None and not (
+            isinstance(mod, mods.MaskMod)
+            and type(mod).__module__.startswith("attnkit.")
+            and type(mod).__eq__ is not object.__eq__  # equal by value (a combination is equal only to itself)
+            and not mod.tensors()
+        ):
+            return None
+        device = torch.device("cpu" if self.device is None else self.device)  # (None: made on the CPU)
+        return (self.batch, self.heads, self.num_queries, self.num_keys, self.is_causal, mod, device)
+
+    @property
     def opaque(self) -> bool:
         """True when some part (a boolean or ``-inf`` mask, a user's mask_mod) says nothing of a block until the
         block is looked at: :meth:`tiles` then calls its blocks maybe-visible."""
