@@ -13,18 +13,22 @@ B=1, H=8, D=64, float32, forward + backward, attnkit's default backend (``auto``
   document mask, against one SDPA ``is_causal`` call per document. Target: at most 1.2x.
 * ``forward``: the window's and the causal mask_mod's forward against compiled FlexAttention's forward on the same
   mask (``--flex``; compiling takes a minute here). Target: at most 1.0x.
+* memory (``--memory 8192,16384,32768``): the peak resident-set increase of one forward and backward of the causal
+  mask_mod, the window and ALiBi, each in a fresh process (:func:`attnkit.bench.peak_memory`): linear in ``L``.
 
 Each measurement's contenders run in turn, round after round (benchmarks/flex.py's ``timed_rounds``), so that load
 from elsewhere on a shared machine falls on all of them alike; ratios compare contenders of one run.
 
 Usage::
 
-    python benchmarks/fused.py --lengths 8192,16384 --repeats 3 --flex
+    python benchmarks/fused.py --lengths 8192,16384 --repeats 3 --flex --memory 8192,16384,32768
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -127,6 +131,29 @@ def forward_contenders(length: int) -> dict[str, Callable[[], None]]:
     return found
 
 
+MEMORY_ROWS = ("causal mask_mod", "window", "alibi")
+
+
+def memory_child(name: str, length: int) -> dict[str, Any]:
+    """In a fresh process: the peak resident-set increase of one forward and backward of row ``name``."""
+    from attnkit.bench import peak_memory
+
+    contenders(512)[name]()  # warm-up: thread pools, lazy imports
+    run = contenders(length)[name]
+    inputs_bytes = 4 * 4 * B * H * length * D  # q, k, v and dout
+    return {"peak_bytes": peak_memory(run), "inputs_bytes": inputs_bytes}
+
+
+def measure_memory(lengths: list[int]) -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {}
+    for name in MEMORY_ROWS:
+        for length in lengths:
+            child = [sys.executable, __file__, "--memory-child", name, str(length)]
+            proc = subprocess.run(child, capture_output=True, text=True, check=True)
+            results.setdefault(name, {})[str(length)] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return results
+
+
 def measure(lengths: list[int], repeats: int, flex: bool) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for length in lengths:
@@ -163,10 +190,22 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def report_memory(memory: dict[str, dict[str, Any]]) -> str:
+    lines = ["", "| row | L | peak memory increase | inputs and output gradient | per token |", "|---|---:|---:|---:|---:|"]
+    for name, by_length in memory.items():
+        for length, m in by_length.items():
+            lines.append(
+                f"| {name} | {length} | {m['peak_bytes'] / 2**20:.0f} MiB | {m['inputs_bytes'] / 2**20:.0f} MiB "
+                f"| {m['peak_bytes'] / int(length) / 2**10:.1f} KiB |"
+            )
+    return "\n".join(lines)
+
+
 def missed_targets(results: dict[str, Any]) -> list[str]:
     return [
         f"{name} at {length}: {ratio:.2f}x > {TARGETS[name]}x"
         for length, row in results.items()
+        if length != "memory"
         for name, ratio in row["ratios"].items()
         if ratio > TARGETS[name]
     ]
@@ -177,10 +216,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="8192,16384")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--flex", action="store_true", help="also the forward against compiled FlexAttention")
+    parser.add_argument("--memory", help="also the peak memory of some rows at these lengths, e.g. 8192,16384,32768")
     parser.add_argument("--json")
+    parser.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.memory_child:
+        print(json.dumps(memory_child(args.memory_child[0], int(args.memory_child[1]))))
+        return 0
     results = measure([int(n) for n in args.lengths.split(",")], args.repeats, args.flex)
-    return finish(results, report(results), missed_targets(results), args.json)
+    text = report(results)
+    if args.memory:
+        results["memory"] = measure_memory([int(n) for n in args.memory.split(",")])
+        text += "\n" + report_memory(results["memory"])
+    return finish(results, text, missed_targets(results), args.json)
 
 
 if __name__ == "__main__":
