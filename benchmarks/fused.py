@@ -191,7 +191,11 @@ def report(results: dict[str, Any]) -> str:
 
 
 def report_memory(memory: dict[str, dict[str, Any]]) -> str:
-    lines = ["", "| row | L | peak memory increase | inputs and output gradient | per token |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        "",
+        "| row | L | peak memory increase | inputs and output gradient | per token |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, by_length in memory.items():
         for length, m in by_length.items():
             lines.append(
