@@ -29,6 +29,7 @@ OUT_TOL64, GRAD_TOL64 = 1e-12, 1e-10
 def _small_tiles(monkeypatch):
     """Tiles of 8 x 8, and one thread (tiny tensors: threads only add synchronisation on a busy 2-core machine)."""
     monkeypatch.setattr(tiles, "BLOCK", 8)
+    tiles._KEPT.clear()  # plans kept by earlier tests: each test plans afresh
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -130,7 +131,7 @@ def test_alibi_split_by_key_and_by_query_equals_the_math(case):
     ours: dict = {"score_mod": mods.alibi(slopes), "is_causal": case["mask"] in ("causal", "causal window")}
     math: dict = {"score_mod": mathref.alibi(slopes, Lq, Lk), "is_causal": ours["is_causal"]}
     if "window" in case["mask"]:
-        ours["mask_mod"], math["mask_mod"] = mods.sliding_window(12), mathref.sliding_window(12, Lq, Lk)
+        ours["mask_mod"], math["mask_mod"] = mods.sliding_window(20), mathref.sliding_window(20, Lq, Lk)
     elif case["mask"] == "user causal":
         ours["mask_mod"] = math["mask_mod"] = lambda b, h, i, j: i + (Lk - Lq) >= j
     leaves = [q, k, v]
@@ -353,7 +354,12 @@ def test_plans_of_masks_of_the_indices_alone_are_kept_for_the_next_calls():
     once = attnkit.scaled_dot_product_attention(q, k, v, mask_mod=mods.sliding_window(12), backend="tiles").output
     kept = second.plans[("tiles kept", tiles.BLOCK)]
     assert kept.masks  # the masked runs' masks, found by the call above
-    again = attnkit.scaled_dot_product_attention(q, k, v, mask_mod=mods.sliding_window(12), backend="tiles").output
+    looks = []
+    original = Mask.allowed_tile
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Mask, "allowed_tile", lambda self, *a: looks.append(a) or original(self, *a))
+        again = attnkit.scaled_dot_product_attention(q, k, v, mask_mod=mods.sliding_window(12), backend="tiles").output
+    assert looks == []  # the second call evaluates the window nowhere
     want, _ = mathref.attention_mods(q, k, v, mask_mod=mathref.sliding_window(12, L, L))
     assert max_err(once, want) <= OUT_TOL64 and torch.equal(once, again)
 
@@ -377,3 +383,27 @@ def test_alibi_in_float32_is_as_accurate_as_chunked(monkeypatch, slope):
         ).output
         errors[backend] = max_err(out.double(), want)
     assert errors["tiles"] <= 2 * errors["chunked"], errors
+
+
+def test_a_score_bias_is_built_only_over_the_tiles_that_cross_the_diagonal():
+    """Bidirectional ALiBi: each block of queries sees every key in one visible run; cut at the diagonal, the bias
+    splits on either side, and is built densely over at most two tiles (not over all the keys of the block)."""
+    L = 64
+    mask = Mask.build(batch=1, heads=H, num_queries=L, num_keys=L)
+    slopes = mods.alibi(torch.rand(H, dtype=torch.float64)).bind(
+        batch=1, heads=H, num_queries=L, num_keys=L, device=None
+    )
+    for rows in tiles.schedule(mask, biased=True):
+        assert [run.j0 for run in rows.runs][0] == 0 and rows.runs[-1].j1 == L
+        for run in rows.runs:
+            if slopes.split_bias(H, (rows.r0, rows.r1), (run.j0, run.j1), None) is None:
+                assert run.j1 - run.j0 <= 2 * tiles.BLOCK, rows
+
+
+def test_a_last_tile_of_one_query_keeps_the_call_causal_but_never_drops_a_bias():
+    """L = 8k + 1: the last tile, 1 x 1, is visible in full, and the call still runs as one causal call; a float
+    mask there (L = 1) is a bias the causal call would not add, so the tiles stay."""
+    causal = Mask.build(batch=1, heads=H, num_queries=17, num_keys=17, is_causal=True)
+    assert tiles.schedule(causal, biased=False) == [tiles.Rows(0, 17, (tiles.Run(0, 17, tiles.CAUSAL),))]
+    biased = Mask.build(batch=1, heads=H, num_queries=1, num_keys=1, attn_mask=torch.ones(1, 1))
+    assert tiles.schedule(biased, biased=False) == tiles.plan(biased)

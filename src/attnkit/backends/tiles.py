@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import threading
 from typing import NamedTuple
 
@@ -139,12 +140,28 @@ def plan(mask: Mask) -> list[Rows]:
 def schedule(mask: Mask, *, biased: bool) -> list[Rows]:
     """The plan to run: a mask that is causal self-attention and nothing else, whatever its parts (a user's
     ``q_idx >= kv_idx``, or that and ``is_causal``), is one causal call of the kernel over every query, as SDPA's
-    ``is_causal`` (a plan of many blocks merges their results: 1.15-1.2x that call). Not with a score bias
-    (``biased``), which the kernel would then add over all ``Lq x Lk`` pairs at once."""
+    ``is_causal`` (a plan of many blocks merges their results: 1.15-1.2x that call). With a score bias
+    (``biased``), visible runs are cut where they cross the diagonal: a bias splits on either side of it
+    (:meth:`~attnkit.mods.ScoreMod.split_bias`), and is built over a tile or two only where they cross it."""
     rows = plan(mask)
-    if biased or not _causal_throughout(rows, mask):
+    if biased:
+        return [Rows(r.r0, r.r1, tuple(_cut_at_diagonal(r, mask))) for r in rows]
+    if not _causal_throughout(rows, mask):
         return rows
     return [Rows(0, mask.num_queries, (Run(0, mask.num_keys, CAUSAL),))]
+
+
+def _cut_at_diagonal(rows: Rows, mask: Mask) -> list[Run]:
+    """The runs of a block of queries, its visible runs cut at the edges of the tiles that hold the keys on the
+    diagonal of its queries (``p + Lk - Lq`` for ``p`` in ``[r0, r1)``)."""
+    offset = mask.num_keys - mask.num_queries
+    first = (rows.r0 + offset) // BLOCK * BLOCK  # the diagonal's tiles: keys [first, last)
+    last = -(-(rows.r1 + offset) // BLOCK) * BLOCK
+    runs = []
+    for run in rows.runs:
+        cuts = sorted({run.j0, run.j1} | {c for c in (first, last) if run.kind == FULL and run.j0 < c < run.j1})
+        runs += [Run(a, z, run.kind) for a, z in itertools.pairwise(cuts)]
+    return runs
 
 
 def _plan(mask: Mask) -> list[Rows]:
@@ -184,11 +201,11 @@ def _causal_tile(mask: Mask, r0: int, r1: int, j0: int, j1: int) -> bool:
 def _causal_throughout(rows: list[Rows], mask: Mask) -> bool:
     """Every block of queries sees the keys before its tile on the diagonal in full, that tile as causal, nothing
     after it: the whole mask is causal self-attention."""
-    if mask.num_queries != mask.num_keys:
+    if mask.num_queries != mask.num_keys or mask.bias is not None:  # (the kernel's causal call adds no bias)
         return False
     for r in rows:
         runs = ((Run(0, r.r0, FULL),) if r.r0 else ()) + (Run(r.r0, r.r1, CAUSAL),)
-        if r.runs != runs:
+        if r.runs != runs and not (r.r1 - r.r0 == 1 and r.runs == (Run(0, r.r1, FULL),)):  # (a last tile 1 x 1)
             return False
     return True
 

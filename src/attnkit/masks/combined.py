@@ -170,7 +170,7 @@ class Mask:
 
     @property
     def index_key(self) -> tuple[object, ...] | None:
-        """A hashable value equal for two masks exactly when they are the same function of the indices: for masks
+        """A hashable value equal for two masks only when they are the same function of the indices: for masks
         made of ``is_causal`` and built-in mask_mods that read no tensor (``sliding_window``), whose plans can be
         kept for the calls after; ``None`` for any other (lengths, boolean or float masks, a user's function,
         document ids: tensors whose contents may change between calls)."""
