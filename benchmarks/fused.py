@@ -154,10 +154,11 @@ def measure_memory(lengths: list[int]) -> dict[str, dict[str, Any]]:
     return results
 
 
-def measure(lengths: list[int], repeats: int, flex: bool) -> dict[str, Any]:
+def measure(lengths: list[int], repeats: int, flex: bool, rows: set[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for length in lengths:
-        seconds = timed_rounds(contenders(length), repeats)
+        chosen = {n: run for n, run in contenders(length).items() if rows is None or n in rows or n.startswith("sdpa")}
+        seconds = timed_rounds(chosen, repeats)
         ratios = {
             name: seconds[name] / seconds[PEER.get(name, "sdpa is_causal")]
             for name in seconds
@@ -221,13 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--flex", action="store_true", help="also the forward against compiled FlexAttention")
     parser.add_argument("--memory", help="also the peak memory of some rows at these lengths, e.g. 8192,16384,32768")
+    parser.add_argument("--rows", help="only these rows (and their peers), e.g. 'causal mask_mod,window,alibi'")
     parser.add_argument("--json")
     parser.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child:
         print(json.dumps(memory_child(args.memory_child[0], int(args.memory_child[1]))))
         return 0
-    results = measure([int(n) for n in args.lengths.split(",")], args.repeats, args.flex)
+    rows = None if args.rows is None else set(args.rows.split(","))
+    results = measure([int(n) for n in args.lengths.split(",")], args.repeats, args.flex, rows)
     text = report(results)
     if args.memory:
         results["memory"] = measure_memory([int(n) for n in args.memory.split(",")])
