@@ -91,10 +91,8 @@ def _arguments(case: dict) -> tuple[dict, dict, list[torch.Tensor]]:
     return ours, math, leaves
 
 
-@hypothesis_settings(max_examples=60, deadline=None)
-@given(case=_cases())
-def test_tiles_equal_the_math_outputs_and_gradients(case):
-    ours, math, leaves = _arguments(case)
+def _agree_with_the_math(ours: dict, math: dict, leaves: list[torch.Tensor]) -> None:
+    """The tiles backend's output and the gradients of every leaf (q, k, v, the sinks) against mathref's."""
     q, k, v = leaves[:3]
     out = attnkit.scaled_dot_product_attention(q, k, v, backend="tiles", **ours).output
     want, _ = mathref.attention_mods(q, k, v, **math)
@@ -103,6 +101,14 @@ def test_tiles_equal_the_math_outputs_and_gradients(case):
     got, expected = torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout)
     for name, a, b in zip(["q", "k", "v", "sinks"][: len(leaves)], got, expected, strict=True):
         assert max_err(a, b) <= GRAD_TOL64, name
+
+
+@hypothesis_settings(max_examples=60, deadline=None)
+@given(case=_cases())
+def test_tiles_equal_the_math_outputs_and_gradients(case):
+    ours, math, leaves = _arguments(case)
+    q, k, v = leaves[:3]
+    _agree_with_the_math(ours, math, leaves)
 
 
 @hypothesis_settings(max_examples=40, deadline=None)
@@ -138,13 +144,7 @@ def test_alibi_split_by_key_and_by_query_equals_the_math(case):
     if case["sinks"]:
         ours["sinks"] = math["sinks"] = torch.randn(H, generator=g, dtype=torch.float64).requires_grad_()
         leaves.append(ours["sinks"])
-    out = attnkit.scaled_dot_product_attention(q, k, v, backend="tiles", **ours).output
-    want, _ = mathref.attention_mods(q, k, v, **math)
-    assert max_err(out, want) <= OUT_TOL64
-    dout = torch.randn_like(out)
-    got, expected = torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout)
-    for name, a, b in zip(["q", "k", "v", "sinks"][: len(leaves)], got, expected, strict=True):
-        assert max_err(a, b) <= GRAD_TOL64, name
+    _agree_with_the_math(ours, math, leaves)
     # the log-sum-exp the statistics read: the part for each query is back in it
     masks = functional.Masks(is_causal=ours["is_causal"], mask_mod=ours.get("mask_mod"), score_mod=ours["score_mod"])
     with torch.no_grad():
