@@ -5,6 +5,9 @@ Policy for ``backend="auto"``, first backend that can run the call wins:
 * weights wanted: ``reference`` (the only backend that returns them);
 * on CUDA, a call with a ``mask_mod`` or ``score_mod``: ``flex`` (PyTorch's compiled FlexAttention) first,
   then as below;
+* on CPU, a large call (``compiled.COMPILE_FROM`` scores) with a ``score_mod`` that is not a bias (``softcap``, a
+  user's function), or a bias whose tensors need a gradient: ``compiled`` (the online softmax's steps compiled by
+  ``torch.compile``), then as below;
 * a ``mask_mod``, ``sinks`` or a ``score_mod`` that is a bias (ALiBi): ``tiles`` (PyTorch's fused CPU kernel on
   the tiles the mask shows, skipping the hidden ones; the bias as the kernel's float mask), then as below;
 * a ``mask_mod`` that hides most of the scores (a sliding window: ``chunked`` visits at most ``SPARSE_BELOW`` of
@@ -30,7 +33,7 @@ from types import ModuleType
 
 import torch
 
-from attnkit.backends import ALL, chunked, decode, online
+from attnkit.backends import ALL, chunked, compiled, decode, online
 from attnkit.backends.contract import Call
 
 __all__ = ["ADDITIVE_CHUNK_ELEMENTS", "BACKENDS", "SPARSE_BELOW", "available_backends", "choose", "watch"]
@@ -132,6 +135,8 @@ def _preferences(call: Call) -> tuple[str, ...]:
             flex = ("flex",)
         bias_mod = call.score_mod is not None and call.score_bias
         fused = ("tiles",) if call.mask.mask_mod is not None or call.sinks is not None or bias_mod else ()
+        if _compile_worth(call):
+            fused = ("compiled", *fused)
         if call.sinks is not None or not call.score_bias or _sparse(call):
             return (*flex, *fused, "chunked", "sdpa", "reference")
         if decode.is_positions_last(call.k, call.v) or (_few_queries(call) and not call.mask.is_empty):
@@ -145,6 +150,17 @@ def _preferences(call: Call) -> tuple[str, ...]:
     if B * H * Lq * call.k.shape[2] * D >= ADDITIVE_CHUNK_ELEMENTS:
         return ("chunked", "reference")
     return ("reference", "chunked")
+
+
+def _compile_worth(call: Call) -> bool:
+    """A score_mod the fused kernel cannot take (not a bias, or a bias whose tensors need a gradient), in a call
+    large enough to repay compiling its steps (``compiled.COMPILE_FROM``)."""
+    if call.score_mod is None or call.q.device.type != "cpu":
+        return False
+    if call.score_bias and not call.differentiates_score_mod:
+        return False
+    B, H, Lq, _ = call.q.shape
+    return B * H * Lq * call.k.shape[2] >= compiled.COMPILE_FROM
 
 
 def _few_queries(call: Call) -> bool:

@@ -1,0 +1,202 @@
+"""The steps of :mod:`attnkit.backends.compiled`, plain PyTorch on one ``BLOCK x BLOCK`` tile: compiled by
+``torch.compile`` (Inductor's C++ code on CPU), one graph each, and run as they are where compiling fails.
+
+A forward step folds a tile into the running softmax of its queries; a backward step recomputes the tile's weights
+from each row's log-sum-exp and takes the score_mod's derivative with ``torch.func.vjp`` in the same graph, so that
+a ``score_mod`` such as ``softcap`` costs one fused pass over the tile, not one per operation; the closure step's
+autograd gives the tensors a score_mod closes over their share of the tile's gradient.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["ScoreFn", "name", "run", "warn_once"]
+
+# B batch, H heads, n a tile's queries, m a tile's keys, D head dim, Dv value head dim
+
+ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def name(fn: object) -> str:
+    """The function's name, for messages."""
+    return str(getattr(fn, "__qualname__", None) or type(fn).__name__)
+
+
+def _forward_step(
+    score_mod: ScoreFn | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    m: Tensor,
+    l: Tensor,  # noqa: E741
+    acc: Tensor,
+    idx: tuple[Tensor, Tensor, Tensor, Tensor],
+    allowed: Tensor | None,
+    bias: Tensor | None,
+    scale: float,
+    guard: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One tile folded into the running softmax ``m, l (B, H, n)``, ``acc (B, H, n, Dv)`` of its queries;
+    ``guard``: the keys or values hold a value that is not finite, which must not reach a row through a weight of 0
+    (the values of keys no row of the tile sees are zeroed, as in ``chunked``)."""
+    s = (q @ k.transpose(-2, -1)) * scale  # (B, H, n, m)
+    if score_mod is not None:
+        s = score_mod(s, *idx).to(s.dtype).expand_as(s)  # (B, H, n, m)
+    if bias is not None:
+        s = s + bias
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    if guard:
+        unseen = torch.isneginf(s).all(dim=-2)[..., None]  # (B, H, m, 1): keys no row of the tile sees
+        v = v.masked_fill(unseen, 0.0)  # (B, H, m, Dv)
+    m_new = torch.maximum(m, s.amax(dim=-1))  # running row max; -inf in rows that saw nothing yet
+    m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
+    alpha = torch.exp(m - m_safe)  # rescales what was summed so far
+    p = torch.exp(s - m_safe[..., None])  # (B, H, n, m); 0 where hidden
+    return m_new, l * alpha + p.sum(dim=-1), acc * alpha[..., None] + p @ v
+
+
+def _backward_step(
+    score_mod: ScoreFn | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dout: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+    idx: tuple[Tensor, Tensor, Tensor, Tensor],
+    allowed: Tensor | None,
+    bias: Tensor | None,
+    scale: float,
+    guard: bool,
+    keep: bool,
+) -> tuple[Tensor, ...]:
+    """One tile's gradients ``dq (B, H, n, D)``, ``dk (B, H, m, D)``, ``dv (B, H, m, Dv)``, its weights recomputed
+    from ``lse`` (``guard`` as in :func:`_forward_step`); with ``keep``, also the raw scores and the gradient of the
+    modified ones, for the tensors the score_mod closes over."""
+    raw = (q @ k.transpose(-2, -1)) * scale  # (B, H, n, m)
+    vjp = None
+    if score_mod is None:
+        s = raw
+    else:
+        found = torch.func.vjp(lambda x: score_mod(x, *idx).to(x.dtype).expand_as(x), raw)
+        s, vjp = found[0], found[1]  # (B, H, n, m), the score_mod's vector-Jacobian product
+    if bias is not None:
+        s = s + bias
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    p = torch.exp(s - lse[..., None])  # (B, H, n, m): the weights again
+    hidden = torch.isneginf(s) if guard else None  # (B, H, n, m)
+    if hidden is not None:
+        unseen = hidden.all(dim=-2)[..., None]  # (B, H, m, 1): keys no row of the tile sees
+        k, v = k.masked_fill(unseen, 0.0), v.masked_fill(unseen, 0.0)  # (B, H, m, D), (B, H, m, Dv)
+    dv = p.transpose(-2, -1) @ dout  # (B, H, m, Dv)
+    dp = dout @ v.transpose(-2, -1)  # (B, H, n, m)
+    dmod = p * (dp - delta[..., None])  # (B, H, n, m): gradient of the modified scores
+    if hidden is not None:
+        dmod = dmod.masked_fill(hidden, 0.0)
+    ds = dmod if vjp is None else vjp(dmod)[0]  # (B, H, n, m)
+    # as FlexAttention: a score_mod singular where the mask hides has no gradient there (nor one that meets a
+    # key that is not finite where it hides it)
+    if hidden is not None:
+        ds = ds.masked_fill(hidden, 0.0)
+    elif allowed is not None:
+        ds = ds.masked_fill(~allowed, 0.0)
+    dq = (ds @ k) * scale  # (B, H, n, D)
+    dk = (ds.transpose(-2, -1) @ q) * scale  # (B, H, m, D)
+    if keep:
+        return dq, dk, dv, raw, dmod
+    return dq, dk, dv
+
+
+def _closure_term(score_mod: ScoreFn, raw: Tensor, dmod: Tensor, idx: tuple[Tensor, ...]) -> Tensor:
+    """``sum(score_mod(raw) * dmod)``, whose gradient to what the score_mod closes over is that tensor's share of
+    this tile's gradient (0 where ``dmod`` is, whatever the score_mod gives there: -inf included)."""
+    modded = score_mod(raw, *idx).to(raw.dtype).expand_as(raw)  # (B, H, n, m)
+    return torch.where(dmod == 0, 0.0, modded * dmod).sum()
+
+
+_STEPS: dict[str, Callable[..., Any]] = {"forward": _forward_step, "backward": _backward_step, "closure": _closure_term}
+
+# The compiled steps, one per step, score_mod (its code, or its type for a callable object) and the shapes and
+# flags of the arguments, the last used last: each has code of its own, on which dynamo keeps its one graph (its
+# limit of graphs per code object, 8, would otherwise send a model's ninth variant to eager code, silently).
+KEPT_STEPS = 64
+_KEPT: collections.OrderedDict[object, Callable[..., Any]] = collections.OrderedDict()
+# score_mods whose compiled steps failed: they run eagerly from then on, after one warning each.
+_FAILED: set[object] = set()
+_LOCK = threading.Lock()
+
+
+def _key(score_mod: ScoreFn | None) -> object:
+    code = getattr(score_mod, "__code__", None)
+    return code if code is not None else type(score_mod)
+
+
+def _variant(args: tuple[Any, ...]) -> tuple[object, ...]:
+    """What sets a step's graph: the arguments' shapes and dtypes, which are ``None``, the flags."""
+    out: list[object] = []
+    for a in args:
+        if isinstance(a, tuple):
+            out.append(_variant(a))
+        elif isinstance(a, Tensor):
+            out.append((tuple(a.shape), a.dtype))
+        else:
+            out.append(a if a is None or isinstance(a, bool) else type(a))
+    return tuple(out)
+
+
+def _compiled(step: str, key: object, args: tuple[Any, ...]) -> Callable[..., Any]:
+    full_key = (step, key, _variant(args))
+    with _LOCK:
+        fn = _KEPT.get(full_key)
+        if fn is None:
+            fn = _KEPT[full_key] = torch.compile(_copy(_STEPS[step]), dynamic=False)
+            while len(_KEPT) > KEPT_STEPS:
+                _KEPT.popitem(last=False)
+        _KEPT.move_to_end(full_key)
+        return fn
+
+
+def _copy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with a code object of its own (dynamo keeps its graphs on the code object)."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def run(step: str, score_mod: ScoreFn | None, *args: Any) -> Any:
+    """The step compiled; run eagerly when this score_mod's compiling failed before, or fails now (with a warning,
+    once). An error the eager step raises as well is the function's own, and is raised as it is."""
+    key = _key(score_mod)
+    if key in _FAILED or torch.compiler.is_compiling():
+        return _STEPS[step](score_mod, *args)
+    try:
+        return _compiled(step, key, args)(score_mod, *args)
+    except Exception as error:
+        result = _STEPS[step](score_mod, *args)  # raises the function's own error, when it is one
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        warn_once(score_mod, f"{type(error).__name__}: {reason}")
+        return result
+
+
+def warn_once(score_mod: ScoreFn | None, why: str) -> None:
+    """This score_mod runs eagerly from now on: say so, the first time."""
+    key = _key(score_mod)
+    with _LOCK:
+        first = key not in _FAILED
+        _FAILED.add(key)
+    if first:
+        warnings.warn(
+            f"attnkit: the blocks of {name(score_mod)} cannot be compiled ({why}); they run eagerly from now on "
+            "(the same results, slower)",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,227 @@
+"""The compiled backend (the online softmax's steps compiled by torch.compile, one tile at a time) against the float64
+math of tests/mathref.py: outputs and every gradient (q, k, v, sinks, what a score_mod closes over), with tiles of 8
+so that small calls have hidden, full, partial and padded tiles; NaN where no query may see; a score_mod that raises
+or returns the wrong thing; a compiler that fails; and what ``auto`` picks.
+
+Each new score_mod, shape and flag is one more compile (seconds): the cases share a few score_mods and sizes."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
+import attnkit
+import mathref
+from attnkit import dispatch, mods
+from attnkit.backends import compiled, compiled_steps, tiles
+from mathref import max_err
+
+# B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim
+
+B, H, HKV, D = 2, 4, 2, 8
+OUT_TOL64, GRAD_TOL64 = 1e-12, 1e-10
+SOFTCAP = mods.softcap(2.0)  # a small cap, so that the cap bends most scores
+
+
+@pytest.fixture(autouse=True)
+def _small_tiles(monkeypatch):
+    monkeypatch.setattr(tiles, "BLOCK", 8)
+    monkeypatch.setattr(compiled, "BLOCK", 8)
+    tiles._KEPT.clear()
+
+
+def _table(length: int) -> tuple[torch.Tensor, object, object]:
+    """A learned bias per distance, as attnkit's score_mod and mathref's."""
+    table = torch.randn(2 * length - 1, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    table.requires_grad_()
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx + length - 1]
+
+    return table, relative, relative
+
+
+def _inputs(seed: int, Lq: int, Lk: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Lq, D, generator=g, dtype=torch.float64) * 2
+    k, v = (torch.randn(B, HKV, Lk, D, generator=g, dtype=torch.float64) for _ in range(2))
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+def _agree(ours: dict, math: dict, leaves: list[torch.Tensor], names: list[str]) -> None:
+    q, k, v = leaves[:3]
+    out = attnkit.scaled_dot_product_attention(q, k, v, backend="compiled", **ours).output
+    want, _ = mathref.attention_mods(q, k, v, **math)
+    assert max_err(out, want) <= OUT_TOL64
+    dout = torch.randn_like(out)
+    got, expected = torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout)
+    for name, a, b in zip(names, got, expected, strict=True):
+        assert max_err(a, b) <= GRAD_TOL64, name
+
+
+@hypothesis_settings(max_examples=25, deadline=None)
+@given(
+    case=st.fixed_dictionaries(
+        {
+            "Lq": st.sampled_from([5, 13, 20]),
+            "shift": st.sampled_from([0, 3, -2]),  # Lk - Lq
+            "mod": st.sampled_from(["softcap", "table"]),
+            "mask": st.sampled_from(["none", "causal", "window", "user stripes", "valid_lens", "float mask"]),
+            "sinks": st.booleans(),
+            "seed": st.integers(0, 2**16),
+        }
+    )
+)
+def test_compiled_equals_the_math_outputs_and_gradients(case):
+    Lq = case["Lq"]
+    Lk = max(1, Lq + case["shift"])
+    leaves = _inputs(case["seed"], Lq, Lk)
+    names = ["q", "k", "v"]
+    g = torch.Generator().manual_seed(case["seed"])
+    if case["mod"] == "softcap":
+        ours = {"score_mod": SOFTCAP}
+        math = {"score_mod": mathref.softcap(2.0)}
+    else:
+        table, relative, math_relative = _table(max(Lq, Lk))
+        ours, math = {"score_mod": relative}, {"score_mod": math_relative}
+        leaves.append(table)
+        names.append("table")
+    if case["mask"] == "causal":
+        ours["is_causal"] = math["is_causal"] = True
+    elif case["mask"] == "window":
+        ours["mask_mod"], math["mask_mod"] = mods.sliding_window(4), mathref.sliding_window(4, Lq, Lk)
+    elif case["mask"] == "user stripes":
+        ours["mask_mod"] = math["mask_mod"] = lambda b, h, i, j: (j // 3) % 2 == 0
+    elif case["mask"] == "valid_lens":
+        ours["valid_lens"] = math["valid_lens"] = torch.randint(0, Lk + 1, (B,), generator=g)
+    elif case["mask"] == "float mask":
+        ours["attn_mask"] = math["attn_mask"] = torch.randn(B, 1, Lq, Lk, generator=g, dtype=torch.float64)
+    if case["sinks"]:
+        ours["sinks"] = math["sinks"] = torch.randn(H, generator=g, dtype=torch.float64).requires_grad_()
+        leaves.append(ours["sinks"])
+        names.append("sinks")
+    _agree(ours, math, leaves, names)
+
+
+def test_nan_where_no_query_may_see_and_in_keys_the_score_mod_hides_reaches_nothing():
+    """NaN in the keys and values past each example's length (no query may see them), and in a key the score_mod
+    hides from every query with -inf: outputs and gradients are those of the call with zeros there."""
+    Lq = Lk = 20
+    q, k, v = (t.detach() for t in _inputs(7, Lq, Lk))
+    lens = torch.tensor([20, 11])
+    hidden_key = 5
+
+    def hide(score, b, h, q_idx, kv_idx):
+        return torch.where(kv_idx == hidden_key, float("-inf"), torch.tanh(score))
+
+    def run(q, k, v):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attnkit.scaled_dot_product_attention(
+            *leaves, valid_lens=lens, is_causal=True, score_mod=hide, backend="compiled"
+        ).output
+        out.backward(torch.ones_like(out))
+        return [out.detach()] + [t.grad for t in leaves]
+
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[1, :, 11:], v_nan[1, :, 11:] = float("nan"), float("nan")
+    k_nan[:, :, hidden_key], v_nan[:, :, hidden_key] = float("nan"), float("nan")
+    k_zero, v_zero = k.clone(), v.clone()
+    k_zero[1, :, 11:], v_zero[1, :, 11:] = 0.0, 0.0
+    k_zero[:, :, hidden_key], v_zero[:, :, hidden_key] = 0.0, 0.0
+    got, want = run(q, k_nan, v_nan), run(q, k_zero, v_zero)
+    for name, a, b in zip(["out", "dq", "dk", "dv"], got, want, strict=True):
+        if name in ("dk", "dv"):  # no gradient to what no query sees: zero there, whatever it held
+            a, b = a.clone(), b.clone()
+            a[1, :, 11:], b[1, :, 11:] = 0.0, 0.0
+            a[:, :, hidden_key], b[:, :, hidden_key] = 0.0, 0.0
+        assert torch.isfinite(a).all(), name
+        assert max_err(a, b) <= 1e-12, name
+
+
+def test_a_score_mod_that_raises_or_returns_the_wrong_shape_is_one_error_naming_it():
+    q, k, v = _inputs(0, 12, 12)
+
+    def broken(score, b, h, q_idx, kv_idx):
+        raise KeyError("no such table")
+
+    def wrong_shape(score, b, h, q_idx, kv_idx):
+        return score[..., :2]
+
+    def wrong_dtype(score, b, h, q_idx, kv_idx):
+        return score > 0
+
+    with pytest.raises(ValueError, match=r"score_mod .*broken.* raised KeyError"):
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=broken, backend="compiled")
+    with pytest.raises(ValueError, match=r"score_mod .*wrong_shape.*broadcasts"):
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=wrong_shape, backend="compiled")
+    with pytest.raises(TypeError, match=r"score_mod .*wrong_dtype.*floating point"):
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=wrong_dtype, backend="compiled")
+
+
+def test_a_score_mod_of_single_scores_runs_eagerly_with_one_warning():
+    q, k, v = _inputs(1, 12, 12)
+
+    def scalar_only(score, b, h, q_idx, kv_idx):
+        return score.reshape(()) * 2  # one score at a time only (as FlexAttention's functions may be written)
+
+    compiled_steps._FAILED.discard(compiled_steps._key(scalar_only))
+    with pytest.warns(RuntimeWarning, match="scalar_only.*takes single scores only"):
+        out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=scalar_only, backend="compiled").output
+    want, _ = mathref.attention_mods(q, k, v, score_mod=lambda s, b, h, i, j: s * 2)
+    assert max_err(out, want) <= OUT_TOL64
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=scalar_only, backend="compiled")
+
+
+def test_a_failing_compiler_falls_back_to_the_same_steps_eagerly_with_one_warning(monkeypatch):
+    q, k, v = _inputs(2, 13, 13)
+
+    def doubled(score, b, h, q_idx, kv_idx):
+        return score * 2
+
+    def broken_compiler(step, key, args):
+        def fail(*a):
+            raise RuntimeError("C++ compile error: no compiler here\nmany lines of generated code")
+
+        return fail
+
+    monkeypatch.setattr(compiled_steps, "_compiled", broken_compiler)
+    compiled_steps._FAILED.discard(compiled_steps._key(doubled))
+    with pytest.warns(RuntimeWarning, match="doubled cannot be compiled.*C\\+\\+ compile error") as caught:
+        out = attnkit.scaled_dot_product_attention(
+            q, k, v, score_mod=doubled, is_causal=True, backend="compiled"
+        ).output
+        out.sum().backward()
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+    want, _ = mathref.attention_mods(q, k, v, score_mod=doubled, is_causal=True)
+    assert max_err(out, want) <= OUT_TOL64
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    mathref.attention_mods(q2, k2, v2, score_mod=doubled, is_causal=True)[0].sum().backward()
+    for a, b in zip((q.grad, k.grad, v.grad), (q2.grad, k2.grad, v2.grad), strict=True):
+        assert max_err(a, b) <= GRAD_TOL64
+
+
+def test_auto_compiles_a_large_call_with_a_score_mod_that_is_not_a_bias(monkeypatch):
+    q, k, v = (t.float() for t in _inputs(4, 20, 20))
+    cases = {"softcap": mods.softcap(30.0), "alibi": mods.alibi(mods.alibi_slopes(H))}
+    for name, score_mod in cases.items():
+        with dispatch.watch() as chosen:
+            attnkit.scaled_dot_product_attention(q, k, v, score_mod=score_mod, is_causal=True)
+        assert chosen[0] != "compiled", name  # small: compiling would not pay
+    monkeypatch.setattr(compiled, "COMPILE_FROM", B * H * 20 * 20)
+    with dispatch.watch() as chosen:
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=cases["softcap"], is_causal=True)
+    assert chosen == ["compiled"]
+    with dispatch.watch() as chosen:  # a bias the fused kernel takes
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=cases["alibi"], is_causal=True)
+    assert chosen == ["tiles"]
+    slopes = mods.alibi_slopes(H).requires_grad_()  # ... unless its slopes need a gradient
+    with dispatch.watch() as chosen:
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=mods.alibi(slopes), is_causal=True)
+    assert chosen == ["compiled"]
