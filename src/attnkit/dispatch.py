@@ -58,7 +58,7 @@ def available_backends(device: str | torch.device | None = None) -> list[str]:
 
     Example:
         >>> available_backends("cpu")
-        ['reference', 'sdpa', 'chunked', 'tiles', 'decode']
+        ['reference', 'sdpa', 'chunked', 'tiles', 'compiled', 'decode']
     """
     here = {"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"}
     types = here if device is None else {torch.device(device).type}
