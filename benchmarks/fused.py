@@ -54,6 +54,7 @@ TARGETS = {
     "packed": 1.2,
     "forward window": 1.0,
     "forward causal mask_mod": 1.0,
+    "forward softcap": 1.0,
 }
 PEER = {"window": "sdpa, no mask", "window + causal": "sdpa, no mask", "packed": "sdpa per document"}
 
@@ -120,14 +121,18 @@ def forward_contenders(length: int) -> dict[str, Callable[[], None]]:
     def causal_fn(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return q_idx >= kv_idx
 
+    def softcap_fn(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return torch.tanh(score / 30.0) * 30.0
+
     found = {}
-    for name, fn, ours in (
-        ("window", window_fn, mods.sliding_window(WINDOW)),
-        ("causal mask_mod", causal_fn, causal_fn),
+    for name, fn, ours, score_mod in (
+        ("window", window_fn, {"mask_mod": mods.sliding_window(WINDOW)}, None),
+        ("causal mask_mod", causal_fn, {"mask_mod": causal_fn}, None),
+        ("softcap", causal_fn, {"is_causal": True, "score_mod": mods.softcap(30.0)}, softcap_fn),
     ):
         block_mask = create_block_mask(fn, None, None, length, length, device="cpu")
-        found[f"flex {name}"] = lambda bm=block_mask: compiled(q, k, v, block_mask=bm)
-        found[f"forward {name}"] = lambda m=ours: attnkit.scaled_dot_product_attention(q, k, v, mask_mod=m)
+        found[f"flex {name}"] = lambda bm=block_mask, sm=score_mod: compiled(q, k, v, score_mod=sm, block_mask=bm)
+        found[f"forward {name}"] = lambda kw=ours: attnkit.scaled_dot_product_attention(q, k, v, **kw)
     return found
 
 
@@ -169,7 +174,7 @@ def measure(lengths: list[int], repeats: int, flex: bool, rows: set[str] | None 
             with torch.no_grad():
                 forward = timed_rounds(forward_contenders(length), repeats)
             row["forward seconds"] = forward
-            for name in ("window", "causal mask_mod"):
+            for name in ("window", "causal mask_mod", "softcap"):
                 row["ratios"][f"forward {name}"] = forward[f"forward {name}"] / forward[f"flex {name}"]
         results[str(length)] = row
     packed = timed_rounds(packed_contenders(), repeats)
