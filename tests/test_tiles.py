@@ -407,3 +407,29 @@ def test_a_last_tile_of_one_query_keeps_the_call_causal_but_never_drops_a_bias()
     assert tiles.schedule(causal, biased=False) == [tiles.Rows(0, 17, (tiles.Run(0, 17, tiles.CAUSAL),))]
     biased = Mask.build(batch=1, heads=H, num_queries=1, num_keys=1, attn_mask=torch.ones(1, 1))
     assert tiles.schedule(biased, biased=False) == tiles.plan(biased)
+
+
+def test_alibi_in_packed_documents_splits_by_key_and_by_query(monkeypatch):
+    """Packed documents run one piece per document (attnkit.varlen), whose ALiBi is the call's moved to the piece's
+    positions: off the diagonal it still splits into a part per key and a part per query (the kernel reads one row
+    of it), at the call's positions, and the result is the math's."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [11, 20, 6]
+    ids = torch.arange(len(lengths)).repeat_interleave(torch.tensor(lengths))[None]  # (1, L)
+    L = sum(lengths)
+    q = torch.randn(1, H, L, D, generator=g, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(1, HKV, L, D, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    slopes = torch.rand(H, generator=g, dtype=torch.float64) * 2
+    split = []
+    original = mods.alibi.split_bias
+
+    def counted(self, *args, **kwargs):
+        found = original(self, *args, **kwargs)
+        split.append(found is not None)
+        return found
+
+    monkeypatch.setattr(mods.alibi, "split_bias", counted)
+    ours = {"score_mod": mods.alibi(slopes), "mask_mod": mods.document(ids), "is_causal": True}
+    math = {"score_mod": mathref.alibi(slopes, L, L), "mask_mod": mathref.document(ids), "is_causal": True}
+    _agree_with_the_math(ours, math, [q, k, v])
+    assert any(split)  # the split was taken, in some document's tiles below its diagonal
