@@ -7,7 +7,7 @@ Each new score_mod, shape and flag is one more compile (seconds): the cases shar
 
 from __future__ import annotations
 
-import warnings
+import functools
 
 import pytest
 import torch
@@ -31,7 +31,6 @@ SOFTCAP = mods.softcap(2.0)  # a small cap, so that the cap bends most scores
 @pytest.fixture(autouse=True)
 def _small_tiles(monkeypatch):
     monkeypatch.setattr(tiles, "BLOCK", 8)
-    monkeypatch.setattr(compiled, "BLOCK", 8)
     tiles._KEPT.clear()
 
 
@@ -163,20 +162,81 @@ def test_a_score_mod_that_raises_or_returns_the_wrong_shape_is_one_error_naming_
         attnkit.scaled_dot_product_attention(q, k, v, score_mod=wrong_dtype, backend="compiled")
 
 
-def test_a_score_mod_of_single_scores_runs_eagerly_with_one_warning():
+def test_a_score_mod_of_single_scores_is_refused_by_name_and_auto_sends_it_to_chunked(monkeypatch):
     q, k, v = _inputs(1, 12, 12)
 
     def scalar_only(score, b, h, q_idx, kv_idx):
         return score.reshape(()) * 2  # one score at a time only (as FlexAttention's functions may be written)
 
-    compiled_steps._FAILED.discard(compiled_steps._key(scalar_only))
-    with pytest.warns(RuntimeWarning, match="scalar_only.*takes single scores only"):
-        out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=scalar_only, backend="compiled").output
+    with pytest.raises(TypeError, match="scalar_only takes single scores only.*backend='chunked'"):
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=scalar_only, backend="compiled")
+    monkeypatch.setattr(compiled, "COMPILE_FROM", 1)
+    with dispatch.watch() as chosen:
+        out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=scalar_only).output
+    assert chosen == ["chunked"]
     want, _ = mathref.attention_mods(q, k, v, score_mod=lambda s, b, h, i, j: s * 2)
     assert max_err(out, want) <= OUT_TOL64
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once
-        attnkit.scaled_dot_product_attention(q, k, v, score_mod=scalar_only, backend="compiled")
+
+
+def test_an_error_in_a_later_tile_names_the_score_mod():
+    q, k, v = _inputs(5, 30, 30)
+    table = torch.zeros(10, dtype=torch.float64)  # too short for the later tiles' distances
+
+    def short_table(score, b, h, q_idx, kv_idx):
+        return score + table[(q_idx - kv_idx).abs()]
+
+    with pytest.raises(ValueError, match="score_mod .*short_table raised IndexError"):
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=short_table, backend="compiled")
+
+
+def test_one_graph_a_variant_whatever_the_lengths_and_layouts():
+    """Tiles are contiguous blocks of one shape and strides (tensors are laid out a block at a time), and each
+    variant has code of its own: other lengths, a transposed query, an expanded output gradient compile nothing
+    more, and dynamo's limit of graphs per code object is never met (checked on torch 2.13: it counts graphs in
+    torch._dynamo.utils.counters)."""
+    counters = torch._dynamo.utils.counters
+
+    def graphs() -> int:
+        return int(counters["stats"]["unique_graphs"])
+
+    def halved(score, b, h, q_idx, kv_idx):  # code of this test's own: its graphs are compiled here
+        return score * 0.5
+
+    def call(L: int, transposed: bool = False) -> None:
+        q, k, v = _inputs(L, L, L)
+        if transposed:
+            q = q.detach().transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_()  # other strides
+        out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=halved, is_causal=True, backend="compiled")
+        out.output.sum().backward()  # an expanded output gradient
+
+    start = graphs()
+    call(20)
+    before = graphs()
+    assert before > start  # (the counter counts)
+    for L in (21, 28, 36, 45):
+        call(L)
+    call(28, transposed=True)
+    assert graphs() == before
+
+
+def test_partials_and_closures_of_other_numbers_are_other_score_mods():
+    def scaled(factor, score, b, h, q_idx, kv_idx):
+        return score * factor
+
+    def capped(cap):
+        return lambda score, b, h, q_idx, kv_idx: torch.tanh(score / cap) * cap
+
+    keys = {
+        compiled_steps._key(functools.partial(scaled, 2.0)),
+        compiled_steps._key(functools.partial(scaled, 3.0)),
+        compiled_steps._key(functools.partial(torch.add)),
+        compiled_steps._key(capped(2.0)),
+        compiled_steps._key(capped(3.0)),
+        compiled_steps._key(mods.softcap(2.0)),
+        compiled_steps._key(mods.softcap(3.0)),
+    }
+    assert len(keys) == 7
+    assert compiled_steps._key(capped(2.0)) == compiled_steps._key(capped(2.0))  # the same graphs, not compiled again
 
 
 def test_a_failing_compiler_falls_back_to_the_same_steps_eagerly_with_one_warning(monkeypatch):
@@ -205,6 +265,35 @@ def test_a_failing_compiler_falls_back_to_the_same_steps_eagerly_with_one_warnin
     mathref.attention_mods(q2, k2, v2, score_mod=doubled, is_causal=True)[0].sum().backward()
     for a, b in zip((q.grad, k.grad, v.grad), (q2.grad, k2.grad, v2.grad), strict=True):
         assert max_err(a, b) <= GRAD_TOL64
+
+
+def test_a_failure_compiling_the_closure_steps_backward_falls_back_with_one_warning(monkeypatch):
+    """AOTAutograd compiles the closure step's backward at its first use, inside autograd.grad: a failure there runs
+    the step eagerly too."""
+
+    class Broken(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("C++ compile error in the backward graph")
+
+    def compiled_but_broken(step, key, args):
+        real = compiled_steps._STEPS[step]
+        return (lambda *a: Broken.apply(real(*a))) if step == "closure" else real
+
+    monkeypatch.setattr(compiled_steps, "_compiled", compiled_but_broken)
+    q, k, v = _inputs(6, 13, 13)
+    table, relative, math_relative = _table(13)
+    compiled_steps._FAILED.discard(compiled_steps._key(relative))
+    with pytest.warns(RuntimeWarning, match="relative cannot be compiled.*C\\+\\+ compile error in the backward"):
+        out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=relative, backend="compiled").output
+        (got,) = torch.autograd.grad(out.sum(), [table])
+    want, _ = mathref.attention_mods(q, k, v, score_mod=math_relative)
+    (expected,) = torch.autograd.grad(want.sum(), [table])
+    assert max_err(got, expected) <= GRAD_TOL64
 
 
 def test_auto_compiles_a_large_call_with_a_score_mod_that_is_not_a_bias(monkeypatch):

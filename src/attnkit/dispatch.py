@@ -160,7 +160,8 @@ def _compile_worth(call: Call) -> bool:
     if call.score_bias and not call.differentiates_score_mod:
         return False
     B, H, Lq, _ = call.q.shape
-    return B * H * Lq * call.k.shape[2] >= compiled.COMPILE_FROM
+    # (a function of single scores only, run element by element, cannot be compiled as a block: chunked runs it)
+    return B * H * Lq * call.k.shape[2] >= compiled.COMPILE_FROM and compiled.takes_blocks(call)
 
 
 def _few_queries(call: Call) -> bool:

@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit.backends import chunked, tiles
 from attnkit.backends import compiled_steps as steps
+from attnkit.backends import tiles
 from attnkit.backends.common import Watched, repeat_kv, zero_dead
 from attnkit.backends.contract import DOT, Call, Supports
 from attnkit.masks import Mask, compute_dtype
@@ -49,7 +49,7 @@ SUPPORTS = Supports(
     opaque_modifiers=False,
 )
 
-ScoreFn = steps.ScoreFn
+ScoreFn = steps.ScoreFn  # score_mod(score, b, h, q_idx, kv_idx)
 
 
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
@@ -65,9 +65,12 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     score_mod = call.score_mod
     closed_over: tuple[Tensor, ...] = ()
     if score_mod is not None:
-        if not _check_score_mod(score_mod, qf, kf, mask, call.scale):
-            steps.warn_once(score_mod, "it takes single scores only, not blocks")
-            return chunked.attention(call)
+        if not takes_blocks(call):
+            raise TypeError(
+                f"backend='compiled' runs a score_mod on blocks of scores, and {steps.name(score_mod)} takes single "
+                "scores only (it fails on a block, or returns a tensor that does not broadcast to it): use "
+                "backend='chunked', which runs it element by element"
+            )
         if torch.is_grad_enabled():
             read = call.tensors_read(score_mod)
             closed_over = mods.grad_inputs(score_mod, _probe(qf), read or ())
@@ -82,25 +85,37 @@ def _probe(q: Tensor) -> tuple[Tensor, ...]:
     return (torch.zeros((1, 1, 1, 1), dtype=q.dtype, device=q.device), zero, zero, zero, zero)
 
 
-def _check_score_mod(score_mod: ScoreFn, q: Tensor, k: Tensor, mask: Mask, scale: float) -> bool:
-    """Run the score_mod once, eagerly, on the first visible tile, so that a function that raises or returns the
-    wrong shape or dtype is told in attnkit's words, not from inside the compiler. Returns whether it takes blocks
-    of scores (False: it runs element by element only, as ``chunked`` runs it).
+def takes_blocks(call: Call) -> bool:
+    """Whether the call's score_mod takes blocks of scores, as the compiled steps call it (False: it runs element by
+    element only, as ``chunked`` runs it). It is run once, eagerly, on the first visible tile, so that a function
+    that raises or returns the wrong shape or dtype is told in attnkit's words, not from inside the compiler; the
+    answer is kept on the call.
 
     Raises:
         TypeError, ValueError: naming the function and what it raised or returned.
     """
+    if "takes blocks" not in call._memo:
+        call._memo["takes blocks"] = _takes_blocks(call)
+    return call._memo["takes blocks"]  # type: ignore[no-any-return]
+
+
+def _takes_blocks(call: Call) -> bool:
+    score_mod, mask = call.score_mod, call.mask
+    if score_mod is None:
+        return True
+    B, H = call.q.shape[:2]
+    q, k = call.q.detach(), repeat_kv(call.k.detach(), H)  # (B, H, Lq, D), (B, H, Lk, D)
     for rows in tiles.plan(mask):
         for run in rows.runs:
             r0, r1, j0, j1 = rows.r0, rows.r1, run.j0, min(run.j1, run.j0 + tiles.BLOCK)
-            scores = (q[:, :, r0:r1] @ k[:, :, j0:j1].transpose(-2, -1)) * scale  # (B, H, n, m)
-            idx = mods.indices(q.shape[0], q.shape[1], (r0, r1), (j0, j1), q.device)
+            scores = (q[:, :, r0:r1] @ k[:, :, j0:j1].transpose(-2, -1)) * call.scale  # (B, H, n, c)
+            idx = mods.indices(B, H, (r0, r1), (j0, j1), q.device)
             name = steps.name(score_mod)
             try:
                 mods.evaluate_score(score_mod, scores.clone(), *idx, protected=None)
-            except (TypeError, ValueError) as error:
-                raise type(error)(f"score_mod {name}: {error}") from error
             except Exception as error:
+                if type(error) in (TypeError, ValueError):  # attnkit's own words about what it returned
+                    raise type(error)(f"score_mod {name}: {error}") from error
                 raise ValueError(
                     f"score_mod {name} raised {type(error).__name__} on a block of scores of shape "
                     f"{tuple(scores.shape)}: {error}"
@@ -120,71 +135,78 @@ def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
         return False
 
 
-BLOCK = tiles.BLOCK
-
-
 class _Grid:
-    """The tiles of a call, from the plan of :mod:`~attnkit.backends.tiles`, each made ``BLOCK x BLOCK``: a tile at
-    the end of the queries or keys is padded with zeros, hidden by its mask, and its indices repeat the last one,
-    so that the compiled steps see one shape (a shape is one more compile)."""
+    """The tiles of a call, from the plan of :mod:`~attnkit.backends.tiles`, each made ``BLOCK x BLOCK``: tensors are
+    laid out a block of positions at a time (:func:`_blocked`), so that every tile is a contiguous block of the same
+    shape and strides whatever the lengths (a shape or stride is one more compile); a tile at the end of the queries
+    or keys is padded with zeros, hidden by its mask, and its indices repeat the last one."""
 
     def __init__(self, mask: Mask, B: int, H: int, device: torch.device) -> None:
         self.mask = mask
-        Lq, Lk = mask.num_queries, mask.num_keys
         self.b, self.h, _, _ = mods.indices(B, H, (0, 1), (0, 1), device)  # (B, 1, 1, 1), (1, H, 1, 1)
-        self.q_idx = _padded_range(Lq, device).view(1, 1, -1, 1)  # (1, 1, Lq + pad, 1)
-        self.kv_idx = _padded_range(Lk, device).view(1, 1, 1, -1)  # (1, 1, 1, Lk + pad)
+        self.q_idx = _padded_range(mask.num_queries, device).view(-1, 1, 1, tiles.BLOCK, 1)  # (nq, 1, 1, BLOCK, 1)
+        self.kv_idx = _padded_range(mask.num_keys, device).view(-1, 1, 1, 1, tiles.BLOCK)  # (nk, 1, 1, 1, BLOCK)
 
     def blocks(self) -> list[tuple[int, int, list[tuple[int, int, bool]]]]:
         """Each block of queries ``(r0, r1)`` and its tiles of keys ``(j0, j1, every)`` (``every``: every pair is
-        visible, no mask to build)."""
+        visible, no mask to build); all start at multiples of ``BLOCK``."""
         out = []
         for rows in tiles.plan(self.mask):
-            steps = []
+            row_tiles = []
             for run in rows.runs:
-                for j0 in range(run.j0, run.j1, BLOCK):
-                    steps.append((j0, min(j0 + BLOCK, run.j1), run.kind == tiles.FULL))
-            out.append((rows.r0, rows.r1, steps))
+                for j0 in range(run.j0, run.j1, tiles.BLOCK):
+                    row_tiles.append((j0, min(j0 + tiles.BLOCK, run.j1), run.kind == tiles.FULL))
+            out.append((rows.r0, rows.r1, row_tiles))
         return out
 
     def indices(self, r0: int, j0: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``b, h, q_idx (1, 1, BLOCK, 1), kv_idx (1, 1, 1, BLOCK)`` of the tile at ``(r0, j0)``."""
-        return self.b, self.h, self.q_idx[:, :, r0 : r0 + BLOCK], self.kv_idx[..., j0 : j0 + BLOCK]
+        return self.b, self.h, self.q_idx[r0 // tiles.BLOCK], self.kv_idx[j0 // tiles.BLOCK]
 
     def masks(
         self, r0: int, r1: int, j0: int, j1: int, every: bool, dtype: torch.dtype
     ) -> tuple[Tensor | None, Tensor | None]:
-        """``allowed`` and ``bias`` of a tile, each ``(B|1, H|1, BLOCK, BLOCK)`` or ``None``."""
-        allowed, bias = self.mask.tile(r0, r1, j0, j1, dtype, every=every)  # (B|1, H|1, n|1, m) each, or None
-        n, m = r1 - r0, j1 - j0
-        if allowed is None and (n < BLOCK or m < BLOCK):
+        """``allowed`` and ``bias`` of a tile, each a new ``(B|1, H|1, BLOCK, BLOCK)`` tensor or ``None``."""
+        allowed, bias = self.mask.tile(r0, r1, j0, j1, dtype, every=every)  # (B|1, H|1, n|1, c) each, or None
+        n, c = r1 - r0, j1 - j0
+        if allowed is None and (n < tiles.BLOCK or c < tiles.BLOCK):
             allowed = torch.ones((), dtype=torch.bool, device=self.q_idx.device)
         return (
-            None if allowed is None else _fitted(allowed, n, m, False),
-            None if bias is None else _fitted(bias, n, m, 0.0),
+            None if allowed is None else _fitted(allowed, n, c, False),
+            None if bias is None else _fitted(bias, n, c, 0.0),
         )
 
 
 def _padded_range(length: int, device: torch.device) -> Tensor:
     """``0 .. length - 1``, then ``length - 1`` up to a multiple of ``BLOCK`` (0 for no length)."""
-    padded = -(-length // BLOCK) * BLOCK
+    padded = -(-length // tiles.BLOCK) * tiles.BLOCK
     return torch.arange(padded, device=device).clamp_max(max(length - 1, 0))  # (padded,)
 
 
-def _fitted(t: Tensor, n: int, m: int, fill: float | bool) -> Tensor:
-    """A tile's ``allowed`` or ``bias`` (broadcastable to ``(B, H, n, m)``) as a new ``(B|1, H|1, BLOCK, BLOCK)``
-    tensor, ``fill`` past ``n`` rows and ``m`` keys."""
-    t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # (B|1, H|1, n|1, m|1)
-    out = t.new_full((*t.shape[:2], BLOCK, BLOCK), fill)  # (B|1, H|1, BLOCK, BLOCK)
-    out[..., :n, :m] = t
+def _fitted(t: Tensor, n: int, c: int, fill: float | bool) -> Tensor:
+    """A tile's ``allowed`` or ``bias`` (broadcastable to ``(B, H, n, c)``) as a new ``(B|1, H|1, BLOCK, BLOCK)``
+    tensor, ``fill`` past ``n`` rows and ``c`` keys."""
+    t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # (B|1, H|1, n|1, c|1)
+    out = t.new_full((*t.shape[:2], tiles.BLOCK, tiles.BLOCK), fill)  # (B|1, H|1, BLOCK, BLOCK)
+    out[..., :n, :c] = t
     return out
 
 
-def _padded(t: Tensor, n: int) -> Tensor:
-    """``t (B, H, n, ...)`` with zeros up to ``BLOCK`` along dim 2."""
-    if n == BLOCK:
-        return t
-    return torch.cat([t, t.new_zeros((*t.shape[:2], BLOCK - n, *t.shape[3:]))], dim=2)  # (B, H, BLOCK, ...)
+def _blocked(t: Tensor) -> Tensor:
+    """``t (B, H, L, ...)`` as ``(nb, B, H, BLOCK, ...)``, zeros past ``L``: block ``i`` holds positions
+    ``[i * BLOCK, (i + 1) * BLOCK)``, contiguous."""
+    B, H, L = t.shape[:3]
+    nb = -(-L // tiles.BLOCK)
+    pad = t.new_zeros((B, H, nb * tiles.BLOCK - L, *t.shape[3:]))
+    t = torch.cat([t, pad], dim=2)  # (B, H, nb * BLOCK, ...)
+    return t.view(B, H, nb, tiles.BLOCK, *t.shape[3:]).movedim(2, 0).contiguous()  # (nb, B, H, BLOCK, ...)
+
+
+def _unblocked(t: Tensor, length: int) -> Tensor:
+    """The inverse of :func:`_blocked`: ``(nb, B, H, BLOCK, ...)`` as ``(B, H, length, ...)``."""
+    nb, B, H = t.shape[:3]
+    t = t.movedim(0, 2).reshape(B, H, nb * tiles.BLOCK, *t.shape[4:])  # (B, H, nb * BLOCK, ...)
+    return t[:, :, :length]
 
 
 def _not_finite(k: Tensor, v: Tensor) -> bool:
@@ -196,26 +218,27 @@ def _forward(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, mask: Mask, score_mod: ScoreFn | None, scale: float
 ) -> tuple[Tensor, Tensor]:
     B, H, Lq, _ = q.shape
-    Dv = v.shape[-1]
+    Dv, T = v.shape[-1], tiles.BLOCK
     out = q.new_zeros((B, H, Lq, Dv))  # (B, H, Lq, Dv)
     sink = None if sinks is None else mask.sink_logits(sinks)[..., 0].expand(B, H, Lq)  # (B, H, Lq)
     # 0 in rows that see no key; the sink's logit where there is one (no keys at all: no block of queries below)
     lse = q.new_zeros((B, H, Lq)) if sink is None else sink.clone()  # (B, H, Lq)
     grid = _Grid(mask, B, H, q.device)
     guard = _not_finite(k, v)
+    qs, ks, vs = _blocked(q), _blocked(k), _blocked(v)  # (nq, B, H, T, D), (nk, B, H, T, D), (nk, B, H, T, Dv)
     for r0, r1, row_tiles in grid.blocks():
         n = r1 - r0
-        m = q.new_full((B, H, BLOCK), float("-inf"))  # (B, H, BLOCK) running row max
-        l = q.new_zeros((B, H, BLOCK))  # noqa: E741  running normaliser
+        m = q.new_full((B, H, T), float("-inf"))  # (B, H, T) running row max
+        l = q.new_zeros((B, H, T))  # noqa: E741  running normaliser
         if sink is not None:  # the sink first (its value is 0)
             m[:, :, :n], l[:, :, :n] = sink[:, :, r0:r1], 1.0
-        acc = q.new_zeros((B, H, BLOCK, Dv))  # (B, H, BLOCK, Dv) running unnormalised output
-        qb = _padded(q[:, :, r0:r1], n)  # (B, H, BLOCK, D)
+        acc = q.new_zeros((B, H, T, Dv))  # (B, H, T, Dv) running unnormalised output
         for j0, j1, every in row_tiles:
-            kb, vb = _padded(k[:, :, j0:j1], j1 - j0), _padded(v[:, :, j0:j1], j1 - j0)  # (B, H, BLOCK, D|Dv)
-            allowed, bias = grid.masks(r0, r1, j0, j1, every, q.dtype)  # (B|1, H|1, BLOCK, BLOCK) each, or None
+            allowed, bias = grid.masks(r0, r1, j0, j1, every, q.dtype)  # (B|1, H|1, T, T) each, or None
             idx = grid.indices(r0, j0)
-            m, l, acc = steps.run("forward", score_mod, qb, kb, vb, m, l, acc, idx, allowed, bias, scale, guard)  # noqa: E741
+            kb, vb = ks[j0 // T], vs[j0 // T]  # (B, H, T, D), (B, H, T, Dv)
+            state = steps.run("forward", score_mod, qs[r0 // T], kb, vb, m, l, acc, idx, allowed, bias, scale, guard)
+            m, l, acc = state  # noqa: E741
         m, l, acc = m[:, :, :n], l[:, :, :n], acc[:, :, :n]  # noqa: E741  (B, H, n), (B, H, n, Dv)
         empty = l == 0  # (B, H, n): rows that summed nothing
         out[:, :, r0:r1] = torch.where(empty[..., None], 0.0, acc / l.clamp_min(torch.finfo(l.dtype).tiny)[..., None])
@@ -253,30 +276,31 @@ class _Compiled(torch.autograd.Function):
         B, H, Lq, _ = q.shape
         dout = dout.to(out.dtype)
         delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         closed_grads = [torch.zeros_like(t) for t in closed_over]
         keep = bool(closed_over)
         grid = _Grid(mask, B, H, q.device)
         guard = _not_finite(k, v)
-        for r0, r1, row_tiles in grid.blocks():
-            n = r1 - r0
-            qb, db = _padded(q[:, :, r0:r1], n), _padded(dout[:, :, r0:r1], n)  # (B, H, BLOCK, D|Dv)
-            lb, eb = _padded(lse[:, :, r0:r1], n), _padded(delta[:, :, r0:r1], n)  # (B, H, BLOCK)
+        T = tiles.BLOCK
+        qs, ks, vs, douts = _blocked(q), _blocked(k), _blocked(v), _blocked(dout)  # (nq|nk, B, H, T, D|Dv)
+        lses, deltas = _blocked(lse), _blocked(delta)  # (nq, B, H, T)
+        dqs, dks, dvs = torch.zeros_like(qs), torch.zeros_like(ks), torch.zeros_like(vs)  # as qs, ks, vs
+        for r0, _, row_tiles in grid.blocks():
+            i = r0 // T
             for j0, j1, every in row_tiles:
-                kb, vb = _padded(k[:, :, j0:j1], j1 - j0), _padded(v[:, :, j0:j1], j1 - j0)  # (B, H, BLOCK, D|Dv)
-                allowed, bias = grid.masks(r0, r1, j0, j1, every, q.dtype)  # (B|1, H|1, BLOCK, BLOCK) or None
+                allowed, bias = grid.masks(r0, min(r0 + T, Lq), j0, j1, every, q.dtype)  # (B|1, H|1, T, T) or None
                 idx = grid.indices(r0, j0)
-                g = steps.run("backward", score_mod, qb, kb, vb, db, lb, eb, idx, allowed, bias, scale, guard, keep)
-                dq[:, :, r0:r1] += g[0][:, :, :n]  # (B, H, n, D)
-                dk[:, :, j0:j1] += g[1][:, :, : j1 - j0]  # (B, H, m, D)
-                dv[:, :, j0:j1] += g[2][:, :, : j1 - j0]  # (B, H, m, Dv)
+                j = j0 // T
+                args = (qs[i], ks[j], vs[j], douts[i], lses[i], deltas[i], idx, allowed, bias, scale, guard, keep)
+                g = steps.run("backward", score_mod, *args)
+                dqs[i] += g[0]  # (B, H, T, D)
+                dks[j] += g[1]  # (B, H, T, D)
+                dvs[j] += g[2]  # (B, H, T, Dv)
                 if keep:
-                    with torch.enable_grad():
-                        term = steps.run("closure", score_mod, g[3], g[4], idx)
-                    through = torch.autograd.grad(term, closed_over, allow_unused=True)
+                    through = steps.closure_grads(score_mod, g[3], g[4], idx, closed_over)
                     for total, part in zip(closed_grads, through, strict=True):
                         if part is not None:
                             total += part
+        dq, dk, dv = _unblocked(dqs, Lq), _unblocked(dks, k.shape[2]), _unblocked(dvs, v.shape[2])
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             # d lse / d sink = the sink's weight, exp(sink - lse); d out / d sink = -(sink's weight) * out

@@ -10,18 +10,19 @@ autograd gives the tensors a score_mod closes over their share of the tile's gra
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["ScoreFn", "name", "run", "warn_once"]
+__all__ = ["ScoreFn", "closure_grads", "name", "run", "warn_once"]
 
-# B batch, H heads, n a tile's queries, m a tile's keys, D head dim, Dv value head dim
+# B batch, H heads, n a tile's queries, c a tile's keys (columns), D head dim, Dv value head dim
 
 ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -48,20 +49,20 @@ def _forward_step(
     """One tile folded into the running softmax ``m, l (B, H, n)``, ``acc (B, H, n, Dv)`` of its queries;
     ``guard``: the keys or values hold a value that is not finite, which must not reach a row through a weight of 0
     (the values of keys no row of the tile sees are zeroed, as in ``chunked``)."""
-    s = (q @ k.transpose(-2, -1)) * scale  # (B, H, n, m)
+    s = (q @ k.transpose(-2, -1)) * scale  # (B, H, n, c)
     if score_mod is not None:
-        s = score_mod(s, *idx).to(s.dtype).expand_as(s)  # (B, H, n, m)
+        s = score_mod(s, *idx).to(s.dtype).expand_as(s)  # (B, H, n, c)
     if bias is not None:
         s = s + bias
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     if guard:
-        unseen = torch.isneginf(s).all(dim=-2)[..., None]  # (B, H, m, 1): keys no row of the tile sees
-        v = v.masked_fill(unseen, 0.0)  # (B, H, m, Dv)
+        unseen = torch.isneginf(s).all(dim=-2)[..., None]  # (B, H, c, 1): keys no row of the tile sees
+        v = v.masked_fill(unseen, 0.0)  # (B, H, c, Dv)
     m_new = torch.maximum(m, s.amax(dim=-1))  # running row max; -inf in rows that saw nothing yet
     m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
     alpha = torch.exp(m - m_safe)  # rescales what was summed so far
-    p = torch.exp(s - m_safe[..., None])  # (B, H, n, m); 0 where hidden
+    p = torch.exp(s - m_safe[..., None])  # (B, H, n, c); 0 where hidden
     return m_new, l * alpha + p.sum(dim=-1), acc * alpha[..., None] + p @ v
 
 
@@ -80,31 +81,31 @@ def _backward_step(
     guard: bool,
     keep: bool,
 ) -> tuple[Tensor, ...]:
-    """One tile's gradients ``dq (B, H, n, D)``, ``dk (B, H, m, D)``, ``dv (B, H, m, Dv)``, its weights recomputed
+    """One tile's gradients ``dq (B, H, n, D)``, ``dk (B, H, c, D)``, ``dv (B, H, c, Dv)``, its weights recomputed
     from ``lse`` (``guard`` as in :func:`_forward_step`); with ``keep``, also the raw scores and the gradient of the
     modified ones, for the tensors the score_mod closes over."""
-    raw = (q @ k.transpose(-2, -1)) * scale  # (B, H, n, m)
+    raw = (q @ k.transpose(-2, -1)) * scale  # (B, H, n, c)
     vjp = None
     if score_mod is None:
         s = raw
     else:
         found = torch.func.vjp(lambda x: score_mod(x, *idx).to(x.dtype).expand_as(x), raw)
-        s, vjp = found[0], found[1]  # (B, H, n, m), the score_mod's vector-Jacobian product
+        s, vjp = found[0], found[1]  # (B, H, n, c), the score_mod's vector-Jacobian product
     if bias is not None:
         s = s + bias
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
-    p = torch.exp(s - lse[..., None])  # (B, H, n, m): the weights again
-    hidden = torch.isneginf(s) if guard else None  # (B, H, n, m)
+    p = torch.exp(s - lse[..., None])  # (B, H, n, c): the weights again
+    hidden = torch.isneginf(s) if guard else None  # (B, H, n, c)
     if hidden is not None:
-        unseen = hidden.all(dim=-2)[..., None]  # (B, H, m, 1): keys no row of the tile sees
-        k, v = k.masked_fill(unseen, 0.0), v.masked_fill(unseen, 0.0)  # (B, H, m, D), (B, H, m, Dv)
-    dv = p.transpose(-2, -1) @ dout  # (B, H, m, Dv)
-    dp = dout @ v.transpose(-2, -1)  # (B, H, n, m)
-    dmod = p * (dp - delta[..., None])  # (B, H, n, m): gradient of the modified scores
+        unseen = hidden.all(dim=-2)[..., None]  # (B, H, c, 1): keys no row of the tile sees
+        k, v = k.masked_fill(unseen, 0.0), v.masked_fill(unseen, 0.0)  # (B, H, c, D), (B, H, c, Dv)
+    dv = p.transpose(-2, -1) @ dout  # (B, H, c, Dv)
+    dp = dout @ v.transpose(-2, -1)  # (B, H, n, c)
+    dmod = p * (dp - delta[..., None])  # (B, H, n, c): gradient of the modified scores
     if hidden is not None:
         dmod = dmod.masked_fill(hidden, 0.0)
-    ds = dmod if vjp is None else vjp(dmod)[0]  # (B, H, n, m)
+    ds = dmod if vjp is None else vjp(dmod)[0]  # (B, H, n, c)
     # as FlexAttention: a score_mod singular where the mask hides has no gradient there (nor one that meets a
     # key that is not finite where it hides it)
     if hidden is not None:
@@ -112,7 +113,7 @@ def _backward_step(
     elif allowed is not None:
         ds = ds.masked_fill(~allowed, 0.0)
     dq = (ds @ k) * scale  # (B, H, n, D)
-    dk = (ds.transpose(-2, -1) @ q) * scale  # (B, H, m, D)
+    dk = (ds.transpose(-2, -1) @ q) * scale  # (B, H, c, D)
     if keep:
         return dq, dk, dv, raw, dmod
     return dq, dk, dv
@@ -121,15 +122,16 @@ def _backward_step(
 def _closure_term(score_mod: ScoreFn, raw: Tensor, dmod: Tensor, idx: tuple[Tensor, ...]) -> Tensor:
     """``sum(score_mod(raw) * dmod)``, whose gradient to what the score_mod closes over is that tensor's share of
     this tile's gradient (0 where ``dmod`` is, whatever the score_mod gives there: -inf included)."""
-    modded = score_mod(raw, *idx).to(raw.dtype).expand_as(raw)  # (B, H, n, m)
+    modded = score_mod(raw, *idx).to(raw.dtype).expand_as(raw)  # (B, H, n, c)
     return torch.where(dmod == 0, 0.0, modded * dmod).sum()
 
 
 _STEPS: dict[str, Callable[..., Any]] = {"forward": _forward_step, "backward": _backward_step, "closure": _closure_term}
 
-# The compiled steps, one per step, score_mod (its code, or its type for a callable object) and the shapes and
-# flags of the arguments, the last used last: each has code of its own, on which dynamo keeps its one graph (its
-# limit of graphs per code object, 8, would otherwise send a model's ninth variant to eager code, silently).
+# The compiled steps, one per step, score_mod (:func:`_key`) and the shapes, strides and flags of the arguments, the
+# last used last: each has code of its own, on which dynamo keeps its one graph (its limit of graphs per code
+# object, 8, would otherwise send a model's ninth variant to eager code, silently: checked on torch 2.13 by
+# tests/test_compiled.py, which counts the graphs).
 KEPT_STEPS = 64
 _KEPT: collections.OrderedDict[object, Callable[..., Any]] = collections.OrderedDict()
 # score_mods whose compiled steps failed: they run eagerly from then on, after one warning each.
@@ -137,9 +139,28 @@ _FAILED: set[object] = set()
 _LOCK = threading.Lock()
 
 
-def _key(score_mod: ScoreFn | None) -> object:
-    code = getattr(score_mod, "__code__", None)
-    return code if code is not None else type(score_mod)
+def _key(fn: object) -> object:
+    """What tells one score_mod's graphs from another's: a function's code and the numbers it closes over (dynamo
+    makes them constants of the graph), a partial's function and numbers, a callable object's type and numbers."""
+    if isinstance(fn, functools.partial):
+        return ("partial", _key(fn.func), _numbers(fn.args), _numbers(fn.keywords.values()))
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        cells = getattr(fn, "__closure__", None) or ()
+        return (code, _numbers(c.cell_contents for c in cells if _filled(c)))
+    return (type(fn), _numbers(vars(fn).values()) if hasattr(fn, "__dict__") else ())
+
+
+def _numbers(values: Iterable[object]) -> tuple[object, ...]:
+    return tuple(v if isinstance(v, (bool, int, float, str, type(None))) else type(v).__name__ for v in values)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 def _variant(args: tuple[Any, ...]) -> tuple[object, ...]:
@@ -149,7 +170,7 @@ def _variant(args: tuple[Any, ...]) -> tuple[object, ...]:
         if isinstance(a, tuple):
             out.append(_variant(a))
         elif isinstance(a, Tensor):
-            out.append((tuple(a.shape), a.dtype))
+            out.append((tuple(a.shape), a.stride(), a.dtype))
         else:
             out.append(a if a is None or isinstance(a, bool) else type(a))
     return tuple(out)
@@ -174,17 +195,49 @@ def _copy(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def run(step: str, score_mod: ScoreFn | None, *args: Any) -> Any:
     """The step compiled; run eagerly when this score_mod's compiling failed before, or fails now (with a warning,
-    once). An error the eager step raises as well is the function's own, and is raised as it is."""
+    once). An error the eager step raises as well is the function's own.
+
+    Raises:
+        ValueError: the score_mod raised, naming it.
+    """
     key = _key(score_mod)
     if key in _FAILED or torch.compiler.is_compiling():
-        return _STEPS[step](score_mod, *args)
+        return _eager(step, score_mod, *args)
     try:
         return _compiled(step, key, args)(score_mod, *args)
     except Exception as error:
-        result = _STEPS[step](score_mod, *args)  # raises the function's own error, when it is one
+        result = _eager(step, score_mod, *args)  # raises the function's own error, when it is one
         reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
         warn_once(score_mod, f"{type(error).__name__}: {reason}")
         return result
+
+
+def _eager(step: str, score_mod: ScoreFn | None, *args: Any) -> Any:
+    try:
+        return _STEPS[step](score_mod, *args)
+    except Exception as error:
+        if score_mod is None:
+            raise
+        raise ValueError(f"score_mod {name(score_mod)} raised {type(error).__name__} on a tile: {error}") from error
+
+
+def closure_grads(
+    score_mod: ScoreFn, raw: Tensor, dmod: Tensor, idx: tuple[Tensor, ...], closed_over: Sequence[Tensor]
+) -> tuple[Tensor | None, ...]:
+    """The gradients of the tensors ``closed_over`` (read by the score_mod) through one tile: the autograd gradient
+    of ``sum(score_mod(raw) * dmod)``, compiled forward and backward, eagerly where compiling fails (once a
+    warning). ``None`` for a tensor the tile's scores do not depend on."""
+    with torch.enable_grad():
+        term = run("closure", score_mod, raw, dmod, idx)
+    try:  # (AOTAutograd compiles the backward graph here, at its first use)
+        return torch.autograd.grad(term, closed_over, allow_unused=True)
+    except Exception as error:
+        if _key(score_mod) in _FAILED:
+            raise
+        warn_once(score_mod, f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}")
+        with torch.enable_grad():
+            term = _eager("closure", score_mod, raw, dmod, idx)
+        return torch.autograd.grad(term, closed_over, allow_unused=True)
 
 
 def warn_once(score_mod: ScoreFn | None, why: str) -> None:
