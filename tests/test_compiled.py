@@ -304,9 +304,16 @@ def test_auto_compiles_a_large_call_with_a_score_mod_that_is_not_a_bias(monkeypa
             attnkit.scaled_dot_product_attention(q, k, v, score_mod=score_mod, is_causal=True)
         assert chosen[0] != "compiled", name  # small: compiling would not pay
     monkeypatch.setattr(compiled, "COMPILE_FROM", B * H * 20 * 20)
+    monkeypatch.setattr(compiled, "FEWEST_QUERIES", 8)
     with dispatch.watch() as chosen:
         attnkit.scaled_dot_product_attention(q, k, v, score_mod=cases["softcap"], is_causal=True)
     assert chosen == ["compiled"]
+    few = q[:, :, :7]  # a decode step's few queries would be padded to a block of queries: not worth it
+    with dispatch.watch() as chosen:
+        attnkit.scaled_dot_product_attention(
+            few, k.repeat(1, 1, 3, 1), v.repeat(1, 1, 3, 1), score_mod=cases["softcap"]
+        )
+    assert chosen != ["compiled"]
     with dispatch.watch() as chosen:  # a bias the fused kernel takes
         attnkit.scaled_dot_product_attention(q, k, v, score_mod=cases["alibi"], is_causal=True)
     assert chosen == ["tiles"]
@@ -314,3 +321,18 @@ def test_auto_compiles_a_large_call_with_a_score_mod_that_is_not_a_bias(monkeypa
     with dispatch.watch() as chosen:
         attnkit.scaled_dot_product_attention(q, k, v, score_mod=mods.alibi(slopes), is_causal=True)
     assert chosen == ["compiled"]
+
+
+def test_inside_a_callers_torch_compile_with_a_causal_mask():
+    """The tiles' plan runs outside the caller's graph (traced, its causal test met symbolic booleans and Inductor
+    failed); the steps are traced into it as they are."""
+    q, k, v = (t.detach() for t in _inputs(8, 20, 20))
+
+    def model(q, k, v):
+        return attnkit.scaled_dot_product_attention(
+            q, k, v, is_causal=True, score_mod=SOFTCAP, backend="compiled"
+        ).output
+
+    out = torch.compile(model)(q, k, v)
+    want, _ = mathref.attention_mods(q, k, v, is_causal=True, score_mod=mathref.softcap(2.0))
+    assert max_err(out, want) <= OUT_TOL64

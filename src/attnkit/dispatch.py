@@ -5,7 +5,7 @@ Policy for ``backend="auto"``, first backend that can run the call wins:
 * weights wanted: ``reference`` (the only backend that returns them);
 * on CUDA, a call with a ``mask_mod`` or ``score_mod``: ``flex`` (PyTorch's compiled FlexAttention) first,
   then as below;
-* on CPU, a large call (``compiled.COMPILE_FROM`` scores) with a ``score_mod`` that is not a bias (``softcap``, a
+* on CPU, a large call (``compiled.COMPILE_FROM`` scores, ``compiled.FEWEST_QUERIES`` queries) with a ``score_mod`` that is not a bias (``softcap``, a
   user's function), or a bias whose tensors need a gradient: ``compiled`` (the online softmax's steps compiled by
   ``torch.compile``), then as below;
 * a ``mask_mod``, ``sinks`` or a ``score_mod`` that is a bias (ALiBi): ``tiles`` (PyTorch's fused CPU kernel on
@@ -154,14 +154,16 @@ def _preferences(call: Call) -> tuple[str, ...]:
 
 def _compile_worth(call: Call) -> bool:
     """A score_mod the fused kernel cannot take (not a bias, or a bias whose tensors need a gradient), in a call
-    large enough to repay compiling its steps (``compiled.COMPILE_FROM``)."""
+    large enough to repay compiling its steps (``compiled.COMPILE_FROM``), with a block of queries to fill (a decode
+    step's few queries would be padded to a block: ``chunked`` ran Lq=1 over 65536 keys 6.7x faster)."""
     if call.score_mod is None or call.q.device.type != "cpu":
         return False
     if call.score_bias and not call.differentiates_score_mod:
         return False
     B, H, Lq, _ = call.q.shape
-    # (a function of single scores only, run element by element, cannot be compiled as a block: chunked runs it)
-    return B * H * Lq * call.k.shape[2] >= compiled.COMPILE_FROM and compiled.takes_blocks(call)
+    if Lq < compiled.FEWEST_QUERIES or B * H * Lq * call.k.shape[2] < compiled.COMPILE_FROM:
+        return False
+    return compiled.takes_blocks(call)  # (a function of single scores only cannot be compiled as a block)
 
 
 def _few_queries(call: Call) -> bool:

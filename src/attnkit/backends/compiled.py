@@ -38,6 +38,8 @@ NAME = "compiled"
 # takes about 4 s forward and 5 s backward here, which chunked's time at H=8, L=8192 (4.6 s a call) repays at once;
 # smaller calls stay on chunked unless this backend is named.
 COMPILE_FROM = 2**27
+# ... and with at least this many queries: fewer are padded to a block of queries all the same.
+FEWEST_QUERIES = tiles.BLOCK
 
 SUPPORTS = Supports(
     scoring=frozenset({DOT}),

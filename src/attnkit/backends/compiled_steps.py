@@ -29,6 +29,8 @@ ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 def name(fn: object) -> str:
     """The function's name, for messages."""
+    if fn is None:
+        return "attention without a score_mod"
     return str(getattr(fn, "__qualname__", None) or type(fn).__name__)
 
 

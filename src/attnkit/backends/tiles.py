@@ -110,6 +110,8 @@ _KEPT: collections.OrderedDict[tuple[object, ...], _Kept] = collections.OrderedD
 _KEPT_LOCK = threading.Lock()
 
 
+@torch.compiler.disable  # (Python lists of ranges from the mask's values: under a caller's torch.compile, traced,
+# the causal tile's test met symbolic booleans and Inductor failed; run as it is, it costs a graph break)
 def plan(mask: Mask) -> list[Rows]:
     """The blocks of queries and the runs of keys each sees: kept on the mask (the backward pass reuses it), and for
     a mask that is a function of the indices alone, for the calls after (every layer, every step)."""
