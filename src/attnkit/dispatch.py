@@ -5,9 +5,9 @@ Policy for ``backend="auto"``, first backend that can run the call wins:
 * weights wanted: ``reference`` (the only backend that returns them);
 * on CUDA, a call with a ``mask_mod`` or ``score_mod``: ``flex`` (PyTorch's compiled FlexAttention) first,
   then as below;
-* on CPU, a large call (``compiled.COMPILE_FROM`` scores, ``compiled.FEWEST_QUERIES`` queries) with a ``score_mod`` that is not a bias (``softcap``, a
-  user's function), or a bias whose tensors need a gradient: ``compiled`` (the online softmax's steps compiled by
-  ``torch.compile``), then as below;
+* on CPU, a large call (``compiled.COMPILE_FROM`` scores, ``compiled.FEWEST_QUERIES`` queries) with a
+  ``score_mod`` that is not a bias (``softcap``, a user's function), or a bias whose tensors need a gradient:
+  ``compiled`` (the online softmax's steps compiled by ``torch.compile``), then as below;
 * a ``mask_mod``, ``sinks`` or a ``score_mod`` that is a bias (ALiBi): ``tiles`` (PyTorch's fused CPU kernel on
   the tiles the mask shows, skipping the hidden ones; the bias as the kernel's float mask), then as below;
 * a ``mask_mod`` that hides most of the scores (a sliding window: ``chunked`` visits at most ``SPARSE_BELOW`` of
