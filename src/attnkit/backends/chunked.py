@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit.backends.common import Watched, repeat_kv, zero_dead
+from attnkit.backends.common import Watched, probe, repeat_kv, zero_dead
 from attnkit.backends.contract import Call, Supports
 from attnkit.backends.online import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads, key_blocks
 from attnkit.masks import Mask, compute_dtype
@@ -124,7 +124,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     if call.score_mod is not None:
         read = call.tensors_read(call.score_mod)
         if torch.is_grad_enabled():
-            closed_over = mods.grad_inputs(call.score_mod, _probe(q, dtype), read or ())
+            closed_over = mods.grad_inputs(call.score_mod, probe(dtype, q.device), read or ())
         protected = mods.protected_storages(call.score_mod, read)
     scorer = Scorer(wf, scale, call.score_mod, B, H, protected)
     inputs = (qf, kf, vf, wf, sinks, *closed_over)
@@ -132,12 +132,6 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     watched = Watched.of(call) if backward else None
     out = _OnlineSoftmax.apply(qf, kf, vf, wf, sinks, mask, scorer, block, watched, *closed_over)  # (B, H, Lq, Dv)
     return out.to(q.dtype), None
-
-
-def _probe(q: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
-    """One score, of query 0 and key 0 of example 0 and head 0, to run a score_mod on once."""
-    zero = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=q.device)
-    return (torch.zeros((1, 1, 1, 1), dtype=dtype, device=q.device), zero, zero, zero, zero)
 
 
 class _OnlineSoftmax(torch.autograd.Function):

@@ -99,6 +99,13 @@ def _finite_suffixes(mask: Mask, k: Tensor, v: Tensor, zeros_past: Tensor | None
     return bool(torch.isfinite(k[:, :, shortest:].sum() + v[:, :, shortest:].sum()))
 
 
+def probe(dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
+    """One score, of query 0 and key 0 of example 0 and head 0: the arguments to run a score_mod on once
+    (:func:`attnkit.mods.grad_inputs`)."""
+    zero = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=device)
+    return (torch.zeros((1, 1, 1, 1), dtype=dtype, device=device), zero, zero, zero, zero)
+
+
 class Watched:
     """The tensors the backward pass reads again through the mask and the modifiers (lengths, masks, a mask_mod's
     ids, what a score_mod closes over), with their versions at the forward pass: the recomputing backward would

@@ -26,8 +26,9 @@ from torch import Tensor
 from attnkit import mods
 from attnkit.backends import compiled_steps as steps
 from attnkit.backends import tiles
-from attnkit.backends.common import Watched, repeat_kv, zero_dead
+from attnkit.backends.common import Watched, probe, repeat_kv, zero_dead
 from attnkit.backends.contract import DOT, Call, Supports
+from attnkit.backends.online import RunningSoftmax
 from attnkit.masks import Mask, compute_dtype
 
 NAME = "compiled"
@@ -75,16 +76,10 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
             )
         if torch.is_grad_enabled():
             read = call.tensors_read(score_mod)
-            closed_over = mods.grad_inputs(score_mod, _probe(qf), read or ())
+            closed_over = mods.grad_inputs(score_mod, probe(dtype, q.device), read or ())
     watched = Watched.of(call) if call.needs_grad else None
     out = _Compiled.apply(qf, kf, vf, sinks, mask, score_mod, call.scale, watched, *closed_over)  # (B, H, Lq, Dv)
     return out.to(q.dtype), None
-
-
-def _probe(q: Tensor) -> tuple[Tensor, ...]:
-    """One score, of query 0 and key 0 of example 0 and head 0, to run a score_mod on once."""
-    zero = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=q.device)
-    return (torch.zeros((1, 1, 1, 1), dtype=q.dtype, device=q.device), zero, zero, zero, zero)
 
 
 def takes_blocks(call: Call) -> bool:
@@ -241,10 +236,8 @@ def _forward(
             kb, vb = ks[j0 // T], vs[j0 // T]  # (B, H, T, D), (B, H, T, Dv)
             state = steps.run("forward", score_mod, qs[r0 // T], kb, vb, m, l, acc, idx, allowed, bias, scale, guard)
             m, l, acc = state  # noqa: E741
-        m, l, acc = m[:, :, :n], l[:, :, :n], acc[:, :, :n]  # noqa: E741  (B, H, n), (B, H, n, Dv)
-        empty = l == 0  # (B, H, n): rows that summed nothing
-        out[:, :, r0:r1] = torch.where(empty[..., None], 0.0, acc / l.clamp_min(torch.finfo(l.dtype).tiny)[..., None])
-        lse[:, :, r0:r1] = torch.where(empty, 0.0, m + torch.log(l))
+        state = RunningSoftmax(m[:, :, :n], l[:, :, :n], acc[:, :, :n])  # (B, H, n), (B, H, n), (B, H, n, Dv)
+        out[:, :, r0:r1], lse[:, :, r0:r1] = state.result()  # 0 and 0 in rows that summed nothing
     return out, lse
 
 
