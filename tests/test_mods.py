@@ -1190,3 +1190,20 @@ def test_an_empty_batch_with_a_per_example_mask_mod(backend, make):
     q = torch.randn(0, 1, 3, 4)
     out = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=make(), backend=backend).output
     assert out.shape == (0, 1, 3, 4)
+
+
+def test_gradcheck_of_the_reference_with_a_score_mod_and_a_causal_mask():
+    """torch.autograd.gradcheck passes the reference's hidden-pair hook no gradient for some of its probes (it
+    raised AttributeError on None)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 3, dtype=torch.float64, generator=g).requires_grad_() for _ in range(3))
+    table = torch.randn(2, 10, dtype=torch.float64, generator=g).requires_grad_()
+
+    def run(q, k, v, table):
+        def score_mod(s, b, h, q_idx, kv_idx):
+            return 5 * torch.tanh(s / 5) + table[h, q_idx - kv_idx + 5]
+
+        out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=score_mod, is_causal=True, backend="reference")
+        return out.output
+
+    assert torch.autograd.gradcheck(run, (q, k, v, table))

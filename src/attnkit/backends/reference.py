@@ -140,7 +140,7 @@ def _weights(
             # as FlexAttention: hidden pairs pass no gradient back through the score_mod (one singular there,
             # 1 / (i - j) on a hidden diagonal, would give 0 * inf)
             hidden_pairs = ~allowed
-            raw.register_hook(lambda g: g.masked_fill(hidden_pairs, 0.0))
+            raw.register_hook(lambda g: None if g is None else g.masked_fill(hidden_pairs, 0.0))  # (gradcheck: None)
     if sinks is not None:
         return _softmax_with_sinks(scores, allowed, bias, mask.sink_logits(sinks.to(dtype))), unseen
     weights = softmax_with_mask(
