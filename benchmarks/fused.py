@@ -11,10 +11,11 @@ B=1, H=8, D=64, float32, forward + backward, attnkit's default backend (``auto``
   causal, against SDPA ``is_causal``. Target: at most 1.5x.
 * ``packed``: documents of log-normal lengths (at most 2048, 16384 tokens; benchmarks/flex.py's), packed with a causal
   document mask, against one SDPA ``is_causal`` call per document. Target: at most 1.2x.
-* ``forward``: the window's and the causal mask_mod's forward against compiled FlexAttention's forward on the same
-  mask (``--flex``; compiling takes a minute here). Target: at most 1.0x.
+* ``forward``: the window's, the causal mask_mod's and softcap's forward against compiled FlexAttention's forward on
+  the same mask and score_mod (``--flex``; compiling takes a minute here). Target: at most 1.0x.
 * memory (``--memory 8192,16384,32768``): the peak resident-set increase of one forward and backward of the causal
-  mask_mod, the window and ALiBi, each in a fresh process (:func:`attnkit.bench.peak_memory`): linear in ``L``.
+  mask_mod, the window, ALiBi and softcap (those of ``--rows`` when given), each in a fresh process
+  (:func:`attnkit.bench.peak_memory`; softcap's steps compiled in a warm-up first): linear in ``L``.
 
 Each measurement's contenders run in turn, round after round (benchmarks/flex.py's ``timed_rounds``), so that load
 from elsewhere on a shared machine falls on all of them alike; ratios compare contenders of one run.
@@ -136,7 +137,7 @@ def forward_contenders(length: int) -> dict[str, Callable[[], None]]:
     return found
 
 
-MEMORY_ROWS = ("causal mask_mod", "window", "alibi")
+MEMORY_ROWS = ("causal mask_mod", "window", "alibi", "softcap")
 
 
 def memory_child(name: str, length: int) -> dict[str, Any]:
@@ -144,14 +145,20 @@ def memory_child(name: str, length: int) -> dict[str, Any]:
     from attnkit.bench import peak_memory
 
     contenders(512)[name]()  # warm-up: thread pools, lazy imports
+    if name == "softcap":  # the compiled steps' graphs, the same at every length (Inductor's compiling is not counted)
+        q, k, v = (torch.randn(B, H, 512, D, requires_grad=True) for _ in range(3))
+        out = attnkit.scaled_dot_product_attention(
+            q, k, v, score_mod=mods.softcap(30.0), is_causal=True, backend="compiled"
+        ).output
+        out.sum().backward()
     run = contenders(length)[name]
     inputs_bytes = 4 * 4 * B * H * length * D  # q, k, v and dout
     return {"peak_bytes": peak_memory(run), "inputs_bytes": inputs_bytes}
 
 
-def measure_memory(lengths: list[int]) -> dict[str, dict[str, Any]]:
+def measure_memory(lengths: list[int], rows: set[str] | None = None) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
-    for name in MEMORY_ROWS:
+    for name in (n for n in MEMORY_ROWS if rows is None or n in rows):
         for length in lengths:
             child = [sys.executable, __file__, "--memory-child", name, str(length)]
             proc = subprocess.run(child, capture_output=True, text=True, check=True)
@@ -238,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     results = measure([int(n) for n in args.lengths.split(",")], args.repeats, args.flex, rows)
     text = report(results)
     if args.memory:
-        results["memory"] = measure_memory([int(n) for n in args.memory.split(",")])
+        results["memory"] = measure_memory([int(n) for n in args.memory.split(",")], rows)
         text += "\n" + report_memory(results["memory"])
     return finish(results, text, missed_targets(results), args.json)
 
