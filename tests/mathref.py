@@ -246,3 +246,13 @@ def attention_mods(
     if three_d:
         return out.squeeze(1), weights.squeeze(1)
     return out, weights
+
+
+def assert_agrees(out: Tensor, want: Tensor, leaves, names, out_tol: float, grad_tol: float) -> None:
+    """``out`` within ``out_tol`` of ``want`` (the math's), and the gradient of every leaf through each, for one
+    random output gradient, within ``grad_tol`` (``names``: the leaves', for the message)."""
+    assert max_err(out, want) <= out_tol
+    dout = torch.randn_like(out)
+    got, expected = torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout)
+    for name, a, b in zip(names, got, expected, strict=True):
+        assert max_err(a, b) <= grad_tol, name

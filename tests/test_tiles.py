@@ -96,11 +96,7 @@ def _agree_with_the_math(ours: dict, math: dict, leaves: list[torch.Tensor]) -> 
     q, k, v = leaves[:3]
     out = attnkit.scaled_dot_product_attention(q, k, v, backend="tiles", **ours).output
     want, _ = mathref.attention_mods(q, k, v, **math)
-    assert max_err(out, want) <= OUT_TOL64
-    dout = torch.randn_like(out)
-    got, expected = torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout)
-    for name, a, b in zip(["q", "k", "v", "sinks"][: len(leaves)], got, expected, strict=True):
-        assert max_err(a, b) <= GRAD_TOL64, name
+    mathref.assert_agrees(out, want, leaves, ["q", "k", "v", "sinks"][: len(leaves)], OUT_TOL64, GRAD_TOL64)
 
 
 @hypothesis_settings(max_examples=60, deadline=None)

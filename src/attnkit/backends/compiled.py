@@ -107,9 +107,15 @@ def _takes_blocks(call: Call) -> bool:
             r0, r1, j0, j1 = rows.r0, rows.r1, run.j0, min(run.j1, run.j0 + tiles.BLOCK)
             scores = (q[:, :, r0:r1] @ k[:, :, j0:j1].transpose(-2, -1)) * call.scale  # (B, H, n, c)
             idx = mods.indices(B, H, (r0, r1), (j0, j1), q.device)
+            try:  # as a compiled step calls it
+                out = score_mod(scores.clone(), *idx)
+                if isinstance(out, Tensor) and out.is_floating_point() and _broadcasts(out.shape, scores.shape):
+                    return True
+            except Exception:
+                pass
             name = steps.name(score_mod)
-            try:
-                mods.evaluate_score(score_mod, scores.clone(), *idx, protected=None)
+            try:  # attnkit's words for what is wrong; or it runs element by element, and is no function of blocks
+                mods.evaluate_score(score_mod, scores, *idx, protected=None)
             except Exception as error:
                 if type(error) in (TypeError, ValueError):  # attnkit's own words about what it returned
                     raise type(error)(f"score_mod {name}: {error}") from error
@@ -117,11 +123,7 @@ def _takes_blocks(call: Call) -> bool:
                     f"score_mod {name} raised {type(error).__name__} on a block of scores of shape "
                     f"{tuple(scores.shape)}: {error}"
                 ) from error
-            try:
-                out = score_mod(scores, *idx)  # as a compiled step calls it
-            except Exception:
-                return False
-            return isinstance(out, Tensor) and _broadcasts(out.shape, scores.shape)
+            return False
     return True
 
 
@@ -212,8 +214,18 @@ def _not_finite(k: Tensor, v: Tensor) -> bool:
 
 
 def _forward(
-    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, mask: Mask, score_mod: ScoreFn | None, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sinks: Tensor | None,
+    mask: Mask,
+    score_mod: ScoreFn | None,
+    scale: float,
+    guard: bool,
 ) -> tuple[Tensor, Tensor]:
+    """The output ``(B, H, Lq, Dv)`` and each row's log-sum-exp ``(B, H, Lq)`` of ``q (B, H, Lq, D)`` over
+    ``k (B, H, Lk, D)`` and ``v (B, H, Lk, Dv)``, tile by tile; ``guard``: some key or value is not finite
+    (:func:`~attnkit.backends.compiled_steps._forward_step`)."""
     B, H, Lq, _ = q.shape
     Dv, T = v.shape[-1], tiles.BLOCK
     out = q.new_zeros((B, H, Lq, Dv))  # (B, H, Lq, Dv)
@@ -221,7 +233,6 @@ def _forward(
     # 0 in rows that see no key; the sink's logit where there is one (no keys at all: no block of queries below)
     lse = q.new_zeros((B, H, Lq)) if sink is None else sink.clone()  # (B, H, Lq)
     grid = _Grid(mask, B, H, q.device)
-    guard = _not_finite(k, v)
     qs, ks, vs = _blocked(q), _blocked(k), _blocked(v)  # (nq, B, H, T, D), (nk, B, H, T, D), (nk, B, H, T, Dv)
     for r0, r1, row_tiles in grid.blocks():
         n = r1 - r0
@@ -255,9 +266,10 @@ class _Compiled(torch.autograd.Function):
         watched: Watched | None,
         *closed_over: Tensor,
     ) -> Tensor:
-        out, lse = _forward(q, k, v, sinks, mask, score_mod, scale)
+        guard = _not_finite(k, v)
+        out, lse = _forward(q, k, v, sinks, mask, score_mod, scale, guard)
         ctx.save_for_backward(q, k, v, sinks, out, lse, *closed_over)
-        ctx.mask, ctx.score_mod, ctx.scale, ctx.watched = mask, score_mod, scale, watched
+        ctx.mask, ctx.score_mod, ctx.scale, ctx.watched, ctx.guard = mask, score_mod, scale, watched, guard
         return out
 
     @staticmethod
@@ -273,16 +285,15 @@ class _Compiled(torch.autograd.Function):
         delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
         closed_grads = [torch.zeros_like(t) for t in closed_over]
         keep = bool(closed_over)
-        grid = _Grid(mask, B, H, q.device)
-        guard = _not_finite(k, v)
+        grid, guard = _Grid(mask, B, H, q.device), ctx.guard
         T = tiles.BLOCK
         qs, ks, vs, douts = _blocked(q), _blocked(k), _blocked(v), _blocked(dout)  # (nq|nk, B, H, T, D|Dv)
         lses, deltas = _blocked(lse), _blocked(delta)  # (nq, B, H, T)
         dqs, dks, dvs = torch.zeros_like(qs), torch.zeros_like(ks), torch.zeros_like(vs)  # as qs, ks, vs
-        for r0, _, row_tiles in grid.blocks():
+        for r0, r1, row_tiles in grid.blocks():
             i = r0 // T
             for j0, j1, every in row_tiles:
-                allowed, bias = grid.masks(r0, min(r0 + T, Lq), j0, j1, every, q.dtype)  # (B|1, H|1, T, T) or None
+                allowed, bias = grid.masks(r0, r1, j0, j1, every, q.dtype)  # (B|1, H|1, T, T) or None
                 idx = grid.indices(r0, j0)
                 j = j0 // T
                 args = (qs[i], ks[j], vs[j], douts[i], lses[i], deltas[i], idx, allowed, bias, scale, guard, keep)
