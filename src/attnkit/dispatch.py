@@ -17,7 +17,8 @@ Policy for ``backend="auto"``, first backend that can run the call wins:
   (a few queries without autograd: the decode step) over keys and values stored positions last (a
   :class:`~attnkit.KVCache`'s long context), and for a masked call of a few queries on CPU, which sdpa could run only
   after reading every key once more to bound the scores its kernels mask by adding ``-inf``;
-* additive scoring: ``chunked`` when the ``(B, H, Lq, Lk, D)`` features would be large
+* additive scoring: on CPU, ``compiled`` for a large call (``compiled.ADDITIVE_FROM`` features, ``FEWEST_QUERIES``
+  queries); then ``chunked`` when the ``(B, H, Lq, Lk, D)`` features would be large
   (``>= ADDITIVE_CHUNK_ELEMENTS``), else ``reference``, each falling back to the other.
 
 A backend named explicitly never falls back: if it cannot run the call, a ``ValueError`` lists every
@@ -147,21 +148,28 @@ def _preferences(call: Call) -> tuple[str, ...]:
             return (*flex, *fused, "sdpa", "chunked", "reference")
         return (*flex, "sdpa", "chunked", "reference")
     B, H, Lq, D = call.q.shape
-    if B * H * Lq * call.k.shape[2] * D >= ADDITIVE_CHUNK_ELEMENTS:
+    features = B * H * Lq * call.k.shape[2] * D
+    if features >= ADDITIVE_CHUNK_ELEMENTS:
+        if _compile_worth(call):
+            return ("compiled", "chunked", "reference")
         return ("chunked", "reference")
     return ("reference", "chunked")
 
 
 def _compile_worth(call: Call) -> bool:
-    """A score_mod the fused kernel cannot take (not a bias, or a bias whose tensors need a gradient), in a call
-    large enough to repay compiling its steps (``compiled.COMPILE_FROM``), with a block of queries to fill (a decode
-    step's few queries would be padded to a block: ``chunked`` ran Lq=1 over 65536 keys 6.7x faster)."""
-    if call.score_mod is None or call.q.device.type != "cpu":
+    """Additive scoring, or a score_mod the fused kernel cannot take (not a bias, or a bias whose tensors need a
+    gradient), in a call large enough to repay compiling its steps (``compiled.ADDITIVE_FROM`` features,
+    ``compiled.COMPILE_FROM`` scores), with a block of queries to fill (a decode step's few queries would be padded
+    to a block: ``chunked`` ran Lq=1 over 65536 keys 6.7x faster)."""
+    if call.q.device.type != "cpu":
         return False
-    if call.score_bias and not call.differentiates_score_mod:
+    B, H, Lq, D = call.q.shape
+    size, least = B * H * Lq * call.k.shape[2], compiled.COMPILE_FROM
+    if call.w_v is not None:
+        size, least = size * D, compiled.ADDITIVE_FROM
+    elif call.score_mod is None or (call.score_bias and not call.differentiates_score_mod):
         return False
-    B, H, Lq, _ = call.q.shape
-    if Lq < compiled.FEWEST_QUERIES or B * H * Lq * call.k.shape[2] < compiled.COMPILE_FROM:
+    if Lq < compiled.FEWEST_QUERIES or size < least:
         return False
     return compiled.takes_blocks(call)  # (a function of single scores only cannot be compiled as a block)
 

@@ -9,12 +9,17 @@ function, so that a ``score_mod`` such as ``softcap`` costs one fused pass over 
 The tensors a score_mod closes over that require grad (a learned table of biases) get their gradients from one more
 compiled function per tile, ``sum(score_mod(scores) * dscores)``, differentiated by autograd.
 
+Additive scoring runs on the same tiles, its ``(B, H, n, c, D)`` features fused into the sums that read them and
+never stored; where the queries' range allows (:func:`~attnkit.backends.compiled_steps.exp_form`), ``tanh(q + k)``
+is worked out from ``exp(2 q)`` and ``exp(2 k)``, made once per call, as ``1 - 2 / (exp(2 q) exp(2 k) + 1)``: a
+product and a reciprocal per feature instead of a ``tanh``, forward and backward.
+
 Compiling a step takes seconds, once per score_mod and shape; :mod:`attnkit.dispatch` sends a call here only when
 it is large enough to repay that (:data:`COMPILE_FROM`). A score_mod is first run once, eagerly, on a real tile,
 where a function that raises or returns the wrong shape or dtype gets the errors of
 :func:`attnkit.mods.evaluate_score`. If compiling then fails, the same steps run eagerly, with one warning.
 
-Cannot: additive scoring, weights, dropout, gradients to a float ``attn_mask``, modifiers whose tensors it cannot
+Cannot: weights, dropout, gradients to a float ``attn_mask``, modifiers whose tensors it cannot
 find under autograd: :data:`SUPPORTS`.
 """
 
@@ -26,8 +31,8 @@ from torch import Tensor
 from attnkit import mods
 from attnkit.backends import compiled_steps as steps
 from attnkit.backends import tiles
-from attnkit.backends.common import Watched, probe, repeat_kv, zero_dead
-from attnkit.backends.contract import DOT, Call, Supports
+from attnkit.backends.common import Watched, additive_scores, probe, repeat_kv, zero_dead
+from attnkit.backends.contract import ADDITIVE, DOT, Call, Supports
 from attnkit.backends.online import RunningSoftmax
 from attnkit.masks import Mask, compute_dtype
 
@@ -41,9 +46,12 @@ NAME = "compiled"
 COMPILE_FROM = 2**27
 # ... and with at least this many queries: fewer are padded to a block of queries all the same.
 FEWEST_QUERIES = tiles.BLOCK
+# Additive scoring goes here from this many features per call (B * H * Lq * Lk * D): compiling takes about 11 s
+# here, and chunked's time at B=4, L=1024, D=128 (2^29, 2.4 s a training step against 0.17 s) repays it in five.
+ADDITIVE_FROM = 2**28
 
 SUPPORTS = Supports(
-    scoring=frozenset({DOT}),
+    scoring=frozenset({DOT, ADDITIVE}),
     weights=False,
     dropout=False,
     bias_grad=False,
@@ -64,6 +72,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     qf = q.to(dtype)  # (B, H, Lq, D)
     kf = repeat_kv(k, H).to(dtype)  # (B, H, Lk, D): repeated outside the Function, autograd sums the groups back
     vf = repeat_kv(v, H).to(dtype)  # (B, H, Lk, Dv)
+    w = None if call.w_v is None else call.w_v.to(dtype)  # (D,)
     sinks = None if call.sinks is None else call.sinks.to(dtype)
     score_mod = call.score_mod
     closed_over: tuple[Tensor, ...] = ()
@@ -78,7 +87,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
             read = call.tensors_read(score_mod)
             closed_over = mods.grad_inputs(score_mod, probe(dtype, q.device), read or ())
     watched = Watched.of(call) if call.needs_grad else None
-    out = _Compiled.apply(qf, kf, vf, sinks, mask, score_mod, call.scale, watched, *closed_over)  # (B, H, Lq, Dv)
+    out = _Compiled.apply(qf, kf, vf, w, sinks, mask, score_mod, call.scale, watched, *closed_over)  # (B, H, Lq, Dv)
     return out.to(q.dtype), None
 
 
@@ -105,7 +114,10 @@ def _takes_blocks(call: Call) -> bool:
     for rows in tiles.plan(mask):
         for run in rows.runs:
             r0, r1, j0, j1 = rows.r0, rows.r1, run.j0, min(run.j1, run.j0 + tiles.BLOCK)
-            scores = (q[:, :, r0:r1] @ k[:, :, j0:j1].transpose(-2, -1)) * call.scale  # (B, H, n, c)
+            if call.w_v is None:
+                scores = (q[:, :, r0:r1] @ k[:, :, j0:j1].transpose(-2, -1)) * call.scale  # (B, H, n, c)
+            else:
+                scores = additive_scores(q[:, :, r0:r1], k[:, :, j0:j1], call.w_v.detach())[0]  # (B, H, n, c)
             idx = mods.indices(B, H, (r0, r1), (j0, j1), q.device)
             try:  # as a compiled step calls it
                 out = score_mod(scores.clone(), *idx)
@@ -217,15 +229,17 @@ def _forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    w: Tensor | None,
     sinks: Tensor | None,
     mask: Mask,
     score_mod: ScoreFn | None,
     scale: float,
+    exp: bool,
     guard: bool,
 ) -> tuple[Tensor, Tensor]:
     """The output ``(B, H, Lq, Dv)`` and each row's log-sum-exp ``(B, H, Lq)`` of ``q (B, H, Lq, D)`` over
-    ``k (B, H, Lk, D)`` and ``v (B, H, Lk, Dv)``, tile by tile; ``guard``: some key or value is not finite
-    (:func:`~attnkit.backends.compiled_steps._forward_step`)."""
+    ``k (B, H, Lk, D)`` and ``v (B, H, Lk, Dv)``, tile by tile; ``w (D,)`` for additive scoring, ``exp`` its form,
+    ``guard``: some key or value is not finite (:func:`~attnkit.backends.compiled_steps._forward_step`)."""
     B, H, Lq, _ = q.shape
     Dv, T = v.shape[-1], tiles.BLOCK
     out = q.new_zeros((B, H, Lq, Dv))  # (B, H, Lq, Dv)
@@ -245,8 +259,8 @@ def _forward(
             allowed, bias = grid.masks(r0, r1, j0, j1, every, q.dtype)  # (B|1, H|1, T, T) each, or None
             idx = grid.indices(r0, j0)
             kb, vb = ks[j0 // T], vs[j0 // T]  # (B, H, T, D), (B, H, T, Dv)
-            state = steps.run("forward", score_mod, qs[r0 // T], kb, vb, m, l, acc, idx, allowed, bias, scale, guard)
-            m, l, acc = state  # noqa: E741
+            args = (qs[r0 // T], kb, vb, w, m, l, acc, idx, allowed, bias, scale, exp, guard)
+            m, l, acc = steps.run("forward", score_mod, *args)  # noqa: E741
         state = RunningSoftmax(m[:, :, :n], l[:, :, :n], acc[:, :, :n])  # (B, H, n), (B, H, n), (B, H, n, Dv)
         out[:, :, r0:r1], lse[:, :, r0:r1] = state.result()  # 0 and 0 in rows that summed nothing
     return out, lse
@@ -259,6 +273,7 @@ class _Compiled(torch.autograd.Function):
         q: Tensor,
         k: Tensor,
         v: Tensor,
+        w: Tensor | None,
         sinks: Tensor | None,
         mask: Mask,
         score_mod: ScoreFn | None,
@@ -267,15 +282,19 @@ class _Compiled(torch.autograd.Function):
         *closed_over: Tensor,
     ) -> Tensor:
         guard = _not_finite(k, v)
-        out, lse = _forward(q, k, v, sinks, mask, score_mod, scale, guard)
-        ctx.save_for_backward(q, k, v, sinks, out, lse, *closed_over)
+        found = None if w is None else steps.exp_form(q, k)  # additive: exp(2 q), exp(2 k), each (B, H, L, D)
+        if found is not None:
+            q, k = found
+        out, lse = _forward(q, k, v, w, sinks, mask, score_mod, scale, found is not None, guard)
+        ctx.save_for_backward(q, k, v, w, sinks, out, lse, *closed_over)
         ctx.mask, ctx.score_mod, ctx.scale, ctx.watched, ctx.guard = mask, score_mod, scale, watched, guard
+        ctx.exp = found is not None
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, sinks, out, lse, *closed_over = ctx.saved_tensors
+        q, k, v, w, sinks, out, lse, *closed_over = ctx.saved_tensors  # q, k in the exp form where ctx.exp
         if ctx.watched is not None:
             ctx.watched.check(NAME)
         mask: Mask = ctx.mask
@@ -290,26 +309,30 @@ class _Compiled(torch.autograd.Function):
         qs, ks, vs, douts = _blocked(q), _blocked(k), _blocked(v), _blocked(dout)  # (nq|nk, B, H, T, D|Dv)
         lses, deltas = _blocked(lse), _blocked(delta)  # (nq, B, H, T)
         dqs, dks, dvs = torch.zeros_like(qs), torch.zeros_like(ks), torch.zeros_like(vs)  # as qs, ks, vs
+        dws = None if w is None else torch.zeros_like(qs)  # (nq, B, H, T, D): each query's share of dw
         for r0, r1, row_tiles in grid.blocks():
             i = r0 // T
             for j0, j1, every in row_tiles:
                 allowed, bias = grid.masks(r0, r1, j0, j1, every, q.dtype)  # (B|1, H|1, T, T) or None
                 idx = grid.indices(r0, j0)
                 j = j0 // T
-                args = (qs[i], ks[j], vs[j], douts[i], lses[i], deltas[i], idx, allowed, bias, scale, guard, keep)
-                g = steps.run("backward", score_mod, *args)
+                args = (qs[i], ks[j], vs[j], w, douts[i], lses[i], deltas[i], idx, allowed, bias, scale, ctx.exp)
+                g = steps.run("backward", score_mod, *args, guard, keep)
                 dqs[i] += g[0]  # (B, H, T, D)
                 dks[j] += g[1]  # (B, H, T, D)
                 dvs[j] += g[2]  # (B, H, T, Dv)
+                if dws is not None:
+                    dws[i] += g[3]  # (B, H, T, D)
                 if keep:
-                    through = steps.closure_grads(score_mod, g[3], g[4], idx, closed_over)
+                    through = steps.closure_grads(score_mod, g[4], g[5], idx, closed_over)
                     for total, part in zip(closed_grads, through, strict=True):
                         if part is not None:
                             total += part
         dq, dk, dv = _unblocked(dqs, Lq), _unblocked(dks, k.shape[2]), _unblocked(dvs, v.shape[2])
+        dw = None if dws is None else dws.sum(dim=(0, 1, 2, 3))  # (D,): padded rows hold 0
         dsinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
+        if sinks is not None and ctx.needs_input_grad[4]:
             # d lse / d sink = the sink's weight, exp(sink - lse); d out / d sink = -(sink's weight) * out
             weight = torch.exp(mask.sink_logits(sinks)[..., 0].expand(B, H, Lq) - lse)  # (B, H, Lq)
             dsinks = -(weight * delta).sum(dim=(0, 2))  # (H,)
-        return (dq, dk, dv, dsinks, None, None, None, None, *closed_grads)
+        return (dq, dk, dv, dw, dsinks, None, None, None, None, *closed_grads)

@@ -5,12 +5,17 @@ A forward step folds a tile into the running softmax of its queries; a backward 
 from each row's log-sum-exp and takes the score_mod's derivative with ``torch.func.vjp`` in the same graph, so that
 a ``score_mod`` such as ``softcap`` costs one fused pass over the tile, not one per operation; the closure step's
 autograd gives the tensors a score_mod closes over their share of the tile's gradient.
+
+Additive scoring, ``s[i, j] = w . tanh(q[i] + k[j])``, comes in two forms (:func:`_scores`): ``tanh`` as written,
+and ``exp``, where the caller passed ``q = exp(2 (q - c))`` and ``k = exp(2 (k + c))`` (:func:`exp_form`), so that
+``tanh(q + k) = 1 - 2 y`` with ``y = 1 / (q k + 1)``: a product and a reciprocal per feature instead of a ``tanh``.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import math
 import threading
 import types
 import warnings
@@ -20,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ScoreFn", "closure_grads", "name", "run", "warn_once"]
+__all__ = ["ScoreFn", "closure_grads", "exp_form", "name", "run", "warn_once"]
 
 # B batch, H heads, n a tile's queries, c a tile's keys (columns), D head dim, Dv value head dim
 
@@ -34,11 +39,66 @@ def name(fn: object) -> str:
     return str(getattr(fn, "__qualname__", None) or type(fn).__name__)
 
 
+def exp_form(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``q (B, H, Lq, D)`` and ``k (B, H, Lk, D)`` as the ``exp`` form of additive scoring takes them,
+    ``exp(2 (q - c))`` and ``exp(2 clamp(k + c, -r - sat, r + sat))``, with ``c`` the middle and ``r`` the half
+    range of each feature of the queries (per example and head), ``sat`` where ``tanh`` rounds to 1 in the dtype:
+    every factor is a normal number, so a product is 0 or inf only where ``tanh`` is -1 or 1, and the clamp moves
+    only keys that saturate against every query. ``None`` where that cannot hold (queries not finite, or spread
+    wider than the dtype's exponents reach): then the ``tanh`` form."""
+    sat = 10.0 if q.dtype == torch.float32 else 20.0  # tanh(10) rounds to 1 in float32, tanh(20) in float64
+    top, bottom = q.amax(dim=2, keepdim=True), q.amin(dim=2, keepdim=True)  # (B, H, 1, D) each
+    c, r = (top + bottom) / 2, (top - bottom) / 2  # (B, H, 1, D) each
+    reach = -math.log(torch.finfo(q.dtype).tiny) / 2 - sat - 1  # e^(2 (r + sat)) stays a normal number
+    if not q.numel() or not bool(torch.isfinite(r).all()) or float(r.max()) > reach:
+        return None
+    kc = torch.minimum(torch.maximum(k + c, -r - sat), r + sat)  # (B, H, Lk, D); NaN stays NaN
+    return torch.exp(2 * (q - c)), torch.exp(2 * kc)
+
+
+def _scores(q: Tensor, k: Tensor, w: Tensor | None, scale: float, exp: bool) -> Tensor:
+    """The scores ``(B, H, n, c)`` of a tile: ``scale * q . k`` without ``w``, else additive in the form ``exp``
+    says (the ``(B, H, n, c, D)`` features are fused into the sum, never stored)."""
+    if w is None:
+        return (q @ k.transpose(-2, -1)) * scale
+    if exp:
+        y = torch.reciprocal(q[..., :, None, :] * k[..., None, :, :] + 1)  # (B, H, n, c, D): (1 - tanh) / 2
+        return w.sum() - 2 * (y * w).sum(dim=-1)
+    return (torch.tanh(q[..., :, None, :] + k[..., None, :, :]) * w).sum(dim=-1)
+
+
+def _score_grads(
+    ds: Tensor, q: Tensor, k: Tensor, w: Tensor | None, scale: float, exp: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``dq (B, H, n, D)``, ``dk (B, H, c, D)`` and ``dw (B, H, n, D)`` (each query's share of ``w``'s gradient; None
+    without ``w``) of a tile from ``ds (B, H, n, c)``, the gradient of its scores. Additive: the features are
+    recomputed in each sum over keys and in the sum over queries, so that no ``(B, H, n, c, D)`` tensor is stored
+    (one tensor feeding sums over two different dimensions would be); ``tanh' = 1 - tanh^2 = 4 y (1 - y)``. ``dw``
+    is left per query, for the caller to sum over all of them at the end: in one float32 sum of every query and
+    key, the rounding of ``sum_j ds_ij = 0`` (each row's) piles up, 30 times chunked's error in a test."""
+    if w is None:
+        return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, None
+    dst = ds.transpose(-2, -1)[..., None]  # (B, H, c, n, 1)
+    if exp:
+        y = torch.reciprocal(q[..., :, None, :] * k[..., None, :, :] + 1)  # (B, H, n, c, D)
+        yt = torch.reciprocal(k[..., :, None, :] * q[..., None, :, :] + 1)  # (B, H, c, n, D): y, transposed
+        dq = (ds[..., None] * (y - y * y)).sum(dim=-2) * (4 * w)  # (B, H, n, D)
+        dk = (dst * (yt - yt * yt)).sum(dim=-2) * (4 * w)  # (B, H, c, D)
+        dw = (ds[..., None] * (1 - 2 * y)).sum(dim=-2)  # (B, H, n, D)
+        return dq, dk, dw
+    f = torch.tanh(q[..., :, None, :] + k[..., None, :, :])  # (B, H, n, c, D)
+    ft = torch.tanh(k[..., :, None, :] + q[..., None, :, :])  # (B, H, c, n, D)
+    dq = (ds[..., None] * (1 - f * f)).sum(dim=-2) * w  # (B, H, n, D)
+    dk = (dst * (1 - ft * ft)).sum(dim=-2) * w  # (B, H, c, D)
+    return dq, dk, (ds[..., None] * f).sum(dim=-2)  # (B, H, n, D)
+
+
 def _forward_step(
     score_mod: ScoreFn | None,
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    w: Tensor | None,
     m: Tensor,
     l: Tensor,  # noqa: E741
     acc: Tensor,
@@ -46,12 +106,13 @@ def _forward_step(
     allowed: Tensor | None,
     bias: Tensor | None,
     scale: float,
+    exp: bool,
     guard: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """One tile folded into the running softmax ``m, l (B, H, n)``, ``acc (B, H, n, Dv)`` of its queries;
-    ``guard``: the keys or values hold a value that is not finite, which must not reach a row through a weight of 0
-    (the values of keys no row of the tile sees are zeroed, as in ``chunked``)."""
-    s = (q @ k.transpose(-2, -1)) * scale  # (B, H, n, c)
+    """One tile folded into the running softmax ``m, l (B, H, n)``, ``acc (B, H, n, Dv)`` of its queries (scored as
+    :func:`_scores` says); ``guard``: the keys or values hold a value that is not finite, which must not reach a row
+    through a weight of 0 (the values of keys no row of the tile sees are zeroed, as in ``chunked``)."""
+    s = _scores(q, k, w, scale, exp)  # (B, H, n, c)
     if score_mod is not None:
         s = score_mod(s, *idx).to(s.dtype).expand_as(s)  # (B, H, n, c)
     if bias is not None:
@@ -73,6 +134,7 @@ def _backward_step(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    w: Tensor | None,
     dout: Tensor,
     lse: Tensor,
     delta: Tensor,
@@ -80,13 +142,15 @@ def _backward_step(
     allowed: Tensor | None,
     bias: Tensor | None,
     scale: float,
+    exp: bool,
     guard: bool,
     keep: bool,
-) -> tuple[Tensor, ...]:
-    """One tile's gradients ``dq (B, H, n, D)``, ``dk (B, H, c, D)``, ``dv (B, H, c, Dv)``, its weights recomputed
-    from ``lse`` (``guard`` as in :func:`_forward_step`); with ``keep``, also the raw scores and the gradient of the
-    modified ones, for the tensors the score_mod closes over."""
-    raw = (q @ k.transpose(-2, -1)) * scale  # (B, H, n, c)
+) -> tuple[Tensor | None, ...]:
+    """One tile's gradients ``dq (B, H, n, D)``, ``dk (B, H, c, D)``, ``dv (B, H, c, Dv)``, ``dw (B, H, n, D)`` (its
+    queries' shares; None without ``w``), its weights recomputed from ``lse`` (``exp``, ``guard`` as in
+    :func:`_forward_step`); with ``keep``, also the raw scores and the gradient of the modified ones, for the
+    tensors the score_mod closes over."""
+    raw = _scores(q, k, w, scale, exp)  # (B, H, n, c)
     vjp = None
     if score_mod is None:
         s = raw
@@ -114,11 +178,10 @@ def _backward_step(
         ds = ds.masked_fill(hidden, 0.0)
     elif allowed is not None:
         ds = ds.masked_fill(~allowed, 0.0)
-    dq = (ds @ k) * scale  # (B, H, n, D)
-    dk = (ds.transpose(-2, -1) @ q) * scale  # (B, H, c, D)
+    dq, dk, dw = _score_grads(ds, q, k, w, scale, exp)  # (B, H, n, D), (B, H, c, D), (B, H, n, D) or None
     if keep:
-        return dq, dk, dv, raw, dmod
-    return dq, dk, dv
+        return dq, dk, dv, dw, raw, dmod
+    return dq, dk, dv, dw
 
 
 def _closure_term(score_mod: ScoreFn, raw: Tensor, dmod: Tensor, idx: tuple[Tensor, ...]) -> Tensor:

@@ -1,0 +1,187 @@
+"""Additive scoring on the compiled backend against the float64 math of tests/mathref.py: outputs and every gradient
+(q, k, v, w_v, sinks), in both of its forms (``exp``: tanh(q + k) from exp(2 q) and exp(2 k); ``tanh``: where the
+queries' range is too wide for that, or not finite), with tiles of 8 so that small calls have hidden, full, partial
+and padded tiles; float32 as accurate as chunked; NaN where no query may see; what ``auto`` picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
+import attnkit
+import mathref
+from attnkit import dispatch, mods
+from attnkit.backends import compiled, compiled_steps, tiles
+from mathref import max_err
+
+# B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D features (h)
+
+B, H, HKV, D = 2, 4, 2, 8
+OUT_TOL64, GRAD_TOL64 = 1e-12, 1e-10
+
+
+@pytest.fixture(autouse=True)
+def _small_tiles(monkeypatch):
+    monkeypatch.setattr(tiles, "BLOCK", 8)
+    tiles._KEPT.clear()
+
+
+def _inputs(seed: int, Lq: int, Lk: int, spread: str = "narrow", dtype=torch.float64) -> list[torch.Tensor]:
+    """q, k, v, w_v. ``spread``: "narrow" (the exp form), "wide" (one feature of the queries spans thousands: the
+    tanh form), "far keys" (some keys saturate against every query: the exp form's clamp)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Lq, D, generator=g, dtype=torch.float64) * 2
+    k, v = (torch.randn(B, HKV, Lk, D, generator=g, dtype=torch.float64) for _ in range(2))
+    w_v = torch.randn(D, generator=g, dtype=torch.float64)
+    if spread == "wide":
+        q[..., 0] *= 1000
+    elif spread == "far keys":
+        k[..., ::2, 1] += 60  # beyond every query's reach in float32 and float64: tanh is 1 whatever the query
+        k[..., 1::3, 2] -= 60
+    return [t.to(dtype).requires_grad_() for t in (q, k, v, w_v)]
+
+
+@hypothesis_settings(max_examples=25, deadline=None)
+@given(
+    case=st.fixed_dictionaries(
+        {
+            "Lq": st.sampled_from([5, 13, 20]),
+            "shift": st.sampled_from([0, 3, -2]),  # Lk - Lq
+            "spread": st.sampled_from(["narrow", "wide", "far keys"]),
+            "mod": st.sampled_from(["none", "softcap"]),
+            "mask": st.sampled_from(["none", "causal", "window", "valid_lens", "float mask"]),
+            "sinks": st.booleans(),
+            "seed": st.integers(0, 2**16),
+        }
+    )
+)
+def test_additive_on_compiled_equals_the_math_outputs_and_gradients(case):
+    Lq = case["Lq"]
+    Lk = max(1, Lq + case["shift"])
+    leaves = _inputs(case["seed"], Lq, Lk, case["spread"])
+    names = ["q", "k", "v", "w_v"]
+    g = torch.Generator().manual_seed(case["seed"])
+    ours: dict = {}
+    math: dict = {}
+    if case["mod"] == "softcap":
+        ours["score_mod"], math["score_mod"] = mods.softcap(2.0), mathref.softcap(2.0)
+    if case["mask"] == "causal":
+        ours["is_causal"] = math["is_causal"] = True
+    elif case["mask"] == "window":
+        ours["mask_mod"], math["mask_mod"] = mods.sliding_window(4), mathref.sliding_window(4, Lq, Lk)
+    elif case["mask"] == "valid_lens":
+        ours["valid_lens"] = math["valid_lens"] = torch.randint(0, Lk + 1, (B,), generator=g)
+    elif case["mask"] == "float mask":
+        ours["attn_mask"] = math["attn_mask"] = torch.randn(B, 1, Lq, Lk, generator=g, dtype=torch.float64)
+    if case["sinks"]:
+        ours["sinks"] = math["sinks"] = torch.randn(H, generator=g, dtype=torch.float64).requires_grad_()
+        leaves.append(ours["sinks"])
+        names.append("sinks")
+    q, k, v, w_v = leaves[:4]
+    out = attnkit.additive_attention(q, k, v, w_v, backend="compiled", **ours).output
+    want, _ = mathref.attention_mods(q, k, v, w_v=w_v, **math)
+    mathref.assert_agrees(out, want, leaves, names, OUT_TOL64, GRAD_TOL64)
+
+
+def test_the_forms_are_chosen_by_the_queries_range():
+    q, k, _, _ = (t.detach() for t in _inputs(0, 10, 10))
+    k = k.repeat_interleave(H // HKV, dim=1)  # (B, H, Lk, D), as the backend gives it
+    assert compiled_steps.exp_form(q, k) is not None
+    wide, _, _, _ = (t.detach() for t in _inputs(0, 10, 10, "wide"))
+    assert compiled_steps.exp_form(wide, k) is None
+    not_finite = q.clone()
+    not_finite[0, 0, 3, 0] = float("inf")
+    assert compiled_steps.exp_form(not_finite, k) is None
+    # float32's exponents reach a narrower range than float64's
+    assert compiled_steps.exp_form(q.float() * 10, k.float()) is None
+    assert compiled_steps.exp_form(q * 10, k) is not None
+
+
+@pytest.mark.parametrize("spread", ["narrow", "wide", "far keys"])
+def test_float32_is_as_accurate_as_chunked(spread):
+    """Against the float64 math, in float32: no more than a few times chunked's error (its features are tanh's own),
+    outputs and every gradient."""
+    leaves64 = _inputs(11, 40, 37, spread)
+    q, k, v, w_v = leaves64
+    want, _ = mathref.attention_mods(q, k, v, w_v=w_v, is_causal=True)
+    dout = torch.randn_like(want)
+    expected = torch.autograd.grad(want, leaves64, dout)
+    errors = {}
+    for backend in ("compiled", "chunked"):
+        leaves = [t.detach().float().requires_grad_() for t in leaves64]
+        out = attnkit.additive_attention(*leaves, is_causal=True, backend=backend).output
+        got = torch.autograd.grad(out, leaves, dout.float())
+        errors[backend] = [max_err(out, want)] + [max_err(a, b) for a, b in zip(got, expected, strict=True)]
+    floor = 16 * torch.finfo(torch.float32).eps
+    for name, ours, theirs in zip(["out", "q", "k", "v", "w_v"], errors["compiled"], errors["chunked"], strict=True):
+        assert ours <= 4 * theirs + floor, (name, ours, theirs)
+
+
+def test_an_infinite_query_is_the_tanh_forms_and_equals_the_math():
+    q, k, v, w_v = _inputs(3, 12, 12)
+    with torch.no_grad():
+        q[0, 1, 4, 2] = float("inf")
+        q[1, 0, 7, 5] = float("-inf")
+    out = attnkit.additive_attention(q, k, v, w_v, is_causal=True, backend="compiled").output
+    want, _ = mathref.attention_mods(q, k, v, w_v=w_v, is_causal=True)
+    assert torch.isfinite(out).all()
+    assert max_err(out, want) <= OUT_TOL64
+    got = torch.autograd.grad(out.sum(), [k, v, w_v])
+    expected = torch.autograd.grad(want.sum(), [k, v, w_v])
+    for a, b in zip(got, expected, strict=True):
+        assert max_err(a, b) <= GRAD_TOL64
+
+
+@pytest.mark.parametrize("spread", ["narrow", "wide"])
+def test_nan_where_no_query_may_see_and_in_keys_the_score_mod_hides_reaches_nothing(spread):
+    """NaN in the keys and values past each example's length, and in a key the score_mod hides from every query
+    with -inf: outputs and gradients are those of the call with zeros there."""
+    Lq = Lk = 20
+    q, k, v, w_v = (t.detach() for t in _inputs(7, Lq, Lk, spread))
+    lens = torch.tensor([20, 11])
+    hidden_key = 5
+
+    def hide(score, b, h, q_idx, kv_idx):
+        return torch.where(kv_idx == hidden_key, float("-inf"), score)
+
+    def run(k, v):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, w_v)]
+        out = attnkit.additive_attention(*leaves, valid_lens=lens, score_mod=hide, backend="compiled").output
+        out.backward(torch.ones_like(out))
+        return [out.detach()] + [t.grad for t in leaves]
+
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[1, :, 11:], v_nan[1, :, 11:] = float("nan"), float("nan")
+    k_nan[:, :, hidden_key], v_nan[:, :, hidden_key] = float("nan"), float("nan")
+    k_zero, v_zero = k.clone(), v.clone()
+    k_zero[1, :, 11:], v_zero[1, :, 11:] = 0.0, 0.0
+    k_zero[:, :, hidden_key], v_zero[:, :, hidden_key] = 0.0, 0.0
+    got, want = run(k_nan, v_nan), run(k_zero, v_zero)
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dw_v"], got, want, strict=True):
+        if name in ("dk", "dv"):  # no gradient to what no query sees: zero there, whatever it held
+            a, b = a.clone(), b.clone()
+            a[1, :, 11:], b[1, :, 11:] = 0.0, 0.0
+            a[:, :, hidden_key], b[:, :, hidden_key] = 0.0, 0.0
+        assert torch.isfinite(a).all(), name
+        assert max_err(a, b) <= 1e-12, name
+
+
+def test_auto_compiles_a_large_additive_call_with_a_block_of_queries(monkeypatch):
+    q, k, v, w_v = (t.float() for t in _inputs(4, 20, 20))
+    with dispatch.watch() as chosen:
+        attnkit.additive_attention(q, k, v, w_v)
+    assert chosen == ["reference"]  # small: compiling would not pay
+    monkeypatch.setattr(dispatch, "ADDITIVE_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(compiled, "ADDITIVE_FROM", B * H * 20 * 20 * D)
+    monkeypatch.setattr(compiled, "FEWEST_QUERIES", 8)
+    with dispatch.watch() as chosen:
+        out = attnkit.additive_attention(q, k, v, w_v, is_causal=True).output
+    assert chosen == ["compiled"]
+    want, _ = mathref.attention_mods(q, k, v, w_v=w_v, is_causal=True)
+    assert max_err(out, want) <= 1e-5
+    with dispatch.watch() as chosen:  # a decode step's few queries: chunked
+        attnkit.additive_attention(q[:, :, :7], k.repeat(1, 1, 3, 1), v.repeat(1, 1, 3, 1), w_v)
+    assert chosen == ["chunked"]
