@@ -11,6 +11,9 @@ B=1, H=8, D=64, float32, forward + backward, attnkit's default backend (``auto``
   causal, against SDPA ``is_causal``. Target: at most 1.5x.
 * ``packed``: documents of log-normal lengths (at most 2048, 16384 tokens; benchmarks/flex.py's), packed with a causal
   document mask, against one SDPA ``is_causal`` call per document. Target: at most 1.2x.
+* ``additive``: additive attention, B=4, L=1024, h=128, forward + backward, against the book's dense formula (its
+  ``AdditiveAttention``, the projections left out: attnkit's ``additive_attention`` takes projected queries and
+  keys). Target: at most 0.25x. Its memory (``--additive-memory 1024,2048,4096``) in a fresh process as below.
 * ``forward``: the window's, the causal mask_mod's and softcap's forward against compiled FlexAttention's forward on
   the same mask and score_mod (``--flex``; compiling takes a minute here). Target: at most 1.0x.
 * memory (``--memory 8192,16384,32768``): the peak resident-set increase of one forward and backward of the causal
@@ -22,7 +25,8 @@ from elsewhere on a shared machine falls on all of them alike; ratios compare co
 
 Usage::
 
-    python benchmarks/fused.py --lengths 8192,16384 --repeats 3 --flex --memory 8192,16384,32768
+    python benchmarks/fused.py --lengths 8192,16384 --repeats 3 --flex --memory 8192,16384,32768 \
+        --additive-memory 1024,2048,4096
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import attnkit
-from attnkit import mods
+from attnkit import _book, mods
 from flex import document_lengths, timed_rounds
 from results import finish
 
@@ -53,11 +57,18 @@ TARGETS = {
     "alibi": 1.5,
     "bias table": 1.5,
     "packed": 1.2,
+    "additive": 0.25,
     "forward window": 1.0,
     "forward causal mask_mod": 1.0,
     "forward softcap": 1.0,
 }
-PEER = {"window": "sdpa, no mask", "window + causal": "sdpa, no mask", "packed": "sdpa per document"}
+PEER = {
+    "window": "sdpa, no mask",
+    "window + causal": "sdpa, no mask",
+    "packed": "sdpa per document",
+    "additive": "book additive",
+}
+ADDITIVE_B, ADDITIVE_H = 4, 128  # batch, features (h)
 
 # B batch, H heads, L length, D head dim
 
@@ -109,6 +120,20 @@ def packed_contenders() -> dict[str, Callable[[], None]]:
     return {"sdpa per document": per_document, "packed": packed}
 
 
+def additive_contenders(length: int = 1024) -> dict[str, Callable[[], None]]:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(ADDITIVE_B, length, ADDITIVE_H, requires_grad=True) for _ in range(3))  # (B, L, h) each
+    w_v = torch.randn(ADDITIVE_H, requires_grad=True)  # (h,)
+    dout = torch.randn(ADDITIVE_B, length, ADDITIVE_H)  # (B, L, h)
+    book = _book.AdditiveAttention(ADDITIVE_H, ADDITIVE_H, ADDITIVE_H, 0.0)
+    book.W_q = book.W_k = torch.nn.Identity()  # q and k come projected, as additive_attention takes them
+    book.w_v.weight = torch.nn.Parameter(w_v.detach()[None, :])  # (1, h)
+    return {
+        "book additive": lambda: book(q, k, v, None).backward(dout),
+        "additive": lambda: attnkit.additive_attention(q, k, v, w_v).output.backward(dout),
+    }
+
+
 def forward_contenders(length: int) -> dict[str, Callable[[], None]]:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -144,6 +169,10 @@ def memory_child(name: str, length: int) -> dict[str, Any]:
     """In a fresh process: the peak resident-set increase of one forward and backward of row ``name``."""
     from attnkit.bench import peak_memory
 
+    if name == "additive":  # the compiled steps' graphs, the same at every length: compiled here, not counted
+        additive_contenders(256)["additive"]()
+        inputs_bytes = 4 * 4 * ADDITIVE_B * length * ADDITIVE_H  # q, k, v and dout
+        return {"peak_bytes": peak_memory(additive_contenders(length)["additive"]), "inputs_bytes": inputs_bytes}
     contenders(512)[name]()  # warm-up: thread pools, lazy imports
     if name == "softcap":  # the compiled steps' graphs, the same at every length (Inductor's compiling is not counted)
         q, k, v = (torch.randn(B, H, 512, D, requires_grad=True) for _ in range(3))
@@ -156,10 +185,13 @@ def memory_child(name: str, length: int) -> dict[str, Any]:
     return {"peak_bytes": peak_memory(run), "inputs_bytes": inputs_bytes}
 
 
-def measure_memory(lengths: list[int], rows: set[str] | None = None) -> dict[str, dict[str, Any]]:
+def measure_memory(
+    lengths: list[int], rows: set[str] | None = None, additive: list[int] | None = None
+) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
-    for name in (n for n in MEMORY_ROWS if rows is None or n in rows):
-        for length in lengths:
+    todo = [(n, lengths) for n in MEMORY_ROWS if rows is None or n in rows]
+    for name, at in todo + ([("additive", additive)] if additive else []):
+        for length in at:
             child = [sys.executable, __file__, "--memory-child", name, str(length)]
             proc = subprocess.run(child, capture_output=True, text=True, check=True)
             results.setdefault(name, {})[str(length)] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -170,6 +202,8 @@ def measure(lengths: list[int], repeats: int, flex: bool, rows: set[str] | None 
     results: dict[str, Any] = {}
     for length in lengths:
         chosen = {n: run for n, run in contenders(length).items() if rows is None or n in rows or n.startswith("sdpa")}
+        if not flex and all(n.startswith("sdpa") for n in chosen):
+            continue  # (--rows names none of this length's rows)
         seconds = timed_rounds(chosen, repeats)
         ratios = {
             name: seconds[name] / seconds[PEER.get(name, "sdpa is_causal")]
@@ -184,8 +218,13 @@ def measure(lengths: list[int], repeats: int, flex: bool, rows: set[str] | None 
             for name in ("window", "causal mask_mod", "softcap"):
                 row["ratios"][f"forward {name}"] = forward[f"forward {name}"] / forward[f"flex {name}"]
         results[str(length)] = row
-    packed = timed_rounds(packed_contenders(), repeats)
-    results["packed"] = {"seconds": packed, "ratios": {"packed": packed["packed"] / packed["sdpa per document"]}}
+    if rows is None or "packed" in rows:
+        packed = timed_rounds(packed_contenders(), repeats)
+        results["packed"] = {"seconds": packed, "ratios": {"packed": packed["packed"] / packed["sdpa per document"]}}
+    if rows is None or "additive" in rows:
+        additive_contenders(256)["additive"]()  # its steps compiled first (the same graphs at every length)
+        found = timed_rounds(additive_contenders(), repeats)
+        results["additive"] = {"seconds": found, "ratios": {"additive": found["additive"] / found["book additive"]}}
     return results
 
 
@@ -198,7 +237,7 @@ def report(results: dict[str, Any]) -> str:
             peer = PEER.get(name, "sdpa is_causal")
             if name.startswith("forward"):
                 peer = "compiled flex_attention " + name.removeprefix("forward ")
-            at = "16384 tokens" if length == "packed" else length
+            at = {"packed": "16384 tokens", "additive": f"1024, B={ADDITIVE_B}, h={ADDITIVE_H}"}.get(length, length)
             lines.append(f"| {name} | {at} | {seconds[name]:.3f} | {peer} | {ratio:.2f}x | <= {TARGETS[name]}x |")
     return "\n".join(lines)
 
@@ -234,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--flex", action="store_true", help="also the forward against compiled FlexAttention")
     parser.add_argument("--memory", help="also the peak memory of some rows at these lengths, e.g. 8192,16384,32768")
+    parser.add_argument("--additive-memory", help="also additive attention's peak memory at these lengths")
     parser.add_argument("--rows", help="only these rows (and their peers), e.g. 'causal mask_mod,window,alibi'")
     parser.add_argument("--json")
     parser.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
@@ -244,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = None if args.rows is None else set(args.rows.split(","))
     results = measure([int(n) for n in args.lengths.split(",")], args.repeats, args.flex, rows)
     text = report(results)
-    if args.memory:
-        results["memory"] = measure_memory([int(n) for n in args.memory.split(",")], rows)
+    if args.memory or args.additive_memory:
+        lengths = [int(n) for n in args.memory.split(",")] if args.memory else []
+        additive = [int(n) for n in args.additive_memory.split(",")] if args.additive_memory else None
+        results["memory"] = measure_memory(lengths, rows, additive)
         text += "\n" + report_memory(results["memory"])
     return finish(results, text, missed_targets(results), args.json)
 

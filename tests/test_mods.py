@@ -401,7 +401,7 @@ def test_three_dim_inputs_are_one_head(name, backend):
     assert_close_to_math(ours, truth, torch.float64, f"{backend}, {name}, 3-dim")
 
 
-@pytest.mark.parametrize("backend", ("reference", "chunked"))
+@pytest.mark.parametrize("backend", ("reference", "chunked", pytest.param("compiled", marks=pytest.mark.slow)))
 @pytest.mark.parametrize("name", ["alibi+sliding_window+sinks", "softcap+document+sinks", "relative_table_module"])
 def test_additive_scoring_takes_the_modifiers(name, backend):
     """score_mod on the additive scores w_v . tanh(q + k); gradients to w_v too."""

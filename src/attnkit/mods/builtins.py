@@ -324,7 +324,10 @@ class softcap(ScoreMod):  # noqa: N801
         object.__setattr__(self, "cap", float(cap))
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return torch.tanh(score / self.cap) * self.cap
+        # tanh(x) = e / (e + 2) with e = expm1(2 x): the same function to a rounding or two, and 3x faster than tanh
+        # in Inductor's C++ code (docs/benchmarks.md); |x| <= 20 keeps e finite, where tanh is 1 in float64 already
+        e = torch.expm1(torch.clamp(score * (2 / self.cap), -40.0, 40.0))
+        return e / (e + 2) * self.cap
 
 
 def _range_bounds(ids: Tensor, ranges: Tensor) -> tuple[Tensor, Tensor]:
