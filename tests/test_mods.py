@@ -1207,3 +1207,29 @@ def test_gradcheck_of_the_reference_with_a_score_mod_and_a_causal_mask():
         return out.output
 
     assert torch.autograd.gradcheck(run, (q, k, v, table))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_softcap_is_cap_tanh_to_a_few_roundings_everywhere(dtype):
+    """softcap works out tanh from expm1 (faster in compiled code): it is cap * tanh(score / cap) within a few
+    roundings of the cap over scores from tiny to huge, exact at 0, +-inf and NaN, and so is its gradient."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.cat(
+        [torch.randn(20000, generator=g) * 40, torch.randn(2000, generator=g) * 1e-4, torch.tensor([1e30, -1e30])]
+    ).to(dtype)
+    for cap in (2.0, 30.0, 50.0):
+        x = scores.clone().requires_grad_()
+        x64 = scores.double().requires_grad_()
+        ours = mods.softcap(cap)(x, *(None,) * 4)
+        want = torch.tanh(x64 / cap) * cap
+        (grad,) = torch.autograd.grad(ours.sum(), x)
+        (want_grad,) = torch.autograd.grad(want.sum(), x64)
+        eps = torch.finfo(dtype).eps
+        assert max_err(ours, want) <= 8 * eps * cap
+        small = slice(20000, 22000)  # near 0: within a few roundings of the score itself
+        assert ((ours[small].double() - want[small]).abs() <= 4 * eps * want[small].abs()).all()
+        assert max_err(grad, want_grad) <= 8 * eps
+    special = mods.softcap(30.0)(
+        torch.tensor([0.0, float("inf"), float("-inf"), float("nan")], dtype=dtype), 0, 0, 0, 0
+    )
+    assert special[:3].tolist() == [0.0, 30.0, -30.0] and special[3].isnan()
