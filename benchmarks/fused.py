@@ -120,7 +120,7 @@ def packed_contenders() -> dict[str, Callable[[], None]]:
     return {"sdpa per document": per_document, "packed": packed}
 
 
-def additive_contenders(length: int = 1024) -> dict[str, Callable[[], None]]:
+def additive_contenders(length: int = 1024, backend: str = "auto") -> dict[str, Callable[[], None]]:
     torch.manual_seed(0)
     q, k, v = (torch.randn(ADDITIVE_B, length, ADDITIVE_H, requires_grad=True) for _ in range(3))  # (B, L, h) each
     w_v = torch.randn(ADDITIVE_H, requires_grad=True)  # (h,)
@@ -130,7 +130,7 @@ def additive_contenders(length: int = 1024) -> dict[str, Callable[[], None]]:
     book.w_v.weight = torch.nn.Parameter(w_v.detach()[None, :])  # (1, h)
     return {
         "book additive": lambda: book(q, k, v, None).backward(dout),
-        "additive": lambda: attnkit.additive_attention(q, k, v, w_v).output.backward(dout),
+        "additive": lambda: attnkit.additive_attention(q, k, v, w_v, backend=backend).output.backward(dout),
     }
 
 
@@ -170,7 +170,7 @@ def memory_child(name: str, length: int) -> dict[str, Any]:
     from attnkit.bench import peak_memory
 
     if name == "additive":  # the compiled steps' graphs, the same at every length: compiled here, not counted
-        additive_contenders(256)["additive"]()
+        additive_contenders(256, "compiled")["additive"]()
         inputs_bytes = 4 * 4 * ADDITIVE_B * length * ADDITIVE_H  # q, k, v and dout
         return {"peak_bytes": peak_memory(additive_contenders(length)["additive"]), "inputs_bytes": inputs_bytes}
     contenders(512)[name]()  # warm-up: thread pools, lazy imports
@@ -222,7 +222,7 @@ def measure(lengths: list[int], repeats: int, flex: bool, rows: set[str] | None 
         packed = timed_rounds(packed_contenders(), repeats)
         results["packed"] = {"seconds": packed, "ratios": {"packed": packed["packed"] / packed["sdpa per document"]}}
     if rows is None or "additive" in rows:
-        additive_contenders(256)["additive"]()  # its steps compiled first (the same graphs at every length)
+        additive_contenders(256, "compiled")["additive"]()  # its steps compiled first (the same graphs at every length)
         found = timed_rounds(additive_contenders(), repeats)
         results["additive"] = {"seconds": found, "ratios": {"additive": found["additive"] / found["book additive"]}}
     return results

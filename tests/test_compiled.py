@@ -332,3 +332,12 @@ def test_inside_a_callers_torch_compile_with_a_causal_mask():
     out = torch.compile(model)(q, k, v)
     want, _ = mathref.attention_mods(q, k, v, is_causal=True, score_mod=mathref.softcap(2.0))
     assert max_err(out, want) <= OUT_TOL64
+
+
+def test_softcap_runs_in_its_compiled_form():
+    """The steps run softcap's form for compiled code (expm1, faster there), not tanh: its graphs are the ones kept."""
+    q, k, v = _inputs(12, 13, 13)
+    attnkit.scaled_dot_product_attention(q, k, v, score_mod=SOFTCAP, backend="compiled").output.sum().backward()
+    keys = {key[1] for key in compiled_steps._KEPT}
+    assert compiled_steps._key(SOFTCAP.compiled()) in keys
+    assert compiled_steps._key(SOFTCAP) not in keys

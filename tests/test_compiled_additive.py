@@ -185,3 +185,42 @@ def test_auto_compiles_a_large_additive_call_with_a_block_of_queries(monkeypatch
     with dispatch.watch() as chosen:  # a decode step's few queries: chunked
         attnkit.additive_attention(q[:, :, :7], k.repeat(1, 1, 3, 1), v.repeat(1, 1, 3, 1), w_v)
     assert chosen == ["chunked"]
+
+
+def test_the_exp_form_runs_where_the_queries_range_allows(monkeypatch):
+    """The exp form is the one taken for usual inputs (every other test would pass on the tanh form alone)."""
+    taken = []
+    real = compiled_steps.exp_form
+
+    def spy(q, k):
+        found = real(q, k)
+        taken.append(found is not None)
+        return found
+
+    monkeypatch.setattr(compiled_steps, "exp_form", spy)
+    for spread in ("narrow", "far keys", "wide"):
+        q, k, v, w_v = _inputs(2, 12, 9, spread)
+        attnkit.additive_attention(q, k, v, w_v, is_causal=True, backend="compiled")
+    assert taken == [True, True, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_queries_near_the_largest_number_are_not_overflowed(dtype):
+    """A feature of the queries near the dtype's largest number, of a narrow range: its middle must not overflow
+    (as (top + bottom) / 2 did, flipping tanh's sign), and keys of the other sign meet them at tanh(0)."""
+    q, k, v, w_v = (t.detach() for t in _inputs(9, 10, 10))
+    big = torch.finfo(dtype).max * 0.6  # (top + bottom overflows)
+    q[..., 0] = big  # (a range of 0: the exp form; the dtype's spacing there is ~1e31 and more)
+    k[..., 0] = torch.where(torch.arange(10) % 2 == 0, torch.tensor(-big, dtype=torch.float64), 0.0)
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, w_v)]
+    out = attnkit.additive_attention(*leaves, backend="compiled").output
+    want, _ = mathref.attention_mods(*(t.double() for t in leaves[:3]), w_v=leaves[3].double())
+    assert max_err(out, want) <= (1e-5 if dtype == torch.float32 else OUT_TOL64)
+
+
+@pytest.mark.parametrize("Lq, Lk", [(1, 1), (1, 12), (12, 1)])
+def test_one_query_or_one_key(Lq, Lk):
+    leaves = _inputs(5, Lq, Lk)
+    out = attnkit.additive_attention(*leaves, backend="compiled").output
+    want, _ = mathref.attention_mods(*leaves[:3], w_v=leaves[3])
+    mathref.assert_agrees(out, want, leaves, ["q", "k", "v", "w_v"], OUT_TOL64, GRAD_TOL64)

@@ -6,8 +6,8 @@ Policy for ``backend="auto"``, first backend that can run the call wins:
 * on CUDA, a call with a ``mask_mod`` or ``score_mod``: ``flex`` (PyTorch's compiled FlexAttention) first,
   then as below;
 * on CPU, a large call (``compiled.COMPILE_FROM`` scores, ``compiled.FEWEST_QUERIES`` queries) with a
-  ``score_mod`` that is not a bias (``softcap``, a user's function), or a bias whose tensors need a gradient:
-  ``compiled`` (the online softmax's steps compiled by ``torch.compile``), then as below;
+  ``score_mod`` that takes blocks of scores and is not a bias (``softcap``, a user's function), or a bias whose
+  tensors need a gradient: ``compiled`` (the online softmax's steps compiled by ``torch.compile``), then as below;
 * a ``mask_mod``, ``sinks`` or a ``score_mod`` that is a bias (ALiBi): ``tiles`` (PyTorch's fused CPU kernel on
   the tiles the mask shows, skipping the hidden ones; the bias as the kernel's float mask), then as below;
 * a ``mask_mod`` that hides most of the scores (a sliding window: ``chunked`` visits at most ``SPARSE_BELOW`` of
@@ -18,8 +18,9 @@ Policy for ``backend="auto"``, first backend that can run the call wins:
   :class:`~attnkit.KVCache`'s long context), and for a masked call of a few queries on CPU, which sdpa could run only
   after reading every key once more to bound the scores its kernels mask by adding ``-inf``;
 * additive scoring: on CPU, ``compiled`` for a large call (``compiled.ADDITIVE_FROM`` features, ``FEWEST_QUERIES``
-  queries); then ``chunked`` when the ``(B, H, Lq, Lk, D)`` features would be large
-  (``>= ADDITIVE_CHUNK_ELEMENTS``), else ``reference``, each falling back to the other.
+  queries; not once its steps failed to compile, which would run them eagerly, a tile of features at a time);
+  then ``chunked`` when the ``(B, H, Lq, Lk, D)`` features would be large (``>= ADDITIVE_CHUNK_ELEMENTS``), else
+  ``reference``, each falling back to the other.
 
 A backend named explicitly never falls back: if it cannot run the call, a ``ValueError`` lists every
 backend's reasons.
@@ -166,6 +167,8 @@ def _compile_worth(call: Call) -> bool:
     B, H, Lq, D = call.q.shape
     size, least = B * H * Lq * call.k.shape[2], compiled.COMPILE_FROM
     if call.w_v is not None:
+        if compiled.failed(call):  # eagerly, its steps hold every tile's features: chunked
+            return False
         size, least = size * D, compiled.ADDITIVE_FROM
     elif call.score_mod is None or (call.score_bias and not call.differentiates_score_mod):
         return False

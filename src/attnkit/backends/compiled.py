@@ -15,8 +15,8 @@ is worked out from ``exp(2 q)`` and ``exp(2 k)``, made once per call, as ``1 - 2
 product and a reciprocal per feature instead of a ``tanh``, forward and backward.
 
 Compiling a step takes seconds, once per score_mod and shape; :mod:`attnkit.dispatch` sends a call here only when
-it is large enough to repay that (:data:`COMPILE_FROM`). A score_mod is first run once, eagerly, on a real tile,
-where a function that raises or returns the wrong shape or dtype gets the errors of
+it is large enough to repay that (:data:`COMPILE_FROM`, :data:`ADDITIVE_FROM`). A score_mod is first run once,
+eagerly, on a real tile, where a function that raises or returns the wrong shape or dtype gets the errors of
 :func:`attnkit.mods.evaluate_score`. If compiling then fails, the same steps run eagerly, with one warning.
 
 Cannot: weights, dropout, gradients to a float ``attn_mask``, modifiers whose tensors it cannot
@@ -31,7 +31,7 @@ from torch import Tensor
 from attnkit import mods
 from attnkit.backends import compiled_steps as steps
 from attnkit.backends import tiles
-from attnkit.backends.common import Watched, additive_scores, probe, repeat_kv, zero_dead
+from attnkit.backends.common import Watched, probe, repeat_kv, zero_dead
 from attnkit.backends.contract import ADDITIVE, DOT, Call, Supports
 from attnkit.backends.online import RunningSoftmax
 from attnkit.masks import Mask, compute_dtype
@@ -75,6 +75,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     w = None if call.w_v is None else call.w_v.to(dtype)  # (D,)
     sinks = None if call.sinks is None else call.sinks.to(dtype)
     score_mod = call.score_mod
+    step_mod = _step_form(score_mod)
     closed_over: tuple[Tensor, ...] = ()
     if score_mod is not None:
         if not takes_blocks(call):
@@ -87,8 +88,18 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
             read = call.tensors_read(score_mod)
             closed_over = mods.grad_inputs(score_mod, probe(dtype, q.device), read or ())
     watched = Watched.of(call) if call.needs_grad else None
-    out = _Compiled.apply(qf, kf, vf, w, sinks, mask, score_mod, call.scale, watched, *closed_over)  # (B, H, Lq, Dv)
+    out = _Compiled.apply(qf, kf, vf, w, sinks, mask, step_mod, call.scale, watched, *closed_over)  # (B, H, Lq, Dv)
     return out.to(q.dtype), None
+
+
+def failed(call: Call) -> bool:
+    """Whether the steps of this call's score_mod failed to compile before (they run eagerly now)."""
+    return steps.failed(_step_form(call.score_mod))
+
+
+def _step_form(score_mod: ScoreFn | None) -> ScoreFn | None:
+    """The score_mod as the steps run it: a built-in's form for compiled code (softcap's is faster)."""
+    return score_mod.compiled() if isinstance(score_mod, mods.ScoreMod) else score_mod
 
 
 def takes_blocks(call: Call) -> bool:
@@ -117,7 +128,7 @@ def _takes_blocks(call: Call) -> bool:
             if call.w_v is None:
                 scores = (q[:, :, r0:r1] @ k[:, :, j0:j1].transpose(-2, -1)) * call.scale  # (B, H, n, c)
             else:
-                scores = additive_scores(q[:, :, r0:r1], k[:, :, j0:j1], call.w_v.detach())[0]  # (B, H, n, c)
+                scores = _additive_probe(q[:, :, r0:r1], k[:, :, j0:j1], call.w_v.detach())  # (B, H, n, c)
             idx = mods.indices(B, H, (r0, r1), (j0, j1), q.device)
             try:  # as a compiled step calls it
                 out = score_mod(scores.clone(), *idx)
@@ -137,6 +148,15 @@ def _takes_blocks(call: Call) -> bool:
                 ) from error
             return False
     return True
+
+
+def _additive_probe(q: Tensor, k: Tensor, w: Tensor) -> Tensor:
+    """Additive scores ``(B, H, n, c)`` of ``q (B, H, n, D)`` and ``k (B, H, c, D)``, a feature at a time (the
+    ``(B, H, n, c, D)`` features of a whole tile would be a large tensor)."""
+    scores = q.new_zeros((*q.shape[:3], k.shape[2]))  # (B, H, n, c)
+    for d in range(q.shape[-1]):
+        scores += torch.tanh(q[..., d, None] + k[..., None, :, d]) * w[d]  # (B, H, n, c)
+    return scores
 
 
 def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
@@ -282,7 +302,7 @@ class _Compiled(torch.autograd.Function):
         *closed_over: Tensor,
     ) -> Tensor:
         guard = _not_finite(k, v)
-        found = None if w is None else steps.exp_form(q, k)  # additive: exp(2 q), exp(2 k), each (B, H, L, D)
+        found = None if w is None else steps.exp_form(q, k)  # additive, shifted and clamped: (B, H, L, D) each
         if found is not None:
             q, k = found
         out, lse = _forward(q, k, v, w, sinks, mask, score_mod, scale, found is not None, guard)

@@ -7,8 +7,9 @@ a ``score_mod`` such as ``softcap`` costs one fused pass over the tile, not one 
 autograd gives the tensors a score_mod closes over their share of the tile's gradient.
 
 Additive scoring, ``s[i, j] = w . tanh(q[i] + k[j])``, comes in two forms (:func:`_scores`): ``tanh`` as written,
-and ``exp``, where the caller passed ``q = exp(2 (q - c))`` and ``k = exp(2 (k + c))`` (:func:`exp_form`), so that
-``tanh(q + k) = 1 - 2 y`` with ``y = 1 / (q k + 1)``: a product and a reciprocal per feature instead of a ``tanh``.
+and ``exp``, where the caller passed ``exp(2 (q - mid))`` and ``exp(2 (k + mid))`` for ``q`` and ``k``, the keys
+clamped (:func:`exp_form`), so that ``tanh(q + k) = 1 - 2 y`` with ``y = 1 / (q k + 1)``: a product and a reciprocal
+per feature instead of a ``tanh``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ScoreFn", "closure_grads", "exp_form", "name", "run", "warn_once"]
+__all__ = ["ScoreFn", "closure_grads", "exp_form", "failed", "name", "run", "warn_once"]
 
 # B batch, H heads, n a tile's queries, c a tile's keys (columns), D head dim, Dv value head dim
 
@@ -41,19 +42,22 @@ def name(fn: object) -> str:
 
 def exp_form(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor] | None:
     """``q (B, H, Lq, D)`` and ``k (B, H, Lk, D)`` as the ``exp`` form of additive scoring takes them,
-    ``exp(2 (q - c))`` and ``exp(2 clamp(k + c, -r - sat, r + sat))``, with ``c`` the middle and ``r`` the half
-    range of each feature of the queries (per example and head), ``sat`` where ``tanh`` rounds to 1 in the dtype:
-    every factor is a normal number, so a product is 0 or inf only where ``tanh`` is -1 or 1, and the clamp moves
-    only keys that saturate against every query. ``None`` where that cannot hold (queries not finite, or spread
-    wider than the dtype's exponents reach): then the ``tanh`` form."""
+    ``exp(2 (q - mid))`` and ``exp(2 clamp(k + mid, -r - sat, r + sat))``, with ``mid`` the middle and ``r`` the
+    half range of each feature of the queries (per example and head), ``sat`` where ``tanh`` rounds to 1 in the
+    dtype: every factor is a normal number, so a product is 0 or inf only where ``tanh`` is -1 or 1, and the clamp
+    moves only keys that saturate against every query (``|q - mid| <= r``; a key whose ``k + mid`` overflows, or an
+    infinite one, among them). ``None`` where that cannot hold (queries not finite, or spread wider than the dtype's
+    exponents reach): then the ``tanh`` form."""
     sat = 10.0 if q.dtype == torch.float32 else 20.0  # tanh(10) rounds to 1 in float32, tanh(20) in float64
     top, bottom = q.amax(dim=2, keepdim=True), q.amin(dim=2, keepdim=True)  # (B, H, 1, D) each
-    c, r = (top + bottom) / 2, (top - bottom) / 2  # (B, H, 1, D) each
+    r = (top - bottom) / 2  # (B, H, 1, D)
+    # (B, H, 1, D), finite where r is: (top + bottom) / 2 would overflow near the dtype's largest number
+    mid = bottom + r
     reach = -math.log(torch.finfo(q.dtype).tiny) / 2 - sat - 1  # e^(2 (r + sat)) stays a normal number
     if not q.numel() or not bool(torch.isfinite(r).all()) or float(r.max()) > reach:
         return None
-    kc = torch.minimum(torch.maximum(k + c, -r - sat), r + sat)  # (B, H, Lk, D); NaN stays NaN
-    return torch.exp(2 * (q - c)), torch.exp(2 * kc)
+    kc = torch.minimum(torch.maximum(k + mid, -r - sat), r + sat)  # (B, H, Lk, D); NaN stays NaN
+    return torch.exp(2 * (q - mid)), torch.exp(2 * kc)
 
 
 def _scores(q: Tensor, k: Tensor, w: Tensor | None, scale: float, exp: bool) -> Tensor:
@@ -303,6 +307,11 @@ def closure_grads(
         with torch.enable_grad():
             term = _eager("closure", score_mod, raw, dmod, idx)
         return torch.autograd.grad(term, closed_over, allow_unused=True)
+
+
+def failed(score_mod: ScoreFn | None) -> bool:
+    """Whether this score_mod's steps failed to compile before (they run eagerly now)."""
+    return _key(score_mod) in _FAILED
 
 
 def warn_once(score_mod: ScoreFn | None, why: str) -> None:

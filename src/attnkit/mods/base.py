@@ -110,6 +110,11 @@ class ScoreMod:
     def tensors(self) -> tuple[Tensor, ...]:
         return ()
 
+    def compiled(self) -> ScoreFn:
+        """The same function, written for compiled code (:mod:`attnkit.backends.compiled` calls it in its steps):
+        itself, unless a form that Inductor's code runs faster exists (:class:`~attnkit.mods.softcap`'s)."""
+        return self
+
 
 def bind(mod: Any, **sizes: Any) -> Any:
     """A built-in bound to a call's sizes (aligned and checked); a user function as it is."""
