@@ -224,3 +224,15 @@ def test_one_query_or_one_key(Lq, Lk):
     out = attnkit.additive_attention(*leaves, backend="compiled").output
     want, _ = mathref.attention_mods(*leaves[:3], w_v=leaves[3])
     mathref.assert_agrees(out, want, leaves, ["q", "k", "v", "w_v"], OUT_TOL64, GRAD_TOL64)
+
+
+def test_auto_sends_additive_calls_to_chunked_once_the_steps_failed_to_compile(monkeypatch):
+    """Eagerly, the steps would hold every tile's features at once: chunked's blocks are the better fallback."""
+    q, k, v, w_v = (t.float() for t in _inputs(4, 20, 20))
+    monkeypatch.setattr(dispatch, "ADDITIVE_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(compiled, "ADDITIVE_FROM", 1)
+    monkeypatch.setattr(compiled, "FEWEST_QUERIES", 8)
+    monkeypatch.setattr(compiled_steps, "_FAILED", {compiled_steps._key(None)})
+    with dispatch.watch() as chosen:
+        attnkit.additive_attention(q, k, v, w_v)
+    assert chosen == ["chunked"]
