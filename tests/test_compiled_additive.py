@@ -218,6 +218,14 @@ def test_queries_near_the_largest_number_are_not_overflowed(dtype):
     assert max_err(out, want) <= (1e-5 if dtype == torch.float32 else OUT_TOL64)
 
 
+def test_no_queries():
+    q, k, v, w_v = _inputs(5, 0, 12)
+    out = attnkit.additive_attention(q, k, v, w_v, backend="compiled").output
+    assert out.shape == (B, H, 0, D)
+    out.sum().backward()
+    assert (k.grad == 0).all() and (w_v.grad == 0).all()
+
+
 @pytest.mark.parametrize("Lq, Lk", [(1, 1), (1, 12), (12, 1)])
 def test_one_query_or_one_key(Lq, Lk):
     leaves = _inputs(5, Lq, Lk)

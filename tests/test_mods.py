@@ -1229,7 +1229,8 @@ def test_softcaps_compiled_form_is_cap_tanh_to_a_few_roundings_everywhere(dtype)
         small = slice(20000, 22000)  # near 0: within a few roundings of the score itself
         assert ((ours[small].double() - want[small]).abs() <= 4 * eps * want[small].abs()).all()
         assert max_err(grad, want_grad) <= 8 * eps
-    special = mods.softcap(30.0)(
-        torch.tensor([0.0, float("inf"), float("-inf"), float("nan")], dtype=dtype), 0, 0, 0, 0
-    )
+    fast = mods.softcap(30.0).compiled()
+    special = fast(torch.tensor([0.0, float("inf"), float("-inf"), float("nan")], dtype=dtype), 0, 0, 0, 0)
     assert special[:3].tolist() == [0.0, 30.0, -30.0] and special[3].isnan()
+    tiny = mods.softcap(torch.finfo(dtype).tiny).compiled()  # 2 / cap overflows: not 0 * inf at a score of 0
+    assert tiny(torch.tensor([0.0, 1.0, -1.0], dtype=dtype), 0, 0, 0, 0).tolist() == [0.0, tiny.cap, -tiny.cap]

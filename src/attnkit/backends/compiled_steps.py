@@ -48,13 +48,15 @@ def exp_form(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor] | None:
     moves only keys that saturate against every query (``|q - mid| <= r``; a key whose ``k + mid`` overflows, or an
     infinite one, among them). ``None`` where that cannot hold (queries not finite, or spread wider than the dtype's
     exponents reach): then the ``tanh`` form."""
+    if not q.numel():
+        return None
     sat = 10.0 if q.dtype == torch.float32 else 20.0  # tanh(10) rounds to 1 in float32, tanh(20) in float64
     top, bottom = q.amax(dim=2, keepdim=True), q.amin(dim=2, keepdim=True)  # (B, H, 1, D) each
     r = (top - bottom) / 2  # (B, H, 1, D)
     # (B, H, 1, D), finite where r is: (top + bottom) / 2 would overflow near the dtype's largest number
     mid = bottom + r
     reach = -math.log(torch.finfo(q.dtype).tiny) / 2 - sat - 1  # e^(2 (r + sat)) stays a normal number
-    if not q.numel() or not bool(torch.isfinite(r).all()) or float(r.max()) > reach:
+    if not bool(torch.isfinite(r).all()) or float(r.max()) > reach:
         return None
     kc = torch.minimum(torch.maximum(k + mid, -r - sat), r + sat)  # (B, H, Lk, D); NaN stays NaN
     return torch.exp(2 * (q - mid)), torch.exp(2 * kc)

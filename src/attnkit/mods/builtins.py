@@ -340,7 +340,7 @@ class softcap_compiled:  # noqa: N801  (named as a message names it)
     cap: float
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        e = torch.expm1(torch.clamp(score * (2 / self.cap), -40.0, 40.0))
+        e = torch.expm1(torch.clamp(score / self.cap * 2, -40.0, 40.0))  # (2 / cap overflows for a tiny cap)
         return e / (e + 2) * self.cap
 
 
