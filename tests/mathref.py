@@ -256,3 +256,24 @@ def assert_agrees(out: Tensor, want: Tensor, leaves, names, out_tol: float, grad
     got, expected = torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout)
     for name, a, b in zip(names, got, expected, strict=True):
         assert max_err(a, b) <= grad_tol, name
+
+
+def assert_unseen_nan_reaches_nothing(run, k: Tensor, v: Tensor, unseen, names, tol: float = 1e-12) -> None:
+    """``run(k, v)`` gives ``[out, *gradients]`` (``names``: theirs, k's and v's ``"dk"`` and ``"dv"``). With NaN in
+    ``k`` and ``v`` at each index of ``unseen`` (places no query may see), every result is finite and equal to the
+    run with zeros there, and k's and v's gradients are compared outside those places."""
+
+    def filled(value: float) -> tuple[Tensor, Tensor]:
+        k2, v2 = k.clone(), v.clone()
+        for where in unseen:
+            k2[where], v2[where] = value, value
+        return k2, v2
+
+    got, want = run(*filled(float("nan"))), run(*filled(0.0))
+    for name, a, b in zip(names, got, want, strict=True):
+        if name in ("dk", "dv"):  # no gradient to what no query sees: zero there, whatever it held
+            a, b = a.clone(), b.clone()
+            for where in unseen:
+                a[where], b[where] = 0.0, 0.0
+        assert torch.isfinite(a).all(), name
+        assert max_err(a, b) <= tol, name

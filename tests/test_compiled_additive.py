@@ -16,10 +16,10 @@ import mathref
 from attnkit import dispatch, mods
 from attnkit.backends import compiled, compiled_steps, tiles
 from mathref import max_err
+from test_compiled import HKV, B, D, H, masking
 
-# B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D features (h)
-
-B, H, HKV, D = 2, 4, 2, 8
+# B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D features (h): test_compiled's sizes, whose
+# masking() these tests share
 OUT_TOL64, GRAD_TOL64 = 1e-12, 1e-10
 
 
@@ -68,18 +68,7 @@ def test_additive_on_compiled_equals_the_math_outputs_and_gradients(case):
     math: dict = {}
     if case["mod"] == "softcap":
         ours["score_mod"], math["score_mod"] = mods.softcap(2.0), mathref.softcap(2.0)
-    if case["mask"] == "causal":
-        ours["is_causal"] = math["is_causal"] = True
-    elif case["mask"] == "window":
-        ours["mask_mod"], math["mask_mod"] = mods.sliding_window(4), mathref.sliding_window(4, Lq, Lk)
-    elif case["mask"] == "valid_lens":
-        ours["valid_lens"] = math["valid_lens"] = torch.randint(0, Lk + 1, (B,), generator=g)
-    elif case["mask"] == "float mask":
-        ours["attn_mask"] = math["attn_mask"] = torch.randn(B, 1, Lq, Lk, generator=g, dtype=torch.float64)
-    if case["sinks"]:
-        ours["sinks"] = math["sinks"] = torch.randn(H, generator=g, dtype=torch.float64).requires_grad_()
-        leaves.append(ours["sinks"])
-        names.append("sinks")
+    masking(case, Lq, Lk, g, ours, math, leaves, names)
     q, k, v, w_v = leaves[:4]
     out = attnkit.additive_attention(q, k, v, w_v, backend="compiled", **ours).output
     want, _ = mathref.attention_mods(q, k, v, w_v=w_v, **math)
@@ -153,20 +142,8 @@ def test_nan_where_no_query_may_see_and_in_keys_the_score_mod_hides_reaches_noth
         out.backward(torch.ones_like(out))
         return [out.detach()] + [t.grad for t in leaves]
 
-    k_nan, v_nan = k.clone(), v.clone()
-    k_nan[1, :, 11:], v_nan[1, :, 11:] = float("nan"), float("nan")
-    k_nan[:, :, hidden_key], v_nan[:, :, hidden_key] = float("nan"), float("nan")
-    k_zero, v_zero = k.clone(), v.clone()
-    k_zero[1, :, 11:], v_zero[1, :, 11:] = 0.0, 0.0
-    k_zero[:, :, hidden_key], v_zero[:, :, hidden_key] = 0.0, 0.0
-    got, want = run(k_nan, v_nan), run(k_zero, v_zero)
-    for name, a, b in zip(["out", "dq", "dk", "dv", "dw_v"], got, want, strict=True):
-        if name in ("dk", "dv"):  # no gradient to what no query sees: zero there, whatever it held
-            a, b = a.clone(), b.clone()
-            a[1, :, 11:], b[1, :, 11:] = 0.0, 0.0
-            a[:, :, hidden_key], b[:, :, hidden_key] = 0.0, 0.0
-        assert torch.isfinite(a).all(), name
-        assert max_err(a, b) <= 1e-12, name
+    unseen = [(1, slice(None), slice(11, None)), (slice(None), slice(None), hidden_key)]
+    mathref.assert_unseen_nan_reaches_nothing(run, k, v, unseen, ["out", "dq", "dk", "dv", "dw_v"])
 
 
 def test_auto_compiles_a_large_additive_call_with_a_block_of_queries(monkeypatch):
