@@ -124,7 +124,7 @@ def test_an_infinite_query_is_the_tanh_forms_and_equals_the_math():
         assert max_err(a, b) <= GRAD_TOL64
 
 
-@pytest.mark.parametrize("spread", ["narrow", "wide"])
+@pytest.mark.parametrize("spread", ["narrow", pytest.param("wide", marks=pytest.mark.slow)])  # (15 s each, cold)
 def test_nan_where_no_query_may_see_and_in_keys_the_score_mod_hides_reaches_nothing(spread):
     """NaN in the keys and values past each example's length, and in a key the score_mod hides from every query
     with -inf: outputs and gradients are those of the call with zeros there."""
