@@ -80,8 +80,8 @@ def _score_grads(
     without ``w``) of a tile from ``ds (B, H, n, c)``, the gradient of its scores. Additive: the features are
     recomputed in each sum over keys and in the sum over queries, so that no ``(B, H, n, c, D)`` tensor is stored
     (one tensor feeding sums over two different dimensions would be); ``tanh' = 1 - tanh^2 = 4 y (1 - y)``. ``dw``
-    is left per query, for the caller to sum over all of them at the end: in one float32 sum of every query and
-    key, the rounding of ``sum_j ds_ij = 0`` (each row's) piles up, 30 times chunked's error in a test."""
+    is left per query, for the caller to sum over all of them at the end (``torch.sum`` over many terms rounds
+    less than one running total of each tile's ``n c`` terms would)."""
     if w is None:
         return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, None
     dst = ds.transpose(-2, -1)[..., None]  # (B, H, c, n, 1)
