@@ -329,7 +329,8 @@ class _Compiled(torch.autograd.Function):
         qs, ks, vs, douts = _blocked(q), _blocked(k), _blocked(v), _blocked(dout)  # (nq|nk, B, H, T, D|Dv)
         lses, deltas = _blocked(lse), _blocked(delta)  # (nq, B, H, T)
         dqs, dks, dvs = torch.zeros_like(qs), torch.zeros_like(ks), torch.zeros_like(vs)  # as qs, ks, vs
-        dws = None if w is None else torch.zeros_like(qs)  # (nq, B, H, T, D): each query's share of dw
+        wanted = w is not None and ctx.needs_input_grad[3]
+        dws = torch.zeros_like(qs) if wanted else None  # (nq, B, H, T, D): each query's share of dw
         for r0, r1, row_tiles in grid.blocks():
             i = r0 // T
             for j0, j1, every in row_tiles:

@@ -66,11 +66,11 @@ def _scores(q: Tensor, k: Tensor, w: Tensor | None, scale: float, exp: bool) -> 
     """The scores ``(B, H, n, c)`` of a tile: ``scale * q . k`` without ``w``, else additive in the form ``exp``
     says (the ``(B, H, n, c, D)`` features are fused into the sum, never stored)."""
     if w is None:
-        return (q @ k.transpose(-2, -1)) * scale
+        return (q @ k.transpose(-2, -1)) * scale  # (B, H, n, c)
     if exp:
         y = torch.reciprocal(q[..., :, None, :] * k[..., None, :, :] + 1)  # (B, H, n, c, D): (1 - tanh) / 2
-        return w.sum() - 2 * (y * w).sum(dim=-1)
-    return (torch.tanh(q[..., :, None, :] + k[..., None, :, :]) * w).sum(dim=-1)
+        return w.sum() - 2 * (y * w).sum(dim=-1)  # (B, H, n, c)
+    return (torch.tanh(q[..., :, None, :] + k[..., None, :, :]) * w).sum(dim=-1)  # (B, H, n, c)
 
 
 def _score_grads(
@@ -83,7 +83,7 @@ def _score_grads(
     is left per query, for the caller to sum over all of them at the end (``torch.sum`` over many terms rounds
     less than one running total of each tile's ``n c`` terms would)."""
     if w is None:
-        return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, None
+        return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, None  # (B, H, n, D), (B, H, c, D)
     dst = ds.transpose(-2, -1)[..., None]  # (B, H, c, n, 1)
     if exp:
         y = torch.reciprocal(q[..., :, None, :] * k[..., None, :, :] + 1)  # (B, H, n, c, D)
