@@ -10,8 +10,8 @@ running it from inside the suite would recurse.
 
 The environment that ``torchrun`` gives its processes (rank 0 of a world of 1, a free local port) is set for every
 block, so the ring attention block, written for ``torchrun``, runs here as a one-process gloo group; a block that
-leaves a process group open fails its test, after the group is destroyed. A second test runs that block as the
-README says, under ``torchrun``, with 2 processes.
+leaves a process group open fails its test, after the group is destroyed. Another test runs each block written for
+``torchrun`` as its first line says (``# ring.py: torchrun --nproc-per-node 4 ring.py``), on that many processes.
 """
 
 from __future__ import annotations
@@ -73,12 +73,16 @@ def test_readme_python_block_runs_as_written(section, line, code, tmp_path, monk
     assert not left_open, f"the block at README.md line {line} leaves a torch.distributed process group open"
 
 
+TORCHRUN = re.compile(r"^# (\w+\.py): torchrun --nproc-per-node (\d+)")
+TORCHRUN_BLOCKS = [(m.group(1), int(m.group(2)), code) for _, _, code in BLOCKS if (m := TORCHRUN.match(code))]
+
+
 @pytest.mark.distributed
-def test_the_ring_attention_block_runs_under_torchrun_on_several_processes(tmp_path):
-    (code,) = [code for _, _, code in BLOCKS if "torchrun" in code]
-    (tmp_path / "ring.py").write_text(code)
+@pytest.mark.parametrize(("name", "processes", "code"), TORCHRUN_BLOCKS, ids=[b[0] for b in TORCHRUN_BLOCKS])
+def test_the_torchrun_blocks_run_under_torchrun_on_the_processes_they_name(name, processes, code, tmp_path):
+    (tmp_path / name).write_text(code)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "ring.py"],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes), name],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -89,6 +93,7 @@ def test_the_ring_attention_block_runs_under_torchrun_on_several_processes(tmp_p
 
 
 def test_the_readme_has_its_python_blocks():
+    assert [name for name, _, _ in TORCHRUN_BLOCKS] == ["ring.py", "cp.py"]
     sections = {section for section, _, _ in BLOCKS}
     assert {"Example", "Layers", "See inside", "Longer than one device: ring attention"} <= sections, sections
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attnkit import dispatch, mods, trace, varlen
+from attnkit import _split, dispatch, mods, trace, varlen
 from attnkit._checks import check_qkv, check_same_kind, check_scale, describe
 from attnkit.backends import reference
 from attnkit.backends.contract import Call
@@ -186,6 +186,8 @@ def attention_weights(
         tensor([[[0.5000, 0.5000, 0.0000],
                  [0.5000, 0.5000, 0.0000]]])
     """
+    if (runner := _split.active()) is not None:
+        runner.refuse("attention_weights")
     masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
     q, k, mask, w_v, scale, score_mod, sinks, three_d = scoring(q, k, masks, w_v=w_v, scale=scale, sinks=sinks)
     with _autocast_off(q):
@@ -257,6 +259,22 @@ def attend(
             statistics are recorded: :func:`attnkit.record_stats`).
     """
     q, k, v, w_v = _autocast(q, k, v, w_v)
+    runner = _split.active()
+    if runner is not None:  # inside attnkit.distributed.context_parallel: q, k, v are this rank's shard
+        return runner.attend(
+            q,
+            k,
+            v,
+            masks,
+            w_v=w_v,
+            scale=scale,
+            sinks=sinks,
+            dropout_p=dropout_p,
+            need_weights=need_weights,
+            backend=backend,
+            zeros_past=zeros_past,
+            need_lse=need_lse,
+        )
     three_d = check_qkv(q, k, v)
     if w_v is not None:
         _check_w_v(q, w_v)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnkit import _projection, functional, trace
+from attnkit import _projection, _split, functional, trace
 from attnkit._checks import as_lengths, check_dropout, describe, listed
 from attnkit.cache import CrossKVCache, KVCache, Positions
 from attnkit.d2l.functions import transpose_output, transpose_qkv
@@ -117,7 +117,7 @@ class DotProductAttention(nn.Module):
             values,
             functional.Masks(valid_lens, attn_mask, is_causal),
             dropout_p=self.dropout.p if self.training else 0.0,
-            need_weights=True,
+            need_weights=_split.active() is None,  # inside context_parallel no rank holds them: None
             zeros_past=zeros_past,
         )
         q, k = queries.detach(), keys.detach()

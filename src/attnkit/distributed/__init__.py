@@ -11,14 +11,19 @@ Not imported by ``import attnkit``::
   ``"contiguous"`` or ``"zigzag"`` layout (:mod:`attnkit.distributed.sequence`).
 * :class:`RingMultiHeadAttention`: the module form; :func:`sum_gradients` sums its parameter gradients over the
   ranks after ``backward()`` (each rank's cover its own positions only).
+* :func:`context_parallel`: PyTorch's context-parallel block for attnkit: shards the buffers, and every attnkit
+  attention call inside (layers, ``attnkit.d2l``, Hugging Face models with attnkit registered) runs as ring
+  attention over the mesh; composes with FSDP2 and DDP (:mod:`attnkit.distributed.context`).
 * :class:`RingError`: another rank failed, died or stayed silent past the timeout.
 
 Inside, one concern a module: ``comm`` (messages and timeouts), ``sequence`` (who holds which positions),
 ``agree`` (the ranks check the call together before any block travels), ``plan`` (what each step may skip),
-``ring`` (the ring math and its autograd), ``layers`` (the module form).
+``ring`` (the ring math and its autograd), ``layers`` (the module form), ``context`` (the context-parallel
+block).
 """
 
 from attnkit.distributed.comm import DEFAULT_TIMEOUT, RingError
+from attnkit.distributed.context import context_parallel
 from attnkit.distributed.layers import RingMultiHeadAttention, sum_gradients
 from attnkit.distributed.ring import ring_attention
 from attnkit.distributed.sequence import LAYOUTS, gather_sequence, shard_sequence
@@ -28,6 +33,7 @@ __all__ = [
     "LAYOUTS",
     "RingError",
     "RingMultiHeadAttention",
+    "context_parallel",
     "gather_sequence",
     "ring_attention",
     "shard_sequence",

@@ -58,7 +58,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from attnkit import mods, stats
+from attnkit import _split, mods, packing, stats
 from attnkit.functional import Masks, attend, attention_weights
 from attnkit.recording import report_weights, wants_stats
 
@@ -153,6 +153,8 @@ def _mask(*args: Any, config: Any = None, **kwargs: Any) -> Tensor | None:
     """
     from transformers.masking_utils import sdpa_mask
 
+    if _split.active() is not None:
+        return _split_mask(config, kwargs)
     through = None if config is None else _goes_through_the_interface(type(config))
     if through is False:
         raise ValueError(
@@ -216,6 +218,10 @@ def attention_forward(
     Lq, Lk = query.shape[2], key.shape[2]
     slots = Lk  # the weights come back over every key slot, as eager's
     model_causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    runner = _split.active()
+    if runner is not None:  # inside attnkit.distributed.context_parallel: this rank's shard of the sequence
+        masks_given = (attention_mask, softcap, s_aux, position_bias, sliding_window, dropout, scaling)
+        return _split_attention(runner, module, query, key, value, model_causal, masks_given, backend, kwargs)
     causal = model_causal and Lq > 1 and attention_mask is None  # as transformers' sdpa: the mask says it otherwise
     if causal and Lk > Lq:
         # a static cache's prefill: the slots past the queries are empty; transformers' causal is top-left
@@ -265,6 +271,80 @@ def attention_forward(
 
     report_weights(module, recorded, kv_heads=key.shape[1], parts=parts)
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, H, Dv)
+
+
+# What a model's mask may say inside context_parallel, where the mask transformers builds is of one shard's positions.
+_SPLIT_MASKS = "causality, a sliding window and packed documents (from position_ids), set in whole-sequence positions"
+
+
+def _split_mask(config: Any, kwargs: dict[str, Any]) -> Tensor | None:
+    """The mask inside ``context_parallel``: ``None`` where it says no more than causality, a sliding window or
+    packed documents (which :func:`_split_attention` sets in whole-sequence positions; transformers' own
+    reading of a zig-zag shard's position ids would see documents that are not there); otherwise a marker that the
+    attention refuses on every rank: padding, or a model's own mask functions (``use_vmap``: transformers' sign of
+    an ``or``/``and`` mask function) or chunked attention."""
+    padding = kwargs.get("attention_mask")
+    has_padding = isinstance(padding, Tensor) and not bool(padding.all())
+    if not has_padding and not kwargs.get("use_vmap") and not getattr(config, "attention_chunk_size", None):
+        return None
+    return torch.zeros((1, 1, 1, 1), dtype=torch.bool)  # a mask attention_forward refuses inside context_parallel
+
+
+def _split_attention(
+    runner: _split.Runner,
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    causal: bool,
+    given: tuple,
+    backend: str,
+    kwargs: dict[str, Any],
+) -> tuple[Tensor, None]:
+    """:func:`attention_forward` inside ``context_parallel``: ring attention with the model's masks in
+    whole-sequence positions; packed documents from the whole sequence's ``position_ids`` (gathered from every
+    rank's shard). What cannot be said there is refused on every rank at once."""
+    attention_mask, softcap, s_aux, position_bias, sliding_window, dropout, scaling = given
+    refused = None
+    if attention_mask is not None:
+        refused = (
+            "transformers built an attention mask beyond causality (padding in attention_mask, or the model's own "
+            f"mask functions): inside context_parallel attnkit takes {_SPLIT_MASKS}; pass sequences without padding"
+        )
+    elif position_bias is not None:
+        refused = "a position_bias (T5) cannot be used inside context_parallel"
+    mask_mod: mods.MaskFn | None = mods.sliding_window(sliding_window) if sliding_window and causal else None
+    position_ids = kwargs.get("position_ids")
+    if isinstance(position_ids, Tensor):
+        whole = runner.whole(position_ids.reshape(-1, position_ids.shape[-1]), dim=-1)  # (B|1, L): every rank's
+        try:
+            ids = packing.document_ids(whole)  # (B|1, L) or None
+        except ValueError as e:
+            refused = refused or (
+                f"{e}: inside context_parallel the position_ids must be the whole sequence's, cut with it (pass them "
+                "in context_parallel's buffers)"
+            )
+        else:
+            if ids is not None:
+                documents = mods.document(ids.expand(query.shape[0], -1))  # (B, L)
+                mask_mod = documents if mask_mod is None else mods.and_masks(mask_mod, documents)
+    masks = Masks(None, None, causal, mask_mod, mods.softcap(softcap) if softcap else None)
+    out = runner.attend(
+        query,
+        key,
+        value,
+        masks,
+        w_v=None,
+        scale=scaling,
+        sinks=s_aux,
+        dropout_p=float(dropout),
+        need_weights=_weights_wanted(kwargs),
+        backend=backend,
+        zeros_past=None,
+        need_lse=wants_stats(module),
+        refused=refused,
+    ).output  # (B, H, L_r, Dv)
+    return out.transpose(1, 2).contiguous(), None  # (B, L_r, H, Dv)
 
 
 def _query_slots(attn_mask: Tensor | None, Lq: int, Lk: int) -> Tensor | None:

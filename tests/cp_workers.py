@@ -1,0 +1,340 @@
+"""What each rank runs in tests/test_context_parallel.py (imported by the spawned processes).
+
+Every rank builds the same whole-sequence inputs and parameters from a seed, computes the single-process result,
+then the same inside ``context_parallel`` on its shard, and reports how far apart they are.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn import functional as F
+
+import attnkit
+from attnkit import d2l, mods
+from attnkit.distributed import context_parallel, gather_sequence
+
+# B batch, L whole length, E features, V vocabulary
+
+LAYOUT = "zigzag"
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).detach().abs().max()) if a.numel() else 0.0
+
+
+def _summed(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each rank's parameter gradients (of its own positions' share of the loss) summed over the ranks."""
+    for g in grads:
+        dist.all_reduce(g)
+    return grads
+
+
+def layers(rank: int, world_size: int) -> dict[str, float]:
+    """attnkit's MHA (GQA), attnkit.d2l's and the functional call, under each mask, inside context_parallel against
+    one process: the largest gap of the outputs, the input gradients and the summed parameter gradients."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    B, L, E = 2, 13, 16
+    mha = attnkit.MultiHeadAttention(E, 4, num_kv_heads=2).double()
+    book = d2l.MultiHeadAttention(E, 2, 0.0).double().eval()
+    x = torch.randn(B, L, E, dtype=torch.double)
+    ids = torch.tensor([[0] * 5 + [1] * 8, [0] * 9 + [1] * 4])  # (B, L): two documents a row
+    cases = {
+        "causal": {"is_causal": True},
+        "valid_lens": {"valid_lens": torch.tensor([13, 6])},
+        "causal + valid_lens": {"is_causal": True, "valid_lens": torch.tensor([4, 11])},
+        "window": {"is_causal": True, "mask_mod": mods.sliding_window(3)},
+        "documents": {"is_causal": True, "mask_mod": mods.document(ids)},
+    }
+
+    def run_mha(x: torch.Tensor, masks: dict) -> torch.Tensor:
+        return mha(x, x, x, **masks)
+
+    def run_book(x: torch.Tensor, masks: dict) -> torch.Tensor:
+        return book(x, x, x, masks.get("valid_lens"))
+
+    def run_functional(x: torch.Tensor, masks: dict) -> torch.Tensor:
+        q = x.unflatten(-1, (4, 4)).transpose(1, 2)  # (B, 4, L, 4)
+        return attnkit.scaled_dot_product_attention(q, q, q, **masks).output.transpose(1, 2).flatten(2)  # (B, L, E)
+
+    gaps = {}
+    for layer, run, params in (
+        ("mha", run_mha, list(mha.parameters())),
+        ("d2l", run_book, list(book.parameters())),
+        ("functional", run_functional, []),
+    ):
+        for name, masks in cases.items():
+            if layer == "d2l" and name != "valid_lens":
+                continue
+            xw = x.clone().requires_grad_()
+            ref = run(xw, masks)
+            weights = torch.randn_like(ref)
+            grads = torch.autograd.grad((ref * weights).sum(), [xw, *params])
+            xs, ws = x.clone(), weights.clone()
+            with context_parallel(mesh, buffers=[xs, ws], buffer_seq_dims=[1, 1]):
+                xr = xs.clone().requires_grad_()
+                out = run(xr, masks)  # (B, L_r, E)
+                mine = torch.autograd.grad((out * ws).sum(), [xr, *params])
+                whole = gather_sequence(out.detach(), layout=LAYOUT, dim=1)  # (B, L, E)
+                dx = gather_sequence(mine[0], layout=LAYOUT, dim=1)  # (B, L, E)
+            summed = _summed([g.clone() for g in mine[1:]])
+            gaps[f"{layer} {name}"] = max(
+                _gap(whole, ref), _gap(dx, grads[0]), *(_gap(a, b) for a, b in zip(summed, grads[1:], strict=True))
+            )
+    return gaps
+
+
+def buffers(rank: int, world_size: int) -> dict[str, object]:
+    """What the buffers hold inside the block and after it, also when the block raises."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    tokens = torch.arange(16).view(2, 8)  # (B, L)
+    labels = torch.arange(16).view(2, 8) + 100  # (B, L)
+    seen: dict[str, object] = {}
+    with context_parallel(mesh, buffers=[tokens, labels], buffer_seq_dims=[1, -1], no_restore_buffers={labels}):
+        seen["inside"] = tokens.tolist()
+    seen["tokens after"] = tokens.tolist()
+    seen["labels after"] = labels.tolist()
+    try:
+        with context_parallel(mesh, buffers=[tokens], buffer_seq_dims=[1]):
+            raise KeyError("inside")
+    except KeyError:
+        seen["after an error"] = tokens.tolist()
+    return seen
+
+
+def mistakes(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
+    """Each mistake's error type and message, on this rank."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    t = torch.zeros(2, 8)
+    two_d = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "cp"))
+    tries = {
+        "dims": lambda: context_parallel(mesh, buffers=[t], buffer_seq_dims=[1, 0]),
+        "dim out of range": lambda: context_parallel(mesh, buffers=[t], buffer_seq_dims=[2]),
+        "lengths": lambda: context_parallel(mesh, buffers=[t, torch.zeros(8, 3)], buffer_seq_dims=[1, 1]),
+        "parameter": lambda: context_parallel(mesh, buffers=[nn.Parameter(t)], buffer_seq_dims=[1]),
+        "twice": lambda: context_parallel(mesh, buffers=[t, t], buffer_seq_dims=[1, 1]),
+        "no_restore": lambda: context_parallel(mesh, buffers=[t], buffer_seq_dims=[1], no_restore_buffers={t + 1}),
+        "2-d mesh": lambda: context_parallel(two_d),
+        "not a mesh": lambda: context_parallel("cp"),
+        "too short": lambda: context_parallel(mesh, buffers=[torch.zeros(2, 1)], buffer_seq_dims=[1]),
+    }
+    seen = {}
+    for name, make in tries.items():
+        try:
+            with make():
+                pass
+            seen[name] = ("", "")
+        except Exception as e:  # noqa: BLE001 - reported
+            seen[name] = (type(e).__name__, str(e))
+    with context_parallel(mesh):
+        try:
+            with context_parallel(mesh):
+                pass
+            seen["nested"] = ("", "")
+        except ValueError as e:
+            seen["nested"] = (type(e).__name__, str(e))
+    dist.barrier()
+    return seen
+
+
+def refusals(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
+    """Calls a shard cannot run, some made on rank 0 only: every rank must raise, none may wait."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(8, 2)
+    x = torch.randn(1, 4, 8)  # (B, L_r, E): this rank's shard
+    first = rank == 0
+    tries = {
+        "attn_mask on rank 0": lambda: mha(x, x, x, attn_mask=torch.ones(4, 4, dtype=torch.bool) if first else None),
+        "score_mod": lambda: mha(x, x, x, score_mod=mods.softcap(5.0)),
+        "record_weights on rank 0": lambda: _recorded(mha, x, first),
+        "dropout": lambda: attnkit.scaled_dot_product_attention(x, x, x, dropout_p=0.5),
+        "need_weights": lambda: attnkit.scaled_dot_product_attention(x, x, x, need_weights=True),
+        "backend": lambda: attnkit.scaled_dot_product_attention(x, x, x, backend="chunked"),
+        "additive": lambda: attnkit.additive_attention(x, x, x, torch.ones(8)),
+        "attention_weights": lambda: attnkit.functional.attention_weights(x, x),
+        "valid_lens past the sequence": lambda: mha(x, x, x, valid_lens=torch.tensor([4 * world_size + 1])),
+    }
+    seen = {}
+    with context_parallel(mesh):
+        for name, call in tries.items():
+            try:
+                call()
+                seen[name] = ("", "")
+            except Exception as e:  # noqa: BLE001 - reported
+                seen[name] = (type(e).__name__, str(e))
+    dist.barrier()
+    return seen
+
+
+def _recorded(mha: nn.Module, x: torch.Tensor, record: bool) -> None:
+    if record:
+        with attnkit.record_weights(mha):
+            mha(x, x, x)
+    else:
+        mha(x, x, x)
+
+
+class Block(nn.Module):
+    """Pre-norm attnkit attention (GQA, causal) and an MLP."""
+
+    def __init__(self, E: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(E), nn.LayerNorm(E)
+        self.attn = attnkit.MultiHeadAttention(E, heads, num_kv_heads=2, query_size=E, key_size=E, value_size=E)
+        self.mlp = nn.Sequential(nn.Linear(E, 2 * E), nn.GELU(), nn.Linear(2 * E, E))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        n = self.norm1(h)
+        h = h + self.attn(n, n, n, is_causal=True)  # (B, L_r, E)
+        return h + self.mlp(self.norm2(h))
+
+
+class TinyLM(nn.Module):
+    """Two blocks over learned token and position embeddings (the positions given as a buffer)."""
+
+    def __init__(self, vocab: int = 32, E: int = 32, heads: int = 4, L: int = 16) -> None:
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, E), nn.Embedding(L, E)
+        self.blocks = nn.ModuleList(Block(E, heads) for _ in range(2))
+        self.head = nn.Linear(E, vocab)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.pos(positions)  # (B, L_r, E)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)  # (B, L_r, V)
+
+
+def fsdp_training(rank: int, world_size: int, steps: int) -> list[float]:
+    """FSDP2 over a 2 x 2 mesh (data x context) with context_parallel: each step's loss over the whole batch.
+    Rank 0 also trains one process's copy on the whole batch and returns both losses per step."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    torch.manual_seed(0)
+    model = TinyLM()
+    alone = TinyLM()
+    alone.load_state_dict(model.state_dict())
+    every = mesh["dp", "cp"]._flatten("dp_cp")  # FSDP2 over all 4 ranks (torchtitan's idiom; private in 2.13)
+    for block in model.blocks:
+        fully_shard(block, mesh=every)
+    fully_shard(model, mesh=every)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_alone = torch.optim.AdamW(alone.parameters(), lr=1e-2)
+    dp = mesh["dp"].get_local_rank()
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, 32, (4, 17), generator=g)  # (2 * B, L + 1): the whole batch of both dp ranks
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (2 * B, L): targets already shifted
+        positions = torch.arange(16).expand(4, 16)  # (2 * B, L)
+        mine = [t[2 * dp : 2 * dp + 2].clone() for t in (inputs, targets, positions)]  # this dp rank's examples
+        with context_parallel(mesh["cp"], buffers=mine, buffer_seq_dims=[1, 1, 1]):
+            logits = model(mine[0], mine[2])  # (B, L_r, V)
+            # each rank's mean over its tokens; FSDP averages the gradients over the 4 ranks, which hold as many
+            # tokens each: the mean over the whole batch
+            loss = F.cross_entropy(logits.flatten(0, 1), mine[1].flatten())
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        whole = loss.detach().clone()
+        dist.all_reduce(whole)
+        ref = F.cross_entropy(alone(inputs, positions).flatten(0, 1), targets.flatten())
+        ref.backward()
+        opt_alone.step()
+        opt_alone.zero_grad()
+        losses.append((float(whole) / world_size, float(ref.detach())))
+    return losses
+
+
+def llama(rank: int, world_size: int, kind: str) -> dict[str, object]:
+    """A transformers Llama with attnkit registered, inside context_parallel, against one process: the loss and the
+    summed gradients (``kind``: "plain", "packed" documents from position_ids, "unsharded" position_ids, "padding")."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attnkit.integrations import transformers as attnkit_hf
+
+    attnkit_hf.register()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="attnkit",
+    )
+    model = LlamaForCausalLM(config).double()
+    B, L = 2, 20
+    tokens = torch.randint(0, 64, (B, L + 1))
+    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()  # (B, L)
+    positions = torch.arange(L).expand(B, L).clone()  # (B, L)
+    if kind == "packed":
+        positions = torch.cat([torch.arange(7), torch.arange(13)]).expand(B, L).clone()  # two documents a row
+    mask = torch.ones(B, L, dtype=torch.long)
+    ref_logits = model(inputs, position_ids=positions).logits  # (B, L, V)
+    if kind == "packed":  # per document, the same model on each document alone
+        ref_logits = torch.cat([model(inputs[:, :7]).logits, model(inputs[:, 7:]).logits], dim=1)  # (B, L, V)
+    ref = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    ref_grads = torch.autograd.grad(ref, list(model.parameters()))
+    given = [inputs, targets] + ([] if kind == "unsharded" else [positions])
+    kwargs = {}
+    if kind == "padding":
+        mask[0, -3:] = 0
+        given.append(mask)
+    seen: dict[str, object] = {}
+    try:
+        with context_parallel(mesh, buffers=given, buffer_seq_dims=[1] * len(given)):
+            if kind != "unsharded":
+                kwargs["position_ids"] = positions
+            if kind == "padding":
+                kwargs["attention_mask"] = mask
+            logits = model(inputs, **kwargs).logits  # (B, L_r, V)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+    except Exception as e:  # noqa: BLE001 - reported
+        seen["error"] = (type(e).__name__, str(e))
+        dist.barrier()
+        return seen
+    whole = loss.detach().clone()
+    dist.all_reduce(whole)
+    summed = _summed([g.clone() for g in grads])
+    seen["loss"] = (float(whole), float(ref))
+    seen["grad gap"] = max(
+        _gap(a, b) / max(float(b.abs().max()), 1e-30) for a, b in zip(summed, ref_grads, strict=True)
+    )
+    return seen
+
+
+def edges(rank: int, world_size: int) -> dict[str, dict]:
+    """:func:`buffers`, :func:`mistakes` and :func:`refusals` in one group (one start of the processes)."""
+    return {f.__name__: f(rank, world_size) for f in (buffers, mistakes, refusals)}
+
+
+def llamas(rank: int, world_size: int, kinds: list[str]) -> dict[str, dict]:
+    """:func:`llama` for each of ``kinds`` in one group."""
+    return {kind: llama(rank, world_size, kind) for kind in kinds}
+
+
+def die_inside(rank: int, world_size: int, timeout: float) -> None:
+    """Training steps inside context_parallel; rank 1 dies as the second step starts. The others must raise."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8)
+    x = torch.randn(1, 8 * world_size, 8)
+    for step in range(3):
+        if rank == 1 and step == 1:
+            os._exit(3)
+        xs = x.clone()
+        with context_parallel(mesh, buffers=[xs], buffer_seq_dims=[1], timeout=timeout):
+            mha(xs, xs, xs, is_causal=True).sum().backward()
