@@ -257,14 +257,16 @@ def llama(rank: int, world_size: int, kind: str) -> dict[str, object]:
     """A transformers Llama with attnkit registered, inside context_parallel, against one process: the loss and the
     summed gradients (``kind``: "plain", "packed" documents from position_ids, "unsharded" position_ids, "padding")."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     from attnkit.integrations import transformers as attnkit_hf
 
     attnkit_hf.register()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     torch.manual_seed(0)
-    config = LlamaConfig(
+    make, model_class = (MistralConfig, MistralForCausalLM) if kind == "window" else (LlamaConfig, LlamaForCausalLM)
+    config = make(
+        sliding_window=5 if kind == "window" else None,
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
@@ -274,7 +276,7 @@ def llama(rank: int, world_size: int, kind: str) -> dict[str, object]:
         max_position_embeddings=64,
         attn_implementation="attnkit",
     )
-    model = LlamaForCausalLM(config).double()
+    model = model_class(config).double()
     B, L = 2, 20
     tokens = torch.randint(0, 64, (B, L + 1))
     inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()  # (B, L)

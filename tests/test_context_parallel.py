@@ -114,13 +114,14 @@ def test_fsdp2_on_a_data_by_context_mesh_trains_as_one_process():
 
 @functools.cache
 def _llamas() -> list[dict]:
-    return _ok(run_ranks(w.llamas, 2, ["plain", "packed", "unsharded", "padding"], deadline=240))
+    return _ok(run_ranks(w.llamas, 2, ["plain", "packed", "window", "unsharded", "padding"], deadline=240))
 
 
-@pytest.mark.parametrize("kind", ["plain", "packed"])
+@pytest.mark.parametrize("kind", ["plain", "packed", "window"])
 def test_a_transformers_llama_inside_equals_one_process(kind):
     """Llama with attnkit registered, position_ids cut with the tokens: the loss and the summed gradients equal one
-    process's; with two packed documents a row (position_ids restarting at 0), equal to each document alone."""
+    process's; with two packed documents a row (position_ids restarting at 0), equal to each document alone; a
+    Mistral with a sliding window of 5 (over 20 positions) equal to one process."""
     pytest.importorskip("transformers")
     for seen in _llamas():
         mine, alone = seen[kind]["loss"]

@@ -281,11 +281,14 @@ def _split_mask(config: Any, kwargs: dict[str, Any]) -> Tensor | None:
     """The mask inside ``context_parallel``: ``None`` where it says no more than causality, a sliding window or
     packed documents (which :func:`_split_attention` sets in whole-sequence positions; transformers' own
     reading of a zig-zag shard's position ids would see documents that are not there); otherwise a marker that the
-    attention refuses on every rank: padding, or a model's own mask functions (``use_vmap``: transformers' sign of
-    an ``or``/``and`` mask function) or chunked attention."""
+    attention refuses on every rank: padding, a model's own mask functions (``use_vmap``: transformers' sign of
+    an ``or``/``and`` mask function), a bidirectional sliding window or chunked attention."""
     padding = kwargs.get("attention_mask")
     has_padding = isinstance(padding, Tensor) and not bool(padding.all())
-    if not has_padding and not kwargs.get("use_vmap") and not getattr(config, "attention_chunk_size", None):
+    # a bidirectional sliding window (checked against transformers 5.23: its mask alone passes both of these)
+    two_way_window = kwargs.get("local_size") is not None and "allow_is_bidirectional_skip" in kwargs
+    chunked = getattr(config, "attention_chunk_size", None)
+    if not has_padding and not kwargs.get("use_vmap") and not two_way_window and not chunked:
         return None
     return torch.zeros((1, 1, 1, 1), dtype=torch.bool)  # a mask attention_forward refuses inside context_parallel
 
@@ -313,6 +316,8 @@ def _split_attention(
         )
     elif position_bias is not None:
         refused = "a position_bias (T5) cannot be used inside context_parallel"
+    elif sliding_window and not causal:
+        refused = f"a bidirectional sliding window cannot be used inside context_parallel: it takes {_SPLIT_MASKS}"
     mask_mod: mods.MaskFn | None = mods.sliding_window(sliding_window) if sliding_window and causal else None
     position_ids = kwargs.get("position_ids")
     if isinstance(position_ids, Tensor):
