@@ -104,6 +104,11 @@ def buffers(rank: int, world_size: int) -> dict[str, object]:
             raise KeyError("inside")
     except KeyError:
         seen["after an error"] = tokens.tolist()
+    rows = torch.arange(18).view(2, 9)  # (B, L + 1)
+    inputs, shifted = rows[:, :-1], rows[:, 1:]  # views of one tensor, overlapping
+    with context_parallel(mesh, buffers=[inputs, shifted], buffer_seq_dims=[1, 1], no_restore_buffers={shifted}):
+        seen["views inside"] = inputs.tolist()
+    seen["views after"] = (rows.tolist(), inputs.tolist(), inputs.stride())
     return seen
 
 
@@ -264,9 +269,17 @@ def llama(rank: int, world_size: int, kind: str) -> dict[str, object]:
     attnkit_hf.register()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     torch.manual_seed(0)
-    make, model_class = (MistralConfig, MistralForCausalLM) if kind == "window" else (LlamaConfig, LlamaForCausalLM)
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    make, model_class, extra = LlamaConfig, LlamaForCausalLM, {}
+    if kind == "window":  # the window passed to attention and in the mask
+        make, model_class, extra = MistralConfig, MistralForCausalLM, {"sliding_window": 5}
+    elif kind == "window in the mask only":  # Qwen2-MoE passes no sliding_window to attention (a reviewer's case)
+        make, model_class = Qwen2MoeConfig, Qwen2MoeForCausalLM
+        extra = {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 2, "num_experts": 2}
+        extra |= {"num_experts_per_tok": 1, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
     config = make(
-        sliding_window=5 if kind == "window" else None,
+        **extra,
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
@@ -276,7 +289,9 @@ def llama(rank: int, world_size: int, kind: str) -> dict[str, object]:
         max_position_embeddings=64,
         attn_implementation="attnkit",
     )
-    model = model_class(config).double()
+    model = model_class(config).to(
+        torch.float32 if kind == "window in the mask only" else torch.float64
+    )  # MoE: no float64
     B, L = 2, 20
     tokens = torch.randint(0, 64, (B, L + 1))
     inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()  # (B, L)

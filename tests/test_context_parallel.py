@@ -39,7 +39,7 @@ def _edges() -> list[dict]:
 
 def test_buffers_are_cut_in_place_and_restored():
     """Zig-zag shards inside (rank 0 holds chunks 0 and 3 of 4); restored after the block, after an error inside
-    it too; a buffer in no_restore_buffers stays a shard."""
+    it too; a buffer in no_restore_buffers stays a shard; views keep their base as it was (a reviewer's case)."""
     for rank, seen in enumerate(_edges()):
         got = seen["buffers"]
         whole = [list(range(8)), list(range(8, 16))]
@@ -48,6 +48,11 @@ def test_buffers_are_cut_in_place_and_restored():
         assert got["tokens after"] == whole
         assert got["after an error"] == whole
         assert got["labels after"] == [[100 + row[i] for i in mine] for row in whole]
+        # views of one tensor (inputs and labels as tokens[:, :-1], tokens[:, 1:]): each cut from its own values,
+        # their base untouched, the view restored with its strides
+        rows = [list(range(9)), list(range(9, 18))]
+        assert got["views inside"] == [[row[i] for i in mine] for row in rows]
+        assert got["views after"] == (rows, [row[:-1] for row in rows], (9, 1))
 
 
 MISTAKES = {
@@ -57,7 +62,7 @@ MISTAKES = {
         "ValueError",
         "buffers[0] has 8 positions, buffers[1] (tensor of dtype torch.float32 and shape (8, 3))",
     ),
-    "parameter": ("TypeError", "buffers[0] is a parameter"),
+    "parameter": ("TypeError", "is a parameter or requires grad"),
     "twice": ("ValueError", "buffers[1] is the same tensor as an earlier buffer"),
     "no_restore": ("ValueError", "no_restore_buffers must be a subset of buffers"),
     "2-d mesh": ("ValueError", "pass its context-parallel dim, mesh['cp']"),
@@ -114,26 +119,31 @@ def test_fsdp2_on_a_data_by_context_mesh_trains_as_one_process():
 
 @functools.cache
 def _llamas() -> list[dict]:
-    return _ok(run_ranks(w.llamas, 2, ["plain", "packed", "window", "unsharded", "padding"], deadline=240))
+    return _ok(run_ranks(w.llamas, 2, [*EQUAL, "unsharded", "padding"], deadline=240))
 
 
-@pytest.mark.parametrize("kind", ["plain", "packed", "window"])
+EQUAL = ["plain", "packed", "window", "window in the mask only"]
+
+
+@pytest.mark.parametrize("kind", EQUAL)
 def test_a_transformers_llama_inside_equals_one_process(kind):
     """Llama with attnkit registered, position_ids cut with the tokens: the loss and the summed gradients equal one
     process's; with two packed documents a row (position_ids restarting at 0), equal to each document alone; a
-    Mistral with a sliding window of 5 (over 20 positions) equal to one process."""
+    Mistral with a sliding window of 5 (over 20 positions), and a Qwen2-MoE whose window of 3 is only in the mask
+    transformers builds, equal to one process."""
     pytest.importorskip("transformers")
+    tolerance = 1e-5 if kind == "window in the mask only" else 1e-10  # float32 (grouped_mm has no float64)
     for seen in _llamas():
         mine, alone = seen[kind]["loss"]
-        assert abs(mine - alone) <= 1e-10 * abs(alone), seen[kind]
-        assert seen[kind]["grad gap"] < 1e-10, seen[kind]
+        assert abs(mine - alone) <= tolerance * abs(alone), seen[kind]
+        assert seen[kind]["grad gap"] < tolerance, seen[kind]
 
 
 @pytest.mark.parametrize(
     ("kind", "words"),
     [
         ("unsharded", "position_ids must start each document at 0"),
-        ("padding", "transformers built an attention mask beyond causality"),
+        ("padding", "padding in attention_mask cannot be honoured inside context_parallel"),
     ],
 )
 def test_a_transformers_mask_the_ring_cannot_honour_is_an_error_on_every_rank(kind, words):

@@ -12,8 +12,9 @@ as :func:`~attnkit.distributed.ring_attention` over the mesh's process group::
         loss = loss_fn(model(tokens), labels)                      # tokens, labels: this rank's shard
         loss.backward()                                            # inside the block too
 
-The buffers are cut in place in the zig-zag layout (PyTorch's default head-tail balancing, which evens causal work;
-:mod:`attnkit.distributed.sequence`) and put back on exit. Masks are given in whole-sequence positions, as on one
+The buffers are cut in place (each made to point at its shard: a view's base is not touched) in the zig-zag
+layout (PyTorch's default head-tail balancing, which evens causal work; :mod:`attnkit.distributed.sequence`) and
+put back on exit. Masks are given in whole-sequence positions, as on one
 process: ``is_causal``, ``valid_lens (B,)``, a ``mask_mod`` (sliding windows, ``document(ids)`` with the whole
 sequence's ids). What a shard cannot say (a dense ``attn_mask`` of shard positions, a ``score_mod``, sinks,
 additive scoring, dropout on the weights, a KV cache, recorded weights) is refused, on every rank at once.
@@ -74,7 +75,10 @@ def context_parallel(
 
     Inside, an attention call's ``q``, ``k`` and ``v`` are this rank's shards ``(B, H, L_r, D)`` of the same
     positions; masks speak of whole-sequence positions (see the module docstring); ``backward`` must run inside
-    the block too (it runs the same ring). A rank that fails, dies or stays silent is a
+    the block too, in the same thread (it runs the same ring). The scope is this thread's: activation
+    checkpointing that recomputes in another thread or after the block (reentrant checkpointing) would recompute
+    attention on the shard alone, so it is not supported here. The buffers are not compared across ranks: give
+    every rank the same ones. A rank that fails, dies or stays silent is a
     :class:`~attnkit.distributed.RingError` on the others, naming the step.
 
     Example:
@@ -92,20 +96,25 @@ def context_parallel(
     wait = comm.as_timeout(timeout)
     if _split.active() is not None:
         raise ValueError("context_parallel: a context_parallel block is already open in this thread; they do not nest")
-    originals = [None if any(b is k for k in keep) else b.clone() for b in buffers]
+    # Each buffer is pointed at its shard's own memory (set_), and back at its own on exit: a view's base and any
+    # tensor sharing its memory stay as they were, and nothing is copied back.
+    originals = [
+        None if any(b is k for k in keep) else (b.untyped_storage(), b.storage_offset(), b.size(), b.stride())
+        for b in buffers
+    ]
     with torch.no_grad():
         shards = [shard_sequence(b, layout=LAYOUT, dim=d, group=group) for b, d in zip(buffers, dims, strict=True)]
     try:
         with torch.no_grad():
             for b, shard in zip(buffers, shards, strict=True):
-                b.resize_(shard.shape).copy_(shard)
+                b.set_(shard.untyped_storage(), shard.storage_offset(), shard.size(), shard.stride())
         with _split.opened(_Ring(group, wait)):
             yield
     finally:
         with torch.no_grad():
             for b, original in zip(buffers, originals, strict=True):
                 if original is not None:
-                    b.resize_(original.shape).copy_(original)
+                    b.set_(*original)
 
 
 class _Ring:
@@ -203,8 +212,10 @@ def _check_buffers(buffers: list[Tensor], dims: list[int], keep: set[Tensor]) ->
     for i, (b, d) in enumerate(zip(buffers, dims, strict=True)):
         if not isinstance(b, Tensor):
             raise TypeError(f"buffers[{i}] must be a tensor, got {describe(b)}")
-        if isinstance(b, nn.Parameter):
-            raise TypeError(f"buffers[{i}] is a parameter ({describe(b)}): only data is cut along the sequence")
+        if isinstance(b, nn.Parameter) or b.requires_grad:
+            raise TypeError(
+                f"buffers[{i}] ({describe(b)}) is a parameter or requires grad: only data is cut along the sequence"
+            )
         if any(b is other for other in buffers[:i]):
             raise ValueError(f"buffers[{i}] is the same tensor as an earlier buffer: each is cut once")
         if not isinstance(d, int) or isinstance(d, bool) or not -b.dim() <= d < b.dim():

@@ -277,20 +277,59 @@ def attention_forward(
 _SPLIT_MASKS = "causality, a sliding window and packed documents (from position_ids), set in whole-sequence positions"
 
 
-def _split_mask(config: Any, kwargs: dict[str, Any]) -> Tensor | None:
-    """The mask inside ``context_parallel``: ``None`` where it says no more than causality, a sliding window or
-    packed documents (which :func:`_split_attention` sets in whole-sequence positions; transformers' own
-    reading of a zig-zag shard's position ids would see documents that are not there); otherwise a marker that the
-    attention refuses on every rank: padding, a model's own mask functions (``use_vmap``: transformers' sign of
-    an ``or``/``and`` mask function), a bidirectional sliding window or chunked attention."""
+def _split_mask(config: Any, kwargs: dict[str, Any]) -> Tensor:
+    """The mask inside ``context_parallel``, where transformers' mask would be of one shard's positions: a marker
+    that carries what :func:`_split_attention` sets in whole-sequence positions instead (a sliding window found in
+    the mask), or why the mask cannot be honoured there, which the attention raises on every rank at once.
+
+    What transformers asks for is read from its mask function, a tree of closures (checked against 5.23):
+    causality, bidirectional attention, a causal sliding window and packed documents are allowed (documents come
+    back from the whole sequence's ``position_ids``: transformers' own reading of a zig-zag shard's ids sees
+    documents that are not there); any other function (a prefix's block overlay, a chunked or bidirectional
+    window, a model's own ``or``/``and`` masks) and padding are refused."""
+    window, reason = None, None
     padding = kwargs.get("attention_mask")
-    has_padding = isinstance(padding, Tensor) and not bool(padding.all())
-    # a bidirectional sliding window (checked against transformers 5.23: its mask alone passes both of these)
-    two_way_window = kwargs.get("local_size") is not None and "allow_is_bidirectional_skip" in kwargs
-    chunked = getattr(config, "attention_chunk_size", None)
-    if not has_padding and not kwargs.get("use_vmap") and not two_way_window and not chunked:
+    if isinstance(padding, Tensor) and not bool(padding.all()):
+        reason = "padding in attention_mask"
+    elif getattr(config, "attention_chunk_size", None):
+        reason = "chunked attention"
+    else:
+        try:
+            window = _window_of(kwargs.get("mask_function"))
+        except ValueError as e:
+            reason = str(e)
+    marker = torch.ones((1, 1, 1, 1), dtype=torch.bool)
+    marker.attnkit_split = (window, reason)  # type: ignore[attr-defined]
+    return marker
+
+
+# transformers 5.23's mask functions, by qualified name: those a ring can honour in whole-sequence positions
+_ALLOWED_MASKS = {
+    "causal_mask_function",
+    "bidirectional_mask_function",
+    "and_masks.<locals>.and_mask",
+    "packed_sequence_mask_function.<locals>.inner_mask",
+    "remap_positions_for_packed_sequence.<locals>.inner_mask",
+    "add_offsets_to_mask_function.<locals>.inner_mask",
+    "sliding_window_overlay.<locals>.inner_mask",
+}
+
+
+def _window_of(fn: Any) -> int | None:
+    """The causal sliding window in transformers' mask function ``fn`` (``None`` if none); ``ValueError`` naming a
+    function of it that is not in :data:`_ALLOWED_MASKS`. Walks the closures: ``and_masks`` holds its functions in
+    a tuple, the others their inner function in a cell."""
+    if fn is None:
         return None
-    return torch.zeros((1, 1, 1, 1), dtype=torch.bool)  # a mask attention_forward refuses inside context_parallel
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    if name not in _ALLOWED_MASKS:
+        raise ValueError(f"the model's mask function {name}")
+    cells = {c: cell.cell_contents for c, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True)}
+    if name == "sliding_window_overlay.<locals>.inner_mask":
+        return int(cells["sliding_window"])
+    inner = [f for v in cells.values() for f in (v if isinstance(v, tuple) else (v,)) if callable(f)]
+    windows = [w for f in inner if (w := _window_of(f)) is not None]
+    return min(windows) if windows else None
 
 
 def _split_attention(
@@ -309,19 +348,22 @@ def _split_attention(
     rank's shard). What cannot be said there is refused on every rank at once."""
     attention_mask, softcap, s_aux, position_bias, sliding_window, dropout, scaling = given
     refused = None
-    if attention_mask is not None:
-        refused = (
-            "transformers built an attention mask beyond causality (padding in attention_mask, or the model's own "
-            f"mask functions): inside context_parallel attnkit takes {_SPLIT_MASKS}; pass sequences without padding"
-        )
+    window, why = getattr(attention_mask, "attnkit_split", (None, None))
+    if attention_mask is not None and not hasattr(attention_mask, "attnkit_split"):
+        why = f"an attention mask of shape {tuple(attention_mask.shape)} that attnkit's mask function did not build"
+    if why is not None:
+        refused = f"{why} cannot be honoured inside context_parallel: attnkit takes {_SPLIT_MASKS} there"
     elif position_bias is not None:
         refused = "a position_bias (T5) cannot be used inside context_parallel"
     elif sliding_window and not causal:
         refused = f"a bidirectional sliding window cannot be used inside context_parallel: it takes {_SPLIT_MASKS}"
-    mask_mod: mods.MaskFn | None = mods.sliding_window(sliding_window) if sliding_window and causal else None
+    window = window or (sliding_window if causal else None)  # the mask's own, else the one the model passes
+    mask_mod: mods.MaskFn | None = mods.sliding_window(window) if window else None
     position_ids = kwargs.get("position_ids")
-    if isinstance(position_ids, Tensor):
-        whole = runner.whole(position_ids.reshape(-1, position_ids.shape[-1]), dim=-1)  # (B|1, L): every rank's
+    if isinstance(position_ids, Tensor) and position_ids.dim() != 2:
+        refused = refused or f"position_ids of shape {tuple(position_ids.shape)} (not (B, L)) inside context_parallel"
+    elif isinstance(position_ids, Tensor):
+        whole = runner.whole(position_ids, dim=-1)  # (B|1, L): every rank's
         try:
             ids = packing.document_ids(whole)  # (B|1, L) or None
         except ValueError as e:
