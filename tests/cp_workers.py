@@ -163,6 +163,8 @@ def refusals(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         "backend": lambda: attnkit.scaled_dot_product_attention(x, x, x, backend="chunked"),
         "additive": lambda: attnkit.additive_attention(x, x, x, torch.ones(8)),
         "attention_weights": lambda: attnkit.functional.attention_weights(x, x),
+        "keys not cut": lambda: mha(x, torch.randn(1, 6, 8), torch.randn(1, 6, 8), valid_lens=torch.tensor([5])),
+        "dropout_p not a number": lambda: attnkit.scaled_dot_product_attention(x, x, x, dropout_p="0.1"),
         "valid_lens past the sequence": lambda: mha(x, x, x, valid_lens=torch.tensor([4 * world_size + 1])),
     }
     seen = {}

@@ -89,6 +89,8 @@ REFUSALS = {
     "backend": "backend='chunked' cannot run inside context_parallel",
     "additive": "additive attention cannot run inside context_parallel",
     "attention_weights": "attention_weights inside context_parallel",
+    "keys not cut": "queries and keys must be the same cut sequence, got 4 query and 6 key positions on this rank",
+    "dropout_p not a number": "dropout_p must be a number in [0, 1), got '0.1'",
     "valid_lens past the sequence": "valid_lens may be at most the number of keys (8), got 9",
 }
 

@@ -129,6 +129,14 @@ class _Ring:
     ) -> AttendResult:
         """``refused``: the caller's own reason to refuse the call (said on every rank, as this one's)."""
         refused = refused or _refusal(masks, **options)
+        if refused is None and all(isinstance(t, Tensor) for t in (q, k)) and q.shape[-2] != k.shape[-2]:
+            # keys not cut with the queries (an encoder's memory, whole on every rank) would be read as pieces of
+            # one sequence W times as long: self-attention over the cut sequence only
+            refused = (
+                f"inside context_parallel queries and keys must be the same cut sequence, got {q.shape[-2]} query "
+                f"and {k.shape[-2]} key positions on this rank (cross-attention to keys that are not cut is not "
+                "supported)"
+            )
         three_d = all(isinstance(t, Tensor) and t.dim() == 3 for t in (q, k, v))
         if three_d:
             q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L_r, D)
@@ -163,6 +171,8 @@ def _refusal(
     """Why this rank cannot run the call as ring attention, or ``None``: said through :func:`agree`, so that
     every rank raises it at once."""
     where = "inside context_parallel"
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0 <= dropout_p < 1:
+        return f"dropout_p must be a number in [0, 1), got {dropout_p!r}"
     if w_v is not None:
         return f"additive attention cannot run {where}: ring attention scores by dot product"
     if masks.attn_mask is not None:
