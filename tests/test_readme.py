@@ -75,10 +75,18 @@ def test_readme_python_block_runs_as_written(section, line, code, tmp_path, monk
 
 TORCHRUN = re.compile(r"^# (\w+\.py): torchrun --nproc-per-node (\d+)")
 TORCHRUN_BLOCKS = [(m.group(1), int(m.group(2)), code) for _, _, code in BLOCKS if (m := TORCHRUN.match(code))]
+# cp.py's 4 processes finish their steps, then 2 of ~8 runs on a loaded 2-core machine aborted in gloo at exit
+# ("terminate called without an active exception"), cause not found yet: make test-all runs it, make test its
+# one-process form and tests/test_context_parallel.py the same FSDP2 x context_parallel training on 4 processes.
+FLAKY_AT_EXIT = {"cp.py"}
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("name", "processes", "code"), TORCHRUN_BLOCKS, ids=[b[0] for b in TORCHRUN_BLOCKS])
+@pytest.mark.parametrize(
+    ("name", "processes", "code"),
+    [pytest.param(*b, marks=[pytest.mark.slow] if b[0] in FLAKY_AT_EXIT else []) for b in TORCHRUN_BLOCKS],
+    ids=[b[0] for b in TORCHRUN_BLOCKS],
+)
 def test_the_torchrun_blocks_run_under_torchrun_on_the_processes_they_name(name, processes, code, tmp_path):
     (tmp_path / name).write_text(code)
     result = subprocess.run(
