@@ -128,22 +128,14 @@ class _Ring:
         self, q: Tensor, k: Tensor, v: Tensor, masks: Masks, *, refused: str | None = None, **options: Any
     ) -> AttendResult:
         """``refused``: the caller's own reason to refuse the call (said on every rank, as this one's)."""
-        refused = refused or _refusal(masks, **options)
-        if refused is None and all(isinstance(t, Tensor) for t in (q, k)) and q.shape[-2] != k.shape[-2]:
-            # keys not cut with the queries (an encoder's memory, whole on every rank) would be read as pieces of
-            # one sequence W times as long: self-attention over the cut sequence only
-            refused = (
-                f"inside context_parallel queries and keys must be the same cut sequence, got {q.shape[-2]} query "
-                f"and {k.shape[-2]} key positions on this rank (cross-attention to keys that are not cut is not "
-                "supported)"
-            )
+        refused = refused or _refusal(q, k, masks, **options)
         three_d = all(isinstance(t, Tensor) and t.dim() == 3 for t in (q, k, v))
         if three_d:
             q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L_r, D)
         request = Request(q, k, v, masks.valid_lens, masks.is_causal, options["scale"], LAYOUT, masks.mask_mod)
         plan = agree(self.ring, request, self.timeout, refused=refused)
         out = RingAttention.apply(q, k, v, plan)  # (B, H, L_r, Dv)
-        return AttendResult(out.squeeze(1) if three_d else out, None, None)
+        return AttendResult(out.squeeze(1) if three_d else out, None, None)  # (B, [H,] L_r, Dv)
 
     def refuse(self, what: str) -> None:
         raise ValueError(f"{what} inside context_parallel: {_WHOLE}")
@@ -157,6 +149,8 @@ _WHOLE = "the weights span the whole sequence, which no rank holds"
 
 
 def _refusal(
+    q: Tensor,
+    k: Tensor,
     masks: Masks,
     *,
     w_v: Tensor | None,
@@ -173,6 +167,13 @@ def _refusal(
     where = "inside context_parallel"
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0 <= dropout_p < 1:
         return f"dropout_p must be a number in [0, 1), got {dropout_p!r}"
+    if all(isinstance(t, Tensor) for t in (q, k)) and q.shape[-2] != k.shape[-2]:
+        # keys not cut with the queries (an encoder's memory, whole on every rank) would be read as pieces of one
+        # sequence W times as long: self-attention over the cut sequence only
+        return (
+            f"{where} queries and keys must be the same cut sequence, got {q.shape[-2]} query and {k.shape[-2]} key "
+            "positions on this rank (cross-attention to keys that are not cut is not supported)"
+        )
     if w_v is not None:
         return f"additive attention cannot run {where}: ring attention scores by dot product"
     if masks.attn_mask is not None:
