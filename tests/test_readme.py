@@ -101,7 +101,7 @@ def test_the_torchrun_blocks_run_under_torchrun_on_the_processes_they_name(name,
 
 
 def test_the_readme_has_its_python_blocks():
-    assert [name for name, _, _ in TORCHRUN_BLOCKS] == ["ring.py", "cp.py"]
+    assert [name for name, _, _ in TORCHRUN_BLOCKS] == ["ring.py", "cp.py", "ulysses.py"]
     sections = {section for section, _, _ in BLOCKS}
     assert {"Example", "Layers", "See inside", "Longer than one device: ring attention"} <= sections, sections
 

@@ -270,6 +270,38 @@ def test_softcap_sinks_and_sliding_window_map_to_attnkit():
     assert (weights[..., 5, :2] == 0).all()  # outside the window
 
 
+def test_packed_position_ids_without_a_mask_keep_each_document_to_itself():
+    """A call with no mask and packed ``position_ids`` (DeepSpeed Ulysses drops every mask; transformers builds
+    none for packed rows when a cache is passed): attention stays within each document, read as transformers reads
+    them (a document starts where a position does not follow the one before), and its weights say the same."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 9, 8, generator=g) for _ in range(3))
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1], [5, 6, 7, 8, 9, 10, 11, 12, 13]])  # (B, L)
+    ids = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2, 2], [0] * 9])  # the second row: one document
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    out, weights = attnkit_hf.attention_forward(Module(), q, k, v, None, position_ids=positions, output_attentions=True)
+    want = attnkit.scaled_dot_product_attention(
+        q, k, v, is_causal=True, mask_mod=attnkit.mods.document(ids), backend="reference", need_weights=True
+    )
+    assert max_err(out, want.output.transpose(1, 2)) <= 1e-6
+    assert max_err(weights, want.weights) <= 1e-6
+    assert (weights[0, :, 4, :4] == 0).all() and (weights[1, :, 8, :8] > 0).all()
+
+    model_class, config = _llama()
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    model.set_attn_implementation(NAMES["auto"])
+    tokens = torch.randint(0, V, (1, 10), generator=g)
+    packed = torch.cat([torch.arange(4), torch.arange(6)])[None]  # (1, 10)
+    with torch.no_grad():
+        logits = model(tokens, position_ids=packed, past_key_values=transformers.DynamicCache()).logits  # (1, 10, V)
+        alone = torch.cat([model(tokens[:, :4]).logits, model(tokens[:, 4:]).logits], dim=1)  # (1, 10, V)
+    assert max_err(logits, alone) <= LOGIT_TOL
+
+
 def test_a_float_mask_with_transformers_minimum_hides_and_keeps_the_bias():
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, 3, 4, generator=g) for _ in range(3))

@@ -26,6 +26,10 @@ What the model passes and what attnkit makes of it:
   ``softcap`` (Gemma 2: :class:`attnkit.mods.softcap`), ``s_aux`` (gpt-oss's attention sinks: attnkit's ``sinks``),
   ``position_bias`` (T5: a bias added to the scores, with gradients), ``sliding_window`` (already in the mask
   transformers builds; without a mask, :class:`attnkit.mods.sliding_window`).
+* ``position_ids``: a call with no mask at all whose ``position_ids`` hold packed documents keeps each document to
+  itself, as flash-attention-2 does (DeepSpeed Ulysses drops every mask and passes the whole sequence's
+  ``position_ids``; transformers builds no packed mask when a cache is passed). They are read as transformers reads
+  them: a document starts wherever a position does not follow the one before.
 * the backend: attnkit's dispatch (``backend="auto"``), or the one :func:`register` names.
 * weights: with ``output_attentions=True`` the layer also returns them (computed beside the fused output, in
   ``(B, H, Lq, Lk)``); inside :func:`attnkit.record_weights` every call reports them, detached, without changing
@@ -38,7 +42,8 @@ What the model passes and what attnkit makes of it:
   slot, as its weights. (Top-k keys, entropy and column sums are exact everywhere.)
 
 Not covered: paged attention (transformers' continuous batching), models whose attention does not go through
-``AttentionInterface``, and flash-attention-only arguments (``cu_seq_lens``: packed batches go through the mask).
+``AttentionInterface``, and flash-attention-only arguments (``cu_seq_lens``: packed batches go through the mask
+or ``position_ids``).
 
 Written and checked against transformers 5.23 (``constraints.txt``). Three of transformers' private names are
 read, each named where it is used and guarded by a test that fails when it moves (``tests/test_transformers.py``):
@@ -228,6 +233,9 @@ def attention_forward(
         key, value = key[:, :, :Lq], value[:, :, :Lq]  # (B, Hkv, Lq, D|Dv)
         position_bias = None if position_bias is None else position_bias[..., :Lq]  # (B|1, H, Lq, Lq)
         Lk = Lq
+    mask_mod: mods.MaskFn | None = mods.sliding_window(sliding_window) if sliding_window and causal else None
+    if attention_mask is None and Lq == Lk > 1:  # no mask at all: packed documents live in position_ids only
+        mask_mod = _documents_in(kwargs.get("position_ids"), query.shape[0], Lq, mask_mod)
     score_mod: mods.ScoreFn | None = mods.softcap(softcap) if softcap else None
     if position_bias is not None and position_bias.requires_grad and backend == "chunked":
         # chunked differentiates what a score_mod closes over, not a dense float mask: the bias as a table
@@ -235,7 +243,7 @@ def attention_forward(
     masks: dict[str, Any] = {
         "attn_mask": _as_attnkit_mask(attention_mask, position_bias, Lk),
         "is_causal": causal,
-        "mask_mod": mods.sliding_window(sliding_window) if sliding_window and causal else None,
+        "mask_mod": mask_mod,
         "score_mod": score_mod,
         "sinks": s_aux,
         "scale": scaling,
@@ -271,6 +279,25 @@ def attention_forward(
 
     report_weights(module, recorded, kv_heads=key.shape[1], parts=parts)
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, H, Dv)
+
+
+def _documents_in(position_ids: Any, B: int, L: int, mask_mod: mods.MaskFn | None) -> mods.MaskFn | None:
+    """``mask_mod`` and, where ``position_ids (B|1, L)`` hold packed documents, attention within each document.
+
+    A call reaches attnkit with no mask and packed ``position_ids`` when the mask was dropped on the way: DeepSpeed
+    Ulysses drops every mask and passes the whole sequence's ``position_ids`` (flash-attention-2 reads packing
+    from them), and transformers itself builds no packed mask when a cache is passed. The documents are read as
+    transformers reads them (``masking_utils.find_packed_sequence_indices``: a document starts wherever a position
+    does not follow the one before), so one row that counts up by one is one document, wherever it starts."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    if not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] != L:
+        return mask_mod
+    ids = find_packed_sequence_indices(position_ids)  # (B|1, L) or None: one document a row
+    if ids is None:
+        return mask_mod
+    documents = mods.document(ids.expand(B, L))  # (B, L)
+    return documents if mask_mod is None else mods.and_masks(mask_mod, documents)
 
 
 # What a model's mask may say inside context_parallel, where the mask transformers builds is of one shard's positions.
