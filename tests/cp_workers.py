@@ -127,6 +127,12 @@ def mistakes(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         "2-d mesh": lambda: context_parallel(two_d),
         "not a mesh": lambda: context_parallel("cp"),
         "too short": lambda: context_parallel(mesh, buffers=[torch.zeros(2, 1)], buffer_seq_dims=[1]),
+        "a bad timeout": lambda: context_parallel(mesh, timeout=-1),
+        # one rank's mistake alone: the others must hear of it, not wait for its ring
+        "dims on rank 1": lambda: context_parallel(mesh, buffers=[t], buffer_seq_dims=[5 if rank == 1 else 1]),
+        "lengths differ across ranks": lambda: context_parallel(
+            mesh, buffers=[torch.zeros(2, 8 + 2 * rank)], buffer_seq_dims=[1]
+        ),
     }
     seen = {}
     for name, make in tries.items():

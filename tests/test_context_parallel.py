@@ -69,15 +69,26 @@ MISTAKES = {
     "not a mesh": ("TypeError", "takes a DeviceMesh or a ProcessGroup, got str"),
     "too short": ("ValueError", "a sequence of 1 positions cannot be split over 2 ranks"),
     "nested": ("ValueError", "already open in this thread"),
+    "a bad timeout": ("ValueError", "timeout must be positive, got -1"),
+    "dims on rank 1": ("ValueError", "buffer_seq_dims[0] must be a dim of buffers[0]"),
+    "lengths differ across ranks": (
+        "ValueError",
+        "rank 0: 1 buffers of 8 positions, rank 1: 1 buffers of 10 positions",
+    ),
 }
 
 
 @pytest.mark.parametrize("what", list(MISTAKES))
 def test_mistakes_are_errors_that_name_the_argument(what):
+    """On every rank at once, also when only one rank's arguments are wrong (``on rank 1``): the others say which
+    rank rejected its inputs instead of waiting for it."""
     kind, words = MISTAKES[what]
-    for seen in _edges():
+    for rank, seen in enumerate(_edges()):
         assert seen["mistakes"][what][0] == kind, seen["mistakes"][what]
-        assert words in seen["mistakes"][what][1], seen["mistakes"][what]
+        if "on rank 1" in what and rank != 1:
+            assert "rank 1 rejected its inputs" in seen["mistakes"][what][1], seen["mistakes"][what]
+        else:
+            assert words in seen["mistakes"][what][1], seen["mistakes"][what]
 
 
 REFUSALS = {

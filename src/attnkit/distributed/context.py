@@ -36,7 +36,7 @@ from attnkit._checks import describe
 from attnkit.distributed import comm
 from attnkit.distributed.agree import Request, agree
 from attnkit.distributed.ring import RingAttention
-from attnkit.distributed.sequence import gather_sequence, shard_sequence
+from attnkit.distributed.sequence import gather_sequence, segments, shard_sequence
 from attnkit.functional import AttendResult, Masks
 from attnkit.recording import is_recording
 
@@ -70,8 +70,10 @@ def context_parallel(
         timeout: seconds (or a ``timedelta``) any one wait for another rank may take (5 minutes by default).
 
     Raises:
-        ValueError, TypeError: arguments that do not fit together (named, with their values), a mesh of more
-            than one dimension, or a ``context_parallel`` block already open in this thread.
+        ValueError, TypeError: arguments that do not fit together (named, with their values), on every rank at
+            once (a rank's own mistake there, ``rank r rejected its inputs`` on the others); ranks whose buffers
+            differ in length or number; fewer positions than ranks; a mesh of more than one dimension, or a
+            ``context_parallel`` block already open in this thread (these two raised where they are found).
 
     Inside, an attention call's ``q``, ``k`` and ``v`` are this rank's shards ``(B, H, L_r, D)`` of the same
     positions; masks speak of whole-sequence positions (see the module docstring); ``backward`` must run inside
@@ -89,13 +91,12 @@ def context_parallel(
                 out = mha(embed(tokens), ..., is_causal=True)  # this rank's positions of the exact output
     """
     group = _group(mesh)
+    if _split.active() is not None:
+        raise ValueError("context_parallel: a context_parallel block is already open in this thread; they do not nest")
     buffers = [] if buffers is None else list(buffers)
     dims = [] if buffer_seq_dims is None else list(buffer_seq_dims)
     keep = set() if no_restore_buffers is None else no_restore_buffers
-    _check_buffers(buffers, dims, keep)
-    wait = comm.as_timeout(timeout)
-    if _split.active() is not None:
-        raise ValueError("context_parallel: a context_parallel block is already open in this thread; they do not nest")
+    wait = _agree_on_entry(group, buffers, dims, keep, timeout)
     # Each buffer is pointed at its shard's own memory (set_), and back at its own on exit: a view's base and any
     # tensor sharing its memory stay as they were, and nothing is copied back.
     originals = [
@@ -214,7 +215,44 @@ def _group(mesh: Any) -> Any:
     raise TypeError(f"context_parallel takes a DeviceMesh or a ProcessGroup, got {describe(mesh)}")
 
 
-def _check_buffers(buffers: list[Tensor], dims: list[int], keep: set[Tensor]) -> None:
+def _agree_on_entry(
+    group: Any, buffers: list[Tensor], dims: list[int], keep: set[Tensor], timeout: float | timedelta | None
+) -> timedelta:
+    """Check the arguments on every rank at once: a rank's own mistake raises there and, named, on the others (never
+    a wait for a rank that left), and the ranks must agree on the sequence's length and the number of buffers.
+    Returns the timeout."""
+    error: Exception | None = None
+    try:
+        wait = comm.as_timeout(timeout)
+    except (TypeError, ValueError) as e:
+        error, wait = e, comm.as_timeout(None)
+    length = 0
+    try:
+        length = _check_buffers(buffers, dims, keep)
+        if buffers:
+            segments(length, comm.rank_and_size(group)[1], LAYOUT)  # enough positions for every rank
+    except (TypeError, ValueError) as e:
+        error = error or e
+    device = buffers[0].device if buffers and isinstance(buffers[0], Tensor) else torch.device("cpu")
+    if dist.get_backend(group) == "nccl":  # its collectives take CUDA tensors only
+        device = torch.device("cuda", torch.cuda.current_device())
+    seen = comm.gather_checked(
+        None if error else [length, len(buffers)],
+        error,
+        size=2,
+        who="context_parallel",
+        group=group,
+        timeout=wait,
+        device=device,
+    )
+    if any(other != seen[0] for other in seen):
+        said = ", ".join(f"rank {r}: {n} buffers of {L} positions" for r, (L, n) in enumerate(seen))
+        raise ValueError(f"context_parallel: every rank must pass the same whole-sequence buffers, got {said}")
+    return wait
+
+
+def _check_buffers(buffers: list[Tensor], dims: list[int], keep: set[Tensor]) -> int:
+    """The sequence's length (0 without buffers), after checking that the buffers and their dims fit together."""
     if len(buffers) != len(dims):
         raise ValueError(
             f"buffer_seq_dims must give one dim per buffer: {len(buffers)} buffers, {len(dims)} dims {dims}"
@@ -241,3 +279,4 @@ def _check_buffers(buffers: list[Tensor], dims: list[int], keep: set[Tensor]) ->
     for b in keep:
         if not any(b is other for other in buffers):
             raise ValueError(f"no_restore_buffers must be a subset of buffers, got one not in it: {describe(b)}")
+    return length or 0
