@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv browser demo test test-all lint bench memory ring clean
+.PHONY: venv browser demo test test-all lint bench memory ring ray clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,10 @@ memory: $(STAMP)
 
 ring: $(STAMP)
 	$(BIN)/torchrun --nproc-per-node 4 examples/ring_attention.py
+
+ray: $(STAMP)  # Ray Train's workers inside context_parallel, checked against one process (installs Ray, ~80 MB)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[ray]'
+	$(BIN)/python examples/ray_train.py
 
 bench: $(STAMP)  # the full grid, saved; then the project's targets checked against it (status 1 if one is missed)
 	$(BIN)/attnkit bench --json bench.json --plot bench.png

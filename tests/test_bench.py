@@ -33,6 +33,7 @@ def test_additive_contenders_agree():
     torch.testing.assert_close(book, reference, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # about a minute on 2 cores (two runs of the grid): make test-all
 def test_bench_quick_command(tmp_path):
     saved, picture = tmp_path / "run.json", tmp_path / "run.png"
     first = subprocess.run(
