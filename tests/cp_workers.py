@@ -78,7 +78,12 @@ def layers(rank: int, world_size: int) -> dict[str, float]:
             xs, ws = x.clone(), weights.clone()
             with context_parallel(mesh, buffers=[xs, ws], buffer_seq_dims=[1, 1]):
                 xr = xs.clone().requires_grad_()
-                out = run(xr, masks)  # (B, L_r, E)
+                with attnkit.dispatch.watch() as ran:
+                    out = run(xr, masks)  # (B, L_r, E)
+                if not ran or set(ran) != {"ring"}:  # every call inside the block runs as the ring, and says so
+                    raise AssertionError(f"{layer} {name}: dispatch.watch() saw {ran}, not only 'ring'")
+                if layer == "d2l" and (book.attention.attention_weights, book.attention.scores) != (None, None):
+                    raise AssertionError("d2l inside context_parallel: a shard's weights or scores were kept")
                 mine = torch.autograd.grad((out * ws).sum(), [xr, *params])
                 whole = gather_sequence(out.detach(), layout=LAYOUT, dim=1)  # (B, L, E)
                 dx = gather_sequence(mine[0], layout=LAYOUT, dim=1)  # (B, L, E)
@@ -172,6 +177,7 @@ def refusals(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         "keys not cut": lambda: mha(x, torch.randn(1, 6, 8), torch.randn(1, 6, 8), valid_lens=torch.tensor([5])),
         "dropout_p not a number": lambda: attnkit.scaled_dot_product_attention(x, x, x, dropout_p="0.1"),
         "valid_lens past the sequence": lambda: mha(x, x, x, valid_lens=torch.tensor([4 * world_size + 1])),
+        "per-query valid_lens, d2l": lambda: d2l.MultiHeadAttention(8, 2, 0.0)(x, x, x, torch.tensor([[1, 2, 3, 4]])),
     }
     seen = {}
     with context_parallel(mesh):
@@ -268,7 +274,8 @@ def fsdp_training(rank: int, world_size: int, steps: int) -> list[float]:
 
 def llama(rank: int, world_size: int, kind: str) -> dict[str, object]:
     """A transformers Llama with attnkit registered, inside context_parallel, against one process: the loss and the
-    summed gradients (``kind``: "plain", "packed" documents from position_ids, "unsharded" position_ids, "padding")."""
+    summed gradients (``kind``: "plain", "packed" documents from position_ids, "unsharded" position_ids (of 20 and
+    of 3 positions, "unsharded, short"), "padding")."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
@@ -300,7 +307,8 @@ def llama(rank: int, world_size: int, kind: str) -> dict[str, object]:
     model = model_class(config).to(
         torch.float32 if kind == "window in the mask only" else torch.float64
     )  # MoE: no float64
-    B, L = 2, 20
+    unsharded = kind.startswith("unsharded")  # position_ids not passed: transformers makes each shard's 0..L_r-1
+    B, L = 2, 3 if kind == "unsharded, short" else 20  # 3 over 2 ranks: [0] and [0, 1] read as two documents
     tokens = torch.randint(0, 64, (B, L + 1))
     inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()  # (B, L)
     positions = torch.arange(L).expand(B, L).clone()  # (B, L)
@@ -312,7 +320,7 @@ def llama(rank: int, world_size: int, kind: str) -> dict[str, object]:
         ref_logits = torch.cat([model(inputs[:, :7]).logits, model(inputs[:, 7:]).logits], dim=1)  # (B, L, V)
     ref = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten(), reduction="sum")
     ref_grads = torch.autograd.grad(ref, list(model.parameters()))
-    given = [inputs, targets] + ([] if kind == "unsharded" else [positions])
+    given = [inputs, targets] + ([] if unsharded else [positions])
     kwargs = {}
     if kind == "padding":
         mask[0, -3:] = 0
@@ -320,7 +328,7 @@ def llama(rank: int, world_size: int, kind: str) -> dict[str, object]:
     seen: dict[str, object] = {}
     try:
         with context_parallel(mesh, buffers=given, buffer_seq_dims=[1] * len(given)):
-            if kind != "unsharded":
+            if not unsharded:
                 kwargs["position_ids"] = positions
             if kind == "padding":
                 kwargs["attention_mask"] = mask

@@ -77,7 +77,7 @@ def watch() -> Iterator[list[str]]:
     """Collect the names of the backends that run inside the ``with`` block, in order.
 
     Only the calls of the thread or asyncio task that opened it are seen. Blocks nest: a call is seen by
-    every block open around it.
+    every block open around it. Inside :func:`attnkit.distributed.context_parallel` every call is ``"ring"``.
 
     Example:
         >>> import torch, attnkit
@@ -201,10 +201,16 @@ def _all_reasons(call: Call) -> str:
 
 
 def _ran(backend: ModuleType) -> ModuleType:
+    ran_elsewhere(backend.NAME)
+    return backend
+
+
+def ran_elsewhere(name: str) -> None:
+    """Tell the open :func:`watch` blocks that ``name`` runs a call the dispatcher did not choose for: ``"ring"``
+    for every call inside :func:`attnkit.distributed.context_parallel`."""
     for entry in _WATCHERS.get():
         if entry.open:
-            entry.seen.append(backend.NAME)
-    return backend
+            entry.seen.append(name)
 
 
 class _Watch:

@@ -82,7 +82,7 @@ class DotProductAttention(nn.Module):
     @property
     def scores(self) -> Tensor | None:
         """The last call's scores ``queries @ keys^T / sqrt(d)``, before masking, ``(B, Lq, Lk)``; ``None`` before
-        the first call.
+        the first call and after a call inside :func:`attnkit.distributed.context_parallel`.
 
         Computed when first read, from the queries and keys that call kept, so a forward does only the book's two
         matmuls (``attnkit bench``, contender ``d2l``). Raises ``RuntimeError`` if they were modified in place
@@ -123,7 +123,10 @@ class DotProductAttention(nn.Module):
         q, k = queries.detach(), keys.detach()
         # inference tensors keep no version counter (-1: a change after the call cannot be told, see .scores)
         q_version, k_version = (-1 if t.is_inference() else t._version for t in (q, k))
-        self._scored, self._scores = (q, k, q_version, k_version), None
+        # inside context_parallel q and k are one shard's: no rank holds the whole sequence's scores (None, as the
+        # weights)
+        self._scored = (q, k, q_version, k_version) if _split.active() is None else None
+        self._scores = None
         # For looking at, as in the book; detached, so it holds no graph (copy.deepcopy works, memory is freed).
         self.attention_weights = weights.detach() if weights is not None else None
         report_weights(self, weights, positions=_positions_of(self))  # for attnkit.record_weights and record_stats

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from attnkit import _split
+from attnkit import _split, dispatch
 from attnkit._checks import describe
 from attnkit.distributed import comm
 from attnkit.distributed.agree import Request, agree
@@ -135,6 +135,7 @@ class _Ring:
             q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L_r, D)
         request = Request(q, k, v, masks.valid_lens, masks.is_causal, options["scale"], LAYOUT, masks.mask_mod)
         plan = agree(self.ring, request, self.timeout, refused=refused)
+        dispatch.ran_elsewhere("ring")
         out = RingAttention.apply(q, k, v, plan)  # (B, H, L_r, Dv)
         return AttendResult(out.squeeze(1) if three_d else out, None, None)  # (B, [H,] L_r, Dv)
 
@@ -174,6 +175,13 @@ def _refusal(
         return (
             f"{where} queries and keys must be the same cut sequence, got {q.shape[-2]} query and {k.shape[-2]} key "
             "positions on this rank (cross-attention to keys that are not cut is not supported)"
+        )
+    if isinstance(masks.valid_lens, Tensor) and masks.valid_lens.dim() == 2:
+        # (the book's per-query lengths; attnkit.d2l's MultiHeadAttention has folded the heads into their rows)
+        return (
+            f"valid_lens of one length per query (a 2-D tensor, here of shape {tuple(masks.valid_lens.shape)}) "
+            f"cannot be given {where}: they would be of one shard's queries; give each row's length, valid_lens "
+            "(B,), in whole-sequence positions, with is_causal for the decoder's triangle"
         )
     if w_v is not None:
         return f"additive attention cannot run {where}: ring attention scores by dot product"

@@ -390,8 +390,16 @@ def _split_attention(
     if isinstance(position_ids, Tensor) and position_ids.dim() != 2:
         refused = refused or f"position_ids of shape {tuple(position_ids.shape)} (not (B, L)) inside context_parallel"
     elif isinstance(position_ids, Tensor):
-        whole = runner.whole(position_ids, dim=-1)  # (B|1, L): every rank's
+        L_r = position_ids.shape[-1]
+        own = torch.arange(L_r, device=position_ids.device)  # (L_r,): transformers' default, a shard's 0..L_r-1
+        flag = torch.full_like(position_ids, int(bool((position_ids == own).all())))  # (B|1, L_r)
+        whole, defaults = runner.whole(torch.stack([position_ids, flag]), dim=-1)  # (2, B|1, L): every rank's
         try:
+            if whole.shape[-1] > L_r and bool(defaults.all()):  # short sequences would pass as documents
+                raise ValueError(
+                    f"position_ids are each shard's own 0..{L_r - 1} on every rank (transformers' default when none "
+                    "are passed), not the whole sequence's"
+                )
             ids = packing.document_ids(whole)  # (B|1, L) or None
         except ValueError as e:
             refused = refused or (
