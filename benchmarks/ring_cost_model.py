@@ -13,7 +13,9 @@ runs W steps; step 0 on its own block costs ``t_causal(n)``, every other step sc
 three messages, so ``t_comm(n) = 3 a + 2 B Hkv n D (2 s + 4) / bw`` a step. The
 exchange overlaps the compute (the next block is received while the current one is scored)::
 
-    T(W) = k * (t_causal(n) + (W - 1) * max(t_full(n) / 2, t_comm(n) / k))      k = max(1, W / cores)
+    T(W) = k * (t_causal(n) + (W - 1) * max(t_full(n) / 2, t_comm(n) / k)) + t_home(n)      k = max(1, W / cores)
+
+where ``t_home(n) = a + 2 B Hkv n D 4 / bw`` is the last gradient block's way home, after all the compute.
 
 ``k`` is this machine's: W ranks of one thread on ``cores`` cores share them. Communication hides behind
 computation when ``t_comm(n) <= t_full(n) / 2``; with ``t_full(n) = 14 B H n^2 D / F`` (fwd 2 matmuls, bwd 5, of
@@ -68,7 +70,8 @@ def main(paths: list[str]) -> int:
     causal = {int(n): t for n, t in blocks["causal_block_seconds"].items()}
     full = {int(n): t for n, t in blocks["full_block_seconds"].items()}
     rings = [r for r in runs if r["world_size"] >= 2]
-    pings = [(int(b), t) for r in rings for b, t in r["one_way_seconds"].items()]
+    # the link from W = 2 alone: with more ranks than cores a rank waits for its partner to be scheduled
+    pings = [(int(b), t) for r in rings if r["world_size"] == 2 for b, t in r["one_way_seconds"].items()]
     a, per_byte = _fit_line([b for b, _ in pings], [t for _, t in pings])
     bw = 1 / per_byte
     n_big = max(full)
@@ -86,9 +89,10 @@ def main(paths: list[str]) -> int:
         for L_text, measured in r["ring_seconds"].items():
             n = int(L_text) / W
             comm = 3 * a + 2 * B * Hkv * n * D * (2 * s + 4) / bw
+            home = a + 2 * B * Hkv * n * D * 4 / bw  # the last gradient block's way home: after all compute
             compute = k * (_interpolate(causal, n) + (W - 1) * _interpolate(full, n) / 2)
-            model = k * (_interpolate(causal, n) + (W - 1) * max(_interpolate(full, n) / 2, comm / k))
-            serial = compute + (W - 1) * comm  # the exchange not hidden at all
+            model = k * (_interpolate(causal, n) + (W - 1) * max(_interpolate(full, n) / 2, comm / k)) + home
+            serial = compute + (W - 1) * comm + home  # the exchange not hidden at all
             print(
                 f"| {W} | {L_text} | {n:.0f} | {k:g} | {_t(model)} | {_t(serial)} | {_t(measured)} "
                 f"| {measured / model:.2f} |"
@@ -110,7 +114,7 @@ def main(paths: list[str]) -> int:
             n = L / W
             compute = 7 * H_ * n**2 * D_ / F_  # half of an n x n block, forward and backward
             comm = 3 * a_ + 2 * Hkv_ * n * D_ * (2 * s_ + 4) / bw_  # the gradient travels in float32
-            total = compute + (W - 1) * max(compute, comm)
+            total = compute + (W - 1) * max(compute, comm) + a_ + 2 * Hkv_ * n * D_ * 4 / bw_  # + its way home
             hidden = "yes" if comm <= compute else "no"
             print(f"| {W} | {n:.0f} | {_t(compute)} | {_t(comm)} | {hidden} | {_t(total)} | {t1 / total:.1f}x |")
         star = _hidden_from(F_, bw_, a_, s_, H_, Hkv_, D_)

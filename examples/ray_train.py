@@ -69,7 +69,8 @@ def train_loop(config: dict) -> None:
 
     from attnkit.distributed import context_parallel
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    W = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("cp",))
     torch.manual_seed(0)  # the same parameters on every worker
     model = ray.train.torch.prepare_model(LM())  # DistributedDataParallel: it averages the gradients
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -78,11 +79,13 @@ def train_loop(config: dict) -> None:
         inputs, labels, positions = batch(step)  # the same whole batch on every worker
         with context_parallel(mesh, buffers=[inputs, labels, positions], buffer_seq_dims=[1, 1, 1]):
             logits = model(inputs, positions)  # (B, L_r, V): this worker's positions
-            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())  # this worker's mean
+            # this worker's sum over the whole batch's size, times W: DDP's mean over the workers is then the whole
+            # batch's mean loss, also where the shards differ in length (a worker's own mean would be biased)
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") * W / (B * L)
             loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        dist.all_reduce(mean := loss.detach() / dist.get_world_size())
+        dist.all_reduce(mean := loss.detach() / W)
         losses.append(float(mean))  # the whole batch's mean loss
     with tempfile.TemporaryDirectory() as saved:  # Ray keeps the metrics that come with a checkpoint
         checkpoint = None

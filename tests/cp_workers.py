@@ -135,6 +135,7 @@ def mistakes(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         "a bad timeout": lambda: context_parallel(mesh, timeout=-1),
         # one rank's mistake alone: the others must hear of it, not wait for its ring
         "dims on rank 1": lambda: context_parallel(mesh, buffers=[t], buffer_seq_dims=[5 if rank == 1 else 1]),
+        "dims not a list on rank 1": lambda: context_parallel(mesh, buffers=[t], buffer_seq_dims=1 if rank else [1]),
         "lengths differ across ranks": lambda: context_parallel(
             mesh, buffers=[torch.zeros(2, 8 + 2 * rank)], buffer_seq_dims=[1]
         ),

@@ -302,6 +302,42 @@ def test_packed_position_ids_without_a_mask_keep_each_document_to_itself():
     assert max_err(logits, alone) <= LOGIT_TOL
 
 
+def test_position_ids_of_one_document_change_nothing_and_are_read_once_a_forward(monkeypatch):
+    """A row that counts up by one (from anywhere) is one document: the call runs as without position_ids, on the
+    same backend. The reading waits for the device, so a forward's layers read one position_ids tensor once; a
+    change in place is read again. position_ids of another batch are a ValueError."""
+    import transformers.masking_utils as masking_utils
+
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 4, 9, 8, generator=g) for _ in range(3))
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    with attnkit.dispatch.watch() as plain:
+        want, _ = attnkit_hf.attention_forward(Module(), q, k, v, None)
+    with attnkit.dispatch.watch() as ran:
+        out, _ = attnkit_hf.attention_forward(Module(), q, k, v, None, position_ids=torch.arange(3, 12)[None])
+    assert ran == plain and torch.equal(out, want)
+
+    reads = []
+    real = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda p: reads.append(p) or real(p))
+    positions = torch.arange(9).expand(2, 9).clone()  # (B, L)
+    for _ in range(3):  # three layers of one forward
+        attnkit_hf.attention_forward(Module(), q, k, v, None, position_ids=positions)
+    assert len(reads) == 1
+    positions[:, 5:] -= 5  # now two documents a row
+    out, _ = attnkit_hf.attention_forward(Module(), q, k, v, None, position_ids=positions)
+    assert len(reads) == 2
+    ids = torch.tensor([[0] * 5 + [1] * 4])
+    want = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True, mask_mod=attnkit.mods.document(ids))
+    assert max_err(out, want.output.transpose(1, 2)) <= 1e-6
+
+    with pytest.raises(ValueError, match=r"position_ids must have shape \(B, L\) or \(1, L\) = \(1\|2, 9\)"):
+        attnkit_hf.attention_forward(Module(), q, k, v, None, position_ids=torch.arange(9).expand(3, 9))
+
+
 def test_a_float_mask_with_transformers_minimum_hides_and_keeps_the_bias():
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, 3, 4, generator=g) for _ in range(3))

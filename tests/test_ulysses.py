@@ -31,11 +31,13 @@ def test_packed_documents_under_ulysses_equal_each_document_alone():
     for seen in _seen():
         assert seen["logits gap"] < 1e-12, seen
         mine, alone = seen["loss"]
-        assert abs(mine - alone) <= 1e-10 * abs(alone), seen
-        assert seen["grad gap"] < 1e-10, seen
+        assert abs(mine - alone) <= 1e-12 * abs(alone), seen  # float64 (measured 6e-16 on the gradients)
+        assert seen["grad gap"] < 1e-12, seen
         assert seen["across documents"] > 1e-2, seen  # the documents matter: a test that can fail
 
 
 def test_heads_that_cannot_be_split_over_the_ranks_are_a_clear_error():
+    """What a user of attnkit under Ulysses sees for 3 heads over 2 ranks: DeepSpeed's own ValueError, at
+    registration (attnkit adds nothing here, and this checks that nothing hides it)."""
     for seen in _seen():
         assert "Attention head count 3 is not divisible by SP size 2" in seen["heads error"], seen

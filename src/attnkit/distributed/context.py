@@ -93,10 +93,8 @@ def context_parallel(
     group = _group(mesh)
     if _split.active() is not None:
         raise ValueError("context_parallel: a context_parallel block is already open in this thread; they do not nest")
-    buffers = [] if buffers is None else list(buffers)
-    dims = [] if buffer_seq_dims is None else list(buffer_seq_dims)
-    keep = set() if no_restore_buffers is None else no_restore_buffers
-    wait = _agree_on_entry(group, buffers, dims, keep, timeout)
+    buffers, dims, wait = _agree_on_entry(group, buffers, buffer_seq_dims, no_restore_buffers, timeout)
+    keep = no_restore_buffers or set()
     # Each buffer is pointed at its shard's own memory (set_), and back at its own on exit: a view's base and any
     # tensor sharing its memory stay as they were, and nothing is copied back.
     originals = [
@@ -224,25 +222,31 @@ def _group(mesh: Any) -> Any:
 
 
 def _agree_on_entry(
-    group: Any, buffers: list[Tensor], dims: list[int], keep: set[Tensor], timeout: float | timedelta | None
-) -> timedelta:
+    group: Any, given: Any, given_dims: Any, keep: Any, timeout: float | timedelta | None
+) -> tuple[list[Tensor], list[int], timedelta]:
     """Check the arguments on every rank at once: a rank's own mistake raises there and, named, on the others (never
     a wait for a rank that left), and the ranks must agree on the sequence's length and the number of buffers.
-    Returns the timeout."""
+    Returns the buffers and their dims, as lists, and the timeout."""
     error: Exception | None = None
     try:
         wait = comm.as_timeout(timeout)
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it; gather_checked raises it here
         error, wait = e, comm.as_timeout(None)
+    buffers: list[Tensor] = []
+    dims: list[int] = []
     length = 0
     try:
-        length = _check_buffers(buffers, dims, keep)
+        buffers = _as_list(given, "buffers")
+        dims = _as_list(given_dims, "buffer_seq_dims")
+        if keep is not None and not isinstance(keep, (set, frozenset, list, tuple)):
+            raise TypeError(f"no_restore_buffers must be a set of buffers, got {describe(keep)}")
+        length = _check_buffers(buffers, dims, list(keep or ()))
         if buffers:
             segments(length, comm.rank_and_size(group)[1], LAYOUT)  # enough positions for every rank
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - as above
         error = error or e
     device = buffers[0].device if buffers and isinstance(buffers[0], Tensor) else torch.device("cpu")
-    if dist.get_backend(group) == "nccl":  # its collectives take CUDA tensors only
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":  # its collectives take CUDA tensors only
         device = torch.device("cuda", torch.cuda.current_device())
     seen = comm.gather_checked(
         None if error else [length, len(buffers)],
@@ -256,10 +260,18 @@ def _agree_on_entry(
     if any(other != seen[0] for other in seen):
         said = ", ".join(f"rank {r}: {n} buffers of {L} positions" for r, (L, n) in enumerate(seen))
         raise ValueError(f"context_parallel: every rank must pass the same whole-sequence buffers, got {said}")
-    return wait
+    return buffers, dims, wait
 
 
-def _check_buffers(buffers: list[Tensor], dims: list[int], keep: set[Tensor]) -> int:
+def _as_list(given: Any, name: str) -> list:
+    if given is None:
+        return []
+    if isinstance(given, (Tensor, str)) or not isinstance(given, Sequence):
+        raise TypeError(f"{name} must be a list (one entry per buffer), got {describe(given)}")
+    return list(given)
+
+
+def _check_buffers(buffers: list[Tensor], dims: list[int], keep: list[Tensor]) -> int:
     """The sequence's length (0 without buffers), after checking that the buffers and their dims fit together."""
     if len(buffers) != len(dims):
         raise ValueError(

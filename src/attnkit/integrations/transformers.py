@@ -57,13 +57,15 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
+import weakref
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from attnkit import _split, mods, packing, stats
+from attnkit import _split, mods, stats
+from attnkit._checks import describe
 from attnkit.functional import Masks, attend, attention_weights
 from attnkit.recording import report_weights, wants_stats
 
@@ -73,6 +75,8 @@ except ImportError as err:  # pragma: no cover - the tests install it
     raise ImportError(
         "attnkit.integrations.transformers needs Hugging Face transformers: pip install 'attnkit[transformers]'"
     ) from err
+
+from transformers.utils.import_utils import is_tracing  # noqa: E402 - after the check above
 
 _collector: Any
 try:  # the outputs a model's forward is collecting (a ContextVar): private, checked against transformers 5.23
@@ -285,19 +289,49 @@ def _documents_in(position_ids: Any, B: int, L: int, mask_mod: mods.MaskFn | Non
     """``mask_mod`` and, where ``position_ids (B|1, L)`` hold packed documents, attention within each document.
 
     A call reaches attnkit with no mask and packed ``position_ids`` when the mask was dropped on the way: DeepSpeed
-    Ulysses drops every mask and passes the whole sequence's ``position_ids`` (flash-attention-2 reads packing
-    from them), and transformers itself builds no packed mask when a cache is passed. The documents are read as
-    transformers reads them (``masking_utils.find_packed_sequence_indices``: a document starts wherever a position
-    does not follow the one before), so one row that counts up by one is one document, wherever it starts."""
-    from transformers.masking_utils import find_packed_sequence_indices
+    Ulysses drops every mask and passes the whole sequence's ``position_ids``, and transformers builds no packed
+    mask when a cache is passed (nor for a bidirectional model, whose mask ignores ``position_ids``): there eager
+    and sdpa attend across documents, attnkit does not.
 
+    Raises:
+        ValueError: ``position_ids`` whose batch is neither 1 nor the queries'.
+    """
     if not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] != L:
         return mask_mod
-    ids = find_packed_sequence_indices(position_ids)  # (B|1, L) or None: one document a row
+    if position_ids.shape[0] not in (1, B):
+        raise ValueError(f"position_ids must have shape (B, L) or (1, L) = (1|{B}, {L}), got {describe(position_ids)}")
+    ids = _documents_of(position_ids)  # (B|1, L) or None: one document a row
     if ids is None:
         return mask_mod
-    documents = mods.document(ids.expand(B, L))  # (B, L)
+    documents = mods.document(ids)  # (B|1, L)
     return documents if mask_mod is None else mods.and_masks(mask_mod, documents)
+
+
+# The last position_ids read and their documents: every layer of a forward passes the same tensor, read once (a
+# reading waits for the device). Kept by a weak reference with the tensor's version, so never stale.
+_LAST_READ: tuple[weakref.ref, int, Tensor | None] | None = None
+
+
+def _documents_of(position_ids: Tensor) -> Tensor | None:
+    """Each position's document ``(B|1, L)``, or ``None`` for one document a row, read as transformers reads
+    packed rows (``masking_utils.find_packed_sequence_indices``: a document starts wherever a position does not
+    follow the one before, so a row counting up by one from anywhere is one document).
+
+    While torch.compile (or another tracer) traces, transformers' reader cannot look at the values and returns
+    the ids of every row even when they are one document: the call then carries the document mask, exact, and
+    runs on a backend that takes a ``mask_mod``."""
+    global _LAST_READ
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    tracing = is_tracing(position_ids)
+    version = -1 if tracing or position_ids.is_inference() else position_ids._version
+    last = _LAST_READ
+    if version >= 0 and last is not None and last[0]() is position_ids and last[1] == version:
+        return last[2]
+    ids = find_packed_sequence_indices(position_ids)  # (B|1, L) or None
+    if version >= 0:
+        _LAST_READ = (weakref.ref(position_ids), version, ids)
+    return ids
 
 
 # What a model's mask may say inside context_parallel, where the mask transformers builds is of one shard's positions.
@@ -394,22 +428,16 @@ def _split_attention(
         own = torch.arange(L_r, device=position_ids.device)  # (L_r,): transformers' default, a shard's 0..L_r-1
         flag = torch.full_like(position_ids, int(bool((position_ids == own).all())))  # (B|1, L_r)
         whole, defaults = runner.whole(torch.stack([position_ids, flag]), dim=-1)  # (2, B|1, L): every rank's
-        try:
-            if whole.shape[-1] > L_r and bool(defaults.all()):  # short sequences would pass as documents
-                raise ValueError(
-                    f"position_ids are each shard's own 0..{L_r - 1} on every rank (transformers' default when none "
-                    "are passed), not the whole sequence's"
-                )
-            ids = packing.document_ids(whole)  # (B|1, L) or None
-        except ValueError as e:
+        if whole.shape[-1] > L_r and bool(defaults.all()):  # (a short sequence's would even pass as documents)
             refused = refused or (
-                f"{e}: inside context_parallel the position_ids must be the whole sequence's, cut with it (pass them "
-                "in context_parallel's buffers)"
+                f"position_ids are each shard's own 0..{L_r - 1} on every rank (transformers' default when none are "
+                "passed), not the whole sequence's: inside context_parallel pass the whole sequence's position_ids "
+                "in context_parallel's buffers, and to the model"
             )
-        else:
-            if ids is not None:
-                documents = mods.document(ids.expand(query.shape[0], -1))  # (B, L)
-                mask_mod = documents if mask_mod is None else mods.and_masks(mask_mod, documents)
+        try:
+            mask_mod = _documents_in(whole, query.shape[0], whole.shape[-1], mask_mod)  # read as on one process
+        except ValueError as e:
+            refused = refused or f"{e} inside context_parallel"
     masks = Masks(None, None, causal, mask_mod, mods.softcap(softcap) if softcap else None)
     out = runner.attend(
         query,
