@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+from typing import NoReturn
 
 import torch
 from torch import nn
@@ -113,8 +114,14 @@ def one_process(steps: int) -> list[float]:
     return losses
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, status 2: no usage block
+        print(f"ray_train.py: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=2, help="Ray workers, one shard of each sequence each")
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)

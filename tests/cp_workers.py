@@ -133,6 +133,7 @@ def mistakes(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         "not a mesh": lambda: context_parallel("cp"),
         "too short": lambda: context_parallel(mesh, buffers=[torch.zeros(2, 1)], buffer_seq_dims=[1]),
         "a bad timeout": lambda: context_parallel(mesh, timeout=-1),
+        "an infinite timeout": lambda: context_parallel(mesh, timeout=float("inf")),
         # one rank's mistake alone: the others must hear of it, not wait for its ring
         "dims on rank 1": lambda: context_parallel(mesh, buffers=[t], buffer_seq_dims=[5 if rank == 1 else 1]),
         "dims not a list on rank 1": lambda: context_parallel(mesh, buffers=[t], buffer_seq_dims=1 if rank else [1]),

@@ -69,7 +69,8 @@ MISTAKES = {
     "not a mesh": ("TypeError", "takes a DeviceMesh or a ProcessGroup, got str"),
     "too short": ("ValueError", "a sequence of 1 positions cannot be split over 2 ranks"),
     "nested": ("ValueError", "already open in this thread"),
-    "a bad timeout": ("ValueError", "timeout must be positive, got -1"),
+    "a bad timeout": ("ValueError", "timeout must be positive and finite (seconds), got -1"),
+    "an infinite timeout": ("ValueError", "timeout must be positive and finite (seconds), got inf"),
     "dims on rank 1": ("ValueError", "buffer_seq_dims[0] must be a dim of buffers[0]"),
     "dims not a list on rank 1": ("TypeError", "buffer_seq_dims must be a list (one entry per buffer), got int"),
     "lengths differ across ranks": (

@@ -33,4 +33,4 @@ def test_a_mistake_in_the_arguments_is_one_line_and_status_2():
         [sys.executable, str(EXAMPLE), "--workers", "0"], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert "--workers must be 1..128" in result.stderr, result.stderr
+    assert "--workers must be 1..128" in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

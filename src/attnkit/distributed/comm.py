@@ -61,6 +61,8 @@ def as_timeout(timeout: float | timedelta | None) -> timedelta:
         return DEFAULT_TIMEOUT
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, timedelta)):
         raise TypeError(f"timeout must be a number of seconds or a timedelta, got {timeout!r}")
+    if not isinstance(timeout, timedelta) and not (0 < timeout < 10**9):  # (NaN and infinity fail this too)
+        raise ValueError(f"timeout must be positive and finite (seconds), got {timeout!r}")
     wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
     if wait <= timedelta(0):
         raise ValueError(f"timeout must be positive, got {timeout!r}")

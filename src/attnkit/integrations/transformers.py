@@ -26,10 +26,12 @@ What the model passes and what attnkit makes of it:
   ``softcap`` (Gemma 2: :class:`attnkit.mods.softcap`), ``s_aux`` (gpt-oss's attention sinks: attnkit's ``sinks``),
   ``position_bias`` (T5: a bias added to the scores, with gradients), ``sliding_window`` (already in the mask
   transformers builds; without a mask, :class:`attnkit.mods.sliding_window`).
-* ``position_ids``: a call with no mask at all whose ``position_ids`` hold packed documents keeps each document to
-  itself, as flash-attention-2 does (DeepSpeed Ulysses drops every mask and passes the whole sequence's
-  ``position_ids``; transformers builds no packed mask when a cache is passed). They are read as transformers reads
-  them: a document starts wherever a position does not follow the one before.
+* ``position_ids``: where they hold packed documents, each document keeps to itself, in every call whose keys are
+  its queries' own positions, whatever mask comes with it: as transformers' own masks do without a cache, and as
+  flash-attention-2 does. They are read as transformers reads them: a document starts wherever a position does not
+  follow the one before. (DeepSpeed Ulysses drops every mask and passes the whole sequence's ``position_ids``.
+  transformers' eager and sdpa attend across packed documents when a cache or a mask of one's own is passed, and
+  in bidirectional models: there attnkit differs from them, on purpose.)
 * the backend: attnkit's dispatch (``backend="auto"``), or the one :func:`register` names.
 * weights: with ``output_attentions=True`` the layer also returns them (computed beside the fused output, in
   ``(B, H, Lq, Lk)``); inside :func:`attnkit.record_weights` every call reports them, detached, without changing
@@ -57,7 +59,6 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
-import weakref
 from typing import Any
 
 import torch
@@ -65,7 +66,6 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from attnkit import _split, mods, stats
-from attnkit._checks import describe
 from attnkit.functional import Masks, attend, attention_weights
 from attnkit.recording import report_weights, wants_stats
 
@@ -76,7 +76,7 @@ except ImportError as err:  # pragma: no cover - the tests install it
         "attnkit.integrations.transformers needs Hugging Face transformers: pip install 'attnkit[transformers]'"
     ) from err
 
-from transformers.utils.import_utils import is_tracing  # noqa: E402 - after the check above
+from attnkit.integrations import _sequence  # noqa: E402 - it imports transformers: after the check above
 
 _collector: Any
 try:  # the outputs a model's forward is collecting (a ContextVar): private, checked against transformers 5.23
@@ -163,7 +163,7 @@ def _mask(*args: Any, config: Any = None, **kwargs: Any) -> Tensor | None:
     from transformers.masking_utils import sdpa_mask
 
     if _split.active() is not None:
-        return _split_mask(config, kwargs)
+        return _sequence.split_mask(config, kwargs)
     through = None if config is None else _goes_through_the_interface(type(config))
     if through is False:
         raise ValueError(
@@ -230,7 +230,10 @@ def attention_forward(
     runner = _split.active()
     if runner is not None:  # inside attnkit.distributed.context_parallel: this rank's shard of the sequence
         masks_given = (attention_mask, softcap, s_aux, position_bias, sliding_window, dropout, scaling)
-        return _split_attention(runner, module, query, key, value, model_causal, masks_given, backend, kwargs)
+        wanted = _weights_wanted(kwargs)
+        return _sequence.split_attention(
+            runner, module, query, key, value, model_causal, masks_given, backend, kwargs, wanted
+        )
     causal = model_causal and Lq > 1 and attention_mask is None  # as transformers' sdpa: the mask says it otherwise
     if causal and Lk > Lq:
         # a static cache's prefill: the slots past the queries are empty; transformers' causal is top-left
@@ -238,8 +241,8 @@ def attention_forward(
         position_bias = None if position_bias is None else position_bias[..., :Lq]  # (B|1, H, Lq, Lq)
         Lk = Lq
     mask_mod: mods.MaskFn | None = mods.sliding_window(sliding_window) if sliding_window and causal else None
-    if attention_mask is None and Lq == Lk > 1:  # no mask at all: packed documents live in position_ids only
-        mask_mod = _documents_in(kwargs.get("position_ids"), query.shape[0], Lq, mask_mod)
+    if Lq == Lk > 1:  # the keys are the queries' own positions: packed documents as position_ids say
+        mask_mod = _sequence.documents_in(kwargs.get("position_ids"), query.shape[0], Lq, mask_mod)
     score_mod: mods.ScoreFn | None = mods.softcap(softcap) if softcap else None
     if position_bias is not None and position_bias.requires_grad and backend == "chunked":
         # chunked differentiates what a score_mod closes over, not a dense float mask: the bias as a table
@@ -283,178 +286,6 @@ def attention_forward(
 
     report_weights(module, recorded, kv_heads=key.shape[1], parts=parts)
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, H, Dv)
-
-
-def _documents_in(position_ids: Any, B: int, L: int, mask_mod: mods.MaskFn | None) -> mods.MaskFn | None:
-    """``mask_mod`` and, where ``position_ids (B|1, L)`` hold packed documents, attention within each document.
-
-    A call reaches attnkit with no mask and packed ``position_ids`` when the mask was dropped on the way: DeepSpeed
-    Ulysses drops every mask and passes the whole sequence's ``position_ids``, and transformers builds no packed
-    mask when a cache is passed (nor for a bidirectional model, whose mask ignores ``position_ids``): there eager
-    and sdpa attend across documents, attnkit does not.
-
-    Raises:
-        ValueError: ``position_ids`` whose batch is neither 1 nor the queries'.
-    """
-    if not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] != L:
-        return mask_mod
-    if position_ids.shape[0] not in (1, B):
-        raise ValueError(f"position_ids must have shape (B, L) or (1, L) = (1|{B}, {L}), got {describe(position_ids)}")
-    ids = _documents_of(position_ids)  # (B|1, L) or None: one document a row
-    if ids is None:
-        return mask_mod
-    documents = mods.document(ids)  # (B|1, L)
-    return documents if mask_mod is None else mods.and_masks(mask_mod, documents)
-
-
-# The last position_ids read and their documents: every layer of a forward passes the same tensor, read once (a
-# reading waits for the device). Kept by a weak reference with the tensor's version, so never stale.
-_LAST_READ: tuple[weakref.ref, int, Tensor | None] | None = None
-
-
-def _documents_of(position_ids: Tensor) -> Tensor | None:
-    """Each position's document ``(B|1, L)``, or ``None`` for one document a row, read as transformers reads
-    packed rows (``masking_utils.find_packed_sequence_indices``: a document starts wherever a position does not
-    follow the one before, so a row counting up by one from anywhere is one document).
-
-    While torch.compile (or another tracer) traces, transformers' reader cannot look at the values and returns
-    the ids of every row even when they are one document: the call then carries the document mask, exact, and
-    runs on a backend that takes a ``mask_mod``."""
-    global _LAST_READ
-    from transformers.masking_utils import find_packed_sequence_indices
-
-    tracing = is_tracing(position_ids)
-    version = -1 if tracing or position_ids.is_inference() else position_ids._version
-    last = _LAST_READ
-    if version >= 0 and last is not None and last[0]() is position_ids and last[1] == version:
-        return last[2]
-    ids = find_packed_sequence_indices(position_ids)  # (B|1, L) or None
-    if version >= 0:
-        _LAST_READ = (weakref.ref(position_ids), version, ids)
-    return ids
-
-
-# What a model's mask may say inside context_parallel, where the mask transformers builds is of one shard's positions.
-_SPLIT_MASKS = "causality, a sliding window and packed documents (from position_ids), set in whole-sequence positions"
-
-
-def _split_mask(config: Any, kwargs: dict[str, Any]) -> Tensor:
-    """The mask inside ``context_parallel``, where transformers' mask would be of one shard's positions: a marker
-    that carries what :func:`_split_attention` sets in whole-sequence positions instead (a sliding window found in
-    the mask), or why the mask cannot be honoured there, which the attention raises on every rank at once.
-
-    What transformers asks for is read from its mask function, a tree of closures (checked against 5.23):
-    causality, bidirectional attention, a causal sliding window and packed documents are allowed (documents come
-    back from the whole sequence's ``position_ids``: transformers' own reading of a zig-zag shard's ids sees
-    documents that are not there); any other function (a prefix's block overlay, a chunked or bidirectional
-    window, a model's own ``or``/``and`` masks) and padding are refused."""
-    window, reason = None, None
-    padding = kwargs.get("attention_mask")
-    if isinstance(padding, Tensor) and not bool(padding.all()):
-        reason = "padding in attention_mask"
-    elif getattr(config, "attention_chunk_size", None):
-        reason = "chunked attention"
-    else:
-        try:
-            window = _window_of(kwargs.get("mask_function"))
-        except ValueError as e:
-            reason = str(e)
-    marker = torch.ones((1, 1, 1, 1), dtype=torch.bool)
-    marker.attnkit_split = (window, reason)  # type: ignore[attr-defined]
-    return marker
-
-
-# transformers 5.23's mask functions, by qualified name: those a ring can honour in whole-sequence positions
-_ALLOWED_MASKS = {
-    "causal_mask_function",
-    "bidirectional_mask_function",
-    "and_masks.<locals>.and_mask",
-    "packed_sequence_mask_function.<locals>.inner_mask",
-    "remap_positions_for_packed_sequence.<locals>.inner_mask",
-    "add_offsets_to_mask_function.<locals>.inner_mask",
-    "sliding_window_overlay.<locals>.inner_mask",
-}
-
-
-def _window_of(fn: Any) -> int | None:
-    """The causal sliding window in transformers' mask function ``fn`` (``None`` if none); ``ValueError`` naming a
-    function of it that is not in :data:`_ALLOWED_MASKS`. Walks the closures: ``and_masks`` holds its functions in
-    a tuple, the others their inner function in a cell."""
-    if fn is None:
-        return None
-    name = getattr(fn, "__qualname__", type(fn).__name__)
-    if name not in _ALLOWED_MASKS:
-        raise ValueError(f"the model's mask function {name}")
-    cells = {c: cell.cell_contents for c, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True)}
-    if name == "sliding_window_overlay.<locals>.inner_mask":
-        return int(cells["sliding_window"])
-    inner = [f for v in cells.values() for f in (v if isinstance(v, tuple) else (v,)) if callable(f)]
-    windows = [w for f in inner if (w := _window_of(f)) is not None]
-    return min(windows) if windows else None
-
-
-def _split_attention(
-    runner: _split.Runner,
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    causal: bool,
-    given: tuple,
-    backend: str,
-    kwargs: dict[str, Any],
-) -> tuple[Tensor, None]:
-    """:func:`attention_forward` inside ``context_parallel``: ring attention with the model's masks in
-    whole-sequence positions; packed documents from the whole sequence's ``position_ids`` (gathered from every
-    rank's shard). What cannot be said there is refused on every rank at once."""
-    attention_mask, softcap, s_aux, position_bias, sliding_window, dropout, scaling = given
-    refused = None
-    window, why = getattr(attention_mask, "attnkit_split", (None, None))
-    if attention_mask is not None and not hasattr(attention_mask, "attnkit_split"):
-        why = f"an attention mask of shape {tuple(attention_mask.shape)} that attnkit's mask function did not build"
-    if why is not None:
-        refused = f"{why} cannot be honoured inside context_parallel: attnkit takes {_SPLIT_MASKS} there"
-    elif position_bias is not None:
-        refused = "a position_bias (T5) cannot be used inside context_parallel"
-    elif sliding_window and not causal:
-        refused = f"a bidirectional sliding window cannot be used inside context_parallel: it takes {_SPLIT_MASKS}"
-    window = window or (sliding_window if causal else None)  # the mask's own, else the one the model passes
-    mask_mod: mods.MaskFn | None = mods.sliding_window(window) if window else None
-    position_ids = kwargs.get("position_ids")
-    if isinstance(position_ids, Tensor) and position_ids.dim() != 2:
-        refused = refused or f"position_ids of shape {tuple(position_ids.shape)} (not (B, L)) inside context_parallel"
-    elif isinstance(position_ids, Tensor):
-        L_r = position_ids.shape[-1]
-        own = torch.arange(L_r, device=position_ids.device)  # (L_r,): transformers' default, a shard's 0..L_r-1
-        flag = torch.full_like(position_ids, int(bool((position_ids == own).all())))  # (B|1, L_r)
-        whole, defaults = runner.whole(torch.stack([position_ids, flag]), dim=-1)  # (2, B|1, L): every rank's
-        if whole.shape[-1] > L_r and bool(defaults.all()):  # (a short sequence's would even pass as documents)
-            refused = refused or (
-                f"position_ids are each shard's own 0..{L_r - 1} on every rank (transformers' default when none are "
-                "passed), not the whole sequence's: inside context_parallel pass the whole sequence's position_ids "
-                "in context_parallel's buffers, and to the model"
-            )
-        try:
-            mask_mod = _documents_in(whole, query.shape[0], whole.shape[-1], mask_mod)  # read as on one process
-        except ValueError as e:
-            refused = refused or f"{e} inside context_parallel"
-    masks = Masks(None, None, causal, mask_mod, mods.softcap(softcap) if softcap else None)
-    out = runner.attend(
-        query,
-        key,
-        value,
-        masks,
-        w_v=None,
-        scale=scaling,
-        sinks=s_aux,
-        dropout_p=float(dropout),
-        need_weights=_weights_wanted(kwargs),
-        backend=backend,
-        zeros_past=None,
-        need_lse=wants_stats(module),
-        refused=refused,
-    ).output  # (B, H, L_r, Dv)
-    return out.transpose(1, 2).contiguous(), None  # (B, L_r, H, Dv)
 
 
 def _query_slots(attn_mask: Tensor | None, Lq: int, Lk: int) -> Tensor | None:
