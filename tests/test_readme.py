@@ -51,7 +51,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize(("section", "line", "code"), BLOCKS, ids=[f"{s} (line {n})" for s, n, _ in BLOCKS])
+# Sections whose block runs as a world of 1 in make test-all only: importing DeepSpeed into this process takes
+# about 30 s, and make test runs the block as written under torchrun on its 2 processes (below).
+SLOW_SECTIONS = {"With DeepSpeed Ulysses"}
+
+
+@pytest.mark.parametrize(
+    ("section", "line", "code"),
+    [pytest.param(*b, marks=[pytest.mark.slow] if b[0] in SLOW_SECTIONS else []) for b in BLOCKS],
+    ids=[f"{s} (line {n})" for s, n, _ in BLOCKS],
+)
 def test_readme_python_block_runs_as_written(section, line, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for name, value in {
@@ -79,12 +88,13 @@ TORCHRUN_BLOCKS = [(m.group(1), int(m.group(2)), code) for _, _, code in BLOCKS 
 # ("terminate called without an active exception"), cause not found yet: make test-all runs it, make test its
 # one-process form and tests/test_context_parallel.py the same FSDP2 x context_parallel training on 4 processes.
 FLAKY_AT_EXIT = {"cp.py"}
+SLOW_BLOCKS = FLAKY_AT_EXIT
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("name", "processes", "code"),
-    [pytest.param(*b, marks=[pytest.mark.slow] if b[0] in FLAKY_AT_EXIT else []) for b in TORCHRUN_BLOCKS],
+    [pytest.param(*b, marks=[pytest.mark.slow] if b[0] in SLOW_BLOCKS else []) for b in TORCHRUN_BLOCKS],
     ids=[b[0] for b in TORCHRUN_BLOCKS],
 )
 def test_the_torchrun_blocks_run_under_torchrun_on_the_processes_they_name(name, processes, code, tmp_path):
