@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -20,6 +21,21 @@ def attnkit(*args, cwd=None, timeout=120):
     return subprocess.run(
         [sys.executable, "-m", "attnkit", *args], capture_output=True, text=True, timeout=timeout, check=False, cwd=cwd
     )
+
+
+def attnkit_at_once(argvs, cwd=None, timeout=120):
+    """``attnkit(*argv)`` for each of ``argvs``, the processes run side by side (each spends most of its time
+    importing torch): their results in order."""
+    command = [sys.executable, "-m", "attnkit"]
+    procs = [
+        subprocess.Popen([*command, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+        for argv in argvs
+    ]
+    results = []
+    for argv, proc in zip(argvs, procs, strict=True):
+        out, err = proc.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess([*command, *argv], proc.returncode, out, err))
+    return results
 
 
 def assert_one_line_error(result, *fragments):
@@ -71,53 +87,56 @@ def test_heatmap_from_torch_and_numpy_files(tmp_path):
     assert attnkit("heatmap", str(tmp_path / "grid.pt"), "--out", str(tmp_path / "grid.pdf")).returncode == 0
 
 
-@pytest.mark.parametrize(
-    ("args", "fragments"),
-    [
-        (("bogus",), ["invalid choice: 'bogus'"]),
-        ((), ["required: COMMAND"]),
-        (("info", "--nope"), ["unrecognized arguments: --nope"]),
-        (("trace", "dot", "--batch", "x"), ["--batch", "positive whole number", "'x'"]),
-        (("trace", "dot", "--keys", "0"), ["--keys", "got 0"]),
-        (("trace", "dot", "--valid-lens", "3,9"), ["at most the number of keys (6)", "9"]),
-        (("trace", "dot", "--valid-lens", "3,a"), ["--valid-lens", "'3,a'"]),
-        (("trace", "dot", "--valid-lens", "1,2,3"), ["--valid-lens has 3 values but --batch is 2"]),
-        (("trace", "multihead", "--num-heads", "3"), ["num_hiddens (100) must be a multiple of num_heads (3)"]),
-        (("heatmap", "missing.pt", "--out", "x.png"), ["missing.pt: no such file"]),
-        (("demo", "--seed", "zero"), ["--seed", "invalid int value"]),
-        (("trace", "multihead", "--queries", "100000000"), ["--queries", "from 1 to 100000"]),
-        (("trace", "dot", "--batch", "99999999999999999999", "--valid-lens", ""), ["--batch", "from 1 to 100000"]),
-    ],
-)
+USER_MISTAKES = [
+    (("bogus",), ["invalid choice: 'bogus'"]),
+    ((), ["required: COMMAND"]),
+    (("info", "--nope"), ["unrecognized arguments: --nope"]),
+    (("trace", "dot", "--batch", "x"), ["--batch", "positive whole number", "'x'"]),
+    (("trace", "dot", "--keys", "0"), ["--keys", "got 0"]),
+    (("trace", "dot", "--valid-lens", "3,9"), ["at most the number of keys (6)", "9"]),
+    (("trace", "dot", "--valid-lens", "3,a"), ["--valid-lens", "'3,a'"]),
+    (("trace", "dot", "--valid-lens", "1,2,3"), ["--valid-lens has 3 values but --batch is 2"]),
+    (("trace", "multihead", "--num-heads", "3"), ["num_hiddens (100) must be a multiple of num_heads (3)"]),
+    (("heatmap", "missing.pt", "--out", "x.png"), ["missing.pt: no such file"]),
+    (("demo", "--seed", "zero"), ["--seed", "invalid int value"]),
+    (("trace", "multihead", "--queries", "100000000"), ["--queries", "from 1 to 100000"]),
+    (("trace", "dot", "--batch", "99999999999999999999", "--valid-lens", ""), ["--batch", "from 1 to 100000"]),
+]
+
+
+@functools.cache
+def _user_mistakes_run() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """Every USER_MISTAKES command, run side by side once (each process mostly imports torch)."""
+    argvs = [args for args, _ in USER_MISTAKES]
+    return dict(zip(argvs, attnkit_at_once(argvs), strict=True))
+
+
+@pytest.mark.parametrize(("args", "fragments"), USER_MISTAKES)
 def test_user_mistakes_print_one_line_and_exit_2(args, fragments):
-    assert_one_line_error(attnkit(*args), *fragments)
+    assert_one_line_error(_user_mistakes_run()[args], *fragments)
 
 
 def test_heatmap_mistakes_with_files(tmp_path):
     (tmp_path / "junk.pt").write_bytes(b"not a tensor file")
-    assert_one_line_error(
-        attnkit("heatmap", str(tmp_path / "junk.pt"), "--out", str(tmp_path / "a.png")), "cannot read weights"
-    )
     torch.save({"w": torch.ones(2, 2)}, tmp_path / "dict.pt")
-    assert_one_line_error(
-        attnkit("heatmap", str(tmp_path / "dict.pt"), "--out", str(tmp_path / "a.png")), "expected one tensor"
-    )
     torch.save(torch.ones(2, 2), tmp_path / "ok.pt")
-    assert_one_line_error(
-        attnkit("heatmap", str(tmp_path / "ok.pt"), "--out", str(tmp_path / "nowhere" / "a.png")), "does not exist"
-    )
-    assert_one_line_error(attnkit("heatmap", str(tmp_path / "ok.pt"), "--out", str(tmp_path / "a.txt")), "extension")
     torch.save(torch.ones(0, 3), tmp_path / "empty.pt")
-    assert_one_line_error(attnkit("heatmap", str(tmp_path / "empty.pt"), "--out", str(tmp_path / "a.png")), "empty")
     torch.save(torch.ones(2, 2, dtype=torch.bool), tmp_path / "bool.pt")
-    assert_one_line_error(
-        attnkit("heatmap", str(tmp_path / "bool.pt"), "--out", str(tmp_path / "a.png")), "dtype torch.bool"
-    )
-    assert_one_line_error(
-        attnkit("heatmap", str(tmp_path / "ok.pt"), "--out", str(tmp_path / "ok.pt" / "a.png")), "is not a folder"
-    )
     torch.save(torch.ones(5), tmp_path / "flat.pt")
-    assert_one_line_error(attnkit("heatmap", str(tmp_path / "flat.pt"), "--out", str(tmp_path / "a.png")), "2, 3 or 4")
+    png = str(tmp_path / "a.png")
+    cases = [
+        ((str(tmp_path / "junk.pt"), "--out", png), "cannot read weights"),
+        ((str(tmp_path / "dict.pt"), "--out", png), "expected one tensor"),
+        ((str(tmp_path / "ok.pt"), "--out", str(tmp_path / "nowhere" / "a.png")), "does not exist"),
+        ((str(tmp_path / "ok.pt"), "--out", str(tmp_path / "a.txt")), "extension"),
+        ((str(tmp_path / "empty.pt"), "--out", png), "empty"),
+        ((str(tmp_path / "bool.pt"), "--out", png), "dtype torch.bool"),
+        ((str(tmp_path / "ok.pt"), "--out", str(tmp_path / "ok.pt" / "a.png")), "is not a folder"),
+        ((str(tmp_path / "flat.pt"), "--out", png), "2, 3 or 4"),
+    ]
+    results = attnkit_at_once([("heatmap", *args) for args, _ in cases])
+    for (_, fragment), result in zip(cases, results, strict=True):
+        assert_one_line_error(result, fragment)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "bool.pt",
         "dict.pt",
@@ -508,8 +527,8 @@ def test_the_reported_tracebacks_are_one_line_errors(tmp_path):
     ]
     if not ON_LINUX_PROC:
         cases = [c for c in cases if "/proc/a.png" not in c[0]]
-    for args, fragment in cases:
-        assert_one_line_error(attnkit(*args, cwd=tmp_path), fragment)
+    for (_, fragment), result in zip(cases, attnkit_at_once([args for args, _ in cases], cwd=tmp_path), strict=True):
+        assert_one_line_error(result, fragment)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["DIR", "grid.pt", "null.json", "string.json", "w.pt"]
     assert list((tmp_path / "DIR").iterdir()) == []
 
