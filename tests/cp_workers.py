@@ -50,6 +50,9 @@ def layers(rank: int, world_size: int) -> dict[str, float]:
         "causal + valid_lens": {"is_causal": True, "valid_lens": torch.tensor([4, 11])},
         "window": {"is_causal": True, "mask_mod": mods.sliding_window(3)},
         "documents": {"is_causal": True, "mask_mod": mods.document(ids)},
+        "softcap": {"is_causal": True, "score_mod": mods.softcap(2.0)},
+        "alibi + valid_lens": {"valid_lens": torch.tensor([13, 6]), "score_mod": mods.alibi(mods.alibi_slopes(4))},
+        "a score function": {"is_causal": True, "score_mod": _distance_bonus},
     }
 
     def run_mha(x: torch.Tensor, masks: dict) -> torch.Tensor:
@@ -92,6 +95,11 @@ def layers(rank: int, world_size: int) -> dict[str, float]:
                 _gap(whole, ref), _gap(dx, grads[0]), *(_gap(a, b) for a, b in zip(summed, grads[1:], strict=True))
             )
     return gaps
+
+
+def _distance_bonus(score: torch.Tensor, b, h, q_idx, kv_idx) -> torch.Tensor:  # noqa: ANN001
+    """A caller's score_mod in whole-sequence positions: nearer keys a little more, per head."""
+    return score + 0.1 * (h + 1) / (1 + (q_idx - kv_idx).abs())
 
 
 def buffers(rank: int, world_size: int) -> dict[str, object]:
@@ -169,7 +177,8 @@ def refusals(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
     first = rank == 0
     tries = {
         "attn_mask on rank 0": lambda: mha(x, x, x, attn_mask=torch.ones(4, 4, dtype=torch.bool) if first else None),
-        "score_mod": lambda: mha(x, x, x, score_mod=mods.softcap(5.0)),
+        "a score_mod reading a table that needs a gradient": lambda: mha(x, x, x, score_mod=_with_table),
+        "score_mod differs": lambda: mha(x, x, x, score_mod=mods.softcap(5.0 if first else 4.0)),
         "record_weights on rank 0": lambda: _recorded(mha, x, first),
         "dropout": lambda: attnkit.scaled_dot_product_attention(x, x, x, dropout_p=0.5),
         "need_weights": lambda: attnkit.scaled_dot_product_attention(x, x, x, need_weights=True),
@@ -191,6 +200,13 @@ def refusals(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
                 seen[name] = (type(e).__name__, str(e))
     dist.barrier()
     return seen
+
+
+_TABLE = torch.zeros(2, requires_grad=True)  # (H,): a bias per head, a parameter
+
+
+def _with_table(score: torch.Tensor, b, h, q_idx, kv_idx) -> torch.Tensor:  # noqa: ANN001
+    return score + _TABLE[h]
 
 
 def _recorded(mha: nn.Module, x: torch.Tensor, record: bool) -> None:
@@ -291,6 +307,11 @@ def llama(rank: int, world_size: int, kind: str) -> dict[str, object]:
     make, model_class, extra = LlamaConfig, LlamaForCausalLM, {}
     if kind == "window":  # the window passed to attention and in the mask
         make, model_class, extra = MistralConfig, MistralForCausalLM, {"sliding_window": 5}
+    elif kind == "softcap":  # Gemma 2: the scores soft-capped (attnkit's softcap score_mod), sliding layers too
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        make, model_class = Gemma2Config, Gemma2ForCausalLM
+        extra = {"attn_logit_softcapping": 5.0, "sliding_window": 5, "head_dim": 8, "query_pre_attn_scalar": 8}
     elif kind == "window in the mask only":  # Qwen2-MoE passes no sliding_window to attention (a reviewer's case)
         make, model_class = Qwen2MoeConfig, Qwen2MoeForCausalLM
         extra = {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 2, "num_experts": 2}

@@ -27,7 +27,7 @@ def test_layers_inside_equal_one_process(world_size):
     documents (masks in whole-sequence positions), float64: outputs, input gradients and the parameter gradients
     summed over the ranks equal one process's."""
     for gaps in _ok(run_ranks(w.layers, world_size, deadline=180)):
-        assert len(gaps) == 11
+        assert len(gaps) == 17
         for name, gap in gaps.items():
             assert gap < 1e-12, (name, gap)
 
@@ -96,7 +96,9 @@ def test_mistakes_are_errors_that_name_the_argument(what):
 
 REFUSALS = {
     "attn_mask on rank 0": "attn_mask cannot be given inside context_parallel (got a tensor of shape (4, 4))",
-    "score_mod": "a score_mod cannot run inside context_parallel",
+    "a score_mod reading a table that needs a gradient": "a score_mod that reads tensors needing a gradient (of shapes "
+    "(2,)) cannot run: the ring takes no gradient of them",
+    "score_mod differs": "(a score_mod sees whole-sequence positions: give every rank the same one)",
     "record_weights on rank 0": "weights cannot be returned or recorded inside context_parallel",
     "dropout": "dropout on the weights cannot run inside context_parallel, got dropout_p=0.5",
     "need_weights": "weights cannot be returned or recorded inside context_parallel",
@@ -140,7 +142,7 @@ def _llamas() -> list[dict]:
     return _ok(run_ranks(w.llamas, 2, [*EQUAL, "unsharded", "unsharded, short", "padding"], deadline=240))
 
 
-EQUAL = ["plain", "packed", "window", "window in the mask only"]
+EQUAL = ["plain", "packed", "window", "window in the mask only", "softcap"]
 
 
 @pytest.mark.parametrize("kind", EQUAL)
@@ -148,9 +150,12 @@ def test_a_transformers_llama_inside_equals_one_process(kind):
     """Llama with attnkit registered, position_ids cut with the tokens: the loss and the summed gradients equal one
     process's; with two packed documents a row (position_ids restarting at 0), equal to each document alone; a
     Mistral with a sliding window of 5 (over 20 positions), and a Qwen2-MoE whose window of 3 is only in the mask
-    transformers builds, equal to one process."""
+    transformers builds, equal to one process; a Gemma 2 (soft-capped scores, a window of 5 on its sliding
+    layers) too."""
     pytest.importorskip("transformers")
-    tolerance = 1e-5 if kind == "window in the mask only" else 1e-10  # float32 (grouped_mm has no float64)
+    # float32: the MoE's grouped_mm has no float64, and Gemma 2's RMSNorm computes in float32 whatever the model's
+    # dtype (its weights' gradients, summed over the ranks in another order, differ by ~1e-7 of their largest)
+    tolerance = 1e-5 if kind in ("window in the mask only", "softcap") else 1e-10
     for seen in _llamas():
         mine, alone = seen[kind]["loss"]
         assert abs(mine - alone) <= tolerance * abs(alone), seen[kind]

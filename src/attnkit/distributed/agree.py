@@ -36,6 +36,7 @@ class Request(NamedTuple):
     scale: float | None
     layout: str
     mask_mod: mods.MaskFn | None = None
+    score_mod: mods.ScoreFn | None = None
 
 
 # --- agreeing before the first exchange --------------------------------------------------------------------
@@ -56,6 +57,7 @@ _FIELDS = (
     "lens",
     "grad",
     "mask_mod",
+    "score_mod",
 )
 _AGREED = {
     "B": "the batch size",
@@ -70,6 +72,7 @@ _AGREED = {
     "lens": "valid_lens",
     "grad": "whether gradients are needed",
     "mask_mod": "the mask_mod",
+    "score_mod": "the score_mod",
 }
 
 
@@ -81,6 +84,7 @@ def agree(ring: comm.Ring, request: Request, timeout: float | timedelta | None, 
     rank's call (:class:`RingMultiHeadAttention`'s), raised as a ``ValueError`` in the same way.
     """
     q, valid_lens, is_causal, mask_mod = request.q, request.valid_lens, request.is_causal, request.mask_mod
+    score_mod = request.score_mod
     error: Exception | None = None
     mine: dict[str, int] | None = None
     wait = comm.DEFAULT_TIMEOUT
@@ -106,11 +110,12 @@ def agree(ring: comm.Ring, request: Request, timeout: float | timedelta | None, 
         for field, what in _AGREED.items():
             if other[field] != mine[field]:
                 hint = ""
-                if field == "mask_mod":
-                    hint = " (a mask_mod sees whole-sequence positions: give every rank the same one)"
+                if field in ("mask_mod", "score_mod"):
+                    hint = f" (a {field} sees whole-sequence positions: give every rank the same one)"
+                mod = score_mod if field == "score_mod" else mask_mod
                 raise ValueError(
                     f"ring_attention: rank {r} and rank {ring.rank} disagree on {what}: rank {r} has "
-                    f"{_show(field, other)}, rank {ring.rank} has {_show(field, mine, valid_lens, mask_mod)}{hint}"
+                    f"{_show(field, other)}, rank {ring.rank} has {_show(field, mine, valid_lens, mod)}{hint}"
                 )
     num_queries = sum(t["Lq_r"] for t in theirs)
     num_keys = sum(t["Lk_r"] for t in theirs)
@@ -134,20 +139,15 @@ def agree(ring: comm.Ring, request: Request, timeout: float | timedelta | None, 
     if valid_lens is not None:
         lens = as_lengths(valid_lens, "valid_lens", num_keys)  # now that Lk is known: at most Lk
         key_limit = int(lens.max()) if lens.numel() else 0
-    bound = None
-    if mask_mod is not None:  # every rank agreed on its digest, so every rank binds it alike (or raises alike)
+    bound: list = []
+    for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+        # every rank agreed on its digest, so every rank binds it alike (or raises alike)
         try:
-            bound = mods.bind(
-                mask_mod,
-                batch=mine["B"],
-                heads=mine["H"],
-                num_queries=num_queries,
-                num_keys=num_keys,
-                device=q.device,
-            )
+            sizes = {"batch": mine["B"], "heads": mine["H"], "num_queries": num_queries, "num_keys": num_keys}
+            bound.append(None if mod is None else mods.bind(mod, **sizes, device=q.device))
         except ValueError as e:
             raise ValueError(
-                f"ring_attention on rank {ring.rank}: {e} (a mask_mod sees the whole sequence, {num_queries} "
+                f"ring_attention on rank {ring.rank}: {e} (a {name} sees the whole sequence, {num_queries} "
                 f"queries and {num_keys} keys, not one rank's shard)"
             ) from e
     return Plan(
@@ -161,7 +161,8 @@ def agree(ring: comm.Ring, request: Request, timeout: float | timedelta | None, 
         key_limit=key_limit,
         scale=_from_bits(mine["scale"]),
         block=chunked.current_settings().block_size,
-        mask_mod=bound,
+        mask_mod=bound[0],
+        score_mod=bound[1],
         batch=mine["B"],
         heads=mine["H"],
     )
@@ -169,7 +170,7 @@ def agree(ring: comm.Ring, request: Request, timeout: float | timedelta | None, 
 
 def _describe(request: Request) -> dict[str, int]:
     """This rank's call as integers, after the checks that need no other rank."""
-    q, k, v, valid_lens, is_causal, scale, layout, mask_mod = request
+    q, k, v, valid_lens, is_causal, scale, layout, mask_mod, score_mod = request
     if check_qkv(q, k, v):
         raise ValueError(
             f"ring_attention takes (B, H, L_r, D) inputs, got 3 dims: q {tuple(q.shape)}, k {tuple(k.shape)}, "
@@ -190,11 +191,12 @@ def _describe(request: Request) -> dict[str, int]:
             )
         lens = as_lengths(valid_lens, "valid_lens", 2**62, q.device)  # the upper bound is checked once Lk is known
         lens_hash = hash(tuple(lens.tolist()))  # the same tensor on every rank: compare a digest, not B values
-    mods.check_callable("mask_mod", mask_mod)
-    if isinstance(mask_mod, mods.MaskMod):
-        for t in mask_mod.tensors():
-            if t.device != q.device:
-                raise ValueError(f"mask_mod {_mod_name(mask_mod)} holds a tensor on {t.device}, but q is on {q.device}")
+    for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+        mods.check_callable(name, mod)
+        if isinstance(mod, (mods.MaskMod, mods.ScoreMod)):
+            for t in mod.tensors():
+                if t.device != q.device:
+                    raise ValueError(f"{name} {_mod_name(mod)} holds a tensor on {t.device}, but q is on {q.device}")
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return {
         "B": B,
@@ -211,18 +213,19 @@ def _describe(request: Request) -> dict[str, int]:
         "lens": lens_hash,
         "grad": int(needs_grad),
         "mask_mod": _mod_digest(mask_mod),
+        "score_mod": _mod_digest(score_mod),
     }
 
 
-def _mod_digest(mask_mod: mods.MaskFn | None) -> int:
-    """0: no mask_mod; 1: a function of the caller's (nothing to compare across processes); else a checksum of a
-    built-in's kind, numbers and tensors (shapes and values), the same in every process."""
-    if mask_mod is None:
+def _mod_digest(mod: mods.MaskFn | mods.ScoreFn | None) -> int:
+    """0: no mask_mod (score_mod); 1: a function of the caller's (nothing to compare across processes); else a
+    checksum of a built-in's kind, numbers and tensors (shapes and values), the same in every process."""
+    if mod is None:
         return 0
-    if not isinstance(mask_mod, mods.MaskMod):
+    if not isinstance(mod, (mods.MaskMod, mods.ScoreMod)):
         return 1
-    sums = [_checksum(t) for t in mask_mod.tensors()]
-    return 2 + zlib.crc32(f"{_mod_name(mask_mod)} {sums}".encode())
+    sums = [_checksum(t) for t in mod.tensors()]
+    return 2 + zlib.crc32(f"{_mod_name(mod)} {sums}".encode())
 
 
 def _checksum(t: Tensor) -> int:
@@ -235,13 +238,13 @@ def _checksum(t: Tensor) -> int:
     return int((x * weights).sum())
 
 
-def _mod_name(mask_mod: mods.MaskFn) -> str:
+def _mod_name(mod: mods.MaskFn | mods.ScoreFn) -> str:
     """A built-in as the user would write it, tensors by their shapes: ``sliding_window(window=4)``."""
-    if not dataclasses.is_dataclass(mask_mod):
-        return getattr(mask_mod, "__name__", type(mask_mod).__name__)
-    name, parts = type(mask_mod).__name__, []
-    for field in dataclasses.fields(mask_mod):
-        value = getattr(mask_mod, field.name)
+    if not dataclasses.is_dataclass(mod):
+        return getattr(mod, "__name__", type(mod).__name__)
+    name, parts = type(mod).__name__, []
+    for field in dataclasses.fields(mod):
+        value = getattr(mod, field.name)
         if field.name == "offset" or value is None:
             continue
         if field.name == "every_one":  # and_masks / or_masks
@@ -255,9 +258,9 @@ def _mod_name(mask_mod: mods.MaskFn) -> str:
     return f"{name}({', '.join(parts)})"
 
 
-def _show(field: str, f: dict[str, int], valid_lens: Tensor | None = None, mask_mod: mods.MaskFn | None = None) -> str:
+def _show(field: str, f: dict[str, int], valid_lens: Tensor | None = None, mod: object = None) -> str:
     """One rank's value of ``field``, as the user would write it (only a digest of another rank's
-    ``valid_lens`` and ``mask_mod`` travels: this rank's own are shown when given)."""
+    ``valid_lens``, ``mask_mod`` and ``score_mod`` travels: this rank's own are shown when given, ``mod``)."""
     if field in ("B", "H", "Hkv", "D", "Dv"):
         return f"q {(f['B'], f['H'], f['Lq_r'], f['D'])}, k {(f['B'], f['Hkv'], f['Lk_r'], f['D'])}, v " + str(
             (f["B"], f["Hkv"], f["Lk_r"], f["Dv"])
@@ -270,10 +273,10 @@ def _show(field: str, f: dict[str, int], valid_lens: Tensor | None = None, mask_
         return repr(_from_bits(f["scale"]))
     if field == "is_causal" or field == "grad":
         return str(bool(f[field]))
-    if field == "mask_mod":
+    if field in ("mask_mod", "score_mod"):
         if f[field] < 2:
-            return ("no mask_mod", "a mask_mod function")[f[field]]
-        return "another built-in mask_mod" if mask_mod is None else _mod_name(mask_mod)
+            return (f"no {field}", f"a {field} function")[f[field]]
+        return f"another built-in {field}" if mod is None else _mod_name(mod)  # type: ignore[arg-type]
     if f["lens"] == 0:
         return "no valid_lens"
     return "other values" if valid_lens is None else short(valid_lens)

@@ -16,8 +16,10 @@ The buffers are cut in place (each made to point at its shard: a view's base is 
 layout (PyTorch's default head-tail balancing, which evens causal work; :mod:`attnkit.distributed.sequence`) and
 put back on exit. Masks are given in whole-sequence positions, as on one
 process: ``is_causal``, ``valid_lens (B,)``, a ``mask_mod`` (sliding windows, ``document(ids)`` with the whole
-sequence's ids). What a shard cannot say (a dense ``attn_mask`` of shard positions, a ``score_mod``, sinks,
-additive scoring, dropout on the weights, a KV cache, recorded weights) is refused, on every rank at once.
+sequence's ids) and a ``score_mod`` (softcap, ALiBi, a function of the caller's: positions in the whole sequence;
+one that reads tensors needing a gradient is refused). What a shard cannot say (a dense ``attn_mask`` of shard
+positions, sinks, additive scoring, dropout on the weights, a KV cache, recorded weights) is refused, on every
+rank at once.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from attnkit import _split, dispatch
 from attnkit._checks import describe
 from attnkit.distributed import comm
 from attnkit.distributed.agree import Request, agree
-from attnkit.distributed.ring import RingAttention
+from attnkit.distributed.ring import RingAttention, score_mod_refusal
 from attnkit.distributed.sequence import gather_sequence, segments, shard_sequence
 from attnkit.functional import AttendResult, Masks
 from attnkit.recording import is_recording
@@ -131,7 +133,9 @@ class _Ring:
         three_d = all(isinstance(t, Tensor) and t.dim() == 3 for t in (q, k, v))
         if three_d:
             q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L_r, D)
-        request = Request(q, k, v, masks.valid_lens, masks.is_causal, options["scale"], LAYOUT, masks.mask_mod)
+        request = Request(
+            q, k, v, masks.valid_lens, masks.is_causal, options["scale"], LAYOUT, masks.mask_mod, masks.score_mod
+        )
         plan = agree(self.ring, request, self.timeout, refused=refused)
         dispatch.ran_elsewhere("ring")
         out = RingAttention.apply(q, k, v, plan)  # (B, H, L_r, Dv)
@@ -189,8 +193,8 @@ def _refusal(
             "one shard's positions cannot say which whole-sequence positions meet; use is_causal, valid_lens (B,) "
             "and a mask_mod, in whole-sequence positions"
         )
-    if masks.score_mod is not None:
-        return f"a score_mod cannot run {where}: ring attention takes is_causal, valid_lens and a mask_mod"
+    if masks.score_mod is not None and (why := score_mod_refusal(masks.score_mod, q)) is not None:
+        return f"{why} {where}"
     if sinks is not None:
         return f"attention sinks cannot run {where}"
     if dropout_p > 0:

@@ -38,7 +38,8 @@ class Plan:
     scale: float
     block: int  # keys scored at a time inside a block
     mask_mod: mods.MaskFn | None = None  # a built-in bound to the whole lengths; q_idx, kv_idx global positions
-    batch: int = 1  # B and H: the mask_mod's b and h
+    score_mod: mods.ScoreFn | None = None  # the same; it reads no tensor that needs a gradient
+    batch: int = 1  # B and H: the mask_mod's and score_mod's b and h
     heads: int = 1
 
     @property

@@ -22,6 +22,9 @@ gets ``q_idx`` in ``[0, Lq)`` and ``kv_idx`` in ``[0, Lk)``, wherever the positi
 takes the whole sequence's ``(B, L)`` ids, the same tensor on every rank, and a built-in is aligned to the whole
 lengths (bottom right, as :func:`attnkit.scaled_dot_product_attention`).
 
+A ``score_mod`` (``softcap``, ``alibi``, a function of the caller's) also sees whole-sequence ``q_idx`` and
+``kv_idx``; the ring takes no gradient of what it reads, so one that reads a tensor needing a gradient is refused.
+
 Only (query, key) pairs that the masks may allow are scored. A step whose queries and keys the masks keep apart
 (a causal block above the diagonal, a sliding window's far blocks, another document) is skipped whole: a built-in
 says so from position ranges alone (:meth:`attnkit.mods.MaskMod.tiles`). Inside a step, the chunked backend's
@@ -41,13 +44,14 @@ This module holds the ring math and its autograd; the ranks agree on the call be
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit.backends.common import repeat_kv
+from attnkit.backends.common import probe, repeat_kv
 from attnkit.backends.online import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads, key_blocks
 from attnkit.distributed import comm
 from attnkit.distributed.agree import Request, agree
@@ -55,7 +59,7 @@ from attnkit.distributed.plan import Plan, StepMask, seen_keys, step_span
 from attnkit.distributed.sequence import length, positions
 from attnkit.masks import compute_dtype
 
-__all__ = ["RingAttention", "ring_attention"]
+__all__ = ["RingAttention", "ring_attention", "score_mod_refusal"]
 
 # B batch, H heads, Hkv key/value heads, D head dim, Dv value head dim, W ranks
 # Lq/Lk whole-sequence lengths, Lq_r/Lk_r the positions this rank holds, Lb the key positions of one block
@@ -75,8 +79,9 @@ def ring_attention(
     layout: str = "contiguous",
     timeout: float | timedelta | None = None,
     mask_mod: mods.MaskFn | None = None,
+    score_mod: mods.ScoreFn | None = None,
 ) -> Tensor:
-    """This rank's shard of ``softmax(q k^T * scale, masked) v`` over the whole sequence.
+    """This rank's shard of ``softmax(score_mod(q k^T * scale), masked) v`` over the whole sequence.
 
     Every rank of ``group`` calls it at the same time with its own shard; the shards are the pieces that
     :func:`~attnkit.distributed.shard_sequence` with the same ``layout`` gives (any ``L >= W``; when ``W`` does
@@ -101,6 +106,9 @@ def ring_attention(
             sliding window of ``w`` scores on the order of ``L * w`` pairs, not ``L^2 / 2``); ``document(ids)``
             takes the whole sequence's ``(B, L)`` ids. The same mask_mod on every rank (built-ins are compared; a
             function cannot be).
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (:mod:`attnkit.mods`: ``softcap``,
+            ``alibi``, or a function of the caller's), with ``q_idx``, ``kv_idx`` *global* positions. The same on
+            every rank; one that reads a tensor needing a gradient is refused (the ring takes no gradient of it).
 
     Returns:
         ``(B, H, Lq_r, Dv)`` in the dtype of ``q``; differentiable in ``q, k, v`` (the backward pass runs the
@@ -124,8 +132,11 @@ def ring_attention(
             mask_mod = mods.and_masks(mods.document(ids), mods.sliding_window(4096))
             out = ring_attention(q, k, v, is_causal=True, layout="zigzag", mask_mod=mask_mod)
     """
-    request = Request(q, k, v, valid_lens, is_causal, scale, layout, mask_mod)
-    plan = agree(comm.Ring(group), request, timeout, refused=None)
+    request = Request(q, k, v, valid_lens, is_causal, scale, layout, mask_mod, score_mod)
+    refused = None
+    if score_mod is not None and isinstance(q, Tensor) and callable(score_mod):
+        refused = score_mod_refusal(score_mod, q)
+    plan = agree(comm.Ring(group), request, timeout, refused=refused)
     return RingAttention.apply(q, k, v, plan)
 
 
@@ -259,7 +270,7 @@ def _forward_block(state: RunningSoftmax, q: Tensor, kv: Tensor, src: int, plan:
     kb, vb = _split(kv, q, c0, c1)  # (B, H, Lb', D), (B, H, Lb', Dv)
     mask = StepMask(plan, plan.q_ranges[plan.ring.rank], plan.k_ranges[src], (r0, r1), (c0, c1), q.device)
     spans = key_blocks(mask, r1 - r0, (0, c1 - c0), plan.block)
-    accumulate(state.rows(r0, r1), q[:, :, r0:r1], kb, vb, mask, Scorer(None, plan.scale), spans)
+    accumulate(state.rows(r0, r1), q[:, :, r0:r1], kb, vb, mask, _scorer(plan, mask), spans)
 
 
 def _backward_block(
@@ -294,7 +305,7 @@ def _backward_block(
         kb,
         vb,
         mask,
-        Scorer(None, plan.scale),
+        _scorer(plan, mask),
         spans,
         lse[:, :, rows],
         dout[:, :, rows],
@@ -303,6 +314,50 @@ def _backward_block(
     if Hkv != H:
         part[:, :, c0:c1, :D] += dk.unflatten(1, (Hkv, H // Hkv)).sum(dim=2)  # (B, Hkv, Lb', D)
         part[:, :, c0:c1, D:] += dv.unflatten(1, (Hkv, H // Hkv)).sum(dim=2)  # (B, Hkv, Lb', Dv)
+
+
+@dataclass(frozen=True)
+class _StepScorer(Scorer):
+    """A :class:`Scorer` whose score_mod sees whole-sequence positions: this step's query and key positions."""
+
+    q_pos: Tensor | None = None  # (Lq',): the whole-sequence position of each of the step's query rows
+    k_pos: Tensor | None = None  # (Lb',): the same for its keys
+
+    def indices(self, rows: tuple[int, int], cols: tuple[int, int], device: torch.device) -> tuple[Tensor, ...]:
+        assert self.q_pos is not None and self.k_pos is not None
+        b, h, _, _ = mods.indices(self.batch, self.heads, (0, 0), (0, 0), device)  # (B, 1, 1, 1), (1, H, 1, 1)
+        q_idx = self.q_pos[rows[0] : rows[1]].view(1, 1, -1, 1)  # (1, 1, n, 1)
+        kv_idx = self.k_pos[cols[0] : cols[1]].view(1, 1, 1, -1)  # (1, 1, 1, m)
+        return b, h, q_idx, kv_idx
+
+
+def _scorer(plan: Plan, mask: StepMask) -> Scorer:
+    """How a step scores: ``scale * q . k``, then the agreed score_mod at whole-sequence positions."""
+    if plan.score_mod is None:
+        return Scorer(None, plan.scale)
+    return _StepScorer(
+        None, plan.scale, plan.score_mod, plan.batch, plan.heads, None, mask.queries.view(-1), mask.keys.view(-1)
+    )
+
+
+def score_mod_refusal(score_mod: mods.ScoreFn, q: Tensor) -> str | None:
+    """Why the ring cannot run ``score_mod``, or ``None``: the ring takes no gradient of what a score_mod reads (a
+    bias table that is a parameter), so one that reads a tensor needing a gradient is refused while gradients are
+    on."""
+    if not torch.is_grad_enabled():
+        return None
+    try:
+        read: list[Tensor] = mods.read_tensors(score_mod)
+    except mods.Uninspectable:
+        read = []  # what running it once shows is all that is known
+    needing = mods.grad_inputs(score_mod, probe(q.dtype, q.device), read)
+    if needing:
+        shapes = ", ".join(str(tuple(t.shape)) for t in needing)
+        return (
+            f"a score_mod that reads tensors needing a gradient (of shapes {shapes}) cannot run: the ring takes no "
+            "gradient of them (detach them, or leave the score_mod out)"
+        )
+    return None
 
 
 def _split(kv: Tensor, q: Tensor, c0: int, c1: int) -> tuple[Tensor, Tensor]:
