@@ -179,6 +179,7 @@ def refusals(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         "attn_mask on rank 0": lambda: mha(x, x, x, attn_mask=torch.ones(4, 4, dtype=torch.bool) if first else None),
         "a score_mod reading a table that needs a gradient": lambda: mha(x, x, x, score_mod=_with_table),
         "score_mod differs": lambda: mha(x, x, x, score_mod=mods.softcap(5.0 if first else 4.0)),
+        "score_mod functions differ": lambda: mha(x, x, x, score_mod=_distance_bonus if first else _with_table_fixed),
         "record_weights on rank 0": lambda: _recorded(mha, x, first),
         "dropout": lambda: attnkit.scaled_dot_product_attention(x, x, x, dropout_p=0.5),
         "need_weights": lambda: attnkit.scaled_dot_product_attention(x, x, x, need_weights=True),
@@ -207,6 +208,10 @@ _TABLE = torch.zeros(2, requires_grad=True)  # (H,): a bias per head, a paramete
 
 def _with_table(score: torch.Tensor, b, h, q_idx, kv_idx) -> torch.Tensor:  # noqa: ANN001
     return score + _TABLE[h]
+
+
+def _with_table_fixed(score: torch.Tensor, b, h, q_idx, kv_idx) -> torch.Tensor:  # noqa: ANN001
+    return score + _TABLE.detach()[h]
 
 
 def _recorded(mha: nn.Module, x: torch.Tensor, record: bool) -> None:
@@ -372,9 +377,58 @@ def llama(rank: int, world_size: int, kind: str) -> dict[str, object]:
     return seen
 
 
+class _Biased(nn.Module):
+    """A module whose score_mod reads a frozen buffer, beside parameters it does not read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)  # parameters: need a gradient, never read by the score_mod
+        self.register_buffer("rel", torch.tensor([0.5, -0.25]))
+
+    def score(self, score: torch.Tensor, b, h, q_idx, kv_idx) -> torch.Tensor:  # noqa: ANN001
+        return score + self.rel[h]
+
+
+def score_mods(rank: int, world_size: int) -> dict[str, object]:
+    """score_mods whose result needs no gradient, inside context_parallel against one process (float64): the
+    largest gap of the outputs and the input gradients, or the error."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    module = _Biased().double()
+    table = torch.tensor([0.5, -0.25], dtype=torch.double, requires_grad=True)
+    tries = {
+        "a module's method": (module.score, False),
+        "a closure over a module": (lambda s, b, h, qi, ki: s + module.rel[h], False),
+        "a detached table": (lambda s, b, h, qi, ki: s + table.detach()[h], False),
+        "a table under no_grad": (lambda s, b, h, qi, ki: s + table[h], True),
+    }
+    x = torch.randn(1, 2, 8, 4, dtype=torch.double)  # (B, H, L, D)
+    seen: dict[str, object] = {}
+    for name, (fn, no_grad) in tries.items():
+        try:
+            xw = x.clone().requires_grad_(not no_grad)
+            with torch.set_grad_enabled(not no_grad):
+                ref = attnkit.scaled_dot_product_attention(xw, xw, xw, is_causal=True, score_mod=fn).output
+            grads = None if no_grad else torch.autograd.grad(ref.square().sum(), xw)[0]
+            xs = x.clone()
+            with context_parallel(mesh, buffers=[xs], buffer_seq_dims=[2]):
+                xr = xs.clone().requires_grad_(not no_grad)
+                with torch.set_grad_enabled(not no_grad):
+                    out = attnkit.scaled_dot_product_attention(xr, xr, xr, is_causal=True, score_mod=fn).output
+                gap = _gap(gather_sequence(out.detach(), layout=LAYOUT, dim=2), ref)
+                if grads is not None:
+                    mine = torch.autograd.grad(out.square().sum(), xr)[0]
+                    gap = max(gap, _gap(gather_sequence(mine, layout=LAYOUT, dim=2), grads))
+            seen[name] = gap
+        except Exception as e:  # noqa: BLE001 - reported
+            seen[name] = f"{type(e).__name__}: {e}"
+    return seen
+
+
 def edges(rank: int, world_size: int) -> dict[str, dict]:
-    """:func:`buffers`, :func:`mistakes` and :func:`refusals` in one group (one start of the processes)."""
-    return {f.__name__: f(rank, world_size) for f in (buffers, mistakes, refusals)}
+    """:func:`buffers`, :func:`mistakes`, :func:`refusals` and :func:`score_mods` in one group (one start of the
+    processes)."""
+    return {f.__name__: f(rank, world_size) for f in (buffers, mistakes, refusals, score_mods)}
 
 
 def llamas(rank: int, world_size: int, kinds: list[str]) -> dict[str, dict]:

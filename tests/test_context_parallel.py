@@ -96,9 +96,11 @@ def test_mistakes_are_errors_that_name_the_argument(what):
 
 REFUSALS = {
     "attn_mask on rank 0": "attn_mask cannot be given inside context_parallel (got a tensor of shape (4, 4))",
-    "a score_mod reading a table that needs a gradient": "a score_mod that reads tensors needing a gradient (of shapes "
-    "(2,)) cannot run: the ring takes no gradient of them",
+    "a score_mod reading a table that needs a gradient": "ring attention takes no gradient of what a score_mod reads, "
+    "and this one reads tensors needing a gradient (of shapes (2,))",
     "score_mod differs": "(a score_mod sees whole-sequence positions: give every rank the same one)",
+    # two functions of the caller's: told apart by their names and code
+    "score_mod functions differ": "disagree on the score_mod",
     "record_weights on rank 0": "weights cannot be returned or recorded inside context_parallel",
     "dropout": "dropout on the weights cannot run inside context_parallel, got dropout_p=0.5",
     "need_weights": "weights cannot be returned or recorded inside context_parallel",
@@ -180,6 +182,16 @@ def test_a_transformers_mask_the_ring_cannot_honour_is_an_error_on_every_rank(ki
         assert error_kind == "ValueError"
         assert words in message or "rank 0 rejected its inputs" in message, (rank, message)
     assert words in _llamas()[0][kind]["error"][1]
+
+
+def test_score_mods_whose_result_needs_no_gradient_run():
+    """Only a score_mod whose result depends on a tensor needing a gradient is refused: one holding a module whose
+    parameters it does not read (a frozen buffer instead), one closing over such a module, one reading a detached
+    table, and one reading a table under torch.no_grad all run, and equal one process."""
+    for seen in _edges():
+        for name, gap in seen["score_mods"].items():
+            assert isinstance(gap, float) and gap < 1e-12, (name, gap)
+        assert len(seen["score_mods"]) == 4
 
 
 def test_a_dead_rank_inside_is_a_ring_error_naming_the_step():

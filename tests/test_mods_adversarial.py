@@ -230,3 +230,19 @@ def test_a_score_mod_whose_result_needs_no_gradient_trains(backend):
         ).output
         (grads[name],) = torch.autograd.grad(out.square().sum(), q)
     assert max_err(grads[backend], grads["reference"]) <= 1e-10
+
+
+@pytest.mark.parametrize("backend", ["chunked", "auto"])
+def test_a_score_mod_that_writes_into_its_scores_trains_as_the_reference(backend):
+    """``score.mul_(0.5)``: the reference runs it; the chunked backward gave it a leaf and failed ("a leaf Variable
+    that requires grad is being used in an in-place operation"). It now works on a copy."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    grads = {}
+    for name in (backend, "reference"):
+        out = attnkit.scaled_dot_product_attention(
+            q, k, v, is_causal=True, score_mod=lambda s, b, h, q_idx, kv_idx: s.mul_(0.5), backend=name
+        ).output
+        grads[name] = torch.autograd.grad(out.square().sum(), (q, k, v))
+    for mine, want in zip(grads[backend], grads["reference"], strict=True):
+        assert max_err(mine, want) <= 1e-10

@@ -242,7 +242,10 @@ def accumulate_grads(
         if scorer.score_mod is not None:
             with torch.enable_grad():  # the score_mod's own graph, to take its gradient through
                 raw = raw.detach().requires_grad_()
-                modded = mods.evaluate_score(scorer.score_mod, raw, *scorer.indices((r0, r1), (j0, j1), q.device))
+                # a copy to modify: a score_mod may write into its input (the reference allows it), not into a leaf
+                modded = mods.evaluate_score(
+                    scorer.score_mod, raw.clone(), *scorer.indices((r0, r1), (j0, j1), q.device)
+                )  # (B, H, n, blk)
             s = modded.detach().clone()  # (B, H, n, blk), written to below
         else:
             s = raw

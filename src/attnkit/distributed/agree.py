@@ -8,7 +8,7 @@ import dataclasses
 import struct
 import zlib
 from datetime import timedelta
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -16,6 +16,7 @@ from torch import Tensor
 from attnkit import mods
 from attnkit._checks import as_lengths, check_qkv, check_scale, short
 from attnkit.backends import chunked
+from attnkit.backends.common import probe
 from attnkit.distributed import comm
 from attnkit.distributed.plan import Plan
 from attnkit.distributed.sequence import LAYOUTS, check_layout, length, segments
@@ -139,17 +140,9 @@ def agree(ring: comm.Ring, request: Request, timeout: float | timedelta | None, 
     if valid_lens is not None:
         lens = as_lengths(valid_lens, "valid_lens", num_keys)  # now that Lk is known: at most Lk
         key_limit = int(lens.max()) if lens.numel() else 0
-    bound: list = []
-    for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
-        # every rank agreed on its digest, so every rank binds it alike (or raises alike)
-        try:
-            sizes = {"batch": mine["B"], "heads": mine["H"], "num_queries": num_queries, "num_keys": num_keys}
-            bound.append(None if mod is None else mods.bind(mod, **sizes, device=q.device))
-        except ValueError as e:
-            raise ValueError(
-                f"ring_attention on rank {ring.rank}: {e} (a {name} sees the whole sequence, {num_queries} "
-                f"queries and {num_keys} keys, not one rank's shard)"
-            ) from e
+    sizes = {"batch": mine["B"], "heads": mine["H"], "num_queries": num_queries, "num_keys": num_keys}
+    bound_mask = _bound("mask_mod", mask_mod, sizes, ring.rank, q.device)
+    bound_score = _bound("score_mod", score_mod, sizes, ring.rank, q.device)
     return Plan(
         ring=ring,
         timeout=wait,
@@ -161,11 +154,26 @@ def agree(ring: comm.Ring, request: Request, timeout: float | timedelta | None, 
         key_limit=key_limit,
         scale=_from_bits(mine["scale"]),
         block=chunked.current_settings().block_size,
-        mask_mod=bound[0],
-        score_mod=bound[1],
+        mask_mod=bound_mask,
+        score_mod=bound_score,
+        score_protected=None if score_mod is None else mods.protected_storages(score_mod),
         batch=mine["B"],
         heads=mine["H"],
     )
+
+
+def _bound(name: str, mod: Any, sizes: dict[str, int], rank: int, device: torch.device) -> Any:
+    """A built-in mask_mod or score_mod bound to the whole lengths (every rank agreed on its digest, so every rank
+    binds it alike, or raises alike); a function as it is."""
+    if mod is None:
+        return None
+    try:
+        return mods.bind(mod, **sizes, device=device)
+    except ValueError as e:
+        raise ValueError(
+            f"ring_attention on rank {rank}: {e} (a {name} sees the whole sequence, {sizes['num_queries']} queries "
+            f"and {sizes['num_keys']} keys, not one rank's shard)"
+        ) from e
 
 
 def _describe(request: Request) -> dict[str, int]:
@@ -191,6 +199,8 @@ def _describe(request: Request) -> dict[str, int]:
             )
         lens = as_lengths(valid_lens, "valid_lens", 2**62, q.device)  # the upper bound is checked once Lk is known
         lens_hash = hash(tuple(lens.tolist()))  # the same tensor on every rank: compare a digest, not B values
+    if score_mod is not None and callable(score_mod):
+        _check_score_mod(score_mod, q)
     for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
         mods.check_callable(name, mod)
         if isinstance(mod, (mods.MaskMod, mods.ScoreMod)):
@@ -217,15 +227,46 @@ def _describe(request: Request) -> dict[str, int]:
     }
 
 
+def _check_score_mod(score_mod: mods.ScoreFn, q: Tensor) -> None:
+    """The ring takes no gradient of what a score_mod reads (a bias table that is a parameter): while gradients are
+    on, one whose result depends on a tensor needing a gradient is refused. That is seen by running it once on a
+    probe and walking its result's graph; a function that does not run on the probe is judged by the tensors it
+    holds.
+
+    Raises:
+        ValueError: naming the shapes of those tensors.
+    """
+    if not torch.is_grad_enabled():
+        return
+    args = probe(q.dtype, q.device)
+    try:
+        with torch.enable_grad():
+            score_mod(*args)
+        needing = mods.grad_inputs(score_mod, args, ())  # the leaves its result depends on
+    except Exception:  # noqa: BLE001 - it runs on real blocks only: what it holds is all that is known
+        try:
+            needing = tuple(t for t in mods.read_tensors(score_mod) if t.requires_grad)
+        except mods.Uninspectable:
+            needing = ()
+    if needing:
+        shapes = ", ".join(str(tuple(t.shape)) for t in needing)
+        raise ValueError(
+            f"ring attention takes no gradient of what a score_mod reads, and this one reads tensors needing a "
+            f"gradient (of shapes {shapes}): detach them, or run it under torch.no_grad()"
+        )
+
+
 def _mod_digest(mod: mods.MaskFn | mods.ScoreFn | None) -> int:
-    """0: no mask_mod (score_mod); 1: a function of the caller's (nothing to compare across processes); else a
-    checksum of a built-in's kind, numbers and tensors (shapes and values), the same in every process."""
+    """0: no mask_mod (score_mod); an odd number for a function of the caller's (a checksum of its name and code:
+    what it closes over cannot be compared); an even one for a built-in (a checksum of its kind, numbers and
+    tensors, shapes and values), the same in every process."""
     if mod is None:
         return 0
-    if not isinstance(mod, (mods.MaskMod, mods.ScoreMod)):
-        return 1
+    if not isinstance(mod, (mods.MaskMod, mods.ScoreMod)):  # odd: its name and code (not what it closes over)
+        code = getattr(getattr(mod, "__code__", None), "co_code", b"")
+        return 2 * zlib.crc32(getattr(mod, "__qualname__", type(mod).__qualname__).encode() + code) + 1
     sums = [_checksum(t) for t in mod.tensors()]
-    return 2 + zlib.crc32(f"{_mod_name(mod)} {sums}".encode())
+    return 2 * (1 + zlib.crc32(f"{_mod_name(mod)} {sums}".encode()))  # even
 
 
 def _checksum(t: Tensor) -> int:
@@ -258,7 +299,9 @@ def _mod_name(mod: mods.MaskFn | mods.ScoreFn) -> str:
     return f"{name}({', '.join(parts)})"
 
 
-def _show(field: str, f: dict[str, int], valid_lens: Tensor | None = None, mod: object = None) -> str:
+def _show(
+    field: str, f: dict[str, int], valid_lens: Tensor | None = None, mod: mods.MaskFn | mods.ScoreFn | None = None
+) -> str:
     """One rank's value of ``field``, as the user would write it (only a digest of another rank's
     ``valid_lens``, ``mask_mod`` and ``score_mod`` travels: this rank's own are shown when given, ``mod``)."""
     if field in ("B", "H", "Hkv", "D", "Dv"):
@@ -274,9 +317,11 @@ def _show(field: str, f: dict[str, int], valid_lens: Tensor | None = None, mod: 
     if field == "is_causal" or field == "grad":
         return str(bool(f[field]))
     if field in ("mask_mod", "score_mod"):
-        if f[field] < 2:
-            return (f"no {field}", f"a {field} function")[f[field]]
-        return f"another built-in {field}" if mod is None else _mod_name(mod)  # type: ignore[arg-type]
+        if f[field] == 0:
+            return f"no {field}"
+        if mod is not None:
+            return _mod_name(mod)
+        return f"another {field} function" if f[field] % 2 else f"another built-in {field}"
     if f["lens"] == 0:
         return "no valid_lens"
     return "other values" if valid_lens is None else short(valid_lens)

@@ -37,7 +37,7 @@ from attnkit import _split, dispatch
 from attnkit._checks import describe
 from attnkit.distributed import comm
 from attnkit.distributed.agree import Request, agree
-from attnkit.distributed.ring import RingAttention, score_mod_refusal
+from attnkit.distributed.ring import RingAttention
 from attnkit.distributed.sequence import gather_sequence, segments, shard_sequence
 from attnkit.functional import AttendResult, Masks
 from attnkit.recording import is_recording
@@ -193,8 +193,6 @@ def _refusal(
             "one shard's positions cannot say which whole-sequence positions meet; use is_causal, valid_lens (B,) "
             "and a mask_mod, in whole-sequence positions"
         )
-    if masks.score_mod is not None and (why := score_mod_refusal(masks.score_mod, q)) is not None:
-        return f"{why} {where}"
     if sinks is not None:
         return f"attention sinks cannot run {where}"
     if dropout_p > 0:

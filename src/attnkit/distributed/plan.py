@@ -39,6 +39,7 @@ class Plan:
     block: int  # keys scored at a time inside a block
     mask_mod: mods.MaskFn | None = None  # a built-in bound to the whole lengths; q_idx, kv_idx global positions
     score_mod: mods.ScoreFn | None = None  # the same; it reads no tensor that needs a gradient
+    score_protected: frozenset[int] | None = frozenset()  # the memory it reads (mods.protected_storages)
     batch: int = 1  # B and H: the mask_mod's and score_mod's b and h
     heads: int = 1
 

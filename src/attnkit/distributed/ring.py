@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit.backends.common import probe, repeat_kv
+from attnkit.backends.common import repeat_kv
 from attnkit.backends.online import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads, key_blocks
 from attnkit.distributed import comm
 from attnkit.distributed.agree import Request, agree
@@ -59,7 +59,7 @@ from attnkit.distributed.plan import Plan, StepMask, seen_keys, step_span
 from attnkit.distributed.sequence import length, positions
 from attnkit.masks import compute_dtype
 
-__all__ = ["RingAttention", "ring_attention", "score_mod_refusal"]
+__all__ = ["RingAttention", "ring_attention"]
 
 # B batch, H heads, Hkv key/value heads, D head dim, Dv value head dim, W ranks
 # Lq/Lk whole-sequence lengths, Lq_r/Lk_r the positions this rank holds, Lb the key positions of one block
@@ -133,10 +133,7 @@ def ring_attention(
             out = ring_attention(q, k, v, is_causal=True, layout="zigzag", mask_mod=mask_mod)
     """
     request = Request(q, k, v, valid_lens, is_causal, scale, layout, mask_mod, score_mod)
-    refused = None
-    if score_mod is not None and isinstance(q, Tensor) and callable(score_mod):
-        refused = score_mod_refusal(score_mod, q)
-    plan = agree(comm.Ring(group), request, timeout, refused=refused)
+    plan = agree(comm.Ring(group), request, timeout, refused=None)
     return RingAttention.apply(q, k, v, plan)
 
 
@@ -159,7 +156,8 @@ class RingAttention(torch.autograd.Function):
         out, lse = state.result()  # (B, H, Lq_r, Dv), (B, H, Lq_r)
         # Rows that summed no key (a mask_mod may leave any row empty): exactly 0, as every allowed key adds a
         # positive weight to the normaliser; NaN (a live row's NaN query) is not 0 and stays live.
-        live_rows = None if plan.mask_mod is None else state.l != 0  # (B, H, Lq_r)
+        # rows a mask_mod or a score_mod's -inf hides from every key: dead, as rows past valid_lens
+        live_rows = None if plan.mask_mod is None and plan.score_mod is None else state.l != 0  # (B, H, Lq_r)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.live_keys, ctx.live_rows = plan, live_keys, live_rows
         return out.to(q.dtype)
@@ -316,15 +314,14 @@ def _backward_block(
         part[:, :, c0:c1, D:] += dv.unflatten(1, (Hkv, H // Hkv)).sum(dim=2)  # (B, Hkv, Lb', Dv)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _StepScorer(Scorer):
     """A :class:`Scorer` whose score_mod sees whole-sequence positions: this step's query and key positions."""
 
-    q_pos: Tensor | None = None  # (Lq',): the whole-sequence position of each of the step's query rows
-    k_pos: Tensor | None = None  # (Lb',): the same for its keys
+    q_pos: Tensor  # (Lq',): the whole-sequence position of each of the step's query rows
+    k_pos: Tensor  # (Lb',): the same for its keys
 
     def indices(self, rows: tuple[int, int], cols: tuple[int, int], device: torch.device) -> tuple[Tensor, ...]:
-        assert self.q_pos is not None and self.k_pos is not None
         b, h, _, _ = mods.indices(self.batch, self.heads, (0, 0), (0, 0), device)  # (B, 1, 1, 1), (1, H, 1, 1)
         q_idx = self.q_pos[rows[0] : rows[1]].view(1, 1, -1, 1)  # (1, 1, n, 1)
         kv_idx = self.k_pos[cols[0] : cols[1]].view(1, 1, 1, -1)  # (1, 1, 1, m)
@@ -336,28 +333,15 @@ def _scorer(plan: Plan, mask: StepMask) -> Scorer:
     if plan.score_mod is None:
         return Scorer(None, plan.scale)
     return _StepScorer(
-        None, plan.scale, plan.score_mod, plan.batch, plan.heads, None, mask.queries.view(-1), mask.keys.view(-1)
+        w_v=None,
+        scale=plan.scale,
+        score_mod=plan.score_mod,
+        batch=plan.batch,
+        heads=plan.heads,
+        protected=plan.score_protected,
+        q_pos=mask.queries.view(-1),
+        k_pos=mask.keys.view(-1),
     )
-
-
-def score_mod_refusal(score_mod: mods.ScoreFn, q: Tensor) -> str | None:
-    """Why the ring cannot run ``score_mod``, or ``None``: the ring takes no gradient of what a score_mod reads (a
-    bias table that is a parameter), so one that reads a tensor needing a gradient is refused while gradients are
-    on."""
-    if not torch.is_grad_enabled():
-        return None
-    try:
-        read: list[Tensor] = mods.read_tensors(score_mod)
-    except mods.Uninspectable:
-        read = []  # what running it once shows is all that is known
-    needing = mods.grad_inputs(score_mod, probe(q.dtype, q.device), read)
-    if needing:
-        shapes = ", ".join(str(tuple(t.shape)) for t in needing)
-        return (
-            f"a score_mod that reads tensors needing a gradient (of shapes {shapes}) cannot run: the ring takes no "
-            "gradient of them (detach them, or leave the score_mod out)"
-        )
-    return None
 
 
 def _split(kv: Tensor, q: Tensor, c0: int, c1: int) -> tuple[Tensor, Tensor]:
