@@ -31,7 +31,7 @@ from torch import Tensor
 from attnkit import mods
 from attnkit._checks import as_lengths, describe
 
-__all__ = ["Packed", "document_ids", "pack", "unpack"]
+__all__ = ["Packed", "pack", "unpack"]
 
 # B batch, L padded length, N real tokens (sum of valid_lens), F... feature dims
 
@@ -98,40 +98,3 @@ def unpack(data: Tensor, packed: Packed) -> Tensor:
     keep = torch.arange(L, device=tokens.device) < lengths[:, None]  # (B, L)
     out = tokens.new_zeros((B, L, *tokens.shape[1:]))  # (B, L, F...)
     return out.index_put((keep,), tokens)  # (B, L, F...)
-
-
-def document_ids(position_ids: Tensor) -> Tensor | None:
-    """Each token's document in packed rows, from their position ids (the convention of Hugging Face's packed
-    batches: a document starts where the positions restart at 0, and counts 0, 1, 2, ... after).
-
-    Args:
-        position_ids: ``(B, L)`` whole numbers.
-
-    Returns:
-        ``(B, L)`` int64 document ids counting from 0 in each row, or ``None`` where every row is one document.
-
-    Raises:
-        ValueError: a row that does not start at 0 or does not count up by one within a document (the message
-            shows where), or a tensor that is not ``(B, L)`` whole numbers.
-
-    Example:
-        >>> document_ids(torch.tensor([[0, 1, 2, 0, 1, 0]]))
-        tensor([[0, 0, 0, 1, 1, 2]])
-    """
-    if not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.is_floating_point():
-        raise ValueError(f"position_ids must be a (B, L) tensor of whole numbers, got {describe(position_ids)}")
-    starts = position_ids == 0  # (B, L)
-    follows = torch.zeros_like(starts)  # (B, L): a position one past the one before it
-    follows[:, 1:] = position_ids[:, 1:] == position_ids[:, :-1] + 1
-    bad = ~(starts | follows)  # (B, L)
-    bad[:, 0] |= ~starts[:, 0]
-    if bool(bad.any()):
-        b, i = (int(x) for x in bad.nonzero()[0])
-        shown = position_ids[b, max(0, i - 3) : i + 4].tolist()
-        raise ValueError(
-            f"position_ids must start each document at 0 and count up by one, but row {b} has "
-            f"{int(position_ids[b, i])} at position {i} (positions {max(0, i - 3)}.. are {shown})"
-        )
-    if not bool(starts[:, 1:].any()):
-        return None
-    return starts.long().cumsum(-1) - 1  # (B, L)
