@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from attnkit._checked import checked, value_check
+
 # B batch, Lq query length, n number of blocks
 
 # The seeds torch.manual_seed accepts; a negative one means seed + 2**64.
@@ -90,6 +92,15 @@ def as_lengths(
     check_device(name, valid_lens, device)
     if valid_lens.numel() == 0:
         return valid_lens.long()
+    if torch.compiler.is_compiling():  # the values are checked where they are, each time the compiled code runs
+        return checked(valid_lens, "lengths", name, num_keys, what, keep=valid_lens.long())
+    _length_values(valid_lens, name, num_keys, what)
+    return valid_lens.long()
+
+
+@value_check("lengths")
+def _length_values(valid_lens: Tensor, name: str, num_keys: int, what: str) -> None:
+    """The values of :func:`as_lengths`'s lengths: whole numbers in ``[0, num_keys]``."""
     if valid_lens.is_floating_point():
         # One reduction (one host sync) for all three checks keeps small calls cheap.
         whole = valid_lens == valid_lens.round()
@@ -101,7 +112,6 @@ def as_lengths(
         raise ValueError(f"{name} must not be negative, got {lo.item()} in {short(valid_lens)}")
     if hi > num_keys:
         raise ValueError(f"{name} may be at most {what} ({num_keys}), got {hi.item()} in {short(valid_lens)}")
-    return valid_lens.long()
 
 
 def broadcasts(shape: Sequence[int], target: Sequence[int]) -> bool:
@@ -142,15 +152,18 @@ def check_qkv(
         if not t.is_floating_point():
             raise TypeError(f"{name} must be floating point, got dtype {t.dtype}")
     check_same_kind((nq, q), (nk, k), (nv, v))
-    shapes = f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}" + ("" if v is k else f", {nv} {tuple(v.shape)}")
+
+    def shapes() -> str:  # (made only for a message: under torch.compile, dynamo cannot join the strings)
+        return f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}" + ("" if v is k else f", {nv} {tuple(v.shape)}")
+
     if q.dim() not in (3, 4):
-        raise ValueError(f"{nq} must be (B, H, Lq, D) or (B, Lq, D), got {q.dim()} dims: {shapes}")
+        raise ValueError(f"{nq} must be (B, H, Lq, D) or (B, Lq, D), got {q.dim()} dims: {shapes()}")
     if k.dim() != q.dim() or v.dim() != q.dim():
         both = f"{nq} and {nk}" if v is k else f"{nq}, {nk} and {nv}"
-        raise ValueError(f"{both} must have the same number of dims: {shapes}")
+        raise ValueError(f"{both} must have the same number of dims: {shapes()}")
     if not q.shape[0] == k.shape[0] == v.shape[0]:
         also = "" if v is k else f", {nv} has {v.shape[0]}"
-        raise ValueError(f"batch sizes differ: {nq} has {q.shape[0]}, {nk} has {k.shape[0]}{also}: {shapes}")
+        raise ValueError(f"batch sizes differ: {nq} has {q.shape[0]}, {nk} has {k.shape[0]}{also}: {shapes()}")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(
             f"{nk} has {k.shape[-2]} positions but {nv} has {v.shape[-2]}: {nk} {tuple(k.shape)}, {nv} {tuple(v.shape)}"
@@ -161,16 +174,16 @@ def check_qkv(
             f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}"
         )
     if k.shape[-2] == 0:
-        raise ValueError(f"{nk} must have at least one position: {shapes}")
+        raise ValueError(f"{nk} must have at least one position: {shapes()}")
     if q.shape[-1] == 0:
-        raise ValueError(f"{nq} must have at least one feature (D >= 1): {shapes}")
+        raise ValueError(f"{nq} must have at least one feature (D >= 1): {shapes()}")
     if q.dim() == 4:
         H, Hkv = q.shape[1], k.shape[1]
         if v.shape[1] != Hkv:
-            raise ValueError(f"{nk} has {Hkv} heads but {nv} has {v.shape[1]}: {shapes}")
+            raise ValueError(f"{nk} has {Hkv} heads but {nv} has {v.shape[1]}: {shapes()}")
         if Hkv == 0 or H % Hkv:
             values = "" if v is k else f" and {nv}"
-            raise ValueError(f"the {H} heads of {nq} must be a multiple of the {Hkv} heads of {nk}{values}: {shapes}")
+            raise ValueError(f"the {H} heads of {nq} must be a multiple of the {Hkv} heads of {nk}{values}: {shapes()}")
     return q.dim() == 3
 
 

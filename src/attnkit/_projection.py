@@ -66,6 +66,8 @@ def check_features(name: str, x: Tensor, proj: nn.Linear) -> None:
     """An input the projection cannot take is said before any work, not by a matmul error: a TypeError naming both
     dtypes when ``x`` is not in the weights' dtype (outside autocast, which casts both), a ValueError naming the
     expected size for a wrong feature size."""
+    if isinstance(proj, nn.LazyLinear) and torch.compiler.is_compiling():
+        return  # its first call under torch.compile: dynamo draws the weights when it calls it, not if read before
     weight = proj.weight  # an UninitializedParameter of a lazy layer has its dtype already
     if x.dtype != weight.dtype and not (x.is_floating_point() and torch.is_autocast_enabled(x.device.type)):
         raise TypeError(
@@ -138,8 +140,8 @@ class Stacked:
         self._kept = None
 
     def __call__(self, x: Tensor, modules: tuple[nn.Linear, ...], *, cache: object) -> list[Tensor]:
-        if not plain(*modules):
-            return [m(x) for m in modules]
+        if not plain(*modules) or torch.compiler.is_compiling():  # (compiled: Inductor's own fusion; the key
+            return [m(x) for m in modules]  # reads data pointers, which dynamo cannot compare)
         refresh = getattr(cache, "is_empty", True)
         params = [p for m in modules for p in (m.weight, m.bias) if p is not None]
         # the parameters themselves (replaced: another object) and where their data is and how often it changed in

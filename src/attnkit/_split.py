@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
+from attnkit import _scopes
+
 __all__ = ["Runner", "active", "opened"]
 
 
@@ -36,7 +38,7 @@ _ACTIVE: ContextVar[Runner | None] = ContextVar("attnkit_split_sequence", defaul
 
 def active() -> Runner | None:
     """The runner of the innermost open scope in this thread or task, or ``None`` (the cost: one lookup)."""
-    return _ACTIVE.get()
+    return _scopes.read(_ACTIVE, None)
 
 
 @contextlib.contextmanager
@@ -44,6 +46,7 @@ def opened(runner: Runner) -> Iterator[None]:
     """Let ``runner`` run this thread's attention calls until the block ends (restored even after an error)."""
     token = _ACTIVE.set(runner)
     try:
-        yield
+        with _scopes.counted():
+            yield
     finally:
         _ACTIVE.reset(token)

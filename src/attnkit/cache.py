@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from attnkit._checked import checked, value_check
 from attnkit._checks import as_lengths, describe
 from attnkit.backends.decode import storage
 
@@ -267,7 +268,10 @@ class KVCache:
         assert self.keys is not None and self.values is not None
         tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (k_new, v_new, self.keys, self.values))
         # (filled under torch.inference_mode and stepped outside it: its tensors cannot be written there)
-        frozen = self.keys.is_inference() and not torch.is_inference_mode_enabled()
+        # (dynamo cannot ask is_inference(): torch.compile traces no inference_mode, torch.no_grad does as well)
+        frozen = (
+            not torch.compiler.is_compiling() and self.keys.is_inference() and not torch.is_inference_mode_enabled()
+        )
         if tracked or frozen:
             self.keys, self.values = self.keys.clone(), self.values.clone()  # (B, Hkv, C, D|Dv), the same layout
         if frozen and self.slot_positions is not None:
@@ -287,14 +291,8 @@ class KVCache:
         """Growing: at least ``needed`` positions, doubling (amortised). Static: the call must fit."""
         assert self.keys is not None and self.values is not None and self.lengths is not None
         C = self.keys.shape[2]
-        if needed is None:  # static
-            if not torch.compiler.is_compiling():
-                longest = _longest(self.lengths)
-                if longest + Lq > C:
-                    raise ValueError(
-                        f"this static cache holds max_len={C} positions per row; a row already holds {longest} "
-                        f"and the call brings {Lq} more"
-                    )
+        if needed is None:  # static: checked where the lengths are (as the compiled code runs, under compile)
+            self.lengths = checked(self.lengths, "static room", "static cache", C, str(Lq))
             return
         if needed <= C:
             return
@@ -331,6 +329,16 @@ class KVCache:
         self.lengths = self.lengths + is_real.sum(dim=1)  # (B,)
         # attn_mask (B, 1, Lq, W + Lq); the ring's slots are not in order of position
         return Attended(keys, values, None, allowed[:, None], None, (positions, key_positions))
+
+
+@value_check("static room")
+def _room(lengths: Tensor, name: str, capacity: int, new: str) -> None:
+    longest = _longest(lengths)
+    if longest + int(new) > capacity:
+        raise ValueError(
+            f"this static cache holds max_len={capacity} positions per row; a row already holds {longest} and the "
+            f"call brings {new} more"
+        )
 
 
 def _longest(lengths: Tensor) -> int:

@@ -35,6 +35,7 @@ from types import ModuleType
 
 import torch
 
+from attnkit import _scopes
 from attnkit.backends import ALL, chunked, compiled, decode, online
 from attnkit.backends.contract import Call
 
@@ -60,7 +61,7 @@ def available_backends(device: str | torch.device | None = None) -> list[str]:
 
     Example:
         >>> available_backends("cpu")
-        ['reference', 'sdpa', 'chunked', 'tiles', 'compiled', 'decode']
+        ['reference', 'sdpa', 'chunked', 'tiles', 'compiled', 'decode', 'graph']
     """
     here = {"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"}
     types = here if device is None else {torch.device(device).type}
@@ -91,7 +92,8 @@ def watch() -> Iterator[list[str]]:
     entry = _Watch(seen)
     _WATCHERS.set((*_WATCHERS.get(), entry))
     try:
-        yield seen
+        with _scopes.counted():
+            yield seen
     finally:  # blocks may close in any order (contextlib.ExitStack): remove this one, keep the others
         entry.open = False  # an asyncio task made inside the block holds a copy of the tuple: it sees nothing more
         _WATCHERS.set(tuple(w for w in _WATCHERS.get() if w is not entry))
@@ -104,6 +106,8 @@ def choose(backend: str, call: Call) -> ModuleType:
         ValueError: ``backend`` is not a backend's name, or the backend named cannot run the call (the message
             gives every backend's reasons, from what each declares in its ``SUPPORTS``).
     """
+    if call.mask.traced:  # torch.compile traces this call: only the graph backend reads no value
+        return _ran(BACKENDS["graph"])
     if backend == "auto":
         for name in _preferences(call):
             if not BACKENDS[name].SUPPORTS.why_not(call):
@@ -208,7 +212,7 @@ def _ran(backend: ModuleType) -> ModuleType:
 def ran_elsewhere(name: str) -> None:
     """Tell the open :func:`watch` blocks that ``name`` runs a call the dispatcher did not choose for: ``"ring"``
     for every call inside :func:`attnkit.distributed.context_parallel`."""
-    for entry in _WATCHERS.get():
+    for entry in _scopes.read(_WATCHERS, ()):
         if entry.open:
             entry.seen.append(name)
 

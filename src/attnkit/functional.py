@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from attnkit import _split, dispatch, mods, trace, varlen
+from attnkit._checked import checked, value_check
 from attnkit._checks import check_qkv, check_same_kind, check_scale, describe
 from attnkit.backends import reference
 from attnkit.backends.contract import Call
@@ -259,22 +260,16 @@ def attend(
             statistics are recorded: :func:`attnkit.record_stats`).
     """
     q, k, v, w_v = _autocast(q, k, v, w_v)
+    options = {"w_v": w_v, "scale": scale, "sinks": sinks, "dropout_p": dropout_p, "need_weights": need_weights}
+    options |= {"backend": backend, "zeros_past": zeros_past, "need_lse": need_lse}
     runner = _split.active()
     if runner is not None:  # inside attnkit.distributed.context_parallel: q, k, v are this rank's shard
-        return runner.attend(
-            q,
-            k,
-            v,
-            masks,
-            w_v=w_v,
-            scale=scale,
-            sinks=sinks,
-            dropout_p=dropout_p,
-            need_weights=need_weights,
-            backend=backend,
-            zeros_past=zeros_past,
-            need_lse=need_lse,
-        )
+        ring = _outside_graph if torch.compiler.is_compiling() else runner.attend  # (collectives: outside the graph)
+        return ring(q, k, v, masks, **options)  # type: ignore[no-any-return]
+    if torch.compiler.is_compiling() and (backend not in ("auto", "graph") or varlen.has_documents(masks.mask_mod)):
+        # a backend named (it plans from values), or packed documents (one call of its own shapes per document):
+        # run outside the graph (a graph break), as they run eagerly
+        return _outside_graph(q, k, v, masks, **options)  # type: ignore[no-any-return]
     three_d = check_qkv(q, k, v)
     if w_v is not None:
         _check_w_v(q, w_v)
@@ -323,6 +318,9 @@ def attend(
     if tracer is not None:
         trace.attention_steps(tracer, q, k, v, w_v, three_d, out, name, masks, sinks is not None)
     return AttendResult(out, weights, lse)
+
+
+_outside_graph = torch.compiler.disable(attend)
 
 
 def _run_piece(backend: str, piece: varlen.Piece, need_lse: bool) -> tuple[str, varlen.Result]:
@@ -403,10 +401,15 @@ def _check_mods(
             raise ValueError(f"sinks must have shape (H,) = ({H},), one logit per query head, got {tuple(sinks.shape)}")
         if sinks.device != q.device:
             raise ValueError(f"sinks is on {sinks.device} but the inputs are on {q.device}")
-        lo, hi = sinks.detach().aminmax() if sinks.numel() else (sinks.new_zeros(()), sinks.new_zeros(()))
-        if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
-            raise ValueError(f"sinks must be finite, got {sinks.detach().tolist()}")
+        sinks = checked(sinks, "finite", "sinks")
     return score_mod, sinks
+
+
+@value_check("finite")
+def _finite(x: Tensor, name: str, bound: int, what: str) -> None:
+    lo, hi = x.aminmax() if x.numel() else (x.new_zeros(()), x.new_zeros(()))
+    if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
+        raise ValueError(f"{name} must be finite, got {x.tolist()}")
 
 
 def _build_mask(q: Tensor, k: Tensor, masks: Masks, three_d: bool) -> Mask:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnkit import stats
+from attnkit import _scopes, stats
 from attnkit._checks import describe
 
 __all__ = [
@@ -155,18 +155,18 @@ _RECORDINGS: ContextVar[tuple[_Recording, ...]] = ContextVar("attnkit_recordings
 
 def is_recording() -> bool:
     """Whether some recording is open in this thread or task (the cost of asking: one lookup)."""
-    return bool(_RECORDINGS.get())
+    return bool(_scopes.read(_RECORDINGS, ()))
 
 
 def wants_stats(module: nn.Module) -> bool:
     """Whether a recording open in this thread or task keeps ``module``'s statistics (then its rows' sums help)."""
-    return any(isinstance(r.record, StatsRecord) and id(module) in r.names for r in _RECORDINGS.get())
+    return any(isinstance(r.record, StatsRecord) and id(module) in r.names for r in _scopes.read(_RECORDINGS, ()))
 
 
 def recorder(module: nn.Module) -> tuple[_Record, str] | None:
     """``(record, name)`` of the first recording open in this thread or task that records ``module``, else
     ``None``. Nothing is stored on the module."""
-    for recording in _RECORDINGS.get():
+    for recording in _scopes.read(_RECORDINGS, ()):
         name = recording.names.get(id(module))
         if name is not None:
             return recording.record, name
@@ -196,7 +196,7 @@ def report_weights(
         positions: where the call's queries ``(B, Lq)`` and keys ``(B, Lk)`` stand, for statistics reduced from
             whole weights (a cache's rows; ``None`` for each default: :mod:`attnkit.stats`).
     """
-    recordings = _RECORDINGS.get()
+    recordings = _scopes.read(_RECORDINGS, ())
     if not recordings or weights is None:  # the cost while nothing records: one lookup
         return
     wanted = [(r, r.names[id(module)]) for r in recordings if id(module) in r.names]
@@ -341,7 +341,8 @@ def _chosen(named: list[tuple[str, nn.Module]], layers: str | Sequence[str], wha
 def _open(recording: _Recording) -> Iterator[Any]:
     _RECORDINGS.set((*_RECORDINGS.get(), recording))
     try:
-        yield recording.record
+        with _scopes.counted():
+            yield recording.record
     finally:
         recording.close()
         # not a reset to the value before: blocks may close in any order (contextlib.ExitStack, generators)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnkit import _scopes
 from attnkit._checks import listed
 from attnkit.mods.base import MaskMod, ScoreMod
 
@@ -41,10 +42,13 @@ __all__ = ["Step", "Trace", "active", "paused", "trace_shapes"]
 # The innermost trace open in this thread or task; the traces around it are reached through Trace._outer.
 _ACTIVE: ContextVar[Trace | None] = ContextVar("attnkit_trace", default=None)
 
-active = _ACTIVE.get
-"""``active()``: the innermost trace open in this thread or task, or ``None``. Steps call it and do nothing on
-``None``; a step added to it reaches every trace open around it. (It is the context variable's own ``get``, with
-no Python frame of its own: while no trace is open, a step costs this one lookup.)"""
+
+def active() -> Trace | None:
+    """The innermost trace open in this thread or task, or ``None``. Steps call it and do nothing on ``None``; a step
+    added to it reaches every trace open around it. Code that ``torch.compile`` traces reads it only while some
+    block is open in the process (:mod:`attnkit._scopes`)."""
+    return _scopes.read(_ACTIVE, None)
+
 
 Shape = tuple[int, ...]
 
@@ -205,7 +209,8 @@ def trace_shapes(model: nn.Module | None = None) -> Iterator[Trace]:
     _HOOKS.acquire()
     _ACTIVE.set(trace)
     try:
-        yield trace
+        with _scopes.counted():
+            yield trace
     finally:
         trace._closed = True
         if _ACTIVE.get() is trace:  # closed in the order opened (a trace closed out of order is skipped instead)

@@ -147,6 +147,11 @@ def assemble(call: Call, pieces: list[Piece], results: list[Result | None]) -> R
 # ------------------------------------------------------------------------------------------- finding the pieces
 
 
+def has_documents(mask_mod: mods.MaskFn | None) -> bool:
+    """Whether ``mask_mod`` has a document part (:func:`attnkit.mods.documents`): a call :func:`split` cuts up."""
+    return _document(mask_mod) is not None
+
+
 def _document(mask_mod: mods.MaskFn | None) -> tuple[mods.document, mods.MaskFn | None] | None:
     """The document part of a mask_mod and what is left beside it (``None`` when nothing is), or ``None``."""
     if mask_mod is None:

@@ -5,9 +5,9 @@ run, as data) and ``attention(call: Call) -> (output, weights or None)``. The ch
 :mod:`attnkit.dispatch` only.
 """
 
-from attnkit.backends import chunked, compiled, decode, flex, reference, sdpa, tiles
+from attnkit.backends import chunked, compiled, decode, flex, graph, reference, sdpa, tiles
 from attnkit.backends.contract import Call, Supports
 
-ALL = (reference, sdpa, chunked, tiles, compiled, decode, flex)
+ALL = (reference, sdpa, chunked, tiles, compiled, decode, flex, graph)
 
-__all__ = ["ALL", "Call", "Supports", "chunked", "compiled", "decode", "flex", "reference", "sdpa", "tiles"]
+__all__ = ["ALL", "Call", "Supports", "chunked", "compiled", "decode", "flex", "graph", "reference", "sdpa", "tiles"]

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnkit import _projection, _split, functional, trace
+from attnkit import _projection, _scopes, _split, functional, trace
 from attnkit._checks import as_lengths, check_dropout, describe, listed
 from attnkit.cache import CrossKVCache, KVCache, Positions
 from attnkit.d2l.functions import transpose_output, transpose_qkv
@@ -34,7 +34,7 @@ def _positions_of(module: nn.Module) -> Positions | None:
     """Where the call of ``module`` stands for the statistics recorded of it: a KVCache's positions, one row per
     folded head ``(B*H, L)``, while a :class:`MultiHeadAttention` calls it through one (a ring's slots hold positions
     out of order); ``None``, the default positions, otherwise or while nothing records."""
-    found = _INNER_POSITIONS.get()
+    found = _scopes.read(_INNER_POSITIONS, None)
     if found is None or found[0] is not module or not is_recording():
         return None
     _, (queries, keys), heads = found
@@ -122,7 +122,9 @@ class DotProductAttention(nn.Module):
         )
         q, k = queries.detach(), keys.detach()
         # inference tensors keep no version counter (-1: a change after the call cannot be told, see .scores)
-        q_version, k_version = (-1 if t.is_inference() else t._version for t in (q, k))
+        # (nor, to dynamo, do tensors while torch.compile traces: a change after a compiled call cannot be told)
+        traced = torch.compiler.is_compiling()
+        q_version, k_version = (-1 if traced or t.is_inference() else t._version for t in (q, k))
         # inside context_parallel q and k are one shard's: no rank holds the whole sequence's scores (None, as the
         # weights)
         self._scored = (q, k, q_version, k_version) if _split.active() is None else None

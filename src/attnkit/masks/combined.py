@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import mods
+from attnkit._checked import checked
 from attnkit._checks import as_lengths, check_device, ranges
 from attnkit.masks.parts import as_4d_mask, causal_block, check_bias
 from attnkit.mods import MaskFn
@@ -67,6 +68,9 @@ class Mask:
         self.mask_mod = mask_mod  # mask_mod(b, h, q_idx, kv_idx) -> bool, built-ins bound to Lq, Lk; or None
         self.device = device
         self.plans: dict[tuple[object, ...], object] = {}  # the backends' block plans, made once a call
+        # built while torch.compile traced: its values are not known (a float mask's range, its shift), and only
+        # the graph backend, which needs none of them, runs it
+        self.traced = False
 
     @classmethod
     def build(
@@ -103,6 +107,7 @@ class Mask:
             FloatMaskWarning: a float ``attn_mask`` holding only 0 and 1.
         """
         B, H, Lq, Lk = batch, heads, num_queries, num_keys
+        traced = torch.compiler.is_compiling()  # (then only the graph backend runs it: attnkit.backends.graph)
         mods.check_callable("mask_mod", mask_mod)
         if mask_mod is not None:
             mask_mod = mods.bind(mask_mod, batch=B, heads=H, num_queries=Lq, num_keys=Lk, device=device)
@@ -124,7 +129,9 @@ class Mask:
         if attn_mask is not None:
             m = as_4d_mask(attn_mask, B, H, Lq, Lk, mask_dims)
             check_device("attn_mask", m, device)
-            if m.dtype != torch.bool:
+            if m.dtype != torch.bool and traced:  # values checked as the compiled code runs; -inf assumed
+                m, has_neg_inf = checked(attn_mask, "float mask", "attn_mask", keep=m), True
+            elif m.dtype != torch.bool:
                 bias_range, has_neg_inf = check_bias(attn_mask)
             m = m.expand(*m.shape[:2], Lq, Lk)  # (B|1, H|1, Lq, Lk), a view: blocks slice it
             if m.dtype == torch.bool:
@@ -145,6 +152,7 @@ class Mask:
             mask_mod=mask_mod,
             device=device,
         )
+        mask.traced = traced
         if max(-bias_range[0], bias_range[1]) > BIAS_SHIFT_ABOVE:
             shift = mask._visible_row_max()  # (B|1, H|1, Lq, 1)
             if bool((shift.abs() > BIAS_SHIFT_ABOVE).any()):

@@ -9,6 +9,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from attnkit._checked import value_check
 from attnkit._checks import broadcasts, describe
 
 __all__ = ["FloatMaskWarning", "as_4d_mask", "causal_block", "check_bias"]
@@ -96,3 +97,8 @@ def as_4d_mask(attn_mask: Tensor, B: int, H: int, Lq: int, Lk: int, mask_dims: i
         raise ValueError(f"attn_mask of shape {shape} is not broadcastable to {names} = {target}")
     m = attn_mask.reshape((1,) * (mask_dims - len(shape)) + shape)  # (B|1, [H|1,] Lq|1, Lk|1)
     return m.unsqueeze(1) if mask_dims == 3 else m  # (B|1, H|1, Lq|1, Lk|1)
+
+
+@value_check("float mask")
+def _float_mask_values(attn_mask: Tensor, name: str, bound: int, what: str) -> None:
+    check_bias(attn_mask)

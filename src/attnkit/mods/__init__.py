@@ -47,6 +47,7 @@ from attnkit.mods.builtins import conjuncts as conjuncts
 from attnkit.mods.closure import Uninspectable as Uninspectable
 from attnkit.mods.closure import grad_inputs as grad_inputs
 from attnkit.mods.closure import read_tensors as read_tensors
+from attnkit.mods.evaluate import apply_score as apply_score
 from attnkit.mods.evaluate import evaluate_mask as evaluate_mask
 from attnkit.mods.evaluate import evaluate_score as evaluate_score
 from attnkit.mods.evaluate import indices as indices

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit._checked import checked, value_check
 from attnkit._checks import as_lengths, check_device, check_whole, describe, listed
 from attnkit.mods.base import MaskFn, MaskMod, ScoreFn, ScoreMod, Tiles, check_callable
 from attnkit.mods.evaluate import evaluate_mask
@@ -273,19 +274,24 @@ class alibi(ScoreMod):  # noqa: N801
         if self.slopes.shape != (heads,):
             raise ValueError(f"alibi: slopes must have shape (H,) = ({heads},), got {tuple(self.slopes.shape)}")
         check_device("alibi: slopes", self.slopes, device)
-        peak = float(self.slopes.detach().abs().amax()) if self.slopes.numel() else 0.0  # one read, one sync
-        if not math.isfinite(peak):  # as sinks: a NaN or inf rate is no rate
-            raise ValueError(f"alibi: slopes must be finite, got {listed(self.slopes)}")
-        farthest = num_queries + num_keys  # |p - j| stays below this
-        if peak * farthest >= torch.finfo(torch.float32).max / 2:  # a bias of -inf would hide keys, NaN in values
-            raise ValueError(
-                f"alibi: slopes times the farthest distance ({farthest}) must stay well inside float32's range, got "
-                f"a slope of {peak:g}"
-            )
-        return dataclasses.replace(self, offset=num_keys - num_queries)
+        slopes = checked(self.slopes, "alibi slopes", "alibi: slopes", num_queries + num_keys)
+        return dataclasses.replace(self, slopes=slopes, offset=num_keys - num_queries)
 
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.slopes,)
+
+
+@value_check("alibi slopes")
+def _slope_values(slopes: Tensor, name: str, farthest: int, what: str) -> None:
+    """Finite slopes whose bias at the farthest distance (``|p - j|`` stays below it) stays inside float32."""
+    peak = float(slopes.abs().amax()) if slopes.numel() else 0.0  # one read, one sync
+    if not math.isfinite(peak):  # as sinks: a NaN or inf rate is no rate
+        raise ValueError(f"{name} must be finite, got {listed(slopes)}")
+    if peak * farthest >= torch.finfo(torch.float32).max / 2:  # a bias of -inf would hide keys, NaN in values
+        raise ValueError(
+            f"{name} times the farthest distance ({farthest}) must stay well inside float32's range, got a slope of "
+            f"{peak:g}"
+        )
 
 
 def alibi_slopes(num_heads: int) -> Tensor:

@@ -14,7 +14,7 @@ from attnkit._checks import broadcasts
 from attnkit.mods.base import MaskFn, MaskMod, ScoreFn, ScoreMod
 from attnkit.mods.closure import Uninspectable, read_tensors
 
-__all__ = ["evaluate_mask", "evaluate_score", "indices", "protected_storages"]
+__all__ = ["apply_score", "evaluate_mask", "evaluate_score", "indices", "protected_storages"]
 
 # B batch, H heads, Lq'/Lk' the rows and columns of a block
 
@@ -48,12 +48,7 @@ def evaluate_score(
     """``score_mod`` on a block of scores, ``(B, H, Lq', Lk')``, in the scores' dtype and shape: a tensor of the
     caller's own, which it may write into (never memory in ``protected``, the storages the function reads from
     outside, :func:`protected_storages`; ``None``: not known, so never any memory but the score's own)."""
-    if isinstance(score_mod, MaskMod):
-        raise TypeError(f"{type(score_mod).__name__} is a mask_mod: pass it as mask_mod=, not as a score_mod")
-    out = _on_block(score_mod, (score, b, h, q_idx, kv_idx), score.shape, "score_mod")
-    if not out.is_floating_point():
-        raise TypeError(f"score_mod must return the scores (floating point), got dtype {out.dtype}")
-    out = out.to(score.dtype)
+    out = apply_score(score_mod, score, b, h, q_idx, kv_idx)
     # a result that only broadcasts (say, a bias that ignores the score) becomes a block of its own: backends write
     # into it, which an expanded view would refuse
     if out.shape != score.shape:
@@ -64,6 +59,18 @@ def evaluate_score(
     if (protected is None or memory in protected) or not _new(out):
         return out.clone()  # memory the function holds (a tensor it keeps, a view of one): never written to
     return out
+
+
+def apply_score(score_mod: ScoreFn, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """``score_mod`` on a block of scores, in the scores' dtype, broadcastable to their shape: maybe memory it holds
+    or the score's own (:func:`evaluate_score` gives a tensor the caller may write into; code that writes nothing,
+    such as the graph backend's, which dynamo traces, takes this)."""
+    if isinstance(score_mod, MaskMod):
+        raise TypeError(f"{type(score_mod).__name__} is a mask_mod: pass it as mask_mod=, not as a score_mod")
+    out = _on_block(score_mod, (score, b, h, q_idx, kv_idx), score.shape, "score_mod")
+    if not out.is_floating_point():
+        raise TypeError(f"score_mod must return the scores (floating point), got dtype {out.dtype}")
+    return out.to(score.dtype)
 
 
 def _new(out: Tensor) -> bool:

@@ -1,0 +1,184 @@
+"""The graph backend: what runs under ``torch.compile``, written so that dynamo traces it whole.
+
+Every other backend plans from the values of the call (which keys are dead, which tiles are empty, how long each
+packed document is) and reads them on the host: under ``torch.compile`` each read is a graph break. This one reads
+no value. It is the reference's math (:mod:`attnkit.backends.reference`, the spec) on the whole
+``(B, H, Lq, Lk)`` at once, each step a tensor operation that Inductor can fuse:
+
+* the combined mask ``allowed`` is built in the graph, the ``mask_mod`` evaluated on broadcasting indices;
+* the keys no query may see and the queries that see no key are zeroed (``torch.where``, never a branch), so that
+  what they hold, NaN included, reaches no output and no gradient;
+* dot-product calls without a ``score_mod`` or sinks go through ``torch.nn.functional.scaled_dot_product_attention``
+  (PyTorch's fused kernels, which Inductor keeps), a dead row seeing every zeroed key and then zeroed, as in
+  :mod:`attnkit.backends.sdpa`; the rest are scored, modified, masked and normalised in the compute dtype.
+
+``attnkit.dispatch`` chooses it for every call while ``torch.compile`` traces; eagerly it runs only when named
+(``backend="graph"``), which is how the tests hold it to the reference. Memory is that of the reference: the whole
+scores (the fused kernel's path needs only the mask). A packed-documents ``mask_mod`` (:func:`attnkit.mods.documents`)
+is not run here: each document would be its own shapes (``attnkit.functional`` runs that call outside the graph).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnkit import mods
+from attnkit.backends.common import additive_scores, repeat_kv
+from attnkit.backends.contract import Call, Supports
+from attnkit.masks import Mask, compute_dtype
+from attnkit.masks.parts import causal_block
+
+NAME = "graph"
+
+# B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim, Dv value head dim
+
+SUPPORTS = Supports(
+    # the fused kernel adds the mask as -inf: a hidden score at +inf would give NaN; the dispatcher cannot ask while
+    # dynamo traces (the bound reads values), so under compile this is documented, not checked
+    huge_scores=False,
+)
+
+# The dtypes PyTorch's fused kernels take (others, as the reference, are scored here).
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def attention(call: Call) -> tuple[Tensor, Tensor | None]:
+    q, k, v, mask = call.q, call.k, call.v, call.mask
+    B, H, Lq, D = q.shape
+    dtype = compute_dtype(q.dtype)
+    allowed = _allowed(mask, q.device)  # (B|1, H|1, Lq|1, Lk) bool, or None: every pair
+    bias, shift = (None, None) if mask.bias is None else _shifted_bias(mask.bias, allowed, dtype)
+    fused = call.w_v is None and call.score_mod is None and call.sinks is None and not call.need_weights
+    if fused and q.dtype in _FUSED_DTYPES:
+        return _fused(call, allowed, bias), None
+    q, k, v = _zero_dead(q, k, v, allowed)
+    qf, kf, vf = q.to(dtype), repeat_kv(k, H).to(dtype), repeat_kv(v, H).to(dtype)  # (B, H, L, D|Dv)
+
+    def scores_of(kf: Tensor) -> Tensor:
+        if call.w_v is not None:
+            return additive_scores(qf, kf, call.w_v.to(dtype))[0]  # (B, H, Lq, Lk)
+        return (qf @ kf.transpose(-2, -1)) * call.scale  # (B, H, Lq, Lk)
+
+    scores = scores_of(kf)  # (B, H, Lq, Lk)
+    if call.score_mod is not None:
+        idx = mods.indices(B, H, (0, Lq), (0, mask.num_keys), q.device)  # b, h, q_idx, kv_idx, broadcasting
+        with torch.no_grad():  # which pairs the score_mod hides (-inf), whatever the keys hold
+            hidden = torch.isneginf(_modified(call.score_mod, scores.detach(), idx))  # (B, H, Lq, Lk)
+        seen = ~hidden if allowed is None else allowed & ~hidden  # (B, H, Lq, Lk)
+        unseen = ~seen.any(dim=-2, keepdim=True)  # (B, H, 1, Lk): keys the score_mod hides from every query
+        kf = torch.where(unseen.transpose(-2, -1), 0.0, kf)  # (B, H, Lk, D): scored again as zeros (0 * NaN)
+        vf = torch.where(unseen.transpose(-2, -1), 0.0, vf)  # (B, H, Lk, Dv)
+        raw = scores_of(kf)  # (B, H, Lq, Lk)
+        # as FlexAttention: hidden pairs pass no gradient back through the score_mod (1 / (i - j) on a hidden
+        # diagonal would give 0 * inf): where() selects, so what reaches `raw` there is exactly 0
+        safe = raw if allowed is None else torch.where(allowed, raw, raw.detach())
+        scores = _modified(call.score_mod, safe, idx)  # (B, H, Lq, Lk)
+        allowed = seen
+    if bias is not None:
+        scores = scores + bias  # (B, H, Lq, Lk)
+    fill = torch.finfo(dtype).min  # exp() of it is 0 beside any visible score (and beside the sink)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, fill)
+    if call.sinks is not None:
+        sink = call.sinks.to(dtype).view(1, H, 1, 1)  # (1, H, 1, 1)
+        if shift is not None:  # the softmax with the sink is what it was before the bias's shift
+            sink = sink - shift.to(dtype)  # (B|1, H, Lq, 1)
+        sink = sink.expand(B, H, Lq, 1)  # (B, H, Lq, 1)
+        scores = torch.cat([scores, sink], dim=-1)  # (B, H, Lq, Lk + 1)
+        weights = torch.softmax(scores, dim=-1)[..., :-1]  # (B, H, Lq, Lk): the sink takes its share, dropped
+    else:
+        weights = torch.softmax(scores, dim=-1)  # (B, H, Lq, Lk)
+    if allowed is not None:
+        weights = weights.masked_fill(~allowed, 0.0)  # a row that sees no key: zeros
+    dropped = F.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
+    out = dropped @ vf  # (B, H, Lq, Dv)
+    return out.to(q.dtype), (weights.to(q.dtype) if call.need_weights else None)
+
+
+def _fused(call: Call, allowed: Tensor | None, bias: Tensor | None) -> Tensor:
+    """PyTorch's fused kernel on the mask as one ``attn_mask``: dead keys, values and rows zeroed first, a dead row
+    given every (zeroed) key inside the kernel and zeroed after, so that no version of PyTorch can turn it into
+    NaN and no gradient reaches it (as :mod:`attnkit.backends.sdpa`)."""
+    q, k, v, mask = call.q, call.k, call.v, call.mask
+    H, Hkv = q.shape[1], k.shape[1]
+    gqa: dict[str, Any] = {"enable_gqa": True} if H != Hkv else {}
+    if bias is None and mask.is_plain_causal:
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=call.dropout_p, is_causal=True, scale=call.scale, **gqa
+        )  # (B, H, Lq, Dv)
+    if allowed is None and bias is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=call.dropout_p, scale=call.scale, **gqa)
+    assert allowed is not None  # (a float mask's -inf is part of it)
+    q, k, v = _zero_dead(q, k, v, allowed)
+    live_rows = allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, Lq|1, 1)
+    if bias is None:
+        attn_mask = allowed | ~live_rows  # (B|1, H|1, Lq|1, Lk): a dead row sees every (zeroed) key
+    else:
+        attn_mask = bias.masked_fill(~allowed, float("-inf")).masked_fill(~live_rows, 0.0)  # (B|1, H|1, Lq, Lk)
+    if attn_mask.dtype != torch.bool:
+        attn_mask = attn_mask.to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, scale=call.scale, **gqa
+    )  # (B, H, Lq, Dv)
+    return out.masked_fill(~live_rows, 0.0)
+
+
+def _allowed(mask: Mask, device: torch.device) -> Tensor | None:
+    """The combined mask, ``(B|1, H|1, Lq|1, Lk)`` bool (True = may attend), from its parts; ``None`` when every
+    pair is allowed. A float mask's ``-inf`` hides the pair."""
+    Lq, Lk = mask.num_queries, mask.num_keys
+    allowed: Tensor | None = None
+
+    def both(part: Tensor) -> Tensor:
+        return part if allowed is None else allowed & part
+
+    if mask.valid_lens is not None:
+        allowed = torch.arange(Lk, device=device) < mask.valid_lens  # (B, 1, 1 | Lq, Lk)
+    if mask.is_causal:
+        allowed = both(causal_block(Lq, Lk, 0, Lk, device, 0, Lq))  # (Lq, Lk)
+    if mask.bool_mask is not None:
+        allowed = both(mask.bool_mask)  # (B|1, H|1, Lq, Lk)
+    if mask.bias is not None:
+        allowed = both(~torch.isneginf(mask.bias))  # (B|1, H|1, Lq, Lk)
+    if mask.mask_mod is not None:
+        idx = mods.indices(mask.batch, mask.heads, (0, Lq), (0, Lk), device)
+        allowed = both(mods.evaluate_mask(mask.mask_mod, *idx))  # broadcastable to (B, H, Lq, Lk)
+    if allowed is not None:
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))  # 4 dims
+    return allowed
+
+
+def _shifted_bias(bias: Tensor, allowed: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The float mask less each row's largest visible value (the softmax is the same; a score beside a bias of
+    1e4 keeps its bits), its finite values clamped to half the compute dtype's range, ``-inf`` kept: in ``dtype``,
+    ``(B|1, H|1, Lq, Lk)``; and that shift, ``(B|1, H|1, Lq, 1)``, by which the sinks are shifted too."""
+    work = torch.promote_types(torch.promote_types(bias.dtype, dtype), torch.float32)
+    b = bias.to(work)  # (B|1, H|1, Lq, Lk)
+    visible = b if allowed is None else b.masked_fill(~allowed, float("-inf"))
+    shift = visible.amax(dim=-1, keepdim=True).detach()  # (B|1, H|1, Lq, 1): the softmax does not depend on it
+    shift = shift.masked_fill(torch.isneginf(shift), 0.0)  # a row that sees nothing: no shift
+    limit = torch.finfo(dtype).max / 2
+    b = b - shift
+    return torch.where(torch.isneginf(b), b, b.clamp(-limit, limit)).to(dtype), shift
+
+
+def _zero_dead(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Queries that see no key, keys and values no query sees: zeros (new tensors; the inputs are not written)."""
+    if allowed is None:
+        return q, k, v
+    Hkv = k.shape[1]
+    live_rows = allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, Lq|1, 1)
+    live_keys = allowed.any(dim=-2)  # (B|1, H|1, Lk)
+    if live_keys.shape[1] not in (1, Hkv):  # per query head, grouped key/value heads: live if any of its group is
+        live_keys = live_keys.unflatten(1, (Hkv, -1)).any(dim=2)  # (B|1, Hkv, Lk)
+    live_keys = live_keys[..., None]  # (B|1, Hkv|1, Lk, 1)
+    return torch.where(live_rows, q, 0.0), torch.where(live_keys, k, 0.0), torch.where(live_keys, v, 0.0)
+
+
+def _modified(score_mod: mods.ScoreFn, scores: Tensor, idx: tuple) -> Tensor:
+    """The score_mod on the whole scores, in their dtype and shape (a result that broadcasts is expanded)."""
+    return mods.apply_score(score_mod, scores, *idx).expand(scores.shape)
