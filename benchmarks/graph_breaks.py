@@ -1,4 +1,4 @@
-"""Graph breaks of attnkit's layers under torch.compile, and why (issue 26's starting point).
+"""Graph breaks of attnkit's layers under torch.compile, and why (issue 26: 0 in every row).
 
     python benchmarks/graph_breaks.py            # a table: case, graphs, breaks, the first reasons
 
@@ -26,6 +26,7 @@ def cases() -> dict[str, tuple[torch.nn.Module, dict]]:
     torch.manual_seed(0)
     mha = attnkit.MultiHeadAttention(E, 4, num_kv_heads=2)
     book = d2l.MultiHeadAttention(E, 4, 0.0)
+    sinks = attnkit.MultiHeadAttention(E, 4, num_kv_heads=2, sinks=True)
     lens = torch.tensor([32, 20])
     return {
         "no mask": (mha, {}),
@@ -36,6 +37,9 @@ def cases() -> dict[str, tuple[torch.nn.Module, dict]]:
         "sliding_window": (mha, {"is_causal": True, "mask_mod": mods.sliding_window(8)}),
         "a user mask_mod": (mha, {"mask_mod": lambda b, h, q, k: (q - k).abs() < 8}),
         "softcap": (mha, {"is_causal": True, "score_mod": mods.softcap(5.0)}),
+        "alibi": (mha, {"is_causal": True, "score_mod": mods.alibi(mods.alibi_slopes(4))}),
+        "float attn_mask": (mha, {"attn_mask": torch.randn(B, 1, L, L)}),
+        "sinks + valid_lens": (sinks, {"valid_lens": lens}),
         "d2l valid_lens": (book, {"valid_lens": lens}),
     }
 
@@ -68,7 +72,24 @@ def main() -> int:
         common = collections.Counter(reasons).most_common(4)
         said = "; ".join(f"{r} ({n})" for r, n in common).replace("|", "\\|")
         print(f"| {name} | {graphs} | {breaks} | {said} |")
+    graphs, breaks, reasons = decode_step()
+    said = "; ".join(f"{r} ({n})" for r, n in collections.Counter(reasons).most_common(4)).replace("|", "\\|")
+    print(f"| decode step, static KVCache | {graphs} | {breaks} | {said} |")
     return 0
+
+
+def decode_step() -> tuple[int, int, list[str]]:
+    """One token over a static cache that a prompt filled eagerly (no grad, as generation runs)."""
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(E, 4, num_kv_heads=2).eval()
+    cache = attnkit.KVCache(max_len=64)
+    prompt, token = torch.randn(B, L, E), torch.randn(B, 1, E)
+    with torch.no_grad():
+        mha(prompt, prompt, prompt, torch.tensor([32, 20]), is_causal=True, cache=cache)
+        torch._dynamo.reset()
+        result = torch._dynamo.explain(lambda x: mha(x, x, x, is_causal=True, cache=cache))(token)
+    reasons = [str(b.reason).splitlines()[0][:80] for b in result.break_reasons]
+    return result.graph_count, result.graph_break_count, reasons
 
 
 if __name__ == "__main__":

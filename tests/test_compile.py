@@ -223,13 +223,14 @@ def test_shape_errors_are_the_eager_ones() -> None:
 
 
 def test_dynamic_lengths_compile_once() -> None:
-    """``dynamic=True``: one graph for every length from 2 on (lengths 0 and 1 are specialised by PyTorch itself)."""
+    """``dynamic=True``: one graph for the lengths of a prefill or a training step (PyTorch specialises lengths 0 and
+    1, and at most 16 queries per key/value head, a decode step's size, is a graph of its own)."""
     torch.manual_seed(0)
     model = attnkit.MultiHeadAttention(E, 4, num_kv_heads=2, query_size=E, key_size=E, value_size=E)
     counter = torch._dynamo.testing.CompileCounter()
     _fresh()
     compiled = torch.compile(lambda x, n: model(x, x, x, n, is_causal=True), backend=counter, dynamic=True)
-    for length in (5, 9, 17, 33):
+    for length in (9, 17, 33, 50):
         x = torch.randn(B, length, E, requires_grad=True)
         n = torch.tensor([length, length - 2])
         out = compiled(x, n)
@@ -280,3 +281,25 @@ def test_named_backend_runs_outside_the_graph() -> None:
         out = torch.compile(lambda x: model(x, x, x, _lens()))(x)
     assert "chunked" in ran
     torch.testing.assert_close(out, model(x, x, x, _lens()))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lengths", [[12, 12, 12], [12, 11, 12], [12, 7, 0], [5, 5, 9]])
+def test_custom_ops_pass_opcheck(causal: bool, lengths: list[int]) -> None:
+    """``attnkit::attention_by_length`` (its fake shapes and strides, its registered autograd, both of its plans:
+    runs of equal lengths, and one masked call) and ``attnkit::check_values``, by PyTorch's own checker."""
+    from attnkit._checked import _check_values
+    from attnkit.backends import graph_ops
+
+    torch.manual_seed(0)
+    q = torch.randn(3, 4, 12, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(3, 2, 12, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    lens = torch.tensor(lengths)
+    torch.library.opcheck(graph_ops._attention, (q, k, v, lens, causal, 0.3))
+    torch.library.opcheck(_check_values, (lens, "lengths", "valid_lens", 12, "the number of keys"))
+    out = graph_ops.attention(q, k, v, lens, causal, 0.3)
+    want = attnkit.scaled_dot_product_attention(q, k, v, valid_lens=lens, is_causal=causal, scale=0.3).output
+    torch.testing.assert_close(out, want, atol=TOL, rtol=0)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    for got, expected in zip(grads, torch.autograd.grad(want.sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(got, expected, atol=TOL, rtol=0)

@@ -286,7 +286,7 @@ def attend(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if three_d:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L, D)
-    mask = _build_mask(q, k, masks, three_d)
+    mask = _build_mask(q, k, masks, three_d, from_cache=zeros_past is not None)  # (a cache's lengths: made in range)
     score_mod, sinks = _check_mods(q, k, masks.score_mod, sinks)
     call = Call(
         q,
@@ -412,9 +412,10 @@ def _finite(x: Tensor, name: str, bound: int, what: str) -> None:
         raise ValueError(f"{name} must be finite, got {x.tolist()}")
 
 
-def _build_mask(q: Tensor, k: Tensor, masks: Masks, three_d: bool) -> Mask:
+def _build_mask(q: Tensor, k: Tensor, masks: Masks, three_d: bool, from_cache: bool = False) -> Mask:
     B, H, Lq, _ = q.shape
     return Mask.build(
+        lengths_made=from_cache,
         batch=B,
         heads=H,
         num_queries=Lq,

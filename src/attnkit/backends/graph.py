@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import mods
+from attnkit.backends import decode, graph_ops
 from attnkit.backends.common import additive_scores, repeat_kv
 from attnkit.backends.contract import Call, Supports
 from attnkit.masks import Mask, compute_dtype
@@ -53,15 +54,34 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     allowed = _allowed(mask, q.device)  # (B|1, H|1, Lq|1, Lk) bool, or None: every pair
     bias, shift = (None, None) if mask.bias is None else _shifted_bias(mask.bias, allowed, dtype)
     fused = call.w_v is None and call.score_mod is None and call.sinks is None and not call.need_weights
-    if fused and q.dtype in _FUSED_DTYPES:
+    if fused and q.dtype in _FUSED_DTYPES and call.queries_per_kv_head > decode.FEW_QUERIES:
+        lens = mask.valid_lens
+        padded = lens is not None and lens.shape[2] == 1 and mask.bool_mask is None and mask.bias is None
+        if (
+            padded
+            and mask.mask_mod is None
+            and not call.dropout_p
+            and graph_ops.takes(q, call.k, call.v, mask.is_causal)
+        ):
+            assert lens is not None
+            out = graph_ops.attention(q, call.k, call.v, lens.view(B), mask.is_causal, call.scale)  # (B, H, Lq, D)
+            return out, None
         return _fused(call, allowed, bias), None
-    q, k, v = _zero_dead(q, k, v, allowed)
-    qf, kf, vf = q.to(dtype), repeat_kv(k, H).to(dtype), repeat_kv(v, H).to(dtype)  # (B, H, L, D|Dv)
+    # a KVCache's call (zeros past each row's length, its mask a prefix of each row): the keys need no zeroing, only
+    # the rows that see nothing (their outputs), so a decode step does not copy the cache
+    cached = call.zeros_past is not None and mask.bool_mask is None and mask.bias is None and mask.mask_mod is None
+    q, k, v = _zero_dead(q, k, v, allowed, rows_only=cached)
+    if call.w_v is None and call.score_mod is None:  # products per key/value head: no copy of keys per query head
+        qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)  # (B, H, Lq, D), (B, Hkv, Lk, D|Dv)
+    else:
+        qf, kf, vf = q.to(dtype), repeat_kv(k, H).to(dtype), repeat_kv(v, H).to(dtype)  # (B, H, L, D|Dv)
+    Hk = kf.shape[1]
 
     def scores_of(kf: Tensor) -> Tensor:
         if call.w_v is not None:
             return additive_scores(qf, kf, call.w_v.to(dtype))[0]  # (B, H, Lq, Lk)
-        return (qf @ kf.transpose(-2, -1)) * call.scale  # (B, H, Lq, Lk)
+        grouped = qf.reshape(B, Hk, -1, D)  # (B, Hk, H/Hk * Lq, D): a group's queries against its keys
+        return ((grouped @ kf.transpose(-2, -1)) * call.scale).view(B, H, Lq, -1)  # (B, H, Lq, Lk)
 
     scores = scores_of(kf)  # (B, H, Lq, Lk)
     if call.score_mod is not None:
@@ -95,7 +115,9 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     if allowed is not None:
         weights = weights.masked_fill(~allowed, 0.0)  # a row that sees no key: zeros
     dropped = F.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
-    out = dropped @ vf  # (B, H, Lq, Dv)
+    out = (dropped.reshape(B, Hk, -1, dropped.shape[-1]) @ vf).view(B, H, Lq, -1)  # (B, H, Lq, Dv)
+    if cached and allowed is not None:  # rows that see nothing, whatever the keys they did not see hold
+        out = torch.where(allowed.any(dim=-1, keepdim=True), out, 0.0)  # (B, H, Lq, Dv)
     return out.to(q.dtype), (weights.to(q.dtype) if call.need_weights else None)
 
 
@@ -166,10 +188,15 @@ def _shifted_bias(bias: Tensor, allowed: Tensor | None, dtype: torch.dtype) -> t
     return torch.where(torch.isneginf(b), b, b.clamp(-limit, limit)).to(dtype), shift
 
 
-def _zero_dead(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """Queries that see no key, keys and values no query sees: zeros (new tensors; the inputs are not written)."""
+def _zero_dead(
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, *, rows_only: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Queries that see no key, keys and values no query sees: zeros (new tensors; the inputs are not written).
+    ``rows_only``: the queries alone (a KVCache's call: what its live rows do not see are zeros)."""
     if allowed is None:
         return q, k, v
+    if rows_only:
+        return torch.where(allowed.any(dim=-1, keepdim=True), q, 0.0), k, v
     Hkv = k.shape[1]
     live_rows = allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, Lq|1, 1)
     live_keys = allowed.any(dim=-2)  # (B|1, H|1, Lk)

@@ -68,9 +68,7 @@ class Mask:
         self.mask_mod = mask_mod  # mask_mod(b, h, q_idx, kv_idx) -> bool, built-ins bound to Lq, Lk; or None
         self.device = device
         self.plans: dict[tuple[object, ...], object] = {}  # the backends' block plans, made once a call
-        # built while torch.compile traced: its values are not known (a float mask's range, its shift), and only
-        # the graph backend, which needs none of them, runs it
-        self.traced = False
+        self.traced = False  # built while torch.compile traced: values unknown, only the graph backend runs it
 
     @classmethod
     def build(
@@ -86,6 +84,7 @@ class Mask:
         mask_dims: int = 4,
         device: torch.device | None = None,
         mask_mod: MaskFn | None = None,
+        lengths_made: bool = False,
     ) -> Mask:
         """Validate the masking arguments of a call and keep them as parts.
 
@@ -99,6 +98,7 @@ class Mask:
             device: where the call runs; masks elsewhere are an error.
             mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (:mod:`attnkit.mods`); a built-in is bound to the
                 call's lengths and its tensors checked.
+            lengths_made: ``valid_lens`` a :class:`~attnkit.KVCache` made (int64, in range): not read again.
 
         Raises:
             ValueError: ``+inf`` or NaN in a float ``attn_mask``, and shapes or values that do not fit.
@@ -107,7 +107,6 @@ class Mask:
             FloatMaskWarning: a float ``attn_mask`` holding only 0 and 1.
         """
         B, H, Lq, Lk = batch, heads, num_queries, num_keys
-        traced = torch.compiler.is_compiling()  # (then only the graph backend runs it: attnkit.backends.graph)
         mods.check_callable("mask_mod", mask_mod)
         if mask_mod is not None:
             mask_mod = mods.bind(mask_mod, batch=B, heads=H, num_queries=Lq, num_keys=Lk, device=device)
@@ -121,7 +120,8 @@ class Mask:
                 raise ValueError(
                     f"valid_lens must have shape (B,) = ({B},) or (B, Lq) = ({B}, {Lq}), got {tuple(valid_lens.shape)}"
                 )
-            lens = as_lengths(valid_lens, "valid_lens", Lk, device)
+            made = lengths_made and isinstance(valid_lens, Tensor) and valid_lens.dtype == torch.long
+            lens = valid_lens if made else as_lengths(valid_lens, "valid_lens", Lk, device)
             per_query = lens.shape[1] if lens.dim() == 2 else 1
             lens = lens.reshape(B, 1, per_query, 1)  # (B, 1, 1 | Lq, 1)
         bool_mask = bias = None
@@ -129,7 +129,7 @@ class Mask:
         if attn_mask is not None:
             m = as_4d_mask(attn_mask, B, H, Lq, Lk, mask_dims)
             check_device("attn_mask", m, device)
-            if m.dtype != torch.bool and traced:  # values checked as the compiled code runs; -inf assumed
+            if m.dtype != torch.bool and torch.compiler.is_compiling():  # checked as the compiled code runs
                 m, has_neg_inf = checked(attn_mask, "float mask", "attn_mask", keep=m), True
             elif m.dtype != torch.bool:
                 bias_range, has_neg_inf = check_bias(attn_mask)
@@ -152,7 +152,7 @@ class Mask:
             mask_mod=mask_mod,
             device=device,
         )
-        mask.traced = traced
+        mask.traced = torch.compiler.is_compiling()
         if max(-bias_range[0], bias_range[1]) > BIAS_SHIFT_ABOVE:
             shift = mask._visible_row_max()  # (B|1, H|1, Lq, 1)
             if bool((shift.abs() > BIAS_SHIFT_ABOVE).any()):

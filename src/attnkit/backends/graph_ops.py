@@ -1,0 +1,181 @@
+"""The graph backend's custom op: padded batches through PyTorch's fused CPU kernel, planned from the lengths' values.
+
+A padded batch (``valid_lens (B,)``, with or without causal self-attention) runs eagerly as one fused call per run of
+examples of equal length, on their real keys only (:func:`attnkit.backends.sdpa.attention`: 0.6-0.7x the time of
+one masked call at L=2048). That plan reads the lengths on the host, which dynamo cannot trace; as the custom op
+``attnkit::attention_by_length`` it runs inside the compiled graph, its plan made each time the graph runs. Its
+autograd is registered: the backward is the kernel's own (``_scaled_dot_product_flash_attention_for_cpu_backward``)
+on each run, from the output and log-sum-exp the forward kept, so nothing is computed twice; its fake (meta)
+implementation gives the shapes to the compiler.
+
+Exact as the reference: keys past an example's length are never read (NaN there reaches nothing), an example of no
+key gives zeros, and their gradients are exactly zero. When runs would not repay their calls (lengths alike, or
+many examples of distinct lengths: :func:`attnkit.backends.sdpa._worth_grouping`), one masked call, the padding and
+the rows that see nothing zeroed first.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["attention", "takes"]
+
+NAME = "attnkit::attention_by_length"
+
+# B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim (values' too), n an example's length
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def takes(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
+    """Whether the op runs this call's inputs: on the CPU, float32 or float64, one head size, causal only over as
+    many queries as keys (the caller checks the mask is lengths ``(B,)`` alone and there is no modifier)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64)
+        and q.shape[-1] == v.shape[-1]
+        and (not causal or q.shape[2] == k.shape[2])
+    )
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, causal: bool, scale: float) -> Tensor:
+    """``q (B, H, Lq, D)``, ``k``/``v (B, Hkv, Lk, D)``, ``lens (B,)`` long in ``[0, Lk]``: ``(B, H, Lq, D)``."""
+    return _attention(q, k, v, lens, causal, scale)[0]
+
+
+def _plan(lens: Tensor, Lq: int, Lk: int, macs_per_pair: int) -> list[tuple[int, int]] | None:
+    """Runs ``(length, examples)`` in batch order, or ``None`` for one masked call (:mod:`attnkit.backends.sdpa`'s
+    rule: grouping pays when it skips enough keys for its extra calls)."""
+    from attnkit.backends.sdpa import _worth_grouping  # (sdpa's rule, one copy)
+
+    lengths = lens.tolist()
+    if not lengths or not _worth_grouping(lengths, Lk, Lq, macs_per_pair):
+        return None
+    runs: list[list[int]] = []
+    for n in lengths:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return [(n, count) for n, count in runs]
+
+
+def _pieces(Lq: int, n: int, causal: bool) -> list[tuple[int, int, bool]]:
+    """The kernel calls of an example of ``n`` keys: ``(first row, last row + 1, causal)``; with ``causal``, rows
+    ``[0, n)`` causal over the ``n`` keys and rows ``[n, Lq)`` seeing all of them."""
+    if causal and n < Lq:
+        return [(0, n, True), (n, Lq, False)]
+    return [(0, Lq, causal)]
+
+
+def _masked(q: Tensor, k: Tensor, lens: Tensor, causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One call's float mask ``(B, 1, Lq, Lk)`` (0 or ``-inf``; a row that sees nothing sees every key), the live
+    rows ``(B, 1, Lq, 1)``, the live keys ``(B, 1, Lk, 1)``, and ``lens`` as a view ``(B, 1, 1, 1)``."""
+    Lq, Lk = q.shape[2], k.shape[2]
+    n = lens.view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+    keys = torch.arange(Lk, device=q.device)  # (Lk,)
+    allowed = keys < n  # (B, 1, 1, Lk)
+    if causal:
+        rows = torch.arange(Lq, device=q.device)[:, None]  # (Lq, 1)
+        allowed = allowed & (keys <= rows + (Lk - Lq))  # (B, 1, Lq, Lk)
+    allowed = allowed.expand(-1, 1, Lq, Lk)  # (B, 1, Lq, Lk)
+    live_rows = allowed.any(dim=-1, keepdim=True)  # (B, 1, Lq, 1)
+    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~(allowed | ~live_rows), -torch.inf)
+    return mask, live_rows, (keys < n).transpose(-2, -1), n  # (B,1,Lq,Lk), (B,1,Lq,1), (B,1,Lk,1), (B,1,1,1)
+
+
+@torch.library.custom_op(NAME, mutates_args=())
+def _attention(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # (the kernel reads rows whole)
+    plan = _plan(lens, Lq, Lk, H * 2 * D)
+    if plan is None:
+        mask, live_rows, live_keys, _ = _masked(q, k, lens, causal)
+        kz, vz = torch.where(live_keys, k, 0.0), torch.where(live_keys, v, 0.0)  # (B, Hkv, Lk, D): padding unread
+        qz = torch.where(live_rows, q, 0.0)  # (B, H, Lq, D)
+        out, lse = _flash(qz, kz, vz, 0.0, False, attn_mask=mask, scale=scale)
+        return out.masked_fill(~live_rows, 0.0).contiguous(), lse.contiguous()  # (B, H, Lq, D), (B, H, Lq)
+    outs, lses, b0 = [], [], 0
+    for n, count in plan:
+        qb, kb, vb = q[b0 : b0 + count], k[b0 : b0 + count, :, :n], v[b0 : b0 + count, :, :n]  # (b, H|Hkv, L|n, D)
+        if n == 0:
+            outs.append(qb.new_zeros(count, H, Lq, D))  # nothing to attend to
+            lses.append(torch.full((count, H, Lq), -torch.inf, dtype=_lse_dtype(q), device=q.device))
+        else:
+            found = [_flash(qb[:, :, r0:r1], kb, vb, 0.0, c, scale=scale) for r0, r1, c in _pieces(Lq, n, causal)]
+            outs.append(torch.cat([o for o, *_ in found], dim=2))  # (b, H, Lq, D)
+            lses.append(torch.cat([lse for _, lse, *_ in found], dim=2))  # (b, H, Lq)
+        b0 += count
+    return torch.cat(outs).contiguous(), torch.cat(lses).contiguous()  # (B, H, Lq, D), (B, H, Lq): as the fake
+
+
+@_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    B, H, Lq, _ = q.shape
+    return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op(NAME + "_backward", mutates_args=())
+def _attention_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lens: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    q, k, v, grad = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, grad))
+    plan = _plan(lens, Lq, Lk, H * 2 * D)
+    if plan is None:
+        mask, live_rows, live_keys, _ = _masked(q, k, lens, causal)
+        kz, vz = torch.where(live_keys, k, 0.0), torch.where(live_keys, v, 0.0)
+        qz = torch.where(live_rows, q, 0.0)
+        grad = grad.masked_fill(~live_rows, 0.0)  # the rows zeroed after the kernel pass nothing back
+        dq, dk, dv = _flash_backward(grad, qz, kz, vz, out, lse, 0.0, False, attn_mask=mask, scale=scale)
+        dead_rows, dead_keys = ~live_rows, ~live_keys
+        return tuple(g.masked_fill(m, 0.0).contiguous() for g, m in ((dq, dead_rows), (dk, dead_keys), (dv, dead_keys)))  # type: ignore[return-value]
+    dqs, dks, dvs, b0 = [], [], [], 0
+    for n, count in plan:
+        rows = slice(b0, b0 + count)
+        qb, kb, vb = q[rows], k[rows, :, :n], v[rows, :, :n]  # (b, H|Hkv, L|n, D)
+        dq, dk, dv = torch.zeros_like(qb), torch.zeros_like(k[rows]), torch.zeros_like(v[rows])  # (b, ., L, D)
+        for r0, r1, c in _pieces(Lq, n, causal) if n else []:
+            part = slice(r0, r1)
+            g_q, g_k, g_v = _flash_backward(
+                grad[rows, :, part], qb[:, :, part], kb, vb, out[rows, :, part], lse[rows, :, part], 0.0, c, scale=scale
+            )  # (b, H, r, D), (b, Hkv, n, D) twice
+            dq[:, :, part] = g_q
+            dk[:, :, :n] += g_k
+            dv[:, :, :n] += g_v
+        dqs.append(dq)
+        dks.append(dk)
+        dvs.append(dv)
+        b0 += count
+    return tuple(torch.cat(g).contiguous() for g in (dqs, dks, dvs))  # type: ignore[return-value]  # (B, H, Lq, D), (B, Hkv, Lk, D) twice
+
+
+@_attention_backward.register_fake
+def _(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lens: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(t.new_empty(t.shape) for t in (q, k, v))  # type: ignore[return-value]  # contiguous, as the op's
+
+
+def _setup(ctx: object, inputs: tuple, output: tuple) -> None:
+    q, k, v, lens, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, lens)  # type: ignore[attr-defined]
+    ctx.causal, ctx.scale = causal, scale  # type: ignore[attr-defined]
+
+
+def _backward(ctx: object, grad: Tensor, grad_lse: Tensor | None) -> tuple:
+    q, k, v, out, lse, lens = ctx.saved_tensors  # type: ignore[attr-defined]
+    dq, dk, dv = _attention_backward(grad, q, k, v, out, lse, lens, ctx.causal, ctx.scale)  # type: ignore[attr-defined]
+    return dq, dk, dv, None, None, None
+
+
+torch.library.register_autograd(NAME, _backward, setup_context=_setup)
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
