@@ -303,3 +303,45 @@ def test_custom_ops_pass_opcheck(causal: bool, lengths: list[int]) -> None:
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     for got, expected in zip(grads, torch.autograd.grad(want.sum(), (q, k, v)), strict=True):
         torch.testing.assert_close(got, expected, atol=TOL, rtol=0)
+
+
+def test_static_cache_chunks_of_any_size_compile_whole() -> None:
+    """The room check takes the call's new positions as a tensor: a symbolic size under ``dynamic=True``."""
+    torch.manual_seed(0)
+    model = attnkit.MultiHeadAttention(E, 4, query_size=E, key_size=E, value_size=E).double().eval()
+    eager_cache, cache = attnkit.KVCache(max_len=40), attnkit.KVCache(max_len=40)
+    _fresh()
+    step = torch.compile(lambda x, c: model(x, x, x, is_causal=True, cache=c), fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for chunk in (5, 3, 4):
+            x = torch.randn(B, chunk, E, dtype=torch.float64)
+            torch.testing.assert_close(step(x, cache), model(x, x, x, is_causal=True, cache=eager_cache))
+
+
+def test_huge_float_mask_under_compile_is_shifted_as_eagerly() -> None:
+    """A float mask's range is unknown while tracing: every row is shifted and clamped, as eagerly past 16."""
+    torch.manual_seed(0)
+    scores = torch.randn(1, 2, 4, dtype=torch.float64)
+    bias = torch.tensor([[0.0, 0.0, -1e300, -1e300], [-1e300] * 4], dtype=torch.float64)
+
+    def softmax(s: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return attnkit.masked_softmax(s, attn_mask=b)
+
+    _fresh()
+    got = torch.compile(softmax, fullgraph=True)(scores, bias)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, softmax(scores, bias), atol=TOL, rtol=0)
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 5, 8)
+    big = torch.randn(4, 5) * 1e6
+
+    def weights(q: torch.Tensor, k: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return attnkit.functional.attention_weights(q, k, attn_mask=b)
+
+    torch.testing.assert_close(torch.compile(weights)(q, k, big), weights(q, k, big))
+
+
+def test_lengths_given_with_zeros_past_are_still_checked() -> None:
+    """Only a KVCache's own lengths skip the check: ``zeros_past`` from a caller does not vouch for them."""
+    q, k = torch.randn(2, 1, 8), torch.randn(2, 5, 8)
+    with pytest.raises(ValueError, match="valid_lens must not be negative"):
+        d2l.DotProductAttention(0.0)(q, k, k, torch.tensor([-1, 3]), zeros_past=torch.tensor([5, 5]))

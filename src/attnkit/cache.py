@@ -179,12 +179,13 @@ class KVCache:
         if self._aligned is not None and new_lens is None:
             return self._append_aligned(k_new, v_new, self._aligned)
         real = self._new_lengths(new_lens, B, Lq, k_new.device)  # (B,)
+        if self.window is None:  # (before the positions: under compile, the writes then wait for the check)
+            self._make_room(_longest(self.lengths) + Lq if self.max_len is None else None, Lq)
         steps = torch.arange(Lq, device=k_new.device)  # (Lq,)
         positions = self.lengths[:, None] + steps  # (B, Lq): where each new token stands in its row
         is_real = steps < real[:, None]  # (B, Lq)
         if self.window is not None:
             return self._sliding(k_new, v_new, positions, is_real, is_causal)
-        self._make_room(_longest(self.lengths) + Lq if self.max_len is None else None, Lq)
         assert self.keys is not None and self.values is not None
         if new_lens is not None:
             # Padded tokens are written as zeros, past the row's new length: unseen, overwritten by the row's next
@@ -292,7 +293,8 @@ class KVCache:
         assert self.keys is not None and self.values is not None and self.lengths is not None
         C = self.keys.shape[2]
         if needed is None:  # static: checked where the lengths are (as the compiled code runs, under compile)
-            self.lengths = checked(self.lengths, "static room", "static cache", C, str(Lq))
+            asked = torch.stack([self.lengths, torch.full_like(self.lengths, Lq)])  # (2, B): held, and brought
+            self.lengths = checked(asked, "static room", "static cache", C, keep=self.lengths)
             return
         if needed <= C:
             return
@@ -332,9 +334,10 @@ class KVCache:
 
 
 @value_check("static room")
-def _room(lengths: Tensor, name: str, capacity: int, new: str) -> None:
-    longest = _longest(lengths)
-    if longest + int(new) > capacity:
+def _room(asked: Tensor, name: str, capacity: int, what: str) -> None:
+    """``asked (2, B)``: each row's length and the call's new positions (a tensor: a symbolic size under compile)."""
+    longest, new = _longest(asked[0]), int(asked[1, 0]) if asked.shape[1] else 0
+    if longest + new > capacity:
         raise ValueError(
             f"this static cache holds max_len={capacity} positions per row; a row already holds {longest} and the "
             f"call brings {new} more"

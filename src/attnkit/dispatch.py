@@ -2,6 +2,8 @@
 
 Policy for ``backend="auto"``, first backend that can run the call wins:
 
+* while ``torch.compile`` traces the call: ``graph``, the only backend that reads no value on the host (a backend
+  named explicitly runs outside the graph instead: :func:`attnkit.functional.attend`);
 * weights wanted: ``reference`` (the only backend that returns them);
 * on CUDA, a call with a ``mask_mod`` or ``score_mod``: ``flex`` (PyTorch's compiled FlexAttention) first,
   then as below;

@@ -190,12 +190,17 @@ def attention_weights(
     if (runner := _split.active()) is not None:
         runner.refuse("attention_weights")
     masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
+    if torch.compiler.is_compiling():  # the reference plans from values (which keys are dead): outside the graph
+        return _weights_outside_graph(q, k, w_v=w_v, scale=scale, sinks=sinks, **masks._asdict())
     q, k, mask, w_v, scale, score_mod, sinks, three_d = scoring(q, k, masks, w_v=w_v, scale=scale, sinks=sinks)
     with _autocast_off(q):
         weights = reference.attention_weights(q, k, mask, w_v=w_v, scale=scale, score_mod=score_mod, sinks=sinks).to(
             q.dtype
         )  # (B, H, Lq, Lk)
     return weights.squeeze(1) if three_d else weights
+
+
+_weights_outside_graph = torch.compiler.disable(attention_weights)
 
 
 class Scoring(NamedTuple):
@@ -248,6 +253,7 @@ def attend(
     backend: str = "auto",
     zeros_past: Tensor | None = None,
     need_lse: bool = False,
+    lengths_made: bool = False,
 ) -> AttendResult:
     """:func:`scaled_dot_product_attention` (``w_v`` None) or :func:`additive_attention`, as attnkit's layers call
     it: the masks as one value, and what a layer knows of its keys and values beside.
@@ -258,10 +264,12 @@ def attend(
             that band to know it holds nothing that could leak (:func:`attnkit.backends.common.zero_dead`).
         need_lse: also give each row's log-sum-exp where the chosen backend has it at no cost (a layer whose
             statistics are recorded: :func:`attnkit.record_stats`).
+        lengths_made: ``valid_lens`` are those a :class:`~attnkit.KVCache`'s ``update`` returned (int64, in
+            range as it makes them): not read again (a decode step's host sync; under compile, a check op).
     """
     q, k, v, w_v = _autocast(q, k, v, w_v)
     options = {"w_v": w_v, "scale": scale, "sinks": sinks, "dropout_p": dropout_p, "need_weights": need_weights}
-    options |= {"backend": backend, "zeros_past": zeros_past, "need_lse": need_lse}
+    options |= {"backend": backend, "zeros_past": zeros_past, "need_lse": need_lse, "lengths_made": lengths_made}
     runner = _split.active()
     if runner is not None:  # inside attnkit.distributed.context_parallel: q, k, v are this rank's shard
         ring = _outside_graph if torch.compiler.is_compiling() else runner.attend  # (collectives: outside the graph)
@@ -286,7 +294,7 @@ def attend(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if three_d:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L, D)
-    mask = _build_mask(q, k, masks, three_d, from_cache=zeros_past is not None)  # (a cache's lengths: made in range)
+    mask = _build_mask(q, k, masks, three_d, from_cache=lengths_made)
     score_mod, sinks = _check_mods(q, k, masks.score_mod, sinks)
     call = Call(
         q,

@@ -316,7 +316,8 @@ class MultiHeadAttention(_Attention):
         elif cache is not None:
             raise TypeError(f"cache must be an attnkit.KVCache or attnkit.CrossKVCache, got {type(cache).__name__}")
         masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
-        out, lse = self._attend(q, k, v, masks, zeros_past, need_lse=wants_stats(self))  # (B, H, Lq, d), (B, H, Lq)
+        made = isinstance(cache, KVCache)  # its lengths, as update() made them
+        out, lse = self._attend(q, k, v, masks, zeros_past, wants_stats(self), made)  # (B, H, Lq, d), (B, H, Lq)
         self._record(q, k, masks, positions=positions, lse=lse)
         merged = out.transpose(1, 2).reshape(B, Lq, H * d)  # (B, H, Lq, d) -> (B, Lq, H*d)
         if tracer is not None:
@@ -328,7 +329,14 @@ class MultiHeadAttention(_Attention):
         return super()._apply(fn, recurse)
 
     def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, masks: Masks, zeros_past: Tensor | None, need_lse: bool = False
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        masks: Masks,
+        zeros_past: Tensor | None,
+        need_lse: bool = False,
+        lengths_made: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Attention on the split heads: ``(B, H, Lq, d)``, ``(B, Hkv, Lk, d)`` twice -> ``(B, H, Lq, d)``, and
         each row's log-sum-exp ``(B, H, Lq)`` where ``need_lse`` and the backend had it (else ``None``);
@@ -343,6 +351,7 @@ class MultiHeadAttention(_Attention):
             backend=self.backend,
             zeros_past=zeros_past,
             need_lse=need_lse,
+            lengths_made=lengths_made,
         )  # (B, H, Lq, d), (B, H, Lq) or None
         return out, lse
 

@@ -165,6 +165,7 @@ def _refusal(
     backend: str,
     zeros_past: Tensor | None,
     need_lse: bool,
+    lengths_made: bool = False,
 ) -> str | None:
     """Why this rank cannot run the call as ring attention, or ``None``: said through :func:`agree`, so that
     every rank raises it at once."""

@@ -83,7 +83,14 @@ class RingMultiHeadAttention(MultiHeadAttention):
         self.group, self.layout, self.timeout = group, layout, timeout
 
     def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, masks: Masks, zeros_past: Tensor | None, need_lse: bool = False
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        masks: Masks,
+        zeros_past: Tensor | None,
+        need_lse: bool = False,
+        lengths_made: bool = False,
     ) -> tuple[Tensor, None]:
         refused = None  # refused after the ranks agree, so that a rank alone in its mistake stops the others too
         if masks.attn_mask is not None:

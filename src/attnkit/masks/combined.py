@@ -12,9 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import mods
-from attnkit._checked import checked
 from attnkit._checks import as_lengths, check_device, ranges
-from attnkit.masks.parts import as_4d_mask, causal_block, check_bias
+from attnkit.masks.parts import as_4d_mask, causal_block, checked_bias
 from attnkit.mods import MaskFn
 
 __all__ = ["BIAS_SHIFT_ABOVE", "LIVENESS_BLOCK_ELEMENTS", "LIVENESS_ROWS", "Mask"]
@@ -129,10 +128,8 @@ class Mask:
         if attn_mask is not None:
             m = as_4d_mask(attn_mask, B, H, Lq, Lk, mask_dims)
             check_device("attn_mask", m, device)
-            if m.dtype != torch.bool and torch.compiler.is_compiling():  # checked as the compiled code runs
-                m, has_neg_inf = checked(attn_mask, "float mask", "attn_mask", keep=m), True
-            elif m.dtype != torch.bool:
-                bias_range, has_neg_inf = check_bias(attn_mask)
+            if m.dtype != torch.bool:
+                m, bias_range, has_neg_inf = checked_bias(attn_mask, m)
             m = m.expand(*m.shape[:2], Lq, Lk)  # (B|1, H|1, Lq, Lk), a view: blocks slice it
             if m.dtype == torch.bool:
                 bool_mask = m
@@ -155,7 +152,7 @@ class Mask:
         mask.traced = torch.compiler.is_compiling()
         if max(-bias_range[0], bias_range[1]) > BIAS_SHIFT_ABOVE:
             shift = mask._visible_row_max()  # (B|1, H|1, Lq, 1)
-            if bool((shift.abs() > BIAS_SHIFT_ABOVE).any()):
+            if mask.traced or bool((shift.abs() > BIAS_SHIFT_ABOVE).any()):
                 mask.bias_shift = shift
         return mask
 

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 
 import torch
 from torch import Tensor
 
-from attnkit._checked import value_check
+from attnkit._checked import checked, value_check
 from attnkit._checks import broadcasts, describe
 
 __all__ = ["FloatMaskWarning", "as_4d_mask", "causal_block", "check_bias"]
@@ -102,3 +103,13 @@ def as_4d_mask(attn_mask: Tensor, B: int, H: int, Lq: int, Lk: int, mask_dims: i
 @value_check("float mask")
 def _float_mask_values(attn_mask: Tensor, name: str, bound: int, what: str) -> None:
     check_bias(attn_mask)
+
+
+def checked_bias(attn_mask: Tensor, view: Tensor) -> tuple[Tensor, tuple[float, float], bool]:
+    """:func:`check_bias` of a float mask, and ``view`` (its 4-dim view): eagerly, now; while ``torch.compile``
+    traces, as the compiled code runs (``attnkit::check_values``), its range then unknown (every block is shifted and
+    clamped) and ``-inf`` assumed."""
+    if torch.compiler.is_compiling():
+        return checked(attn_mask, "float mask", "attn_mask", keep=view), (-math.inf, math.inf), True
+    bias_range, has_neg_inf = check_bias(attn_mask)
+    return view, bias_range, has_neg_inf
