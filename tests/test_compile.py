@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch._dynamo.testing
 from torch import nn
 
 import attnkit
@@ -345,3 +346,74 @@ def test_lengths_given_with_zeros_past_are_still_checked() -> None:
     q, k = torch.randn(2, 1, 8), torch.randn(2, 5, 8)
     with pytest.raises(ValueError, match="valid_lens must not be negative"):
         d2l.DotProductAttention(0.0)(q, k, k, torch.tensor([-1, 3]), zeros_past=torch.tensor([5, 5]))
+
+
+def test_modifiers_made_inside_the_compiled_function() -> None:
+    """A mask_mod and a score_mod written inside the compiled code (a learned bias read from ``self``): whole."""
+    torch.manual_seed(0)
+
+    class Biased(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = attnkit.MultiHeadAttention(E, 4, query_size=E, key_size=E, value_size=E).double()
+            self.table = nn.Parameter(torch.randn(2 * L - 1, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            def bias(score, b, h, q_idx, kv_idx):
+                return score + self.table[q_idx - kv_idx + L - 1]
+
+            return self.attn(x, x, x, mask_mod=lambda b, h, q, k: (q - k).abs() < 4, score_mod=bias)
+
+    model = Biased()
+    x0 = torch.randn(B, L, E, dtype=torch.float64)
+    eager_out, eager_grads = _run(model, model, {}, x0)
+    _fresh()
+    out, grads = _run(torch.compile(model, fullgraph=True), model, {}, x0)
+    torch.testing.assert_close(out, eager_out, atol=TOL, rtol=0)
+    for got, want in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+
+
+def test_book_layer_with_a_cache_compiles_whole() -> None:
+    torch.manual_seed(0)
+    book = d2l.MultiHeadAttention(E, 4, 0.0).double().eval()
+    prompt, lens = torch.randn(B, 5, E, dtype=torch.float64), torch.tensor([5, 3])
+    eager_cache, cache = attnkit.KVCache(max_len=16), attnkit.KVCache(max_len=16)
+    with torch.no_grad():
+        book(prompt, prompt, prompt, lens, cache=eager_cache)
+        book(prompt, prompt, prompt, lens, cache=cache)
+        _fresh()
+        step = torch.compile(lambda x, c: book(x, x, x, None, cache=c), fullgraph=True)
+        for _ in range(3):
+            token = torch.randn(B, 1, E, dtype=torch.float64)
+            torch.testing.assert_close(step(token, cache), book(token, token, token, None, cache=eager_cache))
+
+
+def test_float_mask_lengths_compile_once() -> None:
+    torch.manual_seed(0)
+    model = attnkit.MultiHeadAttention(E, 4, query_size=E, key_size=E, value_size=E)
+    counter = torch._dynamo.testing.CompileCounter()
+    _fresh()
+    compiled = torch.compile(lambda x, m: model(x, x, x, attn_mask=m), backend=counter, dynamic=True)
+    for length in (17, 33, 50):  # (past a decode step's 16 queries per key/value head)
+        x, bias = torch.randn(B, length, E), torch.randn(length, length)
+        torch.testing.assert_close(compiled(x, bias), model(x, x, x, attn_mask=bias), atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == 1
+
+
+def test_a_trace_after_a_recording_sees_every_step() -> None:
+    """A graph compiled while a recording was open is not reused by a trace (dynamo guards on the kinds open)."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("attn", attnkit.MultiHeadAttention(E, 4, query_size=E, key_size=E, value_size=E))
+    x = torch.randn(B, L, E)
+    compiled = torch.compile(lambda x: model.attn(x, x, x))
+    _fresh()
+    compiled(x)
+    with attnkit.record_weights(model):
+        compiled(x)
+    with attnkit.trace.trace_shapes(model) as eager_trace:
+        model.attn(x, x, x)
+    with attnkit.trace.trace_shapes(model) as traced:
+        compiled(x)
+    assert [(s.module, s.step) for s in traced.steps] == [(s.module, s.step) for s in eager_trace.steps]

@@ -11,6 +11,7 @@ A call is never silently run without the recording or the ring attention that it
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from collections.abc import Iterator
@@ -23,11 +24,12 @@ __all__ = ["counted", "read"]
 
 T = TypeVar("T")
 
-# Blocks open in the process, and whether there is any (what dynamo guards on: a bool, so that a compiled model is
-# compiled again once when blocks open and once when they all close, not at each count). A module-level mutable,
-# on purpose: dynamo's guards can read a module's state, not a thread's.
-_COUNT = [0]
-_ANY_OPEN = [False]
+# Blocks open in the process by kind, and the kinds with one open (what dynamo guards on: the kinds, not the counts,
+# so that a compiled model is compiled again once per set of kinds, not at each count; and per kind, since a trace
+# adds module hooks a recording's graph did not see). A module-level mutable, on purpose: dynamo's guards can read
+# a module's state, not a thread's.
+_COUNTS: collections.Counter[str] = collections.Counter()
+_ANY_OPEN: list[tuple[str, ...]] = [()]
 _LOCK = threading.Lock()
 
 
@@ -40,14 +42,14 @@ def read(var: ContextVar[T], default: T) -> T:
 
 
 @contextlib.contextmanager
-def counted() -> Iterator[None]:
-    """Count a block that sets a scoped variable, while it is open (restored even after an error)."""
+def counted(kind: str) -> Iterator[None]:
+    """Count a block of ``kind`` that sets a scoped variable, while it is open (restored even after an error)."""
     with _LOCK:
-        _COUNT[0] += 1
-        _ANY_OPEN[0] = True
+        _COUNTS[kind] += 1
+        _ANY_OPEN[0] = tuple(sorted(+_COUNTS))
     try:
         yield
     finally:
         with _LOCK:
-            _COUNT[0] -= 1
-            _ANY_OPEN[0] = _COUNT[0] > 0
+            _COUNTS[kind] -= 1
+            _ANY_OPEN[0] = tuple(sorted(+_COUNTS))

@@ -46,7 +46,7 @@ def opened(runner: Runner) -> Iterator[None]:
     """Let ``runner`` run this thread's attention calls until the block ends (restored even after an error)."""
     token = _ACTIVE.set(runner)
     try:
-        with _scopes.counted():
+        with _scopes.counted("context_parallel"):
             yield
     finally:
         _ACTIVE.reset(token)

@@ -94,7 +94,7 @@ def watch() -> Iterator[list[str]]:
     entry = _Watch(seen)
     _WATCHERS.set((*_WATCHERS.get(), entry))
     try:
-        with _scopes.counted():
+        with _scopes.counted("watch"):
             yield seen
     finally:  # blocks may close in any order (contextlib.ExitStack): remove this one, keep the others
         entry.open = False  # an asyncio task made inside the block holds a copy of the tuple: it sees nothing more

@@ -341,7 +341,7 @@ def _chosen(named: list[tuple[str, nn.Module]], layers: str | Sequence[str], wha
 def _open(recording: _Recording) -> Iterator[Any]:
     _RECORDINGS.set((*_RECORDINGS.get(), recording))
     try:
-        with _scopes.counted():
+        with _scopes.counted("recording"):
             yield recording.record
     finally:
         recording.close()

@@ -209,7 +209,7 @@ def trace_shapes(model: nn.Module | None = None) -> Iterator[Trace]:
     _HOOKS.acquire()
     _ACTIVE.set(trace)
     try:
-        with _scopes.counted():
+        with _scopes.counted("trace"):
             yield trace
     finally:
         trace._closed = True

@@ -417,6 +417,9 @@ class Mask:
     def _scan_blocks(self) -> Iterator[tuple[int, int]]:
         """Key ranges ``[j0, j1)`` for a pass over the whole combined mask, each at most
         :data:`LIVENESS_BLOCK_ELEMENTS` elements once broadcast to the parts' ``(B|1, H|1, Lq, blk)``."""
+        if self.traced:  # one block under compile: a range() over a symbolic length would fix it
+            yield 0, self.num_keys
+            return
         step = max(1, LIVENESS_BLOCK_ELEMENTS // max(1, self._lead_shape().numel() * self.num_queries))
         for j0 in range(0, self.num_keys, step):
             yield j0, min(j0 + step, self.num_keys)

@@ -146,7 +146,8 @@ def _takes(fn: Any, count: int) -> bool:
     takes about 12 us)."""
     if inspect.isfunction(fn):
         code, defaults = fn.__code__, len(fn.__defaults__ or ())
-        required_keywords = code.co_kwonlyargcount - len(fn.__kwdefaults__ or {})
+        # (getattr: dynamo cannot read __kwdefaults__ of a function made while it traces, torch 2.13)
+        required_keywords = code.co_kwonlyargcount and code.co_kwonlyargcount - len(fn.__kwdefaults__ or {})
         if code.co_flags & inspect.CO_VARARGS:
             return code.co_argcount - defaults <= count and not required_keywords
         return code.co_argcount - defaults <= count <= code.co_argcount and not required_keywords
