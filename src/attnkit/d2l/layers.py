@@ -329,8 +329,10 @@ class MultiHeadAttention(nn.Module):
             attn_mask = folded
         extra = {} if zeros_past is None else {"zeros_past": zeros_past}  # (a replaced .attention need not take it)
         # the inner attention's statistics stand at the cache's positions, not at its slots
-        recorded = positions is not None and is_recording()  # (for recording only: compiled code sets nothing)
-        token = _INNER_POSITIONS.set((self.attention, positions, H)) if recorded else None
+        # (for recording only: compiled code, where nothing records, sets nothing)
+        token = (
+            None if positions is None or not is_recording() else _INNER_POSITIONS.set((self.attention, positions, H))
+        )
         try:
             output = self.attention(
                 queries, keys, values, valid_lens, attn_mask=attn_mask, is_causal=is_causal, **extra
