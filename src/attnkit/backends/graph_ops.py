@@ -10,7 +10,7 @@ implementation gives the shapes to the compiler.
 
 Exact as the reference: keys past an example's length are never read (NaN there reaches nothing), an example of no
 key gives zeros, and their gradients are exactly zero. When runs would not repay their calls (lengths alike, or
-many examples of distinct lengths: :func:`attnkit.backends.sdpa._worth_grouping`), one masked call, the padding and
+many examples of distinct lengths: :func:`attnkit.backends.sdpa.worth_grouping`), one masked call, the padding and
 the rows that see nothing zeroed first.
 """
 
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from attnkit.backends import sdpa
 
 __all__ = ["attention", "takes"]
 
@@ -48,18 +50,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, causal: bool, scale
 def _plan(lens: Tensor, Lq: int, Lk: int, macs_per_pair: int) -> list[tuple[int, int]] | None:
     """Runs ``(length, examples)`` in batch order, or ``None`` for one masked call (:mod:`attnkit.backends.sdpa`'s
     rule: grouping pays when it skips enough keys for its extra calls)."""
-    from attnkit.backends.sdpa import _worth_grouping  # (sdpa's rule, one copy)
-
     lengths = lens.tolist()
-    if not lengths or not _worth_grouping(lengths, Lk, Lq, macs_per_pair):
+    if not lengths or not sdpa.worth_grouping(lengths, Lk, Lq, macs_per_pair):
         return None
-    runs: list[list[int]] = []
-    for n in lengths:
-        if runs and runs[-1][0] == n:
-            runs[-1][1] += 1
-        else:
-            runs.append([n, 1])
-    return [(n, count) for n, count in runs]
+    return sdpa.equal_runs(lengths)
 
 
 def _pieces(Lq: int, n: int, causal: bool) -> list[tuple[int, int, bool]]:

@@ -92,7 +92,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
         # slower than a copy (`python benchmarks/decode.py --only layout`, prefill row)
         k, v = k.contiguous(), v.contiguous()  # (B, Hkv, Lk, D), (B, Hkv, Lk, Dv)
     lengths = None if call.score_mod is not None else _key_lengths(mask)
-    if lengths and _worth_grouping(lengths, Lk, Lq, H * (q.shape[-1] + v.shape[-1])):
+    if lengths and worth_grouping(lengths, Lk, Lq, H * (q.shape[-1] + v.shape[-1])):
         return _by_length(q, k, v, lengths, mask.is_causal, scale, dropout_p, gqa), None
     if call.score_mod is None and (mask.is_empty or mask.is_plain_causal):
         out = F.scaled_dot_product_attention(
@@ -139,7 +139,7 @@ def _key_lengths(mask: Mask) -> list[int] | None:
     return mask.valid_lens.view(-1).tolist()
 
 
-def _worth_grouping(lengths: list[int], Lk: int, Lq: int, macs_per_pair: int) -> bool:
+def worth_grouping(lengths: list[int], Lk: int, Lq: int, macs_per_pair: int) -> bool:
     """Whether one call per run of equal lengths beats one masked call: it skips enough of the keys, and the
     multiply-adds it skips pay for the calls it adds."""
     skipped = len(lengths) * Lk - sum(lengths)
@@ -147,6 +147,19 @@ def _worth_grouping(lengths: list[int], Lk: int, Lq: int, macs_per_pair: int) ->
         return False
     calls = 1 + sum(a != b for a, b in zip(lengths, lengths[1:], strict=False))
     return skipped * Lq * macs_per_pair >= (calls - 1) * CALL_COST_MACS
+
+
+def equal_runs(lengths: list[int]) -> list[tuple[int, int]]:
+    """``(length, examples)`` for each run of consecutive examples of equal length, in batch order: the backward pass
+    of a split is one concatenation, where slicing or gathering examples costs a full-size zeroed gradient each
+    (profiled: sorting the batch by length spent 20% of the time at L=2048 in index_select, scatter_add and fill)."""
+    runs: list[list[int]] = []
+    for n in lengths:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return [(n, count) for n, count in runs]
 
 
 def _by_length(
@@ -165,15 +178,7 @@ def _by_length(
     and every query ``i >= n`` sees all ``n`` keys (an unmasked call). Examples with no key give zeros.
     """
     H, Lq = q.shape[1], q.shape[2]
-    # Runs of consecutive examples of equal length, in batch order: the backward pass of `split` is one
-    # concatenation, where slicing or gathering examples costs a full-size zeroed gradient each (profiled:
-    # sorting the batch by length spent 20% of the time at L=2048 in index_select, scatter_add and fill).
-    runs: list[list[int]] = []
-    for n in lengths:
-        if runs and runs[-1][0] == n:
-            runs[-1][1] += 1
-        else:
-            runs.append([n, 1])
+    runs = equal_runs(lengths)
     sizes = [count for _, count in runs]
     parts = []
     for (n, count), qg, kg, vg in zip(runs, q.split(sizes), k.split(sizes), v.split(sizes), strict=True):
