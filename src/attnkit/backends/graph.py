@@ -14,7 +14,7 @@ no value. It is the reference's math (:mod:`attnkit.backends.reference`, the spe
 
 ``attnkit.dispatch`` chooses it for every call while ``torch.compile`` traces; eagerly it runs only when named
 (``backend="graph"``), which is how the tests hold it to the reference. Memory is that of the reference: the whole
-scores (the fused kernel's path needs only the mask). A packed-documents ``mask_mod`` (:func:`attnkit.mods.documents`)
+scores (the fused kernel's path needs only the mask). A packed-documents ``mask_mod`` (:func:`attnkit.mods.document`)
 is not run here: each document would be its own shapes (``attnkit.functional`` runs that call outside the graph).
 """
 
@@ -43,9 +43,6 @@ SUPPORTS = Supports(
     huge_scores=False,
 )
 
-# The dtypes PyTorch's fused kernels take (others, as the reference, are scored here).
-_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
 
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v, mask = call.q, call.k, call.v, call.mask
@@ -54,18 +51,13 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     allowed = _allowed(mask, q.device)  # (B|1, H|1, Lq|1, Lk) bool, or None: every pair
     bias, shift = (None, None) if mask.bias is None else _shifted_bias(mask.bias, allowed, dtype)
     fused = call.w_v is None and call.score_mod is None and call.sinks is None and not call.need_weights
-    if fused and q.dtype in _FUSED_DTYPES and call.queries_per_kv_head > decode.FEW_QUERIES:
-        lens = mask.valid_lens
-        padded = lens is not None and lens.shape[2] == 1 and mask.bool_mask is None and mask.bias is None
-        if (
-            padded
-            and mask.mask_mod is None
-            and not call.dropout_p
-            and graph_ops.takes(q, call.k, call.v, mask.is_causal)
-        ):
+    if fused and call.queries_per_kv_head > decode.FEW_QUERIES:
+        lens = mask.valid_lens  # (B, 1, 1 | Lq, 1) or None
+        lengths_alone = mask.bool_mask is None and mask.bias is None and mask.mask_mod is None and not call.dropout_p
+        padded = lens is not None and lens.shape[2] == 1 and lengths_alone  # a padded batch: lengths (B,) alone
+        if padded and graph_ops.takes(q, call.k, call.v, mask.is_causal):
             assert lens is not None
-            out = graph_ops.attention(q, call.k, call.v, lens.view(B), mask.is_causal, call.scale)  # (B, H, Lq, D)
-            return out, None
+            return graph_ops.attention(q, call.k, call.v, lens.view(B), mask.is_causal, call.scale), None
         return _fused(call, allowed, bias), None
     # a KVCache's call (zeros past each row's length, its mask a prefix of each row): the keys need no zeroing, only
     # the rows that see nothing (their outputs), so a decode step does not copy the cache

@@ -16,6 +16,8 @@ the rows that see nothing zeroed first.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -64,9 +66,19 @@ def _pieces(Lq: int, n: int, causal: bool) -> list[tuple[int, int, bool]]:
     return [(0, Lq, causal)]
 
 
-def _masked(q: Tensor, k: Tensor, lens: Tensor, causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One call's float mask ``(B, 1, Lq, Lk)`` (0 or ``-inf``; a row that sees nothing sees every key), the live
-    rows ``(B, 1, Lq, 1)``, the live keys ``(B, 1, Lk, 1)``, and ``lens`` as a view ``(B, 1, 1, 1)``."""
+class _Masked(NamedTuple):
+    """One masked call over the whole batch: the inputs with what no query sees zeroed, the float mask, and which
+    rows see some key ``(B, 1, Lq, 1)`` and which keys some query sees ``(B, 1, Lk, 1)``."""
+
+    q: Tensor  # (B, H, Lq, D)
+    k: Tensor  # (B, Hkv, Lk, D)
+    v: Tensor  # (B, Hkv, Lk, D)
+    mask: Tensor  # (B, 1, Lq, Lk): 0 or -inf; a row that sees nothing sees every (zeroed) key
+    live_rows: Tensor  # (B, 1, Lq, 1)
+    live_keys: Tensor  # (B, 1, Lk, 1)
+
+
+def _masked(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, causal: bool) -> _Masked:
     Lq, Lk = q.shape[2], k.shape[2]
     n = lens.view(-1, 1, 1, 1)  # (B, 1, 1, 1)
     keys = torch.arange(Lk, device=q.device)  # (Lk,)
@@ -76,8 +88,10 @@ def _masked(q: Tensor, k: Tensor, lens: Tensor, causal: bool) -> tuple[Tensor, T
         allowed = allowed & (keys <= rows + (Lk - Lq))  # (B, 1, Lq, Lk)
     allowed = allowed.expand(-1, 1, Lq, Lk)  # (B, 1, Lq, Lk)
     live_rows = allowed.any(dim=-1, keepdim=True)  # (B, 1, Lq, 1)
+    live_keys = (keys < n).transpose(-2, -1)  # (B, 1, Lk, 1)
     mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~(allowed | ~live_rows), -torch.inf)
-    return mask, live_rows, (keys < n).transpose(-2, -1), n  # (B,1,Lq,Lk), (B,1,Lq,1), (B,1,Lk,1), (B,1,1,1)
+    zq, zk, zv = torch.where(live_rows, q, 0.0), torch.where(live_keys, k, 0.0), torch.where(live_keys, v, 0.0)
+    return _Masked(zq, zk, zv, mask, live_rows, live_keys)
 
 
 @torch.library.custom_op(NAME, mutates_args=())
@@ -87,11 +101,9 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, causal: bool, scal
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # (the kernel reads rows whole)
     plan = _plan(lens, Lq, Lk, H * 2 * D)
     if plan is None:
-        mask, live_rows, live_keys, _ = _masked(q, k, lens, causal)
-        kz, vz = torch.where(live_keys, k, 0.0), torch.where(live_keys, v, 0.0)  # (B, Hkv, Lk, D): padding unread
-        qz = torch.where(live_rows, q, 0.0)  # (B, H, Lq, D)
-        out, lse = _flash(qz, kz, vz, 0.0, False, attn_mask=mask, scale=scale)
-        return out.masked_fill(~live_rows, 0.0).contiguous(), lse.contiguous()  # (B, H, Lq, D), (B, H, Lq)
+        m = _masked(q, k, v, lens, causal)
+        out, lse = _flash(m.q, m.k, m.v, 0.0, False, attn_mask=m.mask, scale=scale)  # (B, H, Lq, D), (B, H, Lq)
+        return out.masked_fill(~m.live_rows, 0.0).contiguous(), lse.contiguous()
     outs, lses, b0 = [], [], 0
     for n, count in plan:
         qb, kb, vb = q[b0 : b0 + count], k[b0 : b0 + count, :, :n], v[b0 : b0 + count, :, :n]  # (b, H|Hkv, L|n, D)
@@ -121,13 +133,12 @@ def _attention_backward(
     q, k, v, grad = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, grad))
     plan = _plan(lens, Lq, Lk, H * 2 * D)
     if plan is None:
-        mask, live_rows, live_keys, _ = _masked(q, k, lens, causal)
-        kz, vz = torch.where(live_keys, k, 0.0), torch.where(live_keys, v, 0.0)
-        qz = torch.where(live_rows, q, 0.0)
-        grad = grad.masked_fill(~live_rows, 0.0)  # the rows zeroed after the kernel pass nothing back
-        dq, dk, dv = _flash_backward(grad, qz, kz, vz, out, lse, 0.0, False, attn_mask=mask, scale=scale)
-        dead_rows, dead_keys = ~live_rows, ~live_keys
-        return tuple(g.masked_fill(m, 0.0).contiguous() for g, m in ((dq, dead_rows), (dk, dead_keys), (dv, dead_keys)))  # type: ignore[return-value]
+        m = _masked(q, k, v, lens, causal)
+        grad = grad.masked_fill(~m.live_rows, 0.0)  # the rows zeroed after the kernel pass nothing back
+        dq, dk, dv = _flash_backward(grad, m.q, m.k, m.v, out, lse, 0.0, False, attn_mask=m.mask, scale=scale)
+        dq = dq.masked_fill(~m.live_rows, 0.0)  # (B, H, Lq, D)
+        dk, dv = dk.masked_fill(~m.live_keys, 0.0), dv.masked_fill(~m.live_keys, 0.0)  # (B, Hkv, Lk, D) each
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
     dqs, dks, dvs, b0 = [], [], [], 0
     for n, count in plan:
         rows = slice(b0, b0 + count)
@@ -145,14 +156,14 @@ def _attention_backward(
         dks.append(dk)
         dvs.append(dv)
         b0 += count
-    return tuple(torch.cat(g).contiguous() for g in (dqs, dks, dvs))  # type: ignore[return-value]  # (B, H, Lq, D), (B, Hkv, Lk, D) twice
+    return torch.cat(dqs).contiguous(), torch.cat(dks).contiguous(), torch.cat(dvs).contiguous()  # as the fake
 
 
 @_attention_backward.register_fake
 def _(
     grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lens: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return tuple(t.new_empty(t.shape) for t in (q, k, v))  # type: ignore[return-value]  # contiguous, as the op's
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the op's
 
 
 def _setup(ctx: object, inputs: tuple, output: tuple) -> None:
