@@ -417,3 +417,20 @@ def test_a_trace_after_a_recording_sees_every_step() -> None:
     with attnkit.trace.trace_shapes(model) as traced:
         compiled(x)
     assert [(s.module, s.step) for s in traced.steps] == [(s.module, s.step) for s in eager_trace.steps]
+
+
+@pytest.mark.parametrize(("batch", "queries"), [(0, 12), (2, 0), (0, 0)])
+def test_empty_shapes_compile_whole(batch: int, queries: int) -> None:
+    """No example or no query: the eager shapes, compiled whole (sizes named, never -1, in the graph backend)."""
+    q = torch.randn(batch, 4, queries, 8, dtype=torch.float64)
+    k, v = torch.randn(batch, 2, 12, 8, dtype=torch.float64), torch.randn(batch, 2, 12, 8, dtype=torch.float64)
+    lens = torch.full((batch,), 7)
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        return attnkit.scaled_dot_product_attention(q, k, v, valid_lens=n, score_mod=mods.softcap(2.0)).output
+
+    _fresh()
+    got = torch.compile(call, fullgraph=True)(q, k, v, lens)
+    assert got.shape == call(q, k, v, lens).shape == (batch, 4, queries, 8)
+    out = attnkit.scaled_dot_product_attention(q, k, v, valid_lens=lens, backend="graph").output
+    assert out.shape == (batch, 4, queries, 8)

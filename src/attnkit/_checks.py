@@ -154,7 +154,8 @@ def check_qkv(
     check_same_kind((nq, q), (nk, k), (nv, v))
 
     def shapes() -> str:  # (made only for a message: under torch.compile, dynamo cannot join the strings)
-        return f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}" + ("" if v is k else f", {nv} {tuple(v.shape)}")
+        values = "" if v is k else f", {nv} {tuple(v.shape)}"
+        return f"{nq} {tuple(q.shape)}, {nk} {tuple(k.shape)}{values}"
 
     if q.dim() not in (3, 4):
         raise ValueError(f"{nq} must be (B, H, Lq, D) or (B, Lq, D), got {q.dim()} dims: {shapes()}")

@@ -47,6 +47,7 @@ SUPPORTS = Supports(
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v, mask = call.q, call.k, call.v, call.mask
     B, H, Lq, D = q.shape
+    Lk = k.shape[2]
     dtype = compute_dtype(q.dtype)
     allowed = _allowed(mask, q.device)  # (B|1, H|1, Lq|1, Lk) bool, or None: every pair
     bias, shift = (None, None) if mask.bias is None else _shifted_bias(mask.bias, allowed, dtype)
@@ -72,8 +73,8 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     def scores_of(kf: Tensor) -> Tensor:
         if call.w_v is not None:
             return additive_scores(qf, kf, call.w_v.to(dtype))[0]  # (B, H, Lq, Lk)
-        grouped = qf.reshape(B, Hk, -1, D)  # (B, Hk, H/Hk * Lq, D): a group's queries against its keys
-        return ((grouped @ kf.transpose(-2, -1)) * call.scale).view(B, H, Lq, -1)  # (B, H, Lq, Lk)
+        grouped = qf.reshape(B, Hk, H // Hk * Lq, D)  # (B, Hk, H/Hk * Lq, D): a group's queries against its keys
+        return ((grouped @ kf.transpose(-2, -1)) * call.scale).view(B, H, Lq, Lk)  # (B, H, Lq, Lk)
 
     scores = scores_of(kf)  # (B, H, Lq, Lk)
     if call.score_mod is not None:
@@ -107,7 +108,8 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     if allowed is not None:
         weights = weights.masked_fill(~allowed, 0.0)  # a row that sees no key: zeros
     dropped = F.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
-    out = (dropped.reshape(B, Hk, -1, dropped.shape[-1]) @ vf).view(B, H, Lq, -1)  # (B, H, Lq, Dv)
+    grouped = dropped.reshape(B, Hk, H // Hk * Lq, Lk)  # (B, Hk, H/Hk * Lq, Lk)
+    out = (grouped @ vf).view(B, H, Lq, vf.shape[-1])  # (B, H, Lq, Dv)
     if cached and allowed is not None:  # rows that see nothing, whatever the keys they did not see hold
         out = torch.where(allowed.any(dim=-1, keepdim=True), out, 0.0)  # (B, H, Lq, Dv)
     return out.to(q.dtype), (weights.to(q.dtype) if call.need_weights else None)
