@@ -45,8 +45,9 @@ def takes(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, causal: bool, scale: float) -> Tensor:
-    """``q (B, H, Lq, D)``, ``k``/``v (B, Hkv, Lk, D)``, ``lens (B,)`` long in ``[0, Lk]``: ``(B, H, Lq, D)``."""
-    return _attention(q, k, v, lens, causal, scale)[0]
+    """``q (B, H, Lq, D)``, ``k``/``v (B, Hkv, Lk, D)``, ``lens (B,)`` long in ``[0, Lk]``: ``(B, H, Lq, D)``, a view
+    of the op's ``(B, Lq, H, D)`` (the kernel's own layout: a layer then merges the heads without a copy)."""
+    return _attention(q, k, v, lens, causal, scale)[0].transpose(1, 2)
 
 
 def _plan(lens: Tensor, Lq: int, Lk: int, macs_per_pair: int) -> list[tuple[int, int]] | None:
@@ -99,29 +100,37 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, causal: bool, scal
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # (the kernel reads rows whole)
+    blhd, lse = _empty_results(q, v)  # (B, Lq, H, D), (B, H, Lq)
+    out = blhd.transpose(1, 2)  # (B, H, Lq, D), a view: written in place
     plan = _plan(lens, Lq, Lk, H * 2 * D)
     if plan is None:
         m = _masked(q, k, v, lens, causal)
-        out, lse = _flash(m.q, m.k, m.v, 0.0, False, attn_mask=m.mask, scale=scale)  # (B, H, Lq, D), (B, H, Lq)
-        return out.masked_fill(~m.live_rows, 0.0).contiguous(), lse.contiguous()
-    outs, lses, b0 = [], [], 0
+        found, found_lse = _flash(m.q, m.k, m.v, 0.0, False, attn_mask=m.mask, scale=scale)[:2]
+        out.copy_(found.masked_fill(~m.live_rows, 0.0))
+        lse.copy_(found_lse)
+        return blhd, lse
+    b0 = 0
     for n, count in plan:
-        qb, kb, vb = q[b0 : b0 + count], k[b0 : b0 + count, :, :n], v[b0 : b0 + count, :, :n]  # (b, H|Hkv, L|n, D)
+        rows = slice(b0, b0 + count)
+        kb, vb = k[rows, :, :n], v[rows, :, :n]  # (b, Hkv, n, D): the real keys only
         if n == 0:
-            outs.append(qb.new_zeros(count, H, Lq, D))  # nothing to attend to
-            lses.append(torch.full((count, H, Lq), -torch.inf, dtype=_lse_dtype(q), device=q.device))
-        else:
-            found = [_flash(qb[:, :, r0:r1], kb, vb, 0.0, c, scale=scale) for r0, r1, c in _pieces(Lq, n, causal)]
-            outs.append(torch.cat([o for o, *_ in found], dim=2))  # (b, H, Lq, D)
-            lses.append(torch.cat([lse for _, lse, *_ in found], dim=2))  # (b, H, Lq)
+            out[rows], lse[rows] = 0.0, -torch.inf  # nothing to attend to
+        for r0, r1, c in _pieces(Lq, n, causal) if n else []:
+            out[rows, :, r0:r1], lse[rows, :, r0:r1] = _flash(q[rows, :, r0:r1], kb, vb, 0.0, c, scale=scale)[:2]
         b0 += count
-    return torch.cat(outs).contiguous(), torch.cat(lses).contiguous()  # (B, H, Lq, D), (B, H, Lq): as the fake
+    return blhd, lse
 
 
 @_attention.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    return _empty_results(q, v)
+
+
+def _empty_results(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """The op's results, contiguous, in the op and its fake alike: the output ``(B, Lq, H, Dv)`` and the
+    log-sum-exp ``(B, H, Lq)``."""
     B, H, Lq, _ = q.shape
-    return q.new_empty(B, H, Lq, v.shape[-1]), q.new_empty(B, H, Lq, dtype=_lse_dtype(q))
+    return q.new_empty(B, Lq, H, v.shape[-1]), q.new_empty(B, H, Lq, dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op(NAME + "_backward", mutates_args=())
@@ -175,6 +184,7 @@ def _setup(ctx: object, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: object, grad: Tensor, grad_lse: Tensor | None) -> tuple:
     q, k, v, out, lse, lens = ctx.saved_tensors  # type: ignore[attr-defined]
+    grad, out = grad.transpose(1, 2), out.transpose(1, 2)  # (B, H, Lq, D) views of (B, Lq, H, D)
     dq, dk, dv = _attention_backward(grad, q, k, v, out, lse, lens, ctx.causal, ctx.scale)  # type: ignore[attr-defined]
     return dq, dk, dv, None, None, None
 
