@@ -124,7 +124,7 @@ def test_from_torch_matches_torch(seed, bias, packed, batch_first, attention, ma
     g = torch.Generator().manual_seed(10_000 + seed)
     q, k, v = make_inputs(g, packed=packed, attention=attention)
     torch_kw, ours_kw = make_masks(g, mask, q.shape[1], k.shape[1])
-    ours = attnkit.MultiHeadAttention.from_torch(m)
+    ours = attnkit.MultiHeadAttention.from_torch(m, batch_first=True)
     with torch.no_grad():
         expected, _ = run_torch(m, q, k, v, **torch_kw)
         got = ours(q, k, v, **ours_kw)  # (B, Lq, E)
@@ -166,6 +166,22 @@ def test_from_torch_refuses_what_attnkit_cannot_express(option):
         attnkit.MultiHeadAttention.from_torch(m)
 
 
+def test_from_torch_refuses_a_sequence_first_layer_unless_told_the_inputs_will_be_batch_first():
+    """torch's default layout is (L, B, E); fed to a batch-first module, the same tensors give a silently wrong
+    result, so the conversion says so instead of guessing."""
+    m = make_torch_mha(3, bias=True, packed=True, batch_first=False)
+    with pytest.raises(ValueError, match=r"batch_first=False, so it takes \(L, B, E\).*x.transpose\(0, 1\)"):
+        attnkit.MultiHeadAttention.from_torch(m)
+    with pytest.raises(ValueError, match="take \\(B, L, E\\) only"):
+        attnkit.MultiHeadAttention.from_torch(m, batch_first=False)
+    x = torch.randn(B, L_SELF, E, generator=torch.Generator().manual_seed(3))  # (B, L, E)
+    ours = attnkit.MultiHeadAttention.from_torch(m, batch_first=True)
+    with torch.no_grad():
+        expected, _ = m(*(x.transpose(0, 1),) * 3, need_weights=False)  # torch on (L, B, E)
+        assert max_diff(ours(x, x, x), expected.transpose(0, 1)) <= TOL
+    assert attnkit.MultiHeadAttention.from_torch(make_torch_mha(3, bias=True, packed=True, batch_first=True))
+
+
 # 2. to_torch
 
 ROUND_TRIP_CASES = list(itertools.product((True, False), repeat=3))  # bias, packed, batch_first
@@ -179,7 +195,7 @@ ROUND_TRIP_IDS = [
 def test_torch_to_attnkit_to_torch_gives_the_same_module(bias, packed, batch_first):
     seed = 100 + 4 * bias + 2 * packed + batch_first
     m = make_torch_mha(seed, bias=bias, packed=packed, batch_first=batch_first)
-    back = attnkit.MultiHeadAttention.from_torch(m).eval().to_torch(batch_first=batch_first)
+    back = attnkit.MultiHeadAttention.from_torch(m, batch_first=True).eval().to_torch(batch_first=batch_first)
     assert back.batch_first == batch_first
     assert not back.training
     expected_state, state = m.state_dict(), back.state_dict()
@@ -207,7 +223,7 @@ def test_attnkit_to_torch_to_attnkit_gives_equal_outputs(bias, packed, batch_fir
     theirs = ours.to_torch(batch_first=batch_first)
     assert theirs.batch_first == batch_first
     assert theirs._qkv_same_embed_dim == packed
-    back = attnkit.MultiHeadAttention.from_torch(theirs)
+    back = attnkit.MultiHeadAttention.from_torch(theirs, batch_first=True)
     q, k, v = make_inputs(g, packed=packed, attention="cross")
     torch_kw, ours_kw = make_masks(g, "key_padding", q.shape[1], k.shape[1])
     with torch.no_grad():
@@ -254,7 +270,7 @@ def test_recorded_weights_equal_torch_weights(bias, packed, batch_first, attenti
     g = torch.Generator().manual_seed(seed)
     q, k, v = make_inputs(g, packed=packed, attention=attention)
     torch_kw, ours_kw = make_masks(g, "key_padding", q.shape[1], k.shape[1])
-    ours = attnkit.MultiHeadAttention.from_torch(m)
+    ours = attnkit.MultiHeadAttention.from_torch(m, batch_first=True)
     with torch.no_grad():
         expected, expected_weights = run_torch(m, q, k, v, need_weights=True, average_attn_weights=False, **torch_kw)
         with attnkit.record_weights(ours) as rec:

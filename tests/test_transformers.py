@@ -227,8 +227,8 @@ def test_generate_gives_the_same_tokens_with_the_cache(kind):
 
 
 def test_left_padded_rows_give_zeros_not_nan():
-    """The queries of left padding see nothing: attnkit gives them zero attention output (eager: uniform weights
-    over the padding, still finite), so nothing downstream turns NaN, in float16 too."""
+    """The queries of left padding see nothing: attnkit gives them zero weights and output, so nothing downstream
+    turns NaN, in float16 too."""
     models = _models("llama", (NAMES["auto"],))
     m = models[NAMES["auto"]]
     batch = _batch("llama", "left")
@@ -238,6 +238,20 @@ def test_left_padded_rows_give_zeros_not_nan():
     w = rec["model.layers.0.self_attn"]  # (B, H, Lq, Lk)
     pad = ~batch["attention_mask"].bool()  # (B, L)
     assert (w[pad[:, None, :].expand(w.shape[:3])] == 0).all()
+
+
+def test_what_the_readme_says_eager_gives_left_padded_queries_still_holds():
+    """README: transformers' eager gives a query of left padding the same weight, 1/L, on every key, future keys
+    included (its mask is the dtype's minimum everywhere on that row, and a softmax of equal scores is uniform);
+    attnkit gives zeros. If a transformers release changes this, the README's sentence must change with it."""
+    eager = _models("llama", ())["eager"]
+    batch = _batch("llama", "left")
+    with torch.no_grad():
+        weights = eager(**batch, output_attentions=True, return_dict=True).attentions[0]  # (B, H, L, L)
+    pad = ~batch["attention_mask"].bool()  # (B, L)
+    rows = weights[pad[:, None, :].expand(weights.shape[:3])]  # (padding queries x H, L)
+    assert len(rows) > 0
+    torch.testing.assert_close(rows, torch.full_like(rows, 1 / L))
 
 
 def test_softcap_sinks_and_sliding_window_map_to_attnkit():

@@ -356,21 +356,33 @@ class MultiHeadAttention(_Attention):
         return out, lse
 
     @classmethod
-    def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
+    def from_torch(cls, m: nn.MultiheadAttention, *, batch_first: bool | None = None) -> MultiHeadAttention:
         """An equal attnkit module from a ``torch.nn.MultiheadAttention``.
 
-        Packed ``in_proj_weight`` or separate q/k/v weights (``kdim``/``vdim``), with or without biases. attnkit is
-        always batch first: with ``batch_first=False`` torch takes ``(L, B, E)``, attnkit ``(B, L, E)``.
+        Packed ``in_proj_weight`` or separate q/k/v weights (``kdim``/``vdim``), with or without biases.
+
+        attnkit layers are always batch first, ``(B, L, E)``. A layer made with ``batch_first=False`` takes
+        ``(L, B, E)``, and the same tensors fed to the new module would be read with batch and length swapped, a
+        silently wrong result: such a layer is refused unless ``batch_first=True`` says that the caller will feed
+        the new module ``(B, L, E)`` (``x.transpose(0, 1)`` of what the old one took).
 
         Masks: torch's ``key_padding_mask`` ``(B, Lk)`` is ``True`` = *ignore*; here ``True`` = *may attend*, so
         pass ``attn_mask=~key_padding_mask[:, None, None, :]`` (or ``valid_lens`` when the padding is at the
         end). torch's boolean ``attn_mask`` is also ``True`` = ignore: pass ``~attn_mask``; a float one as is.
 
         Raises:
-            ValueError: for ``add_bias_kv`` or ``add_zero_attn``, which have no attnkit equivalent.
+            ValueError: for ``add_bias_kv`` or ``add_zero_attn``, which have no attnkit equivalent; for a
+                ``batch_first=False`` layer unless ``batch_first=True`` is given; for ``batch_first=False``.
         """
         if m.bias_k is not None or m.add_zero_attn:
             raise ValueError("from_torch: add_bias_kv and add_zero_attn have no attnkit equivalent")
+        if batch_first is False:
+            raise ValueError("from_torch: attnkit layers take (B, L, E) only; batch_first=False is not supported")
+        if not m.batch_first and batch_first is None:
+            raise ValueError(
+                "from_torch: this torch.nn.MultiheadAttention has batch_first=False, so it takes (L, B, E); attnkit "
+                "layers take (B, L, E). Feed the new module x.transpose(0, 1) and pass batch_first=True to say so"
+            )
         E = m.embed_dim
         has_bias = m.in_proj_bias is not None
         new = cls(E, m.num_heads, m.dropout, query_size=E, key_size=m.kdim, value_size=m.vdim, bias=has_bias).to(
