@@ -4,7 +4,7 @@ attnkit keeps what a ``with`` block switches on (a recording, a trace, a backend
 settings) in :class:`contextvars.ContextVar`\\ s, and ``torch.compile`` cannot trace ``ContextVar.get`` (a graph
 break, "Dynamo does not know how to trace method `get` of class `ContextVar`", torch 2.13: tested in
 ``tests/test_compile.py``). So every such block is also counted here, process-wide, and compiled code reads the
-variables only while some block is open somewhere: dynamo guards on :data:`_ANY_OPEN`, so a compiled model runs
+variables only while some block is open somewhere: dynamo guards on ``_ANY_OPEN``, so a compiled model runs
 its one graph while no block is open, and is compiled again, reading the variables (a graph break), while one is.
 A call is never silently run without the recording or the ring attention that its caller opened.
 """

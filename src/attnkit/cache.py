@@ -106,12 +106,12 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the stored keys and values: ``2 * B * Hkv * capacity * D * itemsize``."""
+        """The bytes the stored keys and values take, ``2 * B * Hkv * capacity * D * itemsize``."""
         return 0 if self.keys is None or self.values is None else self.keys.nbytes + self.values.nbytes
 
     @property
     def is_empty(self) -> bool:
-        """Nothing stored since the cache was made or last reset: the next call starts a generation."""
+        """Whether nothing is stored since the cache was made or last reset (then the next call starts a generation)."""
         return self._empty
 
     def reset(self) -> None:
@@ -156,13 +156,14 @@ class KVCache:
             is_causal: query ``i`` of row ``b`` sees that row's keys up to its own position ``length_b + i``.
 
         Returns:
-            :class:`Attended`: ``keys (B, Hkv, Lk, D)``, ``values (B, Hkv, Lk, Dv)``, and the mask as the attention
-            call takes it: ``valid_lens (B, Lq)`` (growing and static caches) or a boolean ``attn_mask
-            (B, 1, Lq, Lk)`` (sliding), the other ``None``; both ``None`` when the rows are aligned (a growing cache
-            whose rows all hold ``Lk`` keys, every new token real): then ``is_causal`` as given, aligned to the
-            bottom right, is exact, and the attention call builds no mask (decoding one sequence always takes this
-            path). Padded queries see no key (their output is zero). ``zeros_past``: each row's length, past which
-            its keys and values are zeros (growing and static caches), which the attention call passes on.
+            An :class:`~attnkit.cache.Attended`, ``keys (B, Hkv, Lk, D)``, ``values (B, Hkv, Lk, Dv)``, and the
+            mask as the attention call takes it: ``valid_lens (B, Lq)`` (growing and static caches) or a boolean
+            ``attn_mask (B, 1, Lq, Lk)`` (sliding), the other ``None``; both ``None`` when the rows are aligned (a
+            growing cache whose rows all hold ``Lk`` keys, every new token real): then ``is_causal`` as given,
+            aligned to the bottom right, is exact, and the attention call builds no mask (decoding one sequence
+            always takes this path). Padded queries see no key (their output is zero). ``zeros_past``: each row's
+            length, past which its keys and values are zeros (growing and static caches), which the attention call
+            passes on.
 
         Raises:
             ValueError: keys and values that do not fit what the cache holds (another batch, heads, head size,

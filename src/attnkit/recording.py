@@ -379,7 +379,8 @@ def record_weights(
             whole ``Lq x Lk`` weights. ``rec.selected[name]`` says which heads and rows the last call kept.
 
     Yields:
-        A :class:`WeightRecord`, filled as the model runs; keys are module names from ``named_modules()``.
+        A :class:`~attnkit.recording.WeightRecord`, filled as the model runs; keys are module names from
+        ``named_modules()``.
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``, or a selection of the wrong type.
@@ -424,8 +425,8 @@ def record_stats(
         layers: only these modules, as in :func:`record_weights`.
 
     Yields:
-        A :class:`StatsRecord`: ``rec[name]`` the last call's statistics, ``rec.calls(name)`` every call's;
-        ``rec.save(path)`` for ``attnkit view``.
+        A :class:`~attnkit.recording.StatsRecord`: ``rec[name]`` the last call's statistics, ``rec.calls(name)``
+        every call's; ``rec.save(path)`` for ``attnkit view``.
 
     Raises:
         TypeError: ``model`` not a module, ``topk`` or ``sink_keys`` not an int.

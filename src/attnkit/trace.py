@@ -46,7 +46,7 @@ _ACTIVE: ContextVar[Trace | None] = ContextVar("attnkit_trace", default=None)
 def active() -> Trace | None:
     """The innermost trace open in this thread or task, or ``None``. Steps call it and do nothing on ``None``; a step
     added to it reaches every trace open around it. Code that ``torch.compile`` traces reads it only while some
-    block is open in the process (:mod:`attnkit._scopes`)."""
+    block is open in the process (``attnkit._scopes``)."""
     return _scopes.read(_ACTIVE, None)
 
 

@@ -148,7 +148,7 @@ def assemble(call: Call, pieces: list[Piece], results: list[Result | None]) -> R
 
 
 def has_documents(mask_mod: mods.MaskFn | None) -> bool:
-    """Whether ``mask_mod`` has a document part (:func:`attnkit.mods.documents`): a call :func:`split` cuts up."""
+    """Whether ``mask_mod`` has a document part (:class:`attnkit.mods.document`): a call :func:`split` cuts up."""
     return _document(mask_mod) is not None
 
 

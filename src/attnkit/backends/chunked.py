@@ -14,7 +14,7 @@ Modifiers: a ``mask_mod`` is evaluated on each block it does not know in full; a
 scores, and again in the backward pass, through which the tensors it closes over get their gradients; ``sinks``
 start each row's running sum.
 
-Cannot: return weights, apply dropout, or differentiate a float ``attn_mask`` (:data:`SUPPORTS`).
+Cannot: return weights, apply dropout, or differentiate a float ``attn_mask`` (``SUPPORTS``).
 """
 
 from __future__ import annotations

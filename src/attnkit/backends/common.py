@@ -43,8 +43,8 @@ def dense_mask(call: Call, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | 
 
 
 def bias_of(score_mod: mods.ScoreMod, idx: tuple, dtype: torch.dtype) -> Tensor:
-    """A score_mod that is a bias, over the block of the index tensors ``idx`` (:func:`attnkit.mods.indices`), in
-    ``dtype``: broadcastable to ``(B, H, n, m)``."""
+    """A score_mod that is a bias, over the block of the index tensors ``idx``
+    (:func:`attnkit.mods.evaluate.indices`), in ``dtype``: broadcastable to ``(B, H, n, m)``."""
     found = score_mod.bias(*idx)
     if found is None:  # a ScoreMod subclass that overrides bias() and returns None
         raise TypeError(f"{type(score_mod).__name__}.bias() returned None: return the bias, or do not override it")
@@ -55,8 +55,8 @@ def zero_dead(
     q: Tensor, k: Tensor, v: Tensor, mask: Mask, zeros_past: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Zero the keys and values no query may see (padding) and the queries that may see no key (empty rows),
-    as the one combined mask says (:meth:`Mask.liveness`), so that whatever they hold, NaN included, reaches
-    neither the output nor any gradient (``0 * NaN`` in ``p @ v`` or ``dS^T Q`` is NaN). Returns new tensors
+    as the one combined mask says (:meth:`attnkit.masks.Mask.liveness`), so that whatever they hold, NaN included,
+    reaches neither the output nor any gradient (``0 * NaN`` in ``p @ v`` or ``dS^T Q`` is NaN). Returns new tensors
     where something is dead; the inputs are left as they were, and the zeroed positions get zero gradients.
 
     ``zeros_past (B,)``: each example's keys and values are zeros from that position on (``Call.zeros_past``, a
@@ -101,7 +101,7 @@ def _finite_suffixes(mask: Mask, k: Tensor, v: Tensor, zeros_past: Tensor | None
 
 def probe(dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
     """One score, of query 0 and key 0 of example 0 and head 0: the arguments to run a score_mod on once
-    (:func:`attnkit.mods.grad_inputs`)."""
+    (:func:`attnkit.mods.closure.grad_inputs`)."""
     zero = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=device)
     return (torch.zeros((1, 1, 1, 1), dtype=dtype, device=device), zero, zero, zero, zero)
 

@@ -15,12 +15,12 @@ is worked out from ``exp(2 q)`` and ``exp(2 k)``, made once per call, as ``1 - 2
 product and a reciprocal per feature instead of a ``tanh``, forward and backward.
 
 Compiling a step takes seconds, once per score_mod and shape; :mod:`attnkit.dispatch` sends a call here only when
-it is large enough to repay that (:data:`COMPILE_FROM`, :data:`ADDITIVE_FROM`). A score_mod is first run once,
+it is large enough to repay that (``COMPILE_FROM``, ``ADDITIVE_FROM``). A score_mod is first run once,
 eagerly, on a real tile, where a function that raises or returns the wrong shape or dtype gets the errors of
-:func:`attnkit.mods.evaluate_score`. If compiling then fails, the same steps run eagerly, with one warning.
+:func:`attnkit.mods.evaluate.evaluate_score`. If compiling then fails, the same steps run eagerly, with one warning.
 
 Cannot: weights, dropout, gradients to a float ``attn_mask``, modifiers whose tensors it cannot
-find under autograd: :data:`SUPPORTS`.
+find under autograd: ``SUPPORTS``.
 """
 
 from __future__ import annotations

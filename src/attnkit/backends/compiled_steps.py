@@ -6,7 +6,7 @@ from each row's log-sum-exp and takes the score_mod's derivative with ``torch.fu
 a ``score_mod`` such as ``softcap`` costs one fused pass over the tile, not one per operation; the closure step's
 autograd gives the tensors a score_mod closes over their share of the tile's gradient.
 
-Additive scoring, ``s[i, j] = w . tanh(q[i] + k[j])``, comes in two forms (:func:`_scores`): ``tanh`` as written,
+Additive scoring, ``s[i, j] = w . tanh(q[i] + k[j])``, comes in two forms (``_scores``): ``tanh`` as written,
 and ``exp``, where the caller passed ``exp(2 (q - mid))`` and ``exp(2 (k + mid))`` for ``q`` and ``k``, the keys
 clamped (:func:`exp_form`), so that ``tanh(q + k) = 1 - 2 y`` with ``y = 1 / (q k + 1)``: a product and a reciprocal
 per feature instead of a ``tanh``.
@@ -116,7 +116,7 @@ def _forward_step(
     guard: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One tile folded into the running softmax ``m, l (B, H, n)``, ``acc (B, H, n, Dv)`` of its queries (scored as
-    :func:`_scores` says); ``guard``: the keys or values hold a value that is not finite, which must not reach a row
+    ``_scores`` says); ``guard``: the keys or values hold a value that is not finite, which must not reach a row
     through a weight of 0 (the values of keys no row of the tile sees are zeroed, as in ``chunked``)."""
     s = _scores(q, k, w, scale, exp)  # (B, H, n, c)
     if score_mod is not None:

@@ -58,8 +58,8 @@ class Call:
     _memo: dict[object, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def tensors_read(self, fn: object) -> tuple[Tensor, ...] | None:
-        """The tensors a modifier of this call reads from outside (:func:`attnkit.mods.read_tensors`), looked for
-        once a call; ``None`` when the function cannot be looked into."""
+        """The tensors a modifier of this call reads from outside (:func:`attnkit.mods.closure.read_tensors`),
+        looked for once a call; ``None`` when the function cannot be looked into."""
         key = ("read", id(fn))
         if key not in self._memo:
             try:
@@ -106,8 +106,8 @@ class Call:
 
     @property
     def needs_grad(self) -> bool:
-        """Autograd records and something the output depends on requires grad: the inputs, the float mask, the
-        sinks, or a tensor a score_mod reads."""
+        """Whether autograd records and something the output depends on requires grad (the inputs, the float mask,
+        the sinks, or a tensor a score_mod reads)."""
         if not torch.is_grad_enabled():
             return False
         if self.score_mod is not None and not isinstance(self.score_mod, mods.ScoreMod):

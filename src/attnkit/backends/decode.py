@@ -6,7 +6,7 @@ batched products (``q @ k^T``, then ``weights @ v``) stream on both cores: from 
 PyTorch's SDPA kernel over the usual layout at 4096-8192 positions (``python benchmarks/decode.py --only
 layout``). The scores are ``(B, H, Lq, Lk)`` with ``Lq`` a handful, linear in the context as the fused kernel.
 
-What it runs (:data:`SUPPORTS`): dot-product scoring, at most :data:`FEW_QUERIES` queries per key/value head
+What it runs (``SUPPORTS``): dot-product scoring, at most ``FEW_QUERIES`` queries per key/value head
 (grouped query heads share one product with their key/value head, so that each is read once), float32 or float64,
 nothing that needs a gradient (the softmax runs in place), no dropout, no sinks, a score_mod only when it is a
 bias (ALiBi). Dispatch prefers it for keys and values stored positions last (:mod:`attnkit.dispatch`).
@@ -100,7 +100,7 @@ def is_positions_last(k: Tensor, v: Tensor) -> bool:
 
 def storage(x: Tensor, capacity: int | None = None) -> Tensor:
     """``x (B, Hkv, L, D)`` as a cache should store it (zeros past ``L`` up to ``capacity``), a copy: positions last
-    on CPU in :data:`DTYPES` from a capacity of :data:`POSITIONS_LAST_FROM` positions, which this backend reads
+    on CPU in ``DTYPES`` from a capacity of ``POSITIONS_LAST_FROM`` positions, which this backend reads
     fastest; otherwise the ``(B, Hkv, C, D)`` memory that PyTorch's fused kernels read (on CUDA they have their own
     decoding kernels), where ``x`` itself is returned when nothing is added."""
     B, Hkv, L, D = x.shape

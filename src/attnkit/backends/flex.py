@@ -7,7 +7,7 @@ nothing to attend to give zeros (FlexAttention's own rule), and dead keys, value
 in every backend.
 
 CUDA only: on CPU, PyTorch 2.13's FlexAttention has no backward pass and is slow unless compiled, where
-``chunked`` runs the same calls in linear memory (:data:`SUPPORTS`). No weights, dropout, additive scoring, sinks,
+``chunked`` runs the same calls in linear memory (``SUPPORTS``). No weights, dropout, additive scoring, sinks,
 or gradients to a float ``attn_mask``.
 """
 

@@ -49,7 +49,7 @@ EXP_FLOOR = -80.0
 class Scorer:
     """How the scores of a block are made: ``scale * q . k`` (``w_v`` None) or ``w_v . tanh(q + k)``, then the
     ``score_mod``, called with the block's indices (``batch`` and ``heads`` for ``b`` and ``h``); ``protected``:
-    the memory the score_mod reads from outside, never written to (:func:`attnkit.mods.protected_storages`)."""
+    the memory the score_mod reads from outside, never written to (:func:`attnkit.mods.evaluate.protected_storages`)."""
 
     w_v: Tensor | None
     scale: float
@@ -103,7 +103,7 @@ class Span(NamedTuple):
 
 def key_blocks(mask: BlockMask, num_queries: int, cols: tuple[int, int], block: int) -> list[Span]:
     """The blocks of ``block`` keys in ``cols`` that some query may see, each with the span of rows that may see it
-    (worked out for blocks of :data:`ROW_STEP` rows, from index ranges: nothing is evaluated). Causal attention
+    (worked out for blocks of ``ROW_STEP`` rows, from index ranges: nothing is evaluated). Causal attention
     skips the rows above the diagonal, a sliding window all but a band, packed documents all but one document."""
     plans = getattr(mask, "plans", None)  # a Mask keeps its plans: dispatch and the backend share one
     key = (num_queries, *cols, block)

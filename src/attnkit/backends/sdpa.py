@@ -2,7 +2,7 @@
 
 Dot-product scoring only, never returns weights. The parts of the :class:`~attnkit.masks.Mask` become the one
 ``attn_mask`` SDPA takes (a causal mask alone with ``Lq == Lk`` becomes ``is_causal=True``, the fastest path): a
-``mask_mod`` is evaluated into it when that mask is small enough (:data:`DENSE_MASK_ELEMENTS`), and a score_mod
+``mask_mod`` is evaluated into it when that mask is small enough (``DENSE_MASK_ELEMENTS``), and a score_mod
 that is a bias (:class:`attnkit.mods.alibi`) is added to it. No sinks, no other score_mod.
 Rows with nothing to attend to are given every key inside the kernel and zeroed afterwards, so that no
 version of PyTorch can turn them into NaN, and their gradients are exactly zero.

@@ -22,7 +22,7 @@ returns exact partial gradients for a subset of keys (checked against float64 in
 
 Cannot: additive scoring, weights, dropout, score_mods other than a bias or gradients to what they read, gradients to
 a float ``attn_mask``, values of another head size than the queries', scores a hidden pair could overflow with (the
-mask is added as ``-inf``): :data:`SUPPORTS`.
+mask is added as ``-inf``): ``SUPPORTS``.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def cmd_trace(args: argparse.Namespace) -> None:
 
 
 def _check_trace_sizes(args: argparse.Namespace, q_size: int, k_size: int) -> None:
-    """Refuse sizes whose largest tensor would pass :data:`TRACE_ELEMENTS`, before building anything: each size
+    """Refuse sizes whose largest tensor would pass ``TRACE_ELEMENTS``, before building anything: each size
     alone is bounded when parsed, but their product could ask for terabytes."""
     B, Lq, Lk, h = args.batch, args.queries, args.keys, args.num_hiddens
     tensors = {

@@ -1,5 +1,5 @@
 """The only place that talks to ``torch.distributed``: every collective and exchange waits with a timeout, and a
-failure or a silence becomes a :class:`RingError` that names the step that failed.
+failure or a silence becomes a :class:`~attnkit.distributed.RingError` that names the step that failed.
 
 Point-to-point exchanges go through :func:`torch.distributed.batch_isend_irecv`, which NCCL needs (a ring of
 separate sends and receives can deadlock there) and which gloo runs as separate sends and receives.
@@ -56,7 +56,7 @@ def rank_and_size(group: object | None) -> tuple[int, int]:
 
 
 def as_timeout(timeout: float | timedelta | None) -> timedelta:
-    """``None`` -> :data:`DEFAULT_TIMEOUT`; a number of seconds or a ``timedelta``, which must be positive."""
+    """``None`` -> ``DEFAULT_TIMEOUT``; a number of seconds or a ``timedelta``, which must be positive."""
     if timeout is None:
         return DEFAULT_TIMEOUT
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, timedelta)):
@@ -81,7 +81,8 @@ def dtype_name(code: int) -> str:
 
 @contextlib.contextmanager
 def named_failures(step: str, timeout: timedelta) -> Iterator[None]:
-    """Turn a failure of ``torch.distributed`` inside the block into a :class:`RingError` that names ``step``."""
+    """Turn a failure of ``torch.distributed`` inside the block into a :class:`~attnkit.distributed.RingError` that
+    names ``step``."""
     try:
         yield
     except RingError:
@@ -92,8 +93,8 @@ def named_failures(step: str, timeout: timedelta) -> Iterator[None]:
 
 
 def wait(works: list[dist.Work], timeout: timedelta, step: str, parts: tuple[str, ...] = ()) -> None:
-    """Wait for ``works``; raise :class:`RingError` naming ``step`` (and the one of ``parts``, one per work, that
-    failed) when one fails or times out."""
+    """Wait for ``works``; raise :class:`~attnkit.distributed.RingError` naming ``step`` (and the one of ``parts``,
+    one per work, that failed) when one fails or times out."""
     for i, work in enumerate(works):
         which = f"{step} ({parts[i]})" if len(parts) == len(works) else step
         with named_failures(which, timeout):

@@ -78,7 +78,7 @@ def seen_keys(plan: Plan, device: torch.device) -> Tensor:
     masks together (a mask_mod can leave a key unseen: a window ending before it, a document without queries).
     Asked only when a key holds NaN or inf (a finite key no query sees adds exactly 0 to every sum).
 
-    Scanned in tiles of at most :data:`~attnkit.masks.LIVENESS_BLOCK_ELEMENTS` booleans, skipping the tiles the
+    Scanned in tiles of at most ``attnkit.masks.LIVENESS_BLOCK_ELEMENTS`` booleans, skipping the tiles the
     masks' ranges hide, evaluating none they show in full, and none whose keys are already known to be seen: for a
     built-in this is the band or the documents, for a caller's function typically one tile of rows per key tile.
     """
@@ -141,7 +141,7 @@ _GRID = 64
 def _narrow(plan: Plan, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]] | None:
     """The part of the rectangle of query positions ``rows`` and key positions ``cols`` (``[start, stop)``) that
     the masks' tiles do not hide, or ``None`` when they hide all of it (a sliding window's far blocks, another
-    document): one call of :meth:`Plan.tiles` on a grid of :data:`_GRID` pieces a side."""
+    document): one call of :meth:`Plan.tiles` on a grid of ``_GRID`` pieces a side."""
     row_pieces = ranges(*rows, -(-(rows[1] - rows[0]) // _GRID))  # (nr, 2), nr <= _GRID
     col_pieces = ranges(*cols, -(-(cols[1] - cols[0]) // _GRID))  # (nc, 2), nc <= _GRID
     some = plan.tiles(row_pieces, col_pieces).some  # (nr, nc)

@@ -99,7 +99,7 @@ def ring_attention(
         scale: multiplies the scores; ``1 / sqrt(D)`` when ``None``.
         layout: ``"contiguous"`` or ``"zigzag"`` (balanced work with ``is_causal``).
         timeout: seconds (or a ``timedelta``) any one wait for another rank may take;
-            :data:`~attnkit.distributed.comm.DEFAULT_TIMEOUT` (5 minutes) when ``None``.
+            ``attnkit.distributed.comm.DEFAULT_TIMEOUT`` (5 minutes) when ``None``.
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, True = may attend (:mod:`attnkit.mods`), with
             ``q_idx``, ``kv_idx`` *global* positions; combined with the other masks (all must allow a pair). A
             built-in is bound to the whole lengths ``Lq, Lk`` and lets steps and blocks it hides be skipped (a

@@ -104,7 +104,7 @@ def gather_sequence(
     Args:
         x: this rank's shard, ``L_r`` positions along ``dim``; the other dims must agree across ranks.
         layout, dim, group: as given to :func:`shard_sequence`.
-        timeout: seconds (or a ``timedelta``) to wait for the other ranks; :data:`comm.DEFAULT_TIMEOUT` when ``None``.
+        timeout: seconds (or a ``timedelta``) to wait for the other ranks; ``DEFAULT_TIMEOUT`` when ``None``.
 
     Returns:
         The whole sequence, ``L = sum(L_r)`` positions along ``dim``: a new tensor, outside autograd (no

@@ -99,7 +99,7 @@ _ALLOWED_MASKS = {
 
 def _window_of(fn: Any) -> int | None:
     """The causal sliding window in transformers' mask function ``fn`` (``None`` if none); ``ValueError`` naming a
-    function of it that is not in :data:`_ALLOWED_MASKS`. Walks the closures: ``and_masks`` holds its functions in
+    function of it that is not in ``_ALLOWED_MASKS``. Walks the closures: ``and_masks`` holds its functions in
     a tuple, the others their inner function in a cell."""
     if fn is None:
         return None

@@ -25,8 +25,8 @@ together and combine (boolean AND; a float mask is a bias added to the scores):
 
 A query row with no key to attend to gets all-zero weights and a zero output, never NaN, and never the
 uniform weights over padding that the book's ``-1e6`` fill gives. Which keys some query may see, and which
-queries see some key, come from the one combined mask (:meth:`Mask.liveness`): every backend zeroes the other
-keys, values and queries before it computes, so whatever they hold, NaN included, reaches neither the output
+queries see some key, come from the one combined mask (:meth:`attnkit.masks.Mask.liveness`): every backend zeroes
+the other keys, values and queries before it computes, so whatever they hold, NaN included, reaches neither the output
 nor any gradient.
 
 The :class:`Mask` keeps these parts apart and builds any block of columns on demand, so the chunked backend

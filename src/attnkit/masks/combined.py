@@ -158,7 +158,7 @@ class Mask:
 
     @property
     def is_plain_causal(self) -> bool:
-        """True when the mask is causal alone over as many queries as keys: SDPA's ``is_causal=True``."""
+        """Whether the mask is causal alone over as many queries as keys (SDPA's ``is_causal=True``)."""
         plain = self.valid_lens is None and self.bool_mask is None and self.bias is None and self.mask_mod is None
         return self.is_causal and plain and self.num_queries == self.num_keys
 
@@ -175,7 +175,7 @@ class Mask:
 
     @property
     def index_key(self) -> tuple[object, ...] | None:
-        """A hashable value equal for two masks only when they are the same function of the indices: for masks
+        """A hashable value, equal for two masks only when they are the same function of the indices, for masks
         made of ``is_causal`` and built-in mask_mods that read no tensor (``sliding_window``), whose plans can be
         kept for the calls after; ``None`` for any other (lengths, boolean or float masks, a user's function,
         document ids: tensors whose contents may change between calls)."""
@@ -363,7 +363,7 @@ class Mask:
 
         With only ``valid_lens`` and ``is_causal``, each row sees a prefix of the keys, and both answers come
         from the prefix lengths in ``O(B * Lq + Lk)``; otherwise the mask is scanned block by block (at most
-        :data:`LIVENESS_BLOCK_ELEMENTS` booleans at once), skipping the blocks :meth:`tiles` knows to be hidden
+        ``LIVENESS_BLOCK_ELEMENTS`` booleans at once), skipping the blocks :meth:`tiles` knows to be hidden
         and looking at none of those it knows to be visible (a sliding window is scanned along its band only).
         """
         Lq, Lk = self.num_queries, self.num_keys
@@ -416,7 +416,7 @@ class Mask:
 
     def _scan_blocks(self) -> Iterator[tuple[int, int]]:
         """Key ranges ``[j0, j1)`` for a pass over the whole combined mask, each at most
-        :data:`LIVENESS_BLOCK_ELEMENTS` elements once broadcast to the parts' ``(B|1, H|1, Lq, blk)``."""
+        ``LIVENESS_BLOCK_ELEMENTS`` elements once broadcast to the parts' ``(B|1, H|1, Lq, blk)``."""
         if self.traced:  # one block under compile: a range() over a symbolic length would fix it
             yield 0, self.num_keys
             return

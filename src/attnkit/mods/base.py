@@ -76,7 +76,8 @@ class MaskMod:
 
     @property
     def opaque(self) -> bool:
-        """Some of it (a user's function inside) is known only by evaluating it: :meth:`tiles` says "maybe"."""
+        """Whether some of it (a user's function inside) is known only by evaluating it; then :meth:`tiles` says
+        "maybe"."""
         return False
 
 

@@ -21,18 +21,18 @@ statistic (``sum_j a[i, j]`` is ``1 -`` the sink's weight).
 How: each block of rows of one key/value head's query heads is scored against the keys some of its rows may see
 (the mask's index ranges say which: a causal block stops at its diagonal, a sliding window keeps its band), its
 softmax taken over whole rows by PyTorch's fused kernel, then reduced, each reduction one read of the block. A block
-holds at most :data:`BLOCK_BYTES` of weights (never less than one row), its scores as much again, both in two
+holds at most ``BLOCK_BYTES`` of weights (never less than one row), its scores as much again, both in two
 buffers every block reuses (a score_mod's results and the reductions' small temporaries come beside them: a few
-times that budget in all, whatever the length); the top-k search reads the largest of each :data:`CHUNK` keys,
+times that budget in all, whatever the length); the top-k search reads the largest of each ``CHUNK`` keys,
 taken as the row's maximum is found, and then only the chunks that can hold the k largest. The result is
 ``O(B * H * (Lq * k + Lk))``.
 
 When the forward gave each row's log-sum-exp (a layer recorded under ``torch.no_grad()`` whose call ran PyTorch's
-fused CPU kernel: no mask or a causal one, float32 or float64) and rows are long (:data:`attnkit.stats.tiled.
-MIN_KEYS`), each weight is ``exp(score - lse)`` on its own, and
-the rows are taken a tile of keys at a time instead, each tile reduced while it is in cache
-(:mod:`attnkit.stats.tiled`): the same statistics, about a fifth faster at 32k tokens, holding one tile's scores
-and at most :data:`attnkit.stats.tiled.KEPT_BYTES` of weights for the top-k search, whatever the length.
+fused CPU kernel: no mask or a causal one, float32 or float64) and rows are long (``attnkit.stats.tiled.MIN_KEYS``),
+each weight is ``exp(score - lse)`` on its own, and the rows are taken a tile of keys at a time instead, each tile
+reduced while it is in cache (:mod:`attnkit.stats.tiled`): the same statistics, about a fifth faster at 32k tokens,
+holding one tile's scores and at most ``attnkit.stats.tiled.KEPT_BYTES`` of weights for the top-k search, whatever
+the length.
 
 Computed and returned in float32 for float16/bfloat16 inputs (float64 for float64, float32 for float32), detached.
 """
@@ -299,7 +299,7 @@ def attention_stats(
     """The statistics of the weights of one call, without the weights: what :func:`attnkit.record_stats` keeps.
 
     Dot-product scoring, or additive scoring when ``w_v`` is given; the other arguments and the shapes are those of
-    :func:`attnkit.scaled_dot_product_attention`. Memory: the result, two buffers of :data:`BLOCK_BYTES` (a block's
+    :func:`attnkit.scaled_dot_product_attention`. Memory: the result, two buffers of ``BLOCK_BYTES`` (a block's
     weights and scores) and a contiguous copy of ``k``.
 
     Args:

@@ -56,7 +56,7 @@ class Block(NamedTuple):
     - ``keep (B|1, G|1, n|1, 1)``: the share of the row's weight on keys: below 1 with sinks, 0 in a row that sees
       no key (``None``: 1 everywhere);
     - ``live (B|1, G|1, n|1, 1)``: which rows see some key (``None``: all do);
-    - ``maxima (B, G, n, c)``: the largest score of each whole chunk of :data:`CHUNK` keys, ``t`` before its
+    - ``maxima (B, G, n, c)``: the largest score of each whole chunk of ``CHUNK`` keys, ``t`` before its
       shift (it ranks the chunks as their largest weights do; ``None``: not taken).
 
     ``w`` and ``t`` live in buffers the next block reuses."""

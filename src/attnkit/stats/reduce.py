@@ -78,14 +78,14 @@ def reduce(sums: Sums, block: Block, where: Where, sink_keys: int) -> None:
 
 def _topk(w: Tensor, k: int, maxima: Tensor | None) -> tuple[Tensor, Tensor]:
     """The ``k`` largest of each row of ``w (B, H, n, m)`` and their columns, descending; rows of fewer than ``k``
-    columns padded with 0 (column -1). ``maxima (B, H, n, c)`` ranks each row's whole chunks of :data:`CHUNK`
+    columns padded with 0 (column -1). ``maxima (B, H, n, c)`` ranks each row's whole chunks of ``CHUNK``
     columns as their largest weights would (``None``: taken from ``w``).
 
     The search narrows twice by the same argument: a group's largest value ranks the group, and the ``k`` groups of
     largest maxima hold the ``k`` largest values (the group of any of them has a maximum at least the k-th largest,
     and every group whose maximum exceeds it is among the k chosen; ties may name other groups, of equal values:
     the values found are the k largest all the same). First the ``k`` chunks of largest maxima, then, of their
-    ``k * CHUNK`` values, the ``k`` groups of largest maxima among :data:`GROUPS` strided groups a chunk (columns
+    ``k * CHUNK`` values, the ``k`` groups of largest maxima among ``GROUPS`` strided groups a chunk (columns
     ``j, j + GROUPS, ...`` of it); ``torch.topk`` reads ``k * CHUNK / GROUPS`` values a row at the end, not
     ``k * CHUNK``. The columns past the last whole chunk are always candidates."""
     B, H, n, m = w.shape
@@ -113,7 +113,7 @@ def _topk(w: Tensor, k: int, maxima: Tensor | None) -> tuple[Tensor, Tensor]:
 def chunk_topk(w: Tensor, chosen: Tensor, starts: Tensor, k: int, tail: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The ``k`` largest values, descending, and their columns, of the chunks ``chosen (..., k)`` of each row (the
     chunks of largest maxima), which start at ``starts (..., k)`` in contiguous ``w``; and of ``tail (..., t)``, the
-    columns past a row's last whole chunk, when given: its columns follow the whole chunks'. (:func:`_topk`.)"""
+    columns past a row's last whole chunk, when given: its columns follow the whole chunks'. (``_topk``.)"""
     *lead, _ = chosen.shape
     picked = windows(w, starts, CHUNK, 1)  # (..., k, CHUNK)
     per = CHUNK // GROUPS  # values a group

@@ -11,7 +11,7 @@ Taken for the calls that kernel runs: dot-product scoring without a mask or with
 score_mod, no sinks, the default positions, float32 or float64 (:func:`supports`). ``lse`` is the kernel's, rounded
 in its own order: each row's weights sum to 1 within a few units in the last place of the scores' size, and the
 mean distance is divided by the row's own sum. Where some row's sum is further from 1 than
-:data:`MASS_TOLERANCE` (scores of ~1e30, or NaN), the whole-row path takes the call instead.
+``MASS_TOLERANCE`` (scores of ~1e30, or NaN), the whole-row path takes the call instead.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def supports(parts: Parts) -> bool:
 
 def compute(parts: Parts, sums: Sums, sink_keys: int) -> bool:
     """Fill ``sums`` with the statistics of ``parts`` (which :func:`supports`), a tile at a time. False, and
-    ``sums`` to be thrown away, where some row's weights do not sum to 1 within :data:`MASS_TOLERANCE`: scores so
+    ``sums`` to be thrown away, where some row's weights do not sum to 1 within ``MASS_TOLERANCE``: scores so
     large that this pass's rounding and the kernel's part ways, or NaN (the whole-row path, whose rows sum to 1 by
     construction, then takes the call)."""
     assert parts.lse is not None
@@ -206,7 +206,7 @@ def _rows(
 class _Chunks(NamedTuple):
     """The chunks of a row block that may hold each row's k largest weights, of the tiles seen so far: their
     weights ``values (r, j, CHUNK)``, largest scores ``maxima (r, j)`` and numbers ``ids (r, j)`` (key ``ids *
-    CHUNK`` first), ``j <= k``: the k chunks of largest maxima hold the k largest weights (:func:`_topk` in
+    CHUNK`` first), ``j <= k``: the k chunks of largest maxima hold the k largest weights (``_topk`` in
     :mod:`attnkit.stats.reduce`), and so do the k of largest maxima among those kept and a new tile's."""
 
     values: Tensor
