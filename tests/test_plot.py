@@ -236,3 +236,156 @@ def test_a_target_name_at_the_length_limit_saves(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [target.name]
     temporary = plot.Path(names[0]).name
     assert temporary.startswith(".") and temporary.endswith(".png") and len(temporary) < 20
+
+
+# Figures of the configurations people draw: heads in one row and in two, a long title, token labels on the axes,
+# a colour bar, the averaging note, and show_heatmaps' grids (the book's 7 x 3.5 inch one among them).
+_TOKENS = ["<bos>", "the", "attention", "weights", "sum", "to", "one", "<eos>"]
+_FIGURES = {
+    "1 head, long title": lambda path: plot.plot_attention(
+        torch.softmax(torch.randn(3, 4), -1), title="encoder layer 2, the first batch element's weights", path=path
+    ),
+    "1 head, long tokens": lambda path: plot.plot_attention(
+        torch.softmax(torch.randn(3, 2), -1), query_labels=["q" * 40] * 3, key_labels=["k" * 40] * 2, path=path
+    ),
+    "4 heads": lambda path: plot.plot_attention(torch.softmax(torch.randn(4, 3, 4), -1), path=path),
+    "8 heads": lambda path: plot.plot_attention(torch.softmax(torch.randn(8, 3, 4), -1), path=path),
+    "8 heads, tokens, title": lambda path: plot.plot_attention(
+        torch.softmax(torch.randn(8, 8, 8), -1),
+        query_labels=_TOKENS,
+        key_labels=_TOKENS,
+        title="a title longer than any panel " * 6,
+        path=path,
+    ),
+    "16 heads, tokens": lambda path: plot.plot_attention(
+        torch.softmax(torch.randn(16, 8, 8), -1), query_labels=_TOKENS, key_labels=_TOKENS, path=path
+    ),
+    "16 heads, 20 positions": lambda path: plot.plot_attention(torch.softmax(torch.randn(16, 20, 20), -1), path=path),
+    "averaged": lambda path: plot.plot_attention(torch.rand(2, 1000, 300), title="layer 0", path=path),
+    "heatmap": lambda path: plot.show_heatmaps(torch.rand(1, 1, 3, 5), "Keys", "Queries", path=path),
+    "heatmaps, the book's grid": lambda path: plot.show_heatmaps(
+        torch.rand(4, 4, 3, 5),
+        "Keys",
+        "Queries",
+        titles=[f"Head {i}" for i in range(1, 5)],
+        figsize=(1.75, 0.875),
+        path=path,
+    ),
+    "heatmaps, wide letters": lambda path: plot.show_heatmaps(
+        torch.rand(1, 3, 4, 4), "keys", "queries", titles=["W" * 40] * 3, title="MW" * 40, path=path
+    ),
+    "heatmaps, long titles": lambda path: plot.show_heatmaps(
+        torch.rand(2, 3, 5, 7),
+        "Key positions",
+        "Query positions",
+        titles=[f"a column title as long as allowed {i}" for i in range(3)],
+        title="x" * 150,
+        path=path,
+    ),
+}
+
+
+@pytest.fixture
+def drawn_texts(monkeypatch):
+    """Every non-empty visible text drawn from now on: (text, window extent, (width, height) of its canvas).
+
+    Recorded as drawn, so tick labels that matplotlib keeps but does not draw (ticks outside the view) are left out,
+    and a text drawn into a saved file is measured against that file's canvas.
+    """
+    import matplotlib.text
+
+    drawn = []
+    draw = matplotlib.text.Text.draw
+
+    def recording(self, renderer):
+        draw(self, renderer)
+        if self.get_visible() and self.get_text():
+            drawn.append((self.get_text(), self.get_window_extent(renderer), (renderer.width, renderer.height)))
+
+    monkeypatch.setattr(matplotlib.text.Text, "draw", recording)
+    return drawn
+
+
+def _cut_off(drawn):
+    """The texts of ``drawn`` that reach past the edge of their canvas (by more than half a pixel)."""
+    return [
+        (text[:30], [round(v) for v in box.extents], canvas)
+        for text, box, canvas in drawn
+        if box.x0 < -0.5 or box.y0 < -0.5 or box.x1 > canvas[0] + 0.5 or box.y1 > canvas[1] + 0.5
+    ]
+
+
+@pytest.mark.parametrize("name", _FIGURES)
+def test_every_text_is_inside_the_figure_on_screen(name, drawn_texts):
+    import matplotlib.pyplot as plt
+
+    fig = _FIGURES[name](None)
+    try:
+        for _ in range(2):  # a window draws again (resized, zoomed): the layout must hold on every draw
+            drawn_texts.clear()
+            fig.canvas.draw()
+            assert drawn_texts, "nothing drawn"
+            on_screen = [(text, box, (fig.bbox.width, fig.bbox.height)) for text, box, _ in drawn_texts]
+            assert _cut_off(on_screen) == []
+    finally:
+        plt.close(fig)
+
+
+@pytest.mark.parametrize("name", _FIGURES)
+def test_every_text_is_inside_the_saved_picture(name, drawn_texts, tmp_path):
+    path = tmp_path / "heads.png"
+    _FIGURES[name](path)  # the user's way: path= on the call, so saving is the figure's first draw
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert drawn_texts, "nothing drawn"
+    assert {c for _, _, c in drawn_texts} == {(width, height)}  # measured on the canvas that was written
+    assert _cut_off(drawn_texts) == []
+
+
+def _colour_at(fig, ax, row, col):
+    """The RGB colour drawn at the centre of cell (row, col) of ``ax``'s heatmap, read from the rendered canvas."""
+    import numpy as np
+
+    fig.canvas.draw()
+    pixels = np.asarray(fig.canvas.buffer_rgba())  # (height, width, 4), the top row first
+    x, y = ax.transData.transform((col, row))  # pixels from the bottom left
+    return tuple(int(c) for c in pixels[pixels.shape[0] - 1 - int(y), int(x), :3])
+
+
+def test_padding_is_drawn_the_same_in_both_functions_and_unlike_a_small_weight():
+    import matplotlib.pyplot as plt
+
+    w = torch.zeros(1, 4, 6)
+    w[0, :, :4] = torch.tensor([0.01, 0.33, 0.33, 0.33])  # keys 4 and 5 are padding; key 0 gets a small weight
+    colours = {}
+    for draw in ("show_heatmaps", "plot_attention"):
+        fig = plot.show_heatmaps(w, "keys", "queries") if draw == "show_heatmaps" else plot.plot_attention(w)
+        ax = next(ax for ax in fig.axes if ax.images)
+        colours[draw] = _colour_at(fig, ax, 1, 5), _colour_at(fig, ax, 1, 0)  # (padding, small weight)
+        plt.close(fig)
+    assert colours["show_heatmaps"][0] == colours["plot_attention"][0]
+    for padding, small in colours.values():
+        assert max(abs(a - b) for a, b in zip(padding, small, strict=True)) > 20  # tells apart at a glance (of 255)
+
+
+@pytest.mark.parametrize(
+    ("shape", "titles", "figsize"),
+    [
+        ((2, 3, 5, 7), list("abc"), (2.5, 2.5)),  # panels wider than tall, the default figsize
+        ((2, 4, 10, 10), [f"Head {i}" for i in range(1, 5)], (1.75, 1.75)),  # the book's (7, 3.5) for 2 x 4 heads
+        ((3, 2, 4, 9), None, (2.5, 2.5)),
+    ],
+)
+def test_show_heatmaps_rows_are_close_together(shape, titles, figsize):
+    import matplotlib.pyplot as plt
+
+    fig = plot.show_heatmaps(torch.rand(shape), "Keys", "Queries", titles=titles, figsize=figsize)
+    try:
+        fig.canvas.draw()  # the layout is made on drawing
+        panels = [ax for ax in fig.axes if ax.images]
+        cols = shape[1]
+        for upper, lower in zip(panels[:-cols], panels[cols:], strict=True):
+            top, below = upper.get_position(), lower.get_position()  # figure fractions, as drawn
+            gap = top.y0 - below.y1
+            assert 0 <= gap < 0.2 * top.height, (gap * fig.get_figheight(), top.height * fig.get_figheight())
+    finally:
+        plt.close(fig)

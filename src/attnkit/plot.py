@@ -4,14 +4,22 @@ The file type follows the extension (``.png``, ``.svg``, ``.pdf``, anything matp
 written to a temporary file beside the target and renamed into place, so a failed write never leaves a
 partial file behind.
 
-The work is bounded, so that a picture of any tensor takes seconds: at most :data:`MAX_PANELS` panels per
+The work is bounded, so that a picture of any tensor takes seconds: at most ``MAX_PANELS`` panels per
 figure (matplotlib's time grows faster than the number of panels: on this project's 2-core machine an 8 x 8 grid
 takes 3.5 s, a 16 x 16 one took over a minute, and 30 x 30 did not finish in 4 minutes), and at most
-:data:`MAX_CELLS` cells along each side of a panel (a longer side is averaged in equal bins, which a screen
+``MAX_CELLS`` cells along each side of a panel (a longer side is averaged in equal bins, which a screen
 would do anyway, and the figure's title says so). NaN and infinite entries are drawn in the "bad" colour and
-left out of the colour scale. The options are bounded too: a figure is kept within :data:`MAX_INCHES` inches each
-way (a larger ``figsize`` is shrunk to fit), and tick labels and titles are cut to :data:`MAX_LABEL` characters
+left out of the colour scale. The options are bounded too: a figure is kept within ``MAX_INCHES`` inches each
+way (a larger ``figsize`` is shrunk to fit), and tick labels and titles are cut to ``MAX_LABEL`` characters
 (with an ellipsis) for display.
+
+Panels are laid out by matplotlib's ``"compressed"`` layout, the constrained layout for panels of a fixed aspect
+(square cells): it packs them and keeps every text inside the figure, on screen and in a saved file, which has the
+figure's size (plain ``"constrained"`` left wide gaps between rows and, on some draws, cut titles and labels at the
+edge). It cannot make a text narrower than the figure, so titles are wrapped to the width they have and
+plot_attention's figure leaves room for its token labels. Padding (a key column or query row of exactly zero
+weight), NaN and infinities are grey in both functions: a map's own lowest colour (near white in ``"Reds"``)
+cannot be told from a small weight.
 
 For an interactive page instead of a picture (head view, model view and matrix view in one self-contained HTML
 file), see :func:`view`, from :mod:`attnkit.viewer`.
@@ -22,7 +30,6 @@ from __future__ import annotations
 import math
 import operator
 import os
-import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +38,9 @@ import numpy as np
 import torch
 
 from attnkit._files import write_atomically
+from attnkit._text_fit import SLACK as _SLACK
+from attnkit._text_fit import fill as _fill
+from attnkit._text_fit import inches as _inches
 from attnkit.viewer import AttentionView, view
 
 __all__ = [
@@ -56,6 +66,7 @@ MAX_LABEL = 40  # characters of a tick label or panel title shown; a longer one 
 _MAX_PIXELS = 16000  # save_figure refuses a dpi that would make a side longer than this
 _MIN_INCHES = 1.0  # a figure is at least this, each way (smaller leaves no room for a panel)
 _WRAP = 8  # plot_attention puts at most this many heads in one row
+_PADDING = "#d9d9d9"  # padding, NaN and infinities: a grey outside the usual colour maps, unlike a small weight
 
 
 def _pyplot() -> Any:
@@ -76,16 +87,17 @@ def show_heatmaps(
     *,
     title: str | None = None,
 ) -> Any:
-    """The book's ``show_heatmaps``: a grid of heatmaps with one shared colour bar.
+    """The book's ``show_heatmaps``: a grid of heatmaps with one shared colour bar, padding greyed out.
 
     Args:
         matrices: ``(rows, cols, Lq, Lk)`` tensor or array (2-D and 3-D are taken as one row); at most
-            :data:`MAX_PANELS` panels, ``rows * cols``. Sides longer than :data:`MAX_CELLS` are averaged in bins
+            ``MAX_PANELS`` panels, ``rows * cols``. Sides longer than ``MAX_CELLS`` are averaged in bins
             for display; the axes keep the original positions and the figure's title says so.
         xlabel, ylabel: axis labels (on the bottom row and left column).
-        titles: one per column (converted with ``str``, cut to :data:`MAX_LABEL` characters).
+        titles: one per column, above the top row (converted with ``str``, cut to ``MAX_LABEL`` characters,
+            wrapped to the column's width).
         figsize: size of each panel, in inches, two positive numbers (the book's value is per figure); the
-            whole figure is kept within :data:`MAX_INCHES` each way (a larger one is shrunk to fit).
+            whole figure is kept within ``MAX_INCHES`` each way (a larger one is shrunk to fit).
         cmap: matplotlib colour map.
         path: where to save (type from the extension); ``None`` to only return the figure.
         title: a title for the whole figure.
@@ -94,7 +106,7 @@ def show_heatmaps(
         The matplotlib ``Figure``.
 
     Raises:
-        ValueError: for ``matrices`` with fewer than 2 or more than 4 dims, more than :data:`MAX_PANELS` panels,
+        ValueError: for ``matrices`` with fewer than 2 or more than 4 dims, more than ``MAX_PANELS`` panels,
             no finite entry, fewer ``titles`` than columns, a ``figsize`` that is not two positive finite
             numbers, or a bad extension.
         TypeError: for a ``figsize`` that is not two numbers.
@@ -115,21 +127,17 @@ def show_heatmaps(
     _finite_range(m, "matrices")
     shown, note = _shrink(m)  # (rows, cols, <=MAX_CELLS, <=MAX_CELLS)
     vmin, vmax = _finite_range(shown, "matrices", fallback=(0.0, 1.0))  # the colours span what is shown
+    shown = _hide_padding(m, shown)  # (rows, cols, <=MAX_CELLS, <=MAX_CELLS), masked
     plt = _pyplot()
-    fig, axes = plt.subplots(
-        rows,
-        cols,
-        figsize=_bounded(panel_w * cols, panel_h * rows),
-        squeeze=False,
-        layout="constrained",
-    )
+    width, height = _bounded(panel_w * cols, panel_h * rows)
+    fig, axes = plt.subplots(rows, cols, figsize=(width, height), squeeze=False, layout="compressed")
+    colours = _colours(cmap)
     extent = (-0.5, Lk - 0.5, Lq - 0.5, -0.5)  # axes in the original positions, also when averaged
     image = None
     for i in range(rows):
         for j in range(cols):
             ax = axes[i, j]
-            panel = np.ma.masked_invalid(shown[i, j])  # NaN and infinities in the "bad" colour
-            image = ax.imshow(panel, cmap=cmap, vmin=vmin, vmax=vmax, extent=extent, interpolation="nearest")
+            image = ax.imshow(shown[i, j], cmap=colours, vmin=vmin, vmax=vmax, extent=extent, interpolation="nearest")
             # every panel spans the same extent, so tick labels on the outer panels only; sharex/sharey would do
             # the same but pass every change of limits to every sibling (8 x 8 panels: 4.3 s with them, 3.5 s
             # without, median of 3 on this project's 2-core machine)
@@ -138,8 +146,8 @@ def show_heatmaps(
                 ax.set_xlabel(xlabel)
             if j == 0:
                 ax.set_ylabel(ylabel)
-            if titles:
-                ax.set_title(titles[j])
+            if titles and i == 0:  # a column's title above the column (the book repeats it on every row)
+                _title(ax, titles[j], width / cols)
     fig.colorbar(image, ax=axes, shrink=0.6)
     _suptitle(fig, title, note)
     if path is not None:
@@ -163,15 +171,16 @@ def plot_attention(
 
     Padding is what attnkit gives exactly zero weight: a key column with zero weight from every query (keys past
     ``valid_lens``), and a query row with zero weight on every key (nothing to attend to). Both are drawn grey,
-    as are NaN and infinite entries. Heads are laid out 8 to a row. Every position gets a tick label up to 64
-    positions; longer sides get automatic ticks (labelled from ``query_labels``/``key_labels`` when given), and
-    sides longer than :data:`MAX_CELLS` are averaged in bins for display (the title says so).
+    as are NaN and infinite entries, as in :func:`show_heatmaps`. Heads are laid out 8 to a row. Every position
+    gets a tick label up to 64 positions; longer sides get automatic ticks (labelled from ``query_labels``/
+    ``key_labels`` when given), and sides longer than ``MAX_CELLS`` are averaged in bins for display (the
+    title says so). The figure leaves room for the longest token label.
 
     Args:
         weights: ``(Lq, Lk)`` or ``(H, Lq, Lk)`` (a leading batch of 1 is dropped).
         query_labels, key_labels: tick labels, ``Lq`` and ``Lk`` of them (converted with ``str``, cut to
-            :data:`MAX_LABEL` characters for display).
-        heads: which heads to draw, whole numbers (all by default); at most :data:`MAX_PANELS`.
+            ``MAX_LABEL`` characters for display).
+        heads: which heads to draw, whole numbers (all by default); at most ``MAX_PANELS``.
         path: where to save (type from the extension); ``None`` to only return the figure.
         title, xlabel, ylabel, cmap: the figure's title, axis labels and colour map.
 
@@ -180,7 +189,7 @@ def plot_attention(
 
     Raises:
         ValueError: for weights of another shape, labels of the wrong length, a head that does not exist, more
-            than :data:`MAX_PANELS` heads, no finite entry, or a bad extension.
+            than ``MAX_PANELS`` heads, no finite entry, or a bad extension.
         TypeError: for labels that are not a sequence, or ``heads`` that are not whole numbers.
     """
     w = _as_array(weights, "weights")
@@ -204,28 +213,25 @@ def plot_attention(
     _check_panels(len(chosen), f"weights {w.shape}", "choose some with heads=, e.g. heads=range(8)")
     w = w[chosen]  # (n, Lq, Lk), n = len(chosen)
     _finite_range(w, "weights")
-    zero = w == 0  # (n, Lq, Lk)
-    padding = zero.all(axis=1, keepdims=True) | zero.all(axis=2, keepdims=True)  # (n, Lq, Lk)
     shown, note = _shrink(w)  # (n, <=MAX_CELLS, <=MAX_CELLS)
     low, high = _finite_range(shown, "weights", fallback=(0.0, 1.0))  # the colours span what is shown
-    hidden = _shrink(padding.astype(np.float32))[0] == 1  # a bin is padding when all of it is
-    shown = np.ma.masked_where(hidden | ~np.isfinite(shown), shown)
+    shown = _hide_padding(w, shown)  # (n, <=MAX_CELLS, <=MAX_CELLS), masked
 
     cols = min(len(chosen), _WRAP)
     rows = math.ceil(len(chosen) / cols)
     ticked_q, ticked_k = min(Lq, _TICK_EACH), min(Lk, _TICK_EACH)
-    cell = min(_CELL, (MAX_INCHES / cols - 1.2) / ticked_k, (MAX_INCHES / rows - 1.0) / ticked_q)
     plt = _pyplot()
-    fig, axes = plt.subplots(
-        rows,
-        cols,
-        figsize=_bounded(max(2.5, cell * ticked_k + 1.2) * cols, max(2.2, cell * ticked_q + 1.0) * rows),
-        squeeze=False,
-        layout="constrained",
-    )
-    colours = plt.get_cmap(cmap).with_extremes(bad="#d9d9d9")  # padding
-    extent = (-0.5, Lk - 0.5, Lq - 0.5, -0.5)  # axes in the original positions, also when averaged
     rotate = key_labels is not None and max(map(len, key_labels), default=0) > 2
+    # room for the tick labels, once: on the left column and the bottom row only (the margins below hold numbers)
+    room_w = _inches(query_labels or [], plt.rcParams["ytick.labelsize"])
+    room_h = _inches(key_labels or [], plt.rcParams["xtick.labelsize"]) if rotate else 0.0
+    cell = min(_CELL, ((MAX_INCHES - room_w) / cols - 1.2) / ticked_k, ((MAX_INCHES - room_h) / rows - 1.0) / ticked_q)
+    width, height = _bounded(
+        max(2.5, cell * ticked_k + 1.2) * cols + room_w, max(2.2, cell * ticked_q + 1.0) * rows + room_h
+    )
+    fig, axes = plt.subplots(rows, cols, figsize=(width, height), squeeze=False, layout="compressed")
+    colours = _colours(cmap)
+    extent = (-0.5, Lk - 0.5, Lq - 0.5, -0.5)  # axes in the original positions, also when averaged
     image = None
     for n, ax in enumerate(axes.flat):
         if n >= len(chosen):
@@ -234,7 +240,7 @@ def plot_attention(
         image = ax.imshow(
             shown[n], cmap=colours, vmin=min(low, 0.0), vmax=max(high, 1e-12), extent=extent, interpolation="nearest"
         )
-        ax.set_title(f"head {chosen[n]}" if H > 1 else _cut(title or "attention"))
+        _title(ax, f"head {chosen[n]}" if H > 1 else _cut(title or "attention"), width / cols)
         _ticks(ax.xaxis, Lk, key_labels, each=Lk <= _TICK_EACH and cell >= 0.2)
         _ticks(ax.yaxis, Lq, query_labels, each=Lq <= _TICK_EACH and cell >= 0.2)
         ax.tick_params(axis="x", labelrotation=90 if rotate else 0)
@@ -294,12 +300,12 @@ def _figsize(figsize: Any) -> tuple[float, float]:
 
 
 def _bounded(width: float, height: float) -> tuple[float, float]:
-    """A figure's size in inches, kept within :data:`MAX_INCHES` (and at least 1 inch) each way."""
+    """A figure's size in inches, kept within ``MAX_INCHES`` (and at least 1 inch) each way."""
     return min(max(width, _MIN_INCHES), MAX_INCHES), min(max(height, _MIN_INCHES), MAX_INCHES)
 
 
 def _cut(text: str) -> str:
-    """``text`` cut to :data:`MAX_LABEL` characters, ending in an ellipsis when it was longer."""
+    """``text`` cut to ``MAX_LABEL`` characters, ending in an ellipsis when it was longer."""
     return text if len(text) <= MAX_LABEL else text[: MAX_LABEL - 1] + "\u2026"
 
 
@@ -334,8 +340,14 @@ def _suptitle(fig: Any, title: str | None, note: str | None) -> None:
     if not (title or note):
         return
     points = 10 if note else 12  # matplotlib's suptitle is 12 pt ("large")
-    chars = max(12, int(fig.get_figwidth() * 72 / (0.6 * points)))  # characters of that size across the figure
-    fig.suptitle("\n".join(textwrap.fill(t, chars) for t in (title, note) if t), fontsize=points)
+    inches = _SLACK * fig.get_figwidth()
+    fig.suptitle("\n".join(_fill(t, inches, points) for t in (title, note) if t), fontsize=points, wrap=True)
+
+
+def _title(ax: Any, text: str, inches: float) -> None:
+    """A panel's title, wrapped to ``inches`` (its column's width), so that the layout can keep it inside."""
+    title = ax.set_title(text, wrap=True)  # wrap=True: matplotlib wraps again at spaces should a line still not fit
+    title.set_text(_fill(text, _SLACK * inches, title.get_fontsize()))
 
 
 def _check_panels(n: int, what: str, fix: str) -> None:
@@ -358,7 +370,7 @@ def _finite_range(m: np.ndarray, name: str, fallback: tuple[float, float] | None
 
 
 def _shrink(m: np.ndarray) -> tuple[np.ndarray, str | None]:
-    """``m`` with its last two axes averaged into at most :data:`MAX_CELLS` equal bins each, and a note saying so
+    """``m`` with its last two axes averaged into at most ``MAX_CELLS`` equal bins each, and a note saying so
     (``None`` when nothing was averaged). A bin is NaN when it holds a NaN, as on the screen it stands for."""
     shape = m.shape[-2:]
     for axis in (-2, -1):
@@ -372,6 +384,25 @@ def _shrink(m: np.ndarray) -> tuple[np.ndarray, str | None]:
     if m.shape[-2:] == shape:
         return m, None
     return m, f"averaged for display: {shape[0]} x {shape[1]} -> {m.shape[-2]} x {m.shape[-1]} cells"
+
+
+def _hide_padding(w: np.ndarray, shown: np.ndarray) -> np.ma.MaskedArray:
+    """``shown`` (``w`` as :func:`_shrink` gives it) with padding, NaN and infinities masked, to be drawn in the
+    "bad" colour (:func:`_colours`).
+
+    Padding is what attnkit gives exactly zero weight: a key column with zero weight from every query (keys past
+    ``valid_lens``), and a query row with zero weight on every key (nothing to attend to). An averaged bin is
+    padding when all of it is.
+    """
+    zero = w == 0  # (..., Lq, Lk)
+    padding = zero.all(axis=-2, keepdims=True) | zero.all(axis=-1, keepdims=True)  # (..., Lq, Lk)
+    hidden = _shrink(padding.astype(np.float32))[0] == 1  # the shape of shown
+    return np.ma.masked_where(hidden | ~np.isfinite(shown), shown)
+
+
+def _colours(cmap: Any) -> Any:
+    """The colour map ``cmap`` (a name or a ``Colormap``) with masked cells (padding) in ``_PADDING`` grey."""
+    return _pyplot().get_cmap(cmap).with_extremes(bad=_PADDING)
 
 
 def _ticks(axis: Any, n: int, labels: Sequence[str] | None, *, each: bool) -> None:

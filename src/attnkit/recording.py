@@ -379,8 +379,7 @@ def record_weights(
             whole ``Lq x Lk`` weights. ``rec.selected[name]`` says which heads and rows the last call kept.
 
     Yields:
-        A :class:`~attnkit.recording.WeightRecord`, filled as the model runs; keys are module names from
-        ``named_modules()``.
+        A :class:`~attnkit.recording.WeightRecord`, filled as the model runs; keys: ``named_modules()``'s names.
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``, or a selection of the wrong type.
