@@ -5,8 +5,8 @@ something the installed library carries: ``attnkit bench`` measures and prints i
 run saved with ``--json`` and says which targets it meets. Every target is a ratio of two measurements of that
 one run (or of a GFLOP/s rate to the matmul rate measured in it), so runs on different machines compare.
 
-It prints one Markdown table (the one in README.md and docs/benchmarks.md) and exits with status 0 when every
-target is met, 1 when one is missed or the run did not measure it (``--quick`` measures only the tiny-input
+It prints one Markdown table (the one in docs/guide/performance.md and docs/benchmarks.md) and exits with status 0
+when every target is met, 1 when one is missed or the run did not measure it (``--quick`` measures only the tiny-input
 target; ``--no-memory`` leaves out the memory one), 2 when the file is not a saved run.
 
     make bench                                              # attnkit bench --json bench.json ..., then this
