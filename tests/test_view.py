@@ -50,6 +50,125 @@ def test_a_tensor_of_two_three_or_four_dims(shape, layers, heads):
     assert (call["lq"], call["lk"], call["q"], call["k"]) == (5, 7, None, None)  # no tokens: positions
 
 
+def calls_of(data: dict) -> list[list[tuple[int, int, int, np.ndarray]]]:
+    """Per layer, per call: (heads, Lq, Lk, the weights (H, Lq, Lk)) of an exact page."""
+    out = []
+    for layer in data["layers"]:
+        H = layer["heads"]
+        out.append(
+            [
+                (H, c["lq"], c["lk"], np.frombuffer(blob(data, c["data"]), "<f4").reshape(H, c["lq"], c["lk"]))
+                for c in layer["calls"]
+            ]
+        )
+    return out
+
+
+@pytest.mark.parametrize("container", [tuple, list])
+def test_a_tuple_of_layers_as_hugging_face_returns_them_is_one_layer_each(container):
+    """``outputs.attentions`` (transformers, output_attentions=True): a tuple of (B, H, L, L), one per layer; example
+    picks the batch row, as for a record. The same page as the layers stacked, the row taken first."""
+    attentions = container(torch.softmax(torch.randn(2, 3, 5, 5), -1) for _ in range(4))  # 4 x (B, H, L, L)
+    tokens = list("abcde")
+    for example in (0, 1):
+        got = payload(view(attentions, tokens=tokens, example=example))
+        want = payload(view(torch.stack([a[example] for a in attentions]), tokens=tokens))  # (layers, H, L, L)
+        assert got == want
+        assert [layer["name"] for layer in got["layers"]] == ["layer 0", "layer 1", "layer 2", "layer 3"]
+    one_example = container(a[1] for a in attentions)  # each (H, L, L): one example's
+    assert payload(view(one_example, tokens=tokens)) == payload(view(attentions, tokens=tokens, example=1))
+    heads = [torch.rand(3, 4), torch.rand(3, 4)]  # a list of (Lq, Lk) matrices is still one array: (H, Lq, Lk)
+    assert [layer["heads"] for layer in payload(view(heads))["layers"]] == [2]
+
+
+def test_layers_of_different_shapes_are_each_shown_as_they_are():
+    """An encoder-decoder's or a pruned model's layers need not agree: heads, queries and keys are per layer."""
+    layers = (torch.rand(1, 4, 5, 5), torch.rand(1, 2, 3, 5), torch.rand(1, 6, 3, 3))
+    data = payload(view(layers))
+    got = [[(H, lq, lk) for H, lq, lk, _ in layer] for layer in calls_of(data)]
+    assert got == [[(4, 5, 5)], [(2, 3, 5)], [(6, 3, 3)]] and data["heads"] == 6
+    for layer, (calls,) in zip(layers, calls_of(data), strict=True):
+        assert np.array_equal(calls[3], layer[0].numpy())
+
+
+def test_a_tuple_of_steps_of_layers_as_generate_returns_them_is_each_layers_calls():
+    """``generate(..., output_attentions=True, return_dict_in_generate=True).attentions``: per step, per layer;
+    the prompt (B, H, P, P), then a step (B, H, 1, P + t) each: each layer's calls, on the slider."""
+    P, steps, layers = 3, 4, 2
+    attentions = tuple(
+        tuple(torch.softmax(torch.randn(2, 2, P if t == 0 else 1, P + t), -1) for _ in range(layers))
+        for t in range(steps)
+    )
+    data = payload(view(attentions, tokens=list("abcdef"), example=1))
+    for i, layer in enumerate(calls_of(data)):
+        assert [(lq, lk) for _, lq, lk, _ in layer] == [(3, 3), (1, 4), (1, 5), (1, 6)]
+        for t, (_, _, _, w) in enumerate(layer):
+            assert np.array_equal(w, attentions[t][i][1].numpy())
+    assert [c["qoff"] for c in data["layers"][0]["calls"]] == [0, 3, 4, 5]  # each step at the end of its keys
+
+
+@pytest.mark.parametrize(
+    ("weights", "kwargs", "message"),
+    [
+        ((), {}, r"weights is an empty tuple: no layer to show; .* attn_implementation=\"eager\""),
+        ((torch.rand(1, 2, 3, 3), None), {}, r"weights\[1\] is None; a Hugging Face model returns attention weights"),
+        ([torch.rand(1, 2, 3, 3), torch.rand(3, 3)], {}, r"weights\[1\] \(layer 1\) has shape \(3, 3\): each layer's"),
+        ((torch.rand(1, 2, 3, 3, 1),), {}, r"weights\[0\] \(layer 0\) has shape \(1, 2, 3, 3, 1\)"),
+        (
+            (torch.rand(2, 3, 3),),
+            {"example": 1},
+            r"weights\[0\] is one example's \(H, Lq, Lk\) weights, shape \(2, 3, 3\)",
+        ),
+        ((torch.rand(2, 2, 3, 3),), {"example": 2}, r"example 2 does not exist: layer 'layer 0' has a batch of 2"),
+        (
+            ((torch.rand(1, 2, 3, 3), torch.rand(1, 2, 3, 3)), (torch.rand(1, 2, 1, 4),)),
+            {},
+            r"weights\[1\] holds 1 layers but weights\[0\] holds 2",
+        ),
+        (
+            ((torch.rand(1, 2, 3, 3),), (torch.rand(1, 4, 1, 4),)),
+            {},
+            r"layer 'layer 0' call 1: the calls of a layer have one number of heads, got 4 after 2",
+        ),
+        (((),), {}, r"weights\[0\] is an empty tuple: no layer to show"),
+    ],
+)
+def test_a_tuple_of_layers_that_cannot_be_shown_is_an_error_naming_the_layer(weights, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        view(weights, **kwargs)
+
+
+def test_a_small_hugging_face_models_attentions_and_generate_steps():
+    """A GPT-2 of 2 layers x 4 heads built from its config (no download), its eager attention returning weights."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=4, n_embd=16, vocab_size=20, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.set_attn_implementation("eager")
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    tokens = [f"t{i}" for i in ids[0].tolist()]
+    with torch.no_grad():
+        out = model(ids, output_attentions=True)
+        generated = model.generate(
+            ids, max_new_tokens=3, do_sample=False, output_attentions=True, return_dict_in_generate=True, pad_token_id=0
+        )
+    assert isinstance(out.attentions, tuple) and out.attentions[0].shape == (1, 4, 5, 5)
+    data = payload(view(out.attentions, tokens=tokens))
+    assert [(layer["name"], layer["heads"]) for layer in data["layers"]] == [("layer 0", 4), ("layer 1", 4)]
+    for a, (calls,) in zip(out.attentions, calls_of(data), strict=True):
+        assert np.array_equal(calls[3], a[0].numpy())
+    steps = payload(view(generated.attentions, tokens=tokens + ["n1", "n2"]))
+    assert [(c["lq"], c["lk"], c["qoff"]) for c in steps["layers"][1]["calls"]] == [(5, 5, 0), (1, 6, 5), (1, 7, 6)]
+    model.set_attn_implementation("sdpa")  # returns no weights: an empty tuple, and an error saying what to do
+    with torch.no_grad():
+        nothing = model(ids, output_attentions=True).attentions
+    if not nothing:  # transformers 5 gives (); a version that warns and computes them eagerly gives them
+        with pytest.raises(ValueError, match='attn_implementation="eager"'):
+            view(nothing)
+
+
 def test_a_large_record_keeps_each_rows_largest_weights_and_says_so(monkeypatch):
     monkeypatch.setattr(_data, "EXACT_CELLS", 100)
     monkeypatch.setattr(_data, "MAX_ENTRIES", 2 * 3 * 9 * 4)  # 4 per row
@@ -304,6 +423,20 @@ def test_view_command_on_a_tensor_a_record_and_a_numpy_file(capsys, tmp_path):
     assert run(capsys, "view", tmp_path / "w.npy", "--out", tmp_path / "n.html")[0] == 0
 
 
+def test_view_command_on_a_saved_tuple_of_layers_as_transformers_returns_them(capsys, tmp_path):
+    """``torch.save(outputs.attentions, "a.pt")``: one (B, H, Lq, Lk) tensor per layer, read as the layers."""
+    g = torch.Generator().manual_seed(0)
+    layers = tuple(torch.softmax(torch.randn(2, 3, 4, 4, generator=g), -1) for _ in range(2))
+    torch.save(layers, tmp_path / "a.pt")
+    code, _, err = run(capsys, "view", tmp_path / "a.pt", "--out", tmp_path / "a.html", "--example", "1")
+    assert (code, err) == (0, "")
+    data = payload((tmp_path / "a.html").read_text(encoding="utf-8"))
+    assert [layer["name"] for layer in data["layers"]] == ["layer 0", "layer 1"]
+    call = data["layers"][1]["calls"][0]
+    weights = np.frombuffer(blob(data, call["data"]), dtype="<f4").reshape(3, 4, 4)
+    assert np.array_equal(weights, layers[1][1].numpy())
+
+
 @pytest.mark.parametrize(
     ("make", "args", "fragment"),
     [
@@ -312,7 +445,8 @@ def test_view_command_on_a_tensor_a_record_and_a_numpy_file(capsys, tmp_path):
         (lambda d: torch.save(torch.rand(6, 2, 2), d / "w.pt"), ("--kv-heads", "4"), "kv_heads=4 must divide the 6"),
         (lambda d: torch.save({"m": [torch.rand(1, 2, 2)]}, d / "w.pt"), ("--example", "3"), "example 3 does not"),
         (lambda d: torch.save({"m": []}, d / "w.pt"), (), "layer 'm' has no calls"),
-        (lambda d: torch.save({"m": "x"}, d / "w.pt"), (), "expected a tensor of weights, got a str"),
+        (lambda d: torch.save({"m": "x"}, d / "w.pt"), (), "expected a tensor of weights, got an object of type str"),
+        (lambda d: torch.save(3, d / "w.pt"), (), "got an object of type int"),
         (lambda d: torch.save([torch.rand(2, 2)], d / "w.pt"), (), "expected one tensor or array of weights"),
         (lambda d: (d / "w.pt").write_bytes(b"junk"), (), "cannot read weights"),
         (lambda d: torch.save(torch.rand(2, 2), d / "w.pt"), ("--tokens", "@nope.txt"), "nope.txt: no such file"),

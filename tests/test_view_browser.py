@@ -64,11 +64,13 @@ class Opened:
 
 
 @contextmanager
-def opened(browser, path: Path, fragment: str = "", *, ready: bool = True, init: str = "") -> Iterator[Opened]:
+def opened(
+    browser, path: Path, fragment: str = "", *, ready: bool = True, init: str = "", size: tuple[int, int] = (1200, 900)
+) -> Iterator[Opened]:
     """``path`` opened in a fresh offline context; on leaving, no error logged and nothing asked for but ``path``.
     ``ready``: wait for the viewer to draw its first view (a host page of an iframe has none of its own). ``init``:
-    a script run before the page's own."""
-    context = browser.new_context(viewport={"width": 1200, "height": 900}, offline=True)
+    a script run before the page's own. ``size``: the window's width and height."""
+    context = browser.new_context(viewport={"width": size[0], "height": size[1]}, offline=True)
     if init:
         context.add_init_script(init)
     try:
@@ -215,6 +217,150 @@ def test_decoding_steps_are_browsed_with_the_slider(browser, tmp_path):
         assert o.lines() == count(calls[2][0])
         top = page.locator("#hv-queries .tok").bounding_box()["y"]
         assert top == page.locator("#hv-keys .tok[data-i='4']").bounding_box()["y"]  # level with its own key
+
+
+def eventually(page, check, seconds: float = 10.0) -> None:
+    """Wait until ``check()`` holds (page.wait_for_function would evaluate a string: the page's CSP forbids it)."""
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "not before the time was up"
+        page.wait_for_timeout(50)
+
+
+def test_the_page_uses_the_windows_width(browser, tmp_path):
+    """The head view's lines take the width the token columns leave; the small matrices and the matrix view's cells
+    grow with the window; a resized window lays the view out again."""
+    w = torch.softmax(torch.randn(3, 12, 9, 9, generator=torch.Generator().manual_seed(0)), -1)  # (layers, H, L, L)
+    view(w, tokens=[f"tok{i}" for i in range(9)], path=tmp_path / "p.html")
+    with opened(browser, tmp_path / "p.html", size=(1600, 900)) as o:
+        page = o.page
+        drawing = [page.locator(s).bounding_box() for s in ("#hv-queries", "#hv-lines", "#hv-keys")]
+        left, right = drawing[0]["x"], drawing[2]["x"] + drawing[2]["width"]
+        assert right - left > 0.9 * 1600 and drawing[1]["width"] > 0.75 * 1600
+        assert drawing[0]["x"] + drawing[0]["width"] <= drawing[1]["x"] + 1 <= drawing[2]["x"] + 2  # side by side
+        rows = [page.locator(f"#hv-keys .tok[data-i='{j}']").bounding_box()["y"] for j in (0, 8)]
+        assert rows[1] - rows[0] > 8 * 18  # 9 tokens in a tall window: rows taller than the 18 px least
+        page.set_viewport_size({"width": 900, "height": 900})  # laid out again at the next frame
+        eventually(page, lambda: page.locator("#hv-lines").bounding_box()["width"] < 900 - 2 * 50)
+        right = page.locator("#hv-keys").bounding_box()
+        assert 850 < right["x"] + right["width"] <= 900
+        assert o.lines() == count(w[0].mean(0))  # drawn again (12 heads: their average)
+        page.set_viewport_size({"width": 1600, "height": 900})
+        page.click("#tabs button[data-view='model']")
+        thumb = page.locator("#grid canvas.thumb").first.bounding_box()
+        assert thumb["width"] > 90  # 12 heads across 1600 px: more than the 64 px least
+        last = page.locator("#grid canvas.thumb[data-layer='0'][data-head='11']").bounding_box()
+        assert 0.85 * 1600 < last["x"] + last["width"] <= 1600  # the heads across the window, none past its edge
+        page.click("#grid canvas.thumb[data-layer='0'][data-head='0']")
+        assert page.locator("#mx-canvas").bounding_box()["width"] >= 9 * 40  # 9 keys of 40 px, the most a cell has
+
+
+def stroke_colours(o: Opened) -> np.ndarray:
+    """The colours of the head view's lines: the canvas's pixels that are not white, as (n, 3) floats 0..1."""
+    pixels = matplotlib.image.imread(io.BytesIO(o.page.locator("#hv-lines").screenshot()))[..., :3].reshape(-1, 3)
+    return pixels[pixels.min(-1) < 0.97]
+
+
+def test_the_average_mode_draws_the_mean_of_the_visible_heads_in_one_colour(browser, tmp_path):
+    """A layer of 6 heads opens in the average mode (5 heads or more): a line per weight of the mean over the
+    visible heads, opacity = that mean; hiding a head takes it out of the mean; hovering a token keeps its own."""
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(1, 6, 8, 8, generator=g) * torch.linspace(0.5, 4, 6)[:, None, None]  # (B, H, L, L)
+    w = scores.masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    view({"layer": w}, tokens=list("abcdefgh"), path=tmp_path / "p.html")
+    w = w[0].double()  # (H, L, L)
+
+    def drawn(o: Opened) -> dict[tuple[int, int], float]:
+        lines = o.page.evaluate("document.getElementById('hv-lines').attnkitLines")
+        assert set(lines["heads"]) <= {-1}  # -1: no head's, the mean's
+        return {(i, j): a for i, j, a in zip(lines["queries"], lines["keys"], lines["weights"], strict=True)}
+
+    def expected(mean: torch.Tensor, rows=range(8), keys=range(8)) -> dict[tuple[int, int], float]:
+        return {(i, j): mean[i, j].item() for i in rows for j in keys if mean[i, j] >= LINE_MIN}
+
+    with opened(browser, tmp_path / "p.html") as o:
+        page = o.page
+        assert page.get_attribute("#line-mode button.active", "data-lines") == "average"
+        got = drawn(o)
+        assert got.keys() == expected(w.mean(0)).keys() and o.lines() == len(got) > 0
+        assert got == pytest.approx(expected(w.mean(0)), abs=1e-6)
+        assert "the mean of the 6 visible heads' weights" in page.inner_text("#line-note")
+        colours = stroke_colours(o)  # every line's pixels: between white and the one colour, however they overlap
+        darkest = colours[(1 - colours).sum(-1).argmax()]
+        along = (1 - colours) / (1 - darkest)  # (n, 3): each channel's share of the way to the darkest pixel
+        assert len(colours) > 100 and np.abs(along - along.mean(-1, keepdims=True)).max() < 0.05
+
+        page.click("#head-toggles .head[data-head='5']")
+        page.click("#head-toggles .head[data-head='0']")
+        assert drawn(o) == pytest.approx(expected(w[1:5].mean(0)), abs=1e-6)
+        page.hover("#hv-queries .tok[data-i='6']")  # one query: its row of the mean
+        assert drawn(o) == pytest.approx(expected(w[1:5].mean(0), rows=[6]), abs=1e-6)
+        lit = page.locator("#hv-keys .tok.lit").all_text_contents()
+        assert lit == ["abcdefgh"[j] for j in range(8) if w[1:5, 6, j].mean() >= LINE_MIN]
+        page.hover("#hv-keys .tok[data-i='2']")  # one key: the column
+        assert drawn(o) == pytest.approx(expected(w[1:5].mean(0), keys=[2]), abs=1e-6)
+
+        page.click("#line-mode button[data-lines='heads']")  # each head's lines again, in their colours
+        page.mouse.move(5, 5)
+        assert o.lines() == count(w[1:5]) and set(
+            page.evaluate("document.getElementById('hv-lines').attnkitLines.heads")
+        ) == {1, 2, 3, 4}
+    with opened(browser, tmp_path / "p.html", "#lines=heads&off=0") as o:  # the address chooses the mode
+        assert o.page.get_attribute("#line-mode button.active", "data-lines") == "heads"
+        assert o.lines() == count(w[1:])
+    view(w[:4], tokens=list("abcdefgh"), path=tmp_path / "four.html")  # 4 heads: a line per head unless asked
+    with opened(browser, tmp_path / "four.html") as o:
+        assert o.page.get_attribute("#line-mode button.active", "data-lines") == "heads"
+    with opened(browser, tmp_path / "four.html", "#lines=average") as o:
+        assert drawn(o) == pytest.approx(expected(w[:4].mean(0)), abs=1e-6)
+
+
+THUMB_ROW = 12  # viewer.js: a small matrix's row is drawn this many px tall at least
+BLUE = np.array([8, 48, 107])  # viewer.js: the colour of a matrix's largest weight (white is 0)
+
+
+def test_decoding_steps_are_readable_in_the_model_view(browser, tmp_path):
+    """A decoding step (1 query x Lk keys) is a strip THUMB_ROW px tall at least, not a line of one pixel; at a
+    later step the layer's steps so far are stacked, steps x keys, each cell its weight over the largest of those
+    steps (grey: a key that step did not have yet); the prefill before them is a call of its own."""
+    torch.manual_seed(2)
+    mha = attnkit.MultiHeadAttention(16, 2).eval()
+    cache = attnkit.KVCache()
+    x = torch.randn(1, 40, 16)
+    with attnkit.record_weights(mha) as rec, torch.no_grad():
+        mha(x[:, :36], x[:, :36], x[:, :36], is_causal=True, cache=cache)  # prefill 36
+        for t in range(36, 40):
+            mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], is_causal=True, cache=cache)
+    calls = rec.calls("")  # (1, H, 36, 36), then (1, H, 1, 37) ... (1, H, 1, 40)
+    view(rec, path=tmp_path / "p.html")
+    with opened(browser, tmp_path / "p.html", "#view=model&step=1") as o:  # the first step: one query, alone
+        thumb = o.page.locator("#grid canvas.thumb[data-head='0']")
+        assert thumb.get_attribute("height") == "1" and thumb.get_attribute("data-calls") == "1 1"
+        box = thumb.bounding_box()
+        assert box["height"] >= THUMB_ROW and box["width"] > 10 * box["height"] / 2
+    with opened(browser, tmp_path / "p.html", "#view=model&step=4") as o:  # 4 steps stacked: 4 x 40
+        for h in range(2):
+            thumb = o.page.locator(f"#grid canvas.thumb[data-head='{h}']")
+            assert thumb.get_attribute("data-calls") == "1 4" and thumb.get_attribute("data-rows") == "4"
+            assert thumb.bounding_box()["height"] >= 4 * THUMB_ROW
+            pixels = o.page.evaluate(
+                """(h) => {
+                    const c = document.querySelector(`#grid canvas.thumb[data-head='${h}']`);
+                    return Array.from(c.getContext("2d").getImageData(0, 0, c.width, c.height).data);
+                }""",
+                h,
+            )
+            got = np.array(pixels, dtype=float).reshape(4, 40, 4)[..., :3]
+            steps = [calls[t][0, h, 0].double() for t in range(1, 5)]  # (37,) ... (40,)
+            top = max(s.max() for s in steps)
+            want = np.full((4, 40, 3), 180.0)  # grey: keys a step did not have yet
+            for r, s in enumerate(steps):
+                want[r, : len(s)] = 255 + (BLUE - 255) * (s / top).numpy()[:, None]
+            assert np.abs(got - want).max() <= 1
+    view(torch.softmax(torch.randn(3, 1, 50), -1), path=tmp_path / "one.html")  # (H, 1, Lk): a strip per head
+    with opened(browser, tmp_path / "one.html", "#view=model") as o:
+        for box in (t.bounding_box() for t in o.page.locator("#grid canvas.thumb").all()):
+            assert box["height"] >= THUMB_ROW
 
 
 def test_cross_attention_shows_separate_query_and_key_tokens(browser, tmp_path):

@@ -243,7 +243,8 @@ def _move_all(staging: Path, folder: Path) -> None:
 
 def load_weights(path: Path, *, record: bool = False) -> Any:
     """The tensor in ``path`` (``.npy``, or anything else as ``torch.save``'s), as float32; with ``record``, also a
-    record saved as ``{module name: tensor or list of tensors}`` (each checked the same way)."""
+    record saved as ``{module name: tensor or list of tensors}`` or a list or tuple of tensors, one per layer
+    (transformers' ``outputs.attentions``), each checked the same way."""
     try:
         if path.suffix == ".npy":
             import numpy as np
@@ -275,15 +276,25 @@ def load_weights(path: Path, *, record: bool = False) -> Any:
                 raise UsageError(f"{path}: layer {shown(name)} has no calls (an empty list)")
             loaded[name] = [_weights_tensor(path, c, f"layer {shown(name)}: ") for c in calls]
         return loaded
+    if (
+        record
+        and isinstance(data, (list, tuple))
+        and data
+        and all(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in data)
+    ):
+        # one tensor per layer, as transformers' outputs.attentions saved whole: the viewer reads it as such
+        return type(data)(_weights_tensor(path, t, f"layer {i}: ") for i, t in enumerate(data))
     if not isinstance(data, torch.Tensor):
-        wanted = "one tensor or array of weights" + (", or a dict {layer name: tensors}" if record else "")
-        raise UsageError(f"{path}: expected {wanted}, got a {type(data).__name__}")
+        wanted = "one tensor or array of weights" + (
+            ", a dict {layer name: tensors}, or a list of (B, H, Lq, Lk) tensors, one per layer" if record else ""
+        )
+        raise UsageError(f"{path}: expected {wanted}, got an object of type {type(data).__name__}")
     return _weights_tensor(path, data, "")
 
 
 def _weights_tensor(path: Path, data: Any, where: str) -> torch.Tensor:
     if not isinstance(data, torch.Tensor):
-        raise UsageError(f"{path}: {where}expected a tensor of weights, got a {type(data).__name__}")
+        raise UsageError(f"{path}: {where}expected a tensor of weights, got an object of type {type(data).__name__}")
     if data.layout != torch.strided or data.device.type != "cpu":
         raise UsageError(
             f"{path}: {where}weights must be a dense tensor of numbers, got a {data.layout} tensor on {data.device} "

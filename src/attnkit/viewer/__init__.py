@@ -2,14 +2,34 @@
 
 The page holds everything it needs: its script and style are inline, the weights are embedded in it, and a
 Content-Security-Policy forbids it any request, so it opens from disk, offline, in any browser, and a notebook
-shows it inline (:meth:`AttentionView._repr_html_`, in an iframe of its own). Three views of one record:
+shows it inline (``AttentionView._repr_html_``, in an iframe of its own). Every view takes the window's
+width (and is laid out again when the window is resized). Three views of one record:
 
-* **heads**: query tokens on the left, key tokens on the right, a line for each weight (opacity = weight, one
-  colour per head; lines for weights under 0.01 are not drawn). Click a head to hide or show it (click its key/value
-  group's label for the whole group); hover a token to see only its lines, the tokens on the other side lit by
-  weight, and the keys a mask hides hatched.
-* **model**: a grid of small matrices, layers by heads; click one to open it in the matrix view.
-* **matrix**: one head's weights, large, with the tokens on the axes; the value under the mouse.
+* **heads**: query tokens on the left, key tokens at the window's right edge, the lines across the width between
+  them (rows of 18 px, taller, up to 40, when the window has room). A line per weight (opacity = weight; lines for
+  weights under 0.01 are not drawn), drawn one of two ways (the page's "lines" toggle, or ``#lines=`` in the
+  address): ``heads``, each head's lines in its colour; ``average``, a line per weight of the mean over the
+  visible heads, in one colour (a weight a reduced page did not keep counts as 0). A page whose widest layer has 5
+  heads or more opens in the average mode (a dozen heads' colours drawn over each other read as grey), one of 4 or
+  fewer in the heads mode. Click a head to hide or show it (click its key/value group's label for the whole group):
+  hidden heads leave the average too; hover a token to see only its lines, the tokens on the other side lit by
+  weight (the largest of the visible heads', or their mean in the average mode), and the keys a mask hides hatched.
+* **model**: a grid of small matrices, layers by heads, as large as the window's width (and height, to a point)
+  allows; click one to open it in the matrix view. A row of a small matrix is drawn 12 px tall at least, so that a
+  decoding step (1 query x ``Lk`` keys) is a strip, not a line of one pixel; and at a decoding step, a layer's
+  steps so far (the calls of as many queries before it, each following the one before, as through a cache; not a
+  prefill of more queries) are stacked, a row per step: a steps x keys matrix, each head scaled to its largest
+  weight in those steps, grey where a step did not have that key yet.
+* **matrix**: one head's weights, large (cells up to 40 px, as the window allows), with the tokens on the axes; the
+  value under the mouse.
+
+What it reads: a record of :func:`attnkit.record_weights` (or a mapping of module names to calls), a tensor, or
+what a Hugging Face model returns with ``output_attentions=True``: ``outputs.attentions``, a tuple (or list) of
+one ``(B, H, L, L)`` tensor per layer (``example`` picks the row of the batch; one example's ``(H, L, L)`` per
+layer is read too), or ``generate(..., output_attentions=True, return_dict_in_generate=True).attentions``, a tuple
+per step of those tuples: each layer's calls, the prompt then a step each, on the slider. Layers need not agree in
+heads or lengths. A model that returned no weights (an empty tuple, or ``None`` for a layer: its attention was not
+the eager one) is an error that says how to get them.
 
 Padding and masked positions are drawn apart from low weights: attnkit gives a weight of exactly 0 where a
 mask hides a key (and nowhere else, but for float32 underflow at scores more than about 100 below the row's
@@ -26,14 +46,15 @@ sliding one (keys in ring order) or a ragged batch's shorter rows (their queries
 the longest row's) are drawn with the positions of that rule, not the rows' own: view their weights per call, or a
 batch of one.
 
-The address may choose what the page opens on: ``page.html#view=matrix&layer=3&head=1``, or
-``#layer=5&step=2&hover=q3&off=0,1`` (the head view with query 3 hovered and heads 0 and 1 hidden).
+The address may choose what the page opens on: ``page.html#view=matrix&layer=3&head=1``,
+``#layer=5&step=2&hover=q3&off=0,1`` (the head view with query 3 hovered and heads 0 and 1 hidden), or
+``#lines=average`` (``#lines=heads``) for the head view's lines.
 
 Size: up to 1,048,576 weights in all, every weight is kept exactly (float32). Past that, each row keeps its
 largest weights (as many as fit 4,000,000 in all, at least 1), rounded to 1/255 of its matrix's largest, with
 their key positions; the page says so, and how much of each row's weight the kept ones hold. The model view's
 small matrices are averaged to 64 cells a side at most. A 12 layers x 12 heads x 1024 x 1024 record makes a
-file of 17 MB (see the README for the measured size and time to interactive).
+file of 17 MB (docs/guide/viewer.md gives the measured size and time to interactive).
 """
 
 from __future__ import annotations
@@ -49,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from attnkit._files import write_atomically
-from attnkit.viewer import _data, _stats
+from attnkit.viewer import _data, _encode, _stats
 from attnkit.viewer._data import EXACT_CELLS, MAX_ENTRIES, THUMB
 
 __all__ = ["EXACT_CELLS", "MAX_ENTRIES", "THUMB", "AttentionView", "view"]
@@ -104,9 +125,11 @@ def view(
             positions, which the record keeps); or
             a record from :func:`attnkit.record_weights` (each module a layer, its calls on a slider; a
             mapping ``{name: (B, H, Lq, Lk) or (B, Lq, Lk) tensor, or a list of them, one per call}`` is read
-            the same way, e.g. ``torch.save({n: rec.calls(n) for n in rec}, f)`` loaded back), or a tensor or
-            array of weights ``(Lq, Lk)``, ``(H, Lq, Lk)`` or ``(layers, H, Lq, Lk)``. Weights are finite and
-            ``>= 0``; exactly 0 is drawn as masked.
+            the same way, e.g. ``torch.save({n: rec.calls(n) for n in rec}, f)`` loaded back), or a tuple or list
+            of one tensor per layer, ``(B, H, Lq, Lk)`` or ``(H, Lq, Lk)`` (Hugging Face's ``outputs.attentions``
+            with ``output_attentions=True``; the layers are named ``"layer 0"``, ...), or a tuple of those per call
+            (``generate``'s ``attentions``), or a tensor or array of weights ``(Lq, Lk)``, ``(H, Lq, Lk)`` or
+            ``(layers, H, Lq, Lk)``. Weights are finite and ``>= 0``; exactly 0 is drawn as masked.
         tokens: the tokens of a self-attention sequence, for queries and keys. A call with ``Lk`` keys is labelled
             with the first ``Lk`` and its queries with the last ``Lq`` of those (a decoding step through a cache
             stands at the end of its keys), so the list must be as long as the longest call's keys.
@@ -119,14 +142,16 @@ def view(
         kv_heads: key/value heads (grouped-query attention), for every layer or ``{layer name: number}``: query
             head ``h`` shares key/value head ``h // (H // kv_heads)``; the page groups and colours them so. By
             default, what a ``record_weights`` record says of its layers (``record.kv_heads``).
-        example: the row of a record's batch to show.
+        example: the row of a record's batch (or of a tuple of layers' batch) to show.
         title: the page's title.
 
     Returns:
         An :class:`AttentionView` (``.html``, ``.path``, ``.notes``; a notebook shows it inline).
 
     Raises:
-        ValueError: for weights of another shape, empty, negative or not finite; token lists that do not match
+        ValueError: for weights of another shape, empty, negative or not finite; a tuple of layers that is empty
+            or holds ``None`` (a Hugging Face model whose attention returned no weights: the message says to load
+            it with ``attn_implementation="eager"``), naming the layer; token lists that do not match
             the positions they label (naming the layer and the lengths); an ``example`` past the batch; a
             ``kv_heads`` that does not divide the heads; layer names that are not in the record.
         TypeError: for weights or tokens of the wrong type (a string where a list of tokens is wanted).
@@ -155,7 +180,7 @@ def view(
         kv_heads = {n: k for n, k in known.items() if n in shown} or None
     _data.check_groups(layers, kv_heads)
     heading = title if title is not None else "attention"
-    payload = _data.encode(layers, heading, notes)
+    payload = _encode.encode(layers, heading, notes)
     page = AttentionView(_html(payload, heading), None, tuple(payload["notes"]))
     if path is not None:
         return AttentionView(page.html, page.save(path), page.notes)

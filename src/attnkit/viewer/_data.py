@@ -2,12 +2,11 @@
 decodes (see :mod:`attnkit.viewer` for what the page shows and what is reduced when).
 
 Nothing here knows about HTML: :func:`collect` and :func:`assign_tokens` check what the user gave and
-:func:`encode` turns it into one JSON-ready dictionary, the page's only input.
+``attnkit.viewer._encode.encode`` turns it into one JSON-ready dictionary, the page's only input.
 """
 
 from __future__ import annotations
 
-import base64
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,12 +41,19 @@ def collect(weights: Any, example: int) -> tuple[list[Layer], list[str]]:
 
     A mapping (a :class:`~attnkit.layers.WeightRecord`, or ``{name: tensor or list of tensors}`` as saved with
     ``torch.save``) holds, per module, calls of ``(B, H, Lq, Lk)`` or ``(B, Lq, Lk)`` (one head): ``example``
-    picks the batch row. A tensor or array is ``(Lq, Lk)``, ``(H, Lq, Lk)`` or ``(layers, H, Lq, Lk)``.
+    picks the batch row. A tuple or list of tensors is one per layer (Hugging Face's ``outputs.attentions``), each
+    ``(B, H, Lq, Lk)`` or one example's ``(H, Lq, Lk)``; a tuple of such tuples is one per call (``generate``'s
+    ``attentions``: a step, then each layer). A tensor or array is ``(Lq, Lk)``, ``(H, Lq, Lk)`` or
+    ``(layers, H, Lq, Lk)``.
     """
     if isinstance(example, bool) or not isinstance(example, int):
         raise TypeError(f"example must be a whole number (a row of the batch), got {example!r}")
     if isinstance(weights, Mapping):
         return _from_record(weights, example)
+    if isinstance(weights, (list, tuple)):
+        per_layer = _per_layer(weights, example)
+        if per_layer is not None:
+            return _from_record(per_layer, example)
     if example != 0:
         raise ValueError(
             f"example={example} picks a row of a record's batch; a tensor of weights has no batch (it is "
@@ -61,6 +67,63 @@ def collect(weights: Any, example: int) -> tuple[list[Layer], list[str]]:
     if len(w) == 1:
         return [Layer("attention", [w[0]])], []
     return [Layer(f"layer {i}", [w[i]]) for i in range(len(w))], []
+
+
+_NO_WEIGHTS = (
+    "a Hugging Face model returns attention weights only when it runs its eager attention: load it with "
+    'attn_implementation="eager" (or call model.set_attn_implementation("eager")), then pass output_attentions=True'
+)
+
+
+def _per_layer(weights: list | tuple, example: int) -> dict[str, list[Any]] | None:
+    """``{"layer i": [its calls, each (B, H, Lq, Lk)]}`` from a tuple of layers or a tuple of calls of layers;
+    ``None`` when ``weights`` is rather one array written as nested lists (``[[0.5, 0.5], [1, 0]]``, or a list
+    of ``(Lq, Lk)`` heads), which is read as before."""
+    if not weights:
+        raise ValueError(f"weights is an empty {type(weights).__name__}: no layer to show; {_NO_WEIGHTS}")
+    nested = all(isinstance(s, (list, tuple)) for s in weights)
+    if nested and not any(weights):  # generate's attentions without weights: a () per step
+        raise ValueError(f"weights[0] is an empty {type(weights[0]).__name__}: no layer to show; {_NO_WEIGHTS}")
+    steps = nested and any(_is_array(t) or t is None for s in weights for t in s)
+    if not steps and not any((_is_array(t) and t.ndim >= 3) or t is None for t in weights):
+        return None
+    calls = weights if steps else [weights]  # [call][layer]
+    n = len(calls[0])
+    for c, step in enumerate(calls):
+        if len(step) != n:
+            raise ValueError(
+                f"weights[{c}] holds {len(step)} layers but weights[0] holds {n}: a tuple of calls (as generate "
+                f"returns) holds every layer at every call"
+            )
+    out: dict[str, list[Any]] = {}
+    for i in range(n):
+        layer: list[Any] = []
+        out[f"layer {i}"] = layer
+        for c, step in enumerate(calls):
+            t = step[i]
+            where = f"weights[{c}][{i}]" if steps else f"weights[{i}]"
+            if t is None:
+                raise ValueError(f"{where} is None; {_NO_WEIGHTS}")
+            if not _is_array(t):
+                raise TypeError(f"{where}: a layer's weights must be a tensor or an array, got {type(t).__name__}")
+            if t.ndim == 3:  # one example's (H, Lq, Lk)
+                if example != 0:
+                    raise ValueError(
+                        f"example={example} picks a row of the batch, but {where} is one example's (H, Lq, Lk) "
+                        f"weights, shape {tuple(t.shape)}: give (B, H, Lq, Lk) or leave example at 0"
+                    )
+                t = t[None]  # (1, H, Lq, Lk)
+            elif t.ndim != 4:
+                raise ValueError(
+                    f"{where} (layer {i}) has shape {tuple(t.shape)}: each layer's weights are (B, H, Lq, Lk) or "
+                    "(H, Lq, Lk)"
+                )
+            layer.append(t)
+    return out
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (torch.Tensor, np.ndarray))
 
 
 def _from_record(record: Mapping, example: int) -> tuple[list[Layer], list[str]]:
@@ -291,156 +354,3 @@ def check_groups(layers: list[Layer], kv_heads: Any) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- encoding
-
-
-class _Blobs:
-    """The page's byte strings, base64, each stored once (identical masks are shared)."""
-
-    def __init__(self) -> None:
-        self.items: list[str] = []
-        self._ids: dict[bytes, int] = {}
-        self.nbytes = 0
-
-    def add(self, data: bytes, *, share: bool = False) -> int:
-        if share and data in self._ids:
-            return self._ids[data]
-        self.items.append(base64.b64encode(data).decode("ascii"))
-        self.nbytes += len(data)
-        if share:
-            self._ids[data] = len(self.items) - 1
-        return len(self.items) - 1
-
-
-def encode(layers: list[Layer], title: str, notes: list[str]) -> dict[str, Any]:
-    """The page's data: layers, calls, token lists and base64 blobs (see viewer.js for how each is read)."""
-    H_max = max(c.shape[0] for layer in layers for c in layer.calls)
-    cells = sum(c.size for layer in layers for c in layer.calls)
-    rows = sum(c.shape[0] * c.shape[1] for layer in layers for c in layer.calls)
-    lk_max = max(c.shape[2] for layer in layers for c in layer.calls)
-    exact = cells <= EXACT_CELLS
-    k = lk_max if exact else max(1, min(lk_max, MAX_ENTRIES // rows))
-    blobs = _Blobs()
-    lists: dict[tuple[str, ...], int] = {}
-    mask_budget = [MAX_MASK_BYTES]
-    stats: dict[str, Any] = {"kept": [], "least": 1.0, "thumbs": False, "masks_dropped": 0}
-
-    def list_id(tokens: list[str] | None) -> int | None:
-        if tokens is None:
-            return None
-        return lists.setdefault(tuple(tokens), len(lists))
-
-    out_layers = []
-    for layer in layers:
-        calls = []
-        for w, (q, q_offset, kt) in zip(layer.calls, layer.tokens, strict=True):
-            call = _encode_call(w, exact, k, blobs, mask_budget, stats)
-            call.update(q=list_id(q), qoff=q_offset, k=list_id(kt))
-            calls.append(call)
-        H = layer.calls[0].shape[0]
-        out_layers.append({"name": layer.name, "heads": H, "groups": layer.groups, "calls": calls})
-
-    notes = list(notes)
-    if not exact:
-        kept = np.concatenate(stats["kept"]) if stats["kept"] else np.ones(1)
-        notes.append(
-            f"Reduced: {cells:,} weights are more than the {EXACT_CELLS:,} a page keeps exactly, so each row keeps its "
-            f"{k} largest weights (of up to {lk_max} keys), rounded to 1/255 of its matrix's largest; the kept "
-            f"weights hold {kept.mean():.1%} of a row's weight on average, {stats['least']:.1%} at least. A cell not "
-            "kept is drawn white, and the value under the mouse says so."
-        )
-    if stats["thumbs"]:
-        notes.append(f"Model view: the small matrices average bins of cells, {THUMB} a side at most.")
-    if stats["masks_dropped"]:
-        notes.append(
-            f"Masked cells are not known for {stats['masks_dropped']} matrices (distinct masks past "
-            f"{MAX_MASK_BYTES >> 20} MiB): there a hidden key looks like a weight of 0."
-        )
-    return {
-        "title": title,
-        "notes": notes,
-        "exact": exact,
-        "k": k,
-        "heads": H_max,
-        "tokens": [list(t) for t in lists],
-        "layers": out_layers,
-        "blobs": blobs.items,
-    }
-
-
-def _encode_call(
-    w: np.ndarray, exact: bool, k: int, blobs: _Blobs, mask_budget: list[int], stats: dict[str, Any]
-) -> dict[str, Any]:
-    """One call's weights ``(H, Lq, Lk)``: exact float32, or the largest ``k`` of each row as uint8 with their
-    uint16 key positions (all of them, without positions, when ``k >= Lk``), its masks, padding and thumbnails."""
-    H, Lq, Lk = w.shape
-    zero = w == 0  # (H, Lq, Lk): attnkit gives exactly 0 where a mask hides a key
-    scale = float(w.max()) or 1.0
-    call: dict[str, Any] = {"lq": Lq, "lk": Lk, "scale": scale}
-    call["padk"] = _ranges(zero.all(axis=(0, 1)))  # keys no query of any head sees: padding
-    call["padq"] = _ranges(zero.all(axis=(0, 2)))  # queries that see no key
-    if exact:
-        call["enc"] = "f32"
-        call["data"] = blobs.add(w.astype("<f4").tobytes())
-    else:
-        masks = []
-        for h in range(H):
-            if not zero[h].any():
-                masks.append(-1)
-                continue
-            bits = np.packbits(zero[h], axis=None, bitorder="little").tobytes()  # (ceil(Lq * Lk / 8),)
-            if bits not in blobs._ids and len(bits) > mask_budget[0]:
-                masks.append(-2)
-                stats["masks_dropped"] += 1
-                continue
-            if bits not in blobs._ids:
-                mask_budget[0] -= len(bits)
-            masks.append(blobs.add(bits, share=True))
-        call["masks"] = masks
-        codes = lambda x: np.rint(x / scale * 255).astype(np.uint8)  # noqa: E731
-        sums = w.sum(-1, dtype=np.float64)  # (H, Lq)
-        if k >= Lk:
-            call["enc"] = "u8"
-            call["data"] = blobs.add(codes(w).tobytes())  # (H, Lq, Lk)
-            stats["kept"].append(np.ones(1))
-        else:
-            top = torch.from_numpy(w).topk(k, dim=-1, sorted=True)  # (H, Lq, k) each
-            values, index = top.values.numpy(), top.indices.numpy()
-            threshold = codes(values[..., -1])  # (H, Lq): the k-th largest of each row
-            data = index.astype("<u2").tobytes() + codes(values).tobytes() + threshold.tobytes()
-            call["enc"], call["kc"] = "topk", k
-            call["data"] = blobs.add(data)  # (H, Lq, k) uint16, (H, Lq, k) uint8, (H, Lq) uint8
-            live = sums > 0
-            fraction = values.sum(-1, dtype=np.float64)[live] / sums[live]  # (rows that see a key,)
-            stats["kept"].append(fraction)
-            if fraction.size:
-                stats["least"] = min(stats["least"], float(fraction.min()))
-    thumb, tq, tk = _thumbnail(w, zero)
-    stats["thumbs"] = stats["thumbs"] or (tq, tk) != (Lq, Lk)
-    call.update(thumb=blobs.add(thumb.tobytes()), tq=tq, tk=tk)
-    call["hmax"] = [float(m) for m in w.max(axis=(1, 2))]
-    return call
-
-
-def _ranges(flags: np.ndarray) -> list[list[int]]:
-    """``[[start, stop], ...]`` of the runs of True in a 1-D bool array."""
-    padded = np.concatenate([[False], flags, [False]])
-    edges = np.flatnonzero(padded[1:] != padded[:-1])  # starts and stops, alternating
-    return edges.reshape(-1, 2).tolist()
-
-
-def _thumbnail(w: np.ndarray, zero: np.ndarray) -> tuple[np.ndarray, int, int]:
-    """``(H, tq, tk)`` uint8: each bin's mean weight over its head's largest, as 1..255; 0 where every cell of
-    the bin is masked (exactly 0)."""
-    H, Lq, Lk = w.shape
-    mean, hidden = w.astype(np.float64), zero.astype(np.float64)
-    for axis in (1, 2):
-        n = mean.shape[axis]
-        if n > THUMB:
-            edges = np.linspace(0, n, THUMB + 1).round().astype(np.intp)  # (THUMB + 1,)
-            counts = np.diff(edges).reshape((-1,) + (1,) * (2 - axis))  # (THUMB, 1) or (THUMB,)
-            mean = np.add.reduceat(mean, edges[:-1], axis=axis) / counts  # that axis: n -> THUMB
-            hidden = np.add.reduceat(hidden, edges[:-1], axis=axis) / counts
-    top = w.max(axis=(1, 2)).astype(np.float64)[:, None, None]  # (H, 1, 1)
-    codes = 1 + np.rint(mean / np.where(top > 0, top, 1.0) * 254)  # (H, tq, tk), 1..255
-    codes[hidden == 1] = 0
-    return codes.astype(np.uint8), mean.shape[1], mean.shape[2]

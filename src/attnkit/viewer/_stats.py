@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from attnkit.recording import StatsRecord
-from attnkit.viewer._data import _Blobs, labels
+from attnkit.viewer._data import labels
+from attnkit.viewer._encode import _Blobs
 
 __all__ = ["ENTRY_BYTES", "SERIES_BINS", "encode", "is_stats"]
 
@@ -115,7 +116,7 @@ def _fitted(
     names: list[str], calls: dict[str, list[Any]], example: int, topk: int
 ) -> tuple[int, dict[str, list[bytes]], int]:
     """The most strongest keys a row can keep with every call's top entries (deflated, :func:`_top`) in
-    :data:`ENTRY_BYTES`, and those entries: tried with all ``topk``, then with as many as the bytes a key took
+    ``ENTRY_BYTES``, and those entries: tried with all ``topk``, then with as many as the bytes a key took
     leave room for, fewer until they fit (one key at least); and their bytes."""
     k = topk
     while True:
@@ -180,7 +181,7 @@ def _call(s: Any, example: int, top: bytes, blobs: _Blobs) -> dict[str, Any]:
 
 
 def _bins(x: np.ndarray, live: np.ndarray | None, blobs: _Blobs, *, largest: bool = False) -> dict[str, int]:
-    """``(H, L)`` values averaged (or their largest) over at most :data:`SERIES_BINS` bins, float32, as a blob."""
+    """``(H, L)`` values averaged (or their largest) over at most ``SERIES_BINS`` bins, float32, as a blob."""
     H, L = x.shape
     n = min(L, SERIES_BINS)
     edges = np.linspace(0, L, n + 1).round().astype(np.intp)

@@ -9,11 +9,14 @@
 (function () {
   const D = JSON.parse(document.getElementById("attnkit-data").textContent);
   const $ = (id) => document.getElementById(id);
-  const ROW = 18; // px per token in the head view
+  const ROW = 18; // px per token in the head view, at least (taller when the tokens leave room: up to ROW_MAX)
+  const ROW_MAX = 40;
   const LINE_MIN = 0.01; // weights under this draw no line
   const LEVELS = 24; // line opacities are drawn in this many steps, one path each
   const MAX_LINES = 5000; // the head view draws at most this many lines (the strongest)
-  const LINES_W = 320; // px between the token columns
+  const LINES_MIN_W = 200; // px between the token columns, at least (the lines take the room the tokens leave)
+  const AVERAGE = [20, 50, 110]; // the colour of the average mode's lines
+  const AVERAGE_FROM = 5; // a page whose layers have this many heads or more opens in the average mode
   const HATCH = [200, 236]; // the two greys of the masked stripes
   const BLUE = [8, 48, 107]; // the colour of a matrix's largest weight (white is 0)
 
@@ -127,7 +130,15 @@
 
   // ----------------------------------------------------------------------------------------- state
   const steps = Math.max(...D.layers.map((layer) => layer.calls.length));
-  const S = { view: "head", layer: 0, step: 0, head: 0, hover: null, off: D.layers.map(() => new Set()) };
+  const S = {
+    view: "head",
+    layer: 0,
+    step: 0,
+    head: 0,
+    hover: null,
+    off: D.layers.map(() => new Set()),
+    lines: D.heads >= AVERAGE_FROM ? "average" : "heads", // the head view's lines: each head's, or their mean
+  };
 
   function callOf(l) {
     return Math.min(S.step, D.layers[l].calls.length - 1);
@@ -140,6 +151,7 @@
       return Number.isInteger(v) && v >= 0 && v < n ? v : null;
     };
     if (["head", "model", "matrix"].includes(p.get("view"))) S.view = p.get("view");
+    if (["heads", "average"].includes(p.get("lines"))) S.lines = p.get("lines");
     S.layer = int("layer", D.layers.length) ?? 0;
     S.step = int("step", steps) ?? 0;
     S.head = int("head", D.layers[S.layer].heads) ?? 0;
@@ -207,6 +219,12 @@
         render();
       });
     }
+    for (const b of $("line-mode").querySelectorAll("button")) {
+      b.addEventListener("click", () => {
+        S.lines = b.dataset.lines;
+        renderHeadView();
+      });
+    }
     for (const note of D.notes) {
       const li = document.createElement("li");
       li.textContent = note;
@@ -262,7 +280,7 @@
   }
 
   // ------------------------------------------------------------------------------------- head view
-  let hv = null; // what the head view shows now: {l, c, m, canvas width, ...}
+  let hv = null; // what the head view shows now: {l, c, m, qrow, rows, row, width, ...}
 
   function renderHeadView() {
     const l = S.layer;
@@ -285,9 +303,13 @@
         renderHeadView();
       },
     );
+    for (const b of $("line-mode").querySelectorAll("button")) {
+      b.classList.toggle("active", b.dataset.lines === S.lines);
+    }
     const c = callOf(l);
-    if (!hv || hv.l !== l || hv.c !== c) buildTokens(l, c);
+    if (!hv || hv.l !== l || hv.c !== c || hv.row !== rowHeight(matrix(l, c))) buildTokens(l, c);
     if (S.hover && S.hover.i >= (S.hover.side === "q" ? hv.m.lq : hv.m.lk)) S.hover = null;
+    fitCanvas();
     drawLines();
     highlight();
   }
@@ -298,12 +320,22 @@
     return Math.min(220, 14 + 7.5 * longest);
   }
 
+  // Rows of ROW px when the tokens do not fit the window's height, else taller (up to ROW_MAX): a few tokens
+  // across a wide window would otherwise be joined by lines too flat to follow.
+  function rowHeight(m) {
+    const rows = Math.max(m.lk, m.aligned ? m.lk : m.lq);
+    const top = $("hv-body").getBoundingClientRect().top + window.scrollY;
+    const room = Math.min(window.innerHeight - 150, window.innerHeight - top - 24); // 150: as .hv-body's max-height
+    return Math.max(ROW, Math.min(ROW_MAX, Math.floor(room / rows)));
+  }
+
   function buildTokens(l, c) {
     const m = matrix(l, c);
     const qcol = $("hv-queries");
     const kcol = $("hv-keys");
     const qrow = (i) => (m.aligned ? m.qPos(i) : i);
     const rows = Math.max(m.lk, m.aligned ? m.lk : m.lq);
+    const row = rowHeight(m);
     const make = (col, n, label, pad, side, top) => {
       col.textContent = "";
       const labels = [];
@@ -315,38 +347,39 @@
         d.className = "tok" + (pad[i] ? " pad" : "");
         d.textContent = text;
         d.title = `${side === "q" ? "query" : "key"} ${side === "q" ? m.qPos(i) : i}: ${text}`;
-        d.style.top = top(i) * ROW + "px";
+        d.style.top = top(i) * row + (row - ROW) / 2 + "px";
         d.dataset.side = side;
         d.dataset.i = String(i);
         frag.appendChild(d);
       }
       col.appendChild(frag);
       col.style.width = columnWidth(labels) + "px";
-      col.style.height = rows * ROW + "px";
+      col.style.height = rows * row + "px";
     };
     make(qcol, m.lq, (i) => m.qLabel(i), m.padq, "q", qrow);
     make(kcol, m.lk, (j) => m.kLabel(j), m.padk, "k", (j) => j);
-    $("hv-track").style.height = rows * ROW + "px";
-    $("hv-track").style.width = LINES_W + "px";
-    hv = { l, c, m, qrow, rows };
-    fitCanvas();
+    $("hv-track").style.height = rows * row + "px";
+    hv = { l, c, m, qrow, rows, row };
   }
 
-  // The canvas is as tall as the part of the head view in sight (at most), and is drawn for what is in sight: a
-  // canvas as tall as 1024 tokens took over a second to paint.
+  // The canvas is as wide as the room between the token columns and as tall as the part of the head view in sight
+  // (at most), and is drawn for what is in sight: a canvas as tall as 1024 tokens took over a second to paint.
   function fitCanvas() {
     const canvas = $("hv-lines");
     const box = $("hv-body");
-    const height = Math.max(ROW, Math.min(hv.rows * ROW, box.clientHeight || hv.rows * ROW));
+    const full = hv.rows * hv.row;
+    const height = Math.max(hv.row, Math.min(full, box.clientHeight || full));
+    const width = Math.max(LINES_MIN_W, $("hv-track").clientWidth);
     const dpr = window.devicePixelRatio || 1;
-    if (canvas.height !== Math.round(height * dpr) || canvas.width !== Math.round(LINES_W * dpr)) {
-      canvas.width = Math.round(LINES_W * dpr);
+    if (canvas.height !== Math.round(height * dpr) || canvas.width !== Math.round(width * dpr)) {
+      canvas.width = Math.round(width * dpr);
       canvas.height = Math.round(height * dpr);
-      canvas.style.width = LINES_W + "px";
+      canvas.style.width = width + "px";
       canvas.style.height = height + "px";
     }
     hv.dpr = dpr;
     hv.height = height;
+    hv.width = width;
   }
 
   function onTokenHover(e) {
@@ -371,80 +404,122 @@
     return heads;
   }
 
-  // The lines to draw: (head, i, j, opacity) of every kept weight whose opacity is LINE_MIN or more, among the
-  // hovered token's when one is hovered; past MAX_LINES, only the strongest MAX_LINES (long sequences: a few
-  // hundred thousand lines across a canvas thousands of pixels tall take seconds to stroke, and show nothing).
+  // fn(i, j, w) for the weights of the hovered token (all of them when none is), per visible head (fn gets the
+  // head, h) or, in the average mode, the mean over the visible heads (h = -1; a weight a reduced page did not keep
+  // counts as 0).
+  function eachWeight(m, hover, fn) {
+    const heads = visibleHeads();
+    if (S.lines === "heads") {
+      for (const h of heads) {
+        if (hover && hover.side === "q") {
+          m.row(h, hover.i, (j, w) => fn(h, hover.i, j, w));
+        } else if (hover) {
+          for (let i = 0; i < m.lq; i++) {
+            const w = m.value(h, i, hover.i);
+            if (w > 0) fn(h, i, hover.i, w);
+          }
+        } else {
+          for (let i = 0; i < m.lq; i++) m.row(h, i, (j, w) => fn(h, i, j, w));
+        }
+      }
+      return;
+    }
+    if (heads.length === 0) return;
+    const n = heads.length;
+    if (hover && hover.side === "k") {
+      for (let i = 0; i < m.lq; i++) {
+        let sum = 0;
+        for (const h of heads) sum += Math.max(0, m.value(h, i, hover.i));
+        if (sum > 0) fn(-1, i, hover.i, sum / n);
+      }
+      return;
+    }
+    const sum = new Float64Array(m.lk);
+    const rows = hover ? [hover.i] : Array.from({ length: m.lq }, (_, i) => i);
+    for (const i of rows) {
+      sum.fill(0);
+      for (const h of heads) m.row(h, i, (j, w) => (sum[j] += w));
+      for (let j = 0; j < m.lk; j++) if (sum[j] > 0) fn(-1, i, j, sum[j] / n);
+    }
+  }
+
+  // The lines to draw: (head, i, j, opacity) of every weight (or mean of the heads' weights) whose opacity is
+  // LINE_MIN or more, among the hovered token's when one is hovered; past MAX_LINES, only the strongest MAX_LINES
+  // (long sequences: a few hundred thousand lines across a canvas thousands of pixels tall take seconds to stroke,
+  // and show nothing).
   function chooseLines(m, hover, y0, y1) {
     const norm = Math.max(1, m.call.scale); // opacity = weight (values past 1 are not weights: scaled down)
+    const { row } = hv;
     const hs = [];
     const is = [];
     const js = [];
     const as = [];
-    const add = (h, i, j, w) => {
+    eachWeight(m, hover, (h, i, j, w) => {
       const a = w / norm;
       if (a < LINE_MIN) return;
-      const yq = hv.qrow(i) * ROW + ROW / 2;
-      const yk = j * ROW + ROW / 2;
+      const yq = hv.qrow(i) * row + row / 2;
+      const yk = j * row + row / 2;
       if ((yq < y0 && yk < y0) || (yq > y1 && yk > y1)) return; // out of sight
       hs.push(h);
       is.push(i);
       js.push(j);
       as.push(a);
-    };
-    for (const h of visibleHeads()) {
-      if (hover && hover.side === "q") {
-        m.row(h, hover.i, (j, w) => add(h, hover.i, j, w));
-      } else if (hover) {
-        for (let i = 0; i < m.lq; i++) {
-          const w = m.value(h, i, hover.i);
-          if (w > 0) add(h, i, hover.i, w);
-        }
-      } else {
-        for (let i = 0; i < m.lq; i++) m.row(h, i, (j, w) => add(h, i, j, w));
-      }
-    }
+    });
     let least = 0;
     if (as.length > MAX_LINES) least = Float64Array.from(as).sort()[as.length - MAX_LINES];
     return { hs, is, js, as, least, all: as.length };
   }
 
   function drawLines() {
-    const { m, dpr, qrow, height } = hv;
+    const { m, dpr, qrow, height, width, row } = hv;
     const canvas = $("hv-lines");
-    const top = Math.min($("hv-body").scrollTop, hv.rows * ROW - height); // what is in sight: [top, top + height)
+    const top = Math.min($("hv-body").scrollTop, hv.rows * row - height); // what is in sight: [top, top + height)
     const ctx = canvas.getContext("2d");
     ctx.setTransform(dpr, 0, 0, dpr, 0, -top * dpr);
-    ctx.clearRect(0, top, LINES_W, height);
-    ctx.lineWidth = 1.5;
+    ctx.clearRect(0, top, width, height);
+    const average = S.lines === "average";
+    ctx.lineWidth = average ? 2 : 1.5;
     const { hs, is, js, as, least, all } = chooseLines(m, S.hover, top, top + height);
-    const paths = new Map(); // head * LEVELS + level -> one path
+    const paths = new Map(); // (head + 1) * LEVELS + level -> one path
+    const drawn = { heads: [], queries: [], keys: [], weights: [] }; // what was drawn, for a test to read
     let count = 0;
     for (let n = 0; n < as.length; n++) {
       if (as[n] < least || count === MAX_LINES) continue;
       const level = Math.min(LEVELS - 1, Math.floor(as[n] * LEVELS));
-      const key = hs[n] * LEVELS + level;
+      const key = (hs[n] + 1) * LEVELS + level;
       let p = paths.get(key);
       if (p === undefined) paths.set(key, (p = new Path2D()));
-      p.moveTo(0, qrow(is[n]) * ROW + ROW / 2);
-      p.lineTo(LINES_W, js[n] * ROW + ROW / 2);
+      p.moveTo(0, qrow(is[n]) * row + row / 2);
+      p.lineTo(width, js[n] * row + row / 2);
+      drawn.heads.push(hs[n]);
+      drawn.queries.push(is[n]);
+      drawn.keys.push(js[n]);
+      drawn.weights.push(as[n]);
       count++;
     }
     for (const [key, p] of paths) {
-      const h = Math.floor(key / LEVELS);
-      ctx.strokeStyle = headColor(m.layer, h, Math.min(1, ((key % LEVELS) + 0.5) / LEVELS));
+      const h = Math.floor(key / LEVELS) - 1;
+      const alpha = Math.min(1, ((key % LEVELS) + 0.5) / LEVELS);
+      ctx.strokeStyle = h < 0 ? `rgba(${AVERAGE.join(",")}, ${alpha})` : headColor(m.layer, h, alpha);
       ctx.stroke(p);
     }
     canvas.dataset.lines = String(count);
     canvas.dataset.candidates = String(all);
+    canvas.attnkitLines = drawn;
+    const heads = visibleHeads().length;
+    const what = average
+      ? `Each line: the mean of the ${heads} visible head${heads === 1 ? "'s" : "s'"} weights. `
+      : "Each line: one head's weight, in its colour. ";
     $("line-note").textContent =
-      count < all
+      what +
+      (count < all
         ? `Showing the ${count.toLocaleString("en")} strongest of the ${all.toLocaleString("en")} lines in sight; ` +
           "hover a token to see its own."
-        : "";
+        : "");
   }
 
-  // Tokens on the other side of the hovered one: lit by their largest weight over the visible heads, hatched where
-  // every visible head's mask hides them.
+  // Tokens on the other side of the hovered one: lit by their largest weight over the visible heads (their mean
+  // weight, in the average mode), hatched where every visible head's mask hides them.
   function highlight() {
     const { m } = hv;
     const qs = $("hv-queries").children;
@@ -463,19 +538,16 @@
     const other = hover.side === "q" ? ks : qs;
     const n = other.length;
     const best = new Float32Array(n);
+    eachWeight(m, hover, (h, i, j, w) => {
+      const x = hover.side === "q" ? j : i;
+      if (w > best[x]) best[x] = w;
+    });
     const hidden = new Uint8Array(n).fill(heads.length > 0 ? 1 : 0);
     for (const h of heads) {
       if (hover.side === "q") {
-        m.row(h, hover.i, (j, w) => {
-          if (w > best[j]) best[j] = w;
-        });
         for (let j = 0; j < n; j++) if (hidden[j] && !m.masked(h, hover.i, j)) hidden[j] = 0;
       } else {
-        for (let i = 0; i < n; i++) {
-          const w = m.value(h, i, hover.i);
-          if (w > best[i]) best[i] = w;
-          if (hidden[i] && !m.masked(h, i, hover.i)) hidden[i] = 0;
-        }
+        for (let i = 0; i < n; i++) if (hidden[i] && !m.masked(h, i, hover.i)) hidden[i] = 0;
       }
     }
     const norm = Math.max(1, m.call.scale);
@@ -490,13 +562,15 @@
   }
 
   // ------------------------------------------------------------------------------------ model view
-  function thumbImage(m, call, h) {
-    const bytes = blob(call.thumb);
-    const n = call.tq * call.tk;
-    const img = new ImageData(call.tk, call.tq);
-    for (let x = 0; x < n; x++) {
-      const code = bytes[h * n + x];
-      const [r, g, b] = code === 0 ? [180, 180, 180] : shade((code - 1) / 254);
+  const THUMB_MIN = 64; // px a side of a small matrix, at least (more when the window has room, up to THUMB_MAX)
+  const THUMB_MAX = 200;
+  const THUMB_ROW = 12; // px a row of a small matrix, at least: a decoding step's 1 x Lk is a strip, not a line
+  const MASKED_GREY = [180, 180, 180];
+
+  function image(tq, tk, colour) {
+    const img = new ImageData(tk, tq);
+    for (let x = 0; x < tq * tk; x++) {
+      const [r, g, b] = colour(x);
       img.data[4 * x] = r;
       img.data[4 * x + 1] = g;
       img.data[4 * x + 2] = b;
@@ -505,15 +579,96 @@
     return img;
   }
 
+  // One call's small matrix for head h, from the page's thumbnails (bins of at most D.thumb cells a side).
+  function thumbImage(call, h) {
+    const bytes = blob(call.thumb);
+    const n = call.tq * call.tk;
+    return image(call.tq, call.tk, (x) => {
+      const code = bytes[h * n + x];
+      return code === 0 ? MASKED_GREY : shade((code - 1) / 254);
+    });
+  }
+
+  // The first of the calls that call c continues: calls of as many queries as c, each call's following the call
+  // before's (the same token lists; keys as many or more), as decoding steps through a cache do (a prefill of more
+  // queries is not one of them). The model view stacks them, a row per query: the steps x keys matrix decoding
+  // has made so far, rather than a strip of one query.
+  function runStart(layer, c) {
+    let c0 = c;
+    while (c0 > 0) {
+      const a = layer.calls[c0 - 1];
+      const b = layer.calls[c0];
+      if (a.lq !== b.lq || b.q !== a.q || b.k !== a.k || b.qoff !== a.qoff + a.lq || b.lk < a.lk) break;
+      c0--;
+    }
+    return c0;
+  }
+
+  // Calls c0..c of layer l stacked, for head h: (rows, keys) bins of at most D.thumb a side, each the bins' mean
+  // weight over the head's largest in those calls; grey where every cell of the bin is masked, or is a key its
+  // call did not have yet.
+  function stackedImage(l, c0, c, h) {
+    const calls = D.layers[l].calls.slice(c0, c + 1);
+    const R = calls.reduce((n, call) => n + call.lq, 0);
+    const K = Math.max(...calls.map((call) => call.lk));
+    const tq = Math.min(R, D.thumb);
+    const tk = Math.min(K, D.thumb);
+    const rowBin = new Int32Array(R);
+    const keyBin = new Int32Array(K);
+    for (let r = 0; r < R; r++) rowBin[r] = Math.min(tq - 1, Math.floor((r * tq) / R));
+    for (let j = 0; j < K; j++) keyBin[j] = Math.min(tk - 1, Math.floor((j * tk) / K));
+    const sum = new Float64Array(tq * tk);
+    const cells = new Float64Array(tq * tk);
+    const hidden = new Float64Array(tq * tk);
+    const w = new Float32Array(K);
+    let top = 0;
+    let r = 0;
+    calls.forEach((call, n) => {
+      const m = matrix(l, c0 + n);
+      for (let i = 0; i < m.lq; i++, r++) {
+        w.fill(0);
+        m.row(h, i, (j, x) => {
+          w[j] = x;
+          if (x > top) top = x;
+        });
+        const o = rowBin[r] * tk;
+        for (let j = 0; j < K; j++) {
+          const b = o + keyBin[j];
+          cells[b] += 1;
+          if (j >= m.lk || m.masked(h, i, j)) hidden[b] += 1;
+          else sum[b] += w[j];
+        }
+      }
+    });
+    const img = image(tq, tk, (x) => (hidden[x] === cells[x] ? MASKED_GREY : shade(sum[x] / cells[x] / (top || 1))));
+    return { img, tq, tk, rows: R, keys: K };
+  }
+
+  // px a side of a small matrix: the window's width shared by the heads, within THUMB_MIN..THUMB_MAX, and no
+  // taller than lets every layer be seen at once where that leaves them 96 px or more.
+  function thumbSide() {
+    const grid = $("grid");
+    const groups = Math.max(...D.layers.map((layer) => (layer.groups < layer.heads ? layer.groups : 1)));
+    const width = grid.clientWidth || window.innerWidth - 28;
+    // a row: its label (174 px), then per head a cell of side + 2 px (its border) and a gap of 4, a group's 10 more;
+    // 16 px spare for a scrollbar the grid may bring
+    const byWidth = Math.floor((width - 174 - 16 - 10 * (groups - 1)) / D.heads) - 6;
+    const top = grid.getBoundingClientRect().top + window.scrollY;
+    const byHeight = Math.floor((window.innerHeight - top - 40) / D.layers.length) - 4;
+    return Math.max(THUMB_MIN, Math.min(THUMB_MAX, byWidth, Math.max(96, byHeight)));
+  }
+
   function renderModelView() {
     const grid = $("grid");
     grid.textContent = "";
     const H = D.heads;
+    const side = thumbSide();
     const header = document.createElement("div");
     header.className = "grid-row";
     header.appendChild(Object.assign(document.createElement("span"), { className: "row-label" }));
     for (let h = 0; h < H; h++) {
       const label = Object.assign(document.createElement("span"), { className: "col-label", textContent: `head ${h}` });
+      label.style.width = side + 2 + "px";
       const g = D.layers[0].groups;
       const same = D.layers.every((layer) => layer.heads === H && layer.groups === g);
       if (same && g > 1 && g < H && h % (H / g) === 0 && h > 0) label.classList.add("group-start");
@@ -522,13 +677,16 @@
     grid.appendChild(header);
     D.layers.forEach((layer, l) => {
       const c = callOf(l);
+      const c0 = runStart(layer, c);
       const call = layer.calls[c];
       const row = document.createElement("div");
       row.className = "grid-row";
       const label = document.createElement("span");
       label.className = "row-label";
       label.textContent = layer.name;
-      label.title = `${layer.name}: call ${c + 1} of ${layer.calls.length}, ${call.lq} x ${call.lk}`;
+      const n = layer.calls.length;
+      const what = c0 < c ? `calls ${c0 + 1} to ${c + 1} of ${n}, stacked` : `call ${c + 1} of ${n}`;
+      label.title = `${layer.name}: ${what}, ${call.lq} x ${call.lk}`;
       row.appendChild(label);
       const per = layer.heads / layer.groups;
       for (let h = 0; h < layer.heads; h++) {
@@ -536,19 +694,28 @@
         canvas.className = "thumb";
         const cell = document.createElement("span");
         cell.className = "cell";
+        cell.style.width = cell.style.height = side + 2 + "px";
         if (layer.groups > 1 && layer.groups < layer.heads && h % per === 0 && h > 0) cell.classList.add("group-start");
         cell.appendChild(canvas);
-        canvas.width = call.tk;
-        canvas.height = call.tq;
-        const side = Math.max(call.lq, call.lk); // drawn 64 px along the longer side, in the matrix's proportions
-        canvas.style.width = Math.max(3, Math.round((64 * call.lk) / side)) + "px";
-        canvas.style.height = Math.max(3, Math.round((64 * call.lq) / side)) + "px";
+        const t =
+          c0 < c
+            ? stackedImage(l, c0, c, h)
+            : { img: thumbImage(call, h), tq: call.tq, tk: call.tk, rows: call.lq, keys: call.lk };
+        canvas.width = t.tk;
+        canvas.height = t.tq;
+        // drawn `side` px along the longer side, in the matrix's proportions, but rows THUMB_ROW px tall at least
+        const longest = Math.max(t.rows, t.keys);
+        canvas.style.width = Math.max(3, Math.round((side * t.keys) / longest)) + "px";
+        canvas.style.height = Math.min(side, Math.max(THUMB_ROW * t.tq, Math.round((side * t.rows) / longest))) + "px";
         canvas.dataset.layer = String(l);
         canvas.dataset.head = String(h);
+        canvas.dataset.rows = String(t.rows);
+        canvas.dataset.calls = `${c0} ${c}`;
         canvas.style.borderColor = headColor(layer, h, 1);
-        canvas.getContext("2d").putImageData(thumbImage(null, call, h), 0, 0);
+        canvas.getContext("2d").putImageData(t.img, 0, 0);
         const kv = layer.groups > 1 && layer.groups < layer.heads ? `, kv ${Math.floor(h / per)}` : "";
-        canvas.title = `${layer.name}, head ${h}${kv}: ${call.lq} x ${call.lk}, largest ${fmt(call.hmax[h])}`;
+        const shape = c0 < c ? `${what}: ${t.rows} queries x ${t.keys} keys` : `${call.lq} x ${call.lk}`;
+        canvas.title = `${layer.name}, head ${h}${kv}: ${shape}, largest ${fmt(call.hmax[h])} (this call)`;
         canvas.addEventListener("click", () => {
           S.layer = l;
           S.head = h;
@@ -565,6 +732,7 @@
   let mx = null;
   const LABEL_W = 150;
   const KEYS_H = 90;
+  const CELL_MAX = 40; // px a side of a matrix view's cell, at most
 
   function renderMatrixView() {
     const l = S.layer;
@@ -581,7 +749,11 @@
       },
       null,
     );
-    const cs = Math.max(1, Math.min(32, Math.floor(720 / Math.max(m.lq, m.lk))));
+    // px a cell: the matrix as wide as the window allows, and as tall as its height does (300 px at least)
+    const wrapTop = $("matrix-wrap").getBoundingClientRect().top + window.scrollY;
+    const roomW = ($("matrix-view").clientWidth || window.innerWidth - 28) - LABEL_W - 60;
+    const roomH = Math.max(300, window.innerHeight - wrapTop - KEYS_H - 60);
+    const cs = Math.max(1, Math.min(CELL_MAX, Math.floor(roomW / m.lk), Math.floor(roomH / m.lq)));
     const W = m.lk * cs;
     const Hpx = m.lq * cs;
     const canvas = $("mx-canvas");
@@ -706,6 +878,18 @@
   body.addEventListener("mouseover", onTokenHover);
   body.addEventListener("mouseleave", onTokenLeave);
   let pending = false;
+  let relayoutPending = false;
+  const relayout = () => {
+    // the window's size sets the head view's width and rows, the small matrices' and the matrix's cells
+    if (relayoutPending) return;
+    relayoutPending = true;
+    requestAnimationFrame(() => {
+      relayoutPending = false;
+      if (S.view === "head") renderHeadView();
+      else if (S.view === "model") renderModelView();
+      else renderMatrixView();
+    });
+  };
   const redraw = () => {
     if (pending || !hv || S.view !== "head") return;
     pending = true;
@@ -716,7 +900,7 @@
     });
   };
   body.addEventListener("scroll", redraw, { passive: true });
-  window.addEventListener("resize", redraw);
+  window.addEventListener("resize", relayout);
   $("hv-lines").addEventListener("mouseenter", onTokenLeave);
   $("mx-canvas").addEventListener("mousemove", onMatrixMove);
   $("mx-canvas").addEventListener("mouseleave", hideTip);
