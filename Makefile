@@ -4,14 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv browser demo test test-all lint bench memory ring ray clean
+.PHONY: venv browser demo test test-all lint docs bench memory ring ray clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[plot,cli,dev,transformers,deepspeed]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[plot,cli,dev,docs,transformers,deepspeed]'
 	touch $(STAMP)
 
 # Debian's chromium, which tests/test_view_browser.py drives through playwright (no browser is downloaded: only the
@@ -34,6 +34,13 @@ test: $(STAMP) browser
 test-all: $(STAMP) browser
 	$(BIN)/python -m pytest -q -m ''
 
+# The API reference, from the docstrings: static HTML in site/api/ (open site/api/index.html, offline). -n -W: a
+# cross-reference that resolves to nothing, or any other warning, fails the build.
+docs: $(STAMP)
+	rm -rf site/api
+	$(BIN)/sphinx-build -q -n -W --keep-going -b html docs/api site/api
+	@echo "the API reference: site/api/index.html"
+
 lint: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/ruff check src tests benchmarks examples
@@ -54,4 +61,4 @@ bench: $(STAMP)  # the full grid, saved; then the project's targets checked agai
 	$(BIN)/python benchmarks/targets.py bench.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache src/*.egg-info
+	rm -rf $(VENV) site .pytest_cache .hypothesis .mypy_cache .ruff_cache src/*.egg-info

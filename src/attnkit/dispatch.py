@@ -43,6 +43,7 @@ from attnkit.backends.contract import Call
 
 __all__ = ["ADDITIVE_CHUNK_ELEMENTS", "BACKENDS", "SPARSE_BELOW", "available_backends", "choose", "watch"]
 
+#: Every backend module, by its name (``reference``, ``sdpa``, ``chunked``, ...).
 BACKENDS: dict[str, ModuleType] = {b.NAME: b for b in ALL}
 
 # 2**22 float32 elements = 16 MiB for one copy of the features; the reference keeps several.

@@ -58,7 +58,7 @@ def pack(x: Tensor, valid_lens: Tensor) -> Packed:
         valid_lens: ``(B,)`` whole numbers in ``[0, L]``.
 
     Returns:
-        :class:`Packed`; ``data`` is differentiable with respect to ``x``.
+        :class:`~attnkit.packing.Packed`; ``data`` is differentiable with respect to ``x``.
 
     Raises:
         ValueError, TypeError: for ``x`` without a length axis or lengths that do not fit it.

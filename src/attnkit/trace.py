@@ -201,7 +201,7 @@ def trace_shapes(model: nn.Module | None = None) -> Iterator[Trace]:
         model: optional; when given, modules are named as in ``model.named_modules()``.
 
     Yields:
-        A :class:`Trace`: ``print(t)``, ``t.to_markdown()``, ``t.to_json()``, or ``t.steps``.
+        A :class:`~attnkit.trace.Trace`: ``print(t)``, ``t.to_markdown()``, ``t.to_json()``, or ``t.steps``.
     """
     trace = Trace(_outer=_ACTIVE.get())
     if model is not None:
