@@ -215,6 +215,20 @@ def _records_reachable_from(obj: object) -> list[recording.WeightRecord]:
     return found
 
 
+def test_a_name_not_recorded_is_a_key_error_that_lists_the_recorded_names():
+    """A newcomer's first guess at a name (the README's encoder keys its layer "attention") must say what exists."""
+    model = torch.nn.Sequential(attnkit.MultiHeadAttention(16, 2))
+    x = torch.randn(1, 3, 16)
+    with attnkit.record_weights(model) as rec:
+        model[0](x, x, x)
+    with pytest.raises(KeyError, match=r"no call of a module named 'attention' was recorded; recorded: '0'"):
+        rec["attention"]
+    with attnkit.record_weights(model) as empty:
+        pass
+    with pytest.raises(KeyError, match="recorded: nothing"):
+        empty["0"]
+
+
 def test_a_deepcopy_made_inside_a_record_block_carries_no_recording():
     torch.manual_seed(0)
     model = _Model().eval()
