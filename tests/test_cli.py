@@ -503,7 +503,7 @@ def test_commands_that_draw_say_what_to_install_without_matplotlib(
     monkeypatch.chdir(weights_file.parent)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     code, _, err = main(capsys, *argv)
-    assert_one_line(code, err, "needs matplotlib", "pip install 'attnkit[plot]'")
+    assert_one_line(code, err, "needs matplotlib", "pip install -e '.[plot]' in attnkit's checkout")
     assert [p.name for p in weights_file.parent.iterdir()] == ["w.pt"]
 
 

@@ -5,6 +5,7 @@ network for anything (it must open from disk, offline)."""
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -15,9 +16,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "docs" / "api"
 PUBLIC = ["attnkit", "attnkit.masks", "attnkit.mods", "attnkit.d2l", "attnkit.stats", "attnkit.plot",
-          "attnkit.distributed", "attnkit.packing", "attnkit.trace", "attnkit.dispatch"]  # fmt: skip
+          "attnkit.distributed", "attnkit.packing", "attnkit.trace", "attnkit.dispatch",
+          "attnkit.integrations.transformers"]  # fmt: skip
 
-pytest.importorskip("sphinx")
+if os.environ.get("CI"):  # CI installs the docs extra: missing there is a failure, not a skip
+    import sphinx  # noqa: F401
+else:
+    pytest.importorskip("sphinx")
 
 
 def build(source: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:

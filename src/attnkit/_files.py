@@ -82,7 +82,7 @@ def require(command: str, *modules: str) -> None:
         try:
             importlib.import_module(module)
         except ImportError:
-            raise UsageError(f"{command} needs {module}: pip install 'attnkit[plot]'") from None
+            raise UsageError(f"{command} needs {module}: pip install -e '.[plot]' in attnkit's checkout") from None
 
 
 def input_file(text: str, what: str) -> Path:
@@ -286,7 +286,9 @@ def load_weights(path: Path, *, record: bool = False) -> Any:
         return type(data)(_weights_tensor(path, t, f"layer {i}: ") for i, t in enumerate(data))
     if not isinstance(data, torch.Tensor):
         wanted = "one tensor or array of weights" + (
-            ", a dict {layer name: tensors}, or a list of (B, H, Lq, Lk) tensors, one per layer" if record else ""
+            ", a dict {layer name: tensors}, or a list of (B, H, Lq, Lk) or (H, Lq, Lk) tensors, one per layer"
+            if record
+            else ""
         )
         raise UsageError(f"{path}: expected {wanted}, got an object of type {type(data).__name__}")
     return _weights_tensor(path, data, "")

@@ -1,4 +1,4 @@
-"""Pictures of attention weights (matplotlib, headless; ``pip install attnkit[plot]``).
+"""Pictures of attention weights (matplotlib, headless; in a checkout: ``pip install -e '.[plot]'``).
 
 The file type follows the extension (``.png``, ``.svg``, ``.pdf``, anything matplotlib writes). A figure is
 written to a temporary file beside the target and renamed into place, so a failed write never leaves a

@@ -119,7 +119,8 @@ def show_heatmaps(
     path: Any = None,
 ) -> None:
     """The book's ``show_heatmaps(matrices, xlabel, ylabel, titles=None, figsize=(2.5, 2.5), cmap='Reds')``, with
-    ``path`` to save; see :func:`attnkit.plot.show_heatmaps` (needs matplotlib: ``pip install attnkit[plot]``).
+    ``path`` to save; see :func:`attnkit.plot.show_heatmaps` (needs matplotlib: ``pip install -e '.[plot]'`` in a
+    checkout).
 
     ``figsize`` is the whole figure's size in inches, as in the book (``plt.subplots(rows, cols, figsize=figsize)``):
     the Transformer chapter's ``figsize=(7, 3.5)`` on a 4 x 4 grid gives a 7 x 3.5 inch figure. (It is divided

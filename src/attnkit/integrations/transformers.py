@@ -73,7 +73,8 @@ try:
     import transformers as _transformers  # noqa: F401 - checked here so that the error says what to install
 except ImportError as err:  # pragma: no cover - the tests install it
     raise ImportError(
-        "attnkit.integrations.transformers needs Hugging Face transformers: pip install 'attnkit[transformers]'"
+        "attnkit.integrations.transformers needs Hugging Face transformers: pip install -e '.[transformers]' in "
+        "attnkit's checkout"
     ) from err
 
 from attnkit.integrations import _sequence  # noqa: E402 - it imports transformers: after the check above
@@ -88,6 +89,7 @@ __all__ = ["NAME", "attention_forward", "register"]
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim
 
+#: The name attnkit registers under in transformers' AttentionInterface (``attn_implementation="attnkit"``).
 NAME = "attnkit"
 
 

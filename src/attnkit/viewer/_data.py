@@ -70,8 +70,9 @@ def collect(weights: Any, example: int) -> tuple[list[Layer], list[str]]:
 
 
 _NO_WEIGHTS = (
-    "a Hugging Face model returns attention weights only when it runs its eager attention: load it with "
-    'attn_implementation="eager" (or call model.set_attn_implementation("eager")), then pass output_attentions=True'
+    "a Hugging Face model returns attention weights only from eager attention (or attnkit's): load it with "
+    'attn_implementation="eager" (or call model.set_attn_implementation("eager"), or "attnkit" after '
+    "attnkit.integrations.transformers.register()), then pass output_attentions=True"
 )
 
 
