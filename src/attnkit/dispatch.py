@@ -24,6 +24,9 @@ Policy for ``backend="auto"``, first backend that can run the call wins:
   then ``chunked`` when the ``(B, H, Lq, Lk, D)`` features would be large (``>= ADDITIVE_CHUNK_ELEMENTS``), else
   ``reference``, each falling back to the other.
 
+``triton`` (additive attention as Triton kernels, CUDA) runs only when named: its speed against ``chunked`` is yet
+to be measured on a GPU (``benchmarks/triton_additive.py``).
+
 A backend named explicitly never falls back: if it cannot run the call, a ``ValueError`` lists every
 backend's reasons.
 """

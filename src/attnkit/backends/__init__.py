@@ -5,9 +5,22 @@ run, as data) and ``attention(call: Call) -> (output, weights or None)``. The ch
 :mod:`attnkit.dispatch` only.
 """
 
-from attnkit.backends import chunked, compiled, decode, flex, graph, reference, sdpa, tiles
+from attnkit.backends import chunked, compiled, decode, flex, graph, reference, sdpa, tiles, triton
 from attnkit.backends.contract import Call, Supports
 
-ALL = (reference, sdpa, chunked, tiles, compiled, decode, flex, graph)
+ALL = (reference, sdpa, chunked, tiles, compiled, decode, flex, triton, graph)
 
-__all__ = ["ALL", "Call", "Supports", "chunked", "compiled", "decode", "flex", "graph", "reference", "sdpa", "tiles"]
+__all__ = [
+    "ALL",
+    "Call",
+    "Supports",
+    "chunked",
+    "compiled",
+    "decode",
+    "flex",
+    "graph",
+    "reference",
+    "sdpa",
+    "tiles",
+    "triton",
+]

@@ -157,7 +157,8 @@ class Call:
 @dataclass(frozen=True)
 class Supports:
     """What a backend can run: the scoring kinds, returning weights, dropout, gradients to a float ``attn_mask``,
-    the modifiers: a ``mask_mod`` (``dense_mask_limit``: only by building the whole mask, of at most that many
+    an ``attn_mask`` at all (boolean or float), the modifiers: a ``mask_mod`` (``dense_mask_limit``: only by
+    building the whole mask, of at most that many
     elements), a ``score_mod`` (``"any"``, ``"bias"``: only one that is a bias, such as ALiBi, or ``"none"``),
     ``sinks``; ``devices``: the device types it runs on (``None``: any); ``dtypes``: the input dtypes (``None``:
     any floating point); ``grad``: calls whose output needs a gradient; ``max_queries``: at most that many queries
@@ -171,6 +172,7 @@ class Supports:
     weights: bool = True
     dropout: bool = True
     bias_grad: bool = True
+    attn_mask: bool = True
     mask_mod: bool = True
     dense_mask_limit: int | None = None
     score_mod: str = "any"
@@ -209,6 +211,8 @@ class Supports:
         if call.differentiates_bias and not self.bias_grad:
             reasons.append("does not differentiate a float attn_mask that requires grad")
         mask = call.mask
+        if not self.attn_mask and (mask.bool_mask is not None or mask.bias is not None):
+            reasons.append("no attn_mask (valid_lens and is_causal only)")
         if mask.mask_mod is not None:
             if not self.mask_mod:
                 reasons.append("no mask_mod")
@@ -253,6 +257,7 @@ class Supports:
         can = [" and ".join(sorted(self.scoring)) + " scoring"]
         can += [what for what, ok in (("weights", self.weights), ("dropout", self.dropout)) if ok]
         can += ["gradients to a float attn_mask"] if self.bias_grad else []
+        can += [] if self.attn_mask else ["no attn_mask"]
         if self.mask_mod:
             can.append("mask_mod" if self.dense_mask_limit is None else "mask_mod (as one dense mask)")
         can += {"any": ["score_mod"], "bias": ["score_mod (a bias: alibi)"], "none": []}[self.score_mod]
