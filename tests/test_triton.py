@@ -219,7 +219,7 @@ def _call(q, k, v, w_v):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["none", "causal, lens (B, Lq)"])
 def test_on_cuda_equals_the_math_within_the_dtype(dtype, kind):
     """The compiled kernels at the default tiles, head size 64, several blocks each way."""
