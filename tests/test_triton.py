@@ -1,9 +1,9 @@
 """The triton backend (additive attention as Triton kernels) against the float64 math of tests/mathref.py.
 
-Without a GPU its kernels run in Triton's interpreter on CPU tensors: the root conftest.py sets ``TRITON_INTERPRET=1``
-before triton is first imported, and ``interpreted`` lets the backend take CPU calls, with tiles of 16 x 16 keys and
-4 features so that small calls have several query and key blocks, partial ones and padded features (D=7). On CUDA
-the ``gpu`` tests run the compiled kernels at the default tiles, against the math and against ``chunked``.
+Every test runs on ``DEVICE``: the compiled kernels on CUDA where there is a GPU; elsewhere Triton's interpreter on
+CPU tensors (the root conftest.py sets ``TRITON_INTERPRET=1`` before triton is first imported, and ``small_tiles``
+lets the backend take CPU calls). Tiles of 16 x 16 and 4 features, so that small calls have several query and key
+blocks, partial ones and padded features (D=7). The ``gpu`` test adds the default tiles and head size 64 on CUDA.
 """
 
 from __future__ import annotations
@@ -31,21 +31,45 @@ else:
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D features (h), Dv value head dim
 B, H, HKV, D, DV = 2, 4, 2, 7, 20  # Dv > 16: two blocks of value columns' padding
 SMALL = {"BM": 16, "BN": 16, "BD": 4}
-INTERPRETED = pytest.mark.skipif(
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="the interpreter runs where no GPU is (a GPU runs the compiled kernels: the gpu tests)",
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RUNS = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="without a GPU the kernels run in Triton's interpreter, which TRITON_INTERPRET=1 asks for (conftest.py)",
 )
 
 
-def _take_cpu_calls(mp: pytest.MonkeyPatch) -> None:
-    """The backend takes CPU calls, run in Triton's interpreter with small tiles."""
-    mp.setattr(triton_backend, "SUPPORTS", dataclasses.replace(triton_backend.SUPPORTS, devices=None))
+def _small_tiles(mp: pytest.MonkeyPatch) -> None:
+    """Small tiles; without a GPU the backend takes CPU calls, which the interpreter runs."""
+    if DEVICE == "cpu":
+        mp.setattr(triton_backend, "SUPPORTS", dataclasses.replace(triton_backend.SUPPORTS, devices=None))
     mp.setattr(triton_backend, "BLOCKS", SMALL)
 
 
 @pytest.fixture
-def interpreted(monkeypatch):
-    _take_cpu_calls(monkeypatch)
+def small_tiles(monkeypatch):
+    _small_tiles(monkeypatch)
+
+
+def _on(device: str, kw: dict) -> dict:
+    return {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+
+
+def _grads(out: torch.Tensor, leaves: list[torch.Tensor], grad_out: torch.Tensor) -> list[torch.Tensor]:
+    return [g.cpu() for g in torch.autograd.grad(out, leaves, grad_out.to(out.device))]
+
+
+def _agrees(leaves: list[torch.Tensor], kw: dict, out_tol: float, grad_tol: float, g: torch.Generator) -> None:
+    """attnkit on DEVICE (leaves on the host, float64) against the math: the output and every gradient."""
+    on_device = [t.detach().to(DEVICE).requires_grad_() for t in leaves]
+    with dispatch.watch() as ran:
+        out = attnkit.additive_attention(*on_device, backend="triton", **_on(DEVICE, kw)).output
+    assert ran == ["triton"]
+    want, _ = mathref.attention(*leaves[:3], w_v=leaves[3], **kw)
+    grad_out = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    assert max_err(out.cpu(), want) <= out_tol
+    expected = torch.autograd.grad(want, leaves, grad_out)
+    for name, got, true in zip(["q", "k", "v", "w_v"], _grads(out, on_device, grad_out), expected, strict=True):
+        assert max_err(got, true) <= grad_tol, name
 
 
 def _inputs(seed: int, Lq: int, Lk: int, dtype=torch.float64, heads: int = H, kv_heads: int = HKV):
@@ -69,7 +93,7 @@ def _masks(kind: str, Lq: int, Lk: int, g: torch.Generator) -> dict:
 KINDS = ["none", "causal", "lens (B,)", "lens (B, Lq)", "causal, lens (B,)", "causal, lens (B, Lq)"]
 
 
-@INTERPRETED
+@RUNS
 @hypothesis_settings(max_examples=8, deadline=None)
 @given(
     case=st.fixed_dictionaries(
@@ -84,32 +108,32 @@ KINDS = ["none", "causal", "lens (B,)", "lens (B, Lq)", "causal, lens (B,)", "ca
 )
 def test_triton_equals_the_math_outputs_and_every_gradient(case):
     with pytest.MonkeyPatch.context() as mp:  # (hypothesis runs a function-scoped fixture once for all examples)
-        _take_cpu_calls(mp)
+        _small_tiles(mp)
         Lq, Lk = case["Lq"], case["Lk"]
         leaves, g = _inputs(case["seed"], Lq, Lk, kv_heads=H // case["group"])
-        kw = _masks(case["kind"], Lq, Lk, g)
-        with dispatch.watch() as ran:
-            out = attnkit.additive_attention(*leaves, backend="triton", **kw).output
-        assert ran == ["triton"]
-        q, k, v, w_v = leaves
-        want, _ = mathref.attention(q, k, v, w_v=w_v, **kw)
-        mathref.assert_agrees(out, want, leaves, ["q", "k", "v", "w_v"], 1e-12, 1e-11)
+        _agrees(leaves, _masks(case["kind"], Lq, Lk, g), 1e-12, 1e-11, g)
 
 
-@INTERPRETED
+@RUNS
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_mask_kind_with_grouped_heads(interpreted, kind):
+def test_every_mask_kind_with_grouped_heads(small_tiles, kind):
     """Each masking once with fixed sizes: 2 query blocks over 3 key blocks, the last of each partial."""
     leaves, g = _inputs(len(kind), 21, 40)
-    kw = _masks(kind, 21, 40, g)
-    out = attnkit.additive_attention(*leaves, backend="triton", **kw).output
-    want, _ = mathref.attention(*leaves[:3], w_v=leaves[3], **kw)
-    mathref.assert_agrees(out, want, leaves, ["q", "k", "v", "w_v"], 1e-12, 1e-11)
+    _agrees(leaves, _masks(kind, 21, 40, g), 1e-12, 1e-11, g)
 
 
-@INTERPRETED
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_low_precision_error_at_most_twice_the_math_in_that_precision(interpreted, dtype):
+@RUNS
+@pytest.mark.parametrize(("Lq", "Lk"), [(16, 17), (33, 17), (17, 33), (16, 32), (32, 16), (5, 21)])
+def test_causal_where_the_diagonal_crosses_a_tile_edge(small_tiles, Lq, Lk):
+    """Bottom-right causal with Lk - Lq of 1, -16, 16, 16, -16, 16 against tiles of 16: the last key block a query
+    block sees, and the first query block a key block is seen by, each at its edge (rows past Lk - Lq see none)."""
+    leaves, g = _inputs(Lq * 100 + Lk, Lq, Lk)
+    _agrees(leaves, {"is_causal": True}, 1e-12, 1e-11, g)
+
+
+@RUNS
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_error_at_most_twice_the_math_in_that_precision(small_tiles, dtype):
     """Output and every gradient against float64 from the same inputs: at most twice the error of the math computed
     in that precision (flash-attention's rule), plus one rounding of the result to the dtype (sums run in float32:
     w_v's gradient sums B x H x Lq x Lk terms, and only its last rounding is the dtype's)."""
@@ -122,9 +146,11 @@ def test_low_precision_error_at_most_twice_the_math_in_that_precision(interprete
     low_leaves = [t.detach().clone().requires_grad_() for t in leaves]
     low, _ = mathref.attention(*low_leaves[:3], w_v=low_leaves[3], dtype=dtype, **kw)
     low_grads = torch.autograd.grad(low, low_leaves, grad_out)
-    out = attnkit.additive_attention(*leaves, backend="triton", **kw).output
-    grads = torch.autograd.grad(out, leaves, grad_out)
+    on_device = [t.detach().to(DEVICE).requires_grad_() for t in leaves]
+    out = attnkit.additive_attention(*on_device, backend="triton", **_on(DEVICE, kw)).output
+    grads = _grads(out, on_device, grad_out)
     assert out.dtype == dtype and all(gr.dtype == dtype for gr in grads)
+    out = out.cpu()
     eps = torch.finfo(dtype).eps
     named = zip(["out", "dq", "dk", "dv", "dw_v"], (out, *grads), (low, *low_grads), (truth, *true_grads), strict=True)
     for name, got, in_dtype, true in named:
@@ -132,51 +158,100 @@ def test_low_precision_error_at_most_twice_the_math_in_that_precision(interprete
         assert max_err(got, true) <= limit, name
 
 
-@INTERPRETED
-def test_nan_where_no_query_may_see_reaches_nothing(interpreted):
+@RUNS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_float32_within_the_projects_float32_tolerance(small_tiles, dtype):
+    """float32 as tests/test_backends.py holds every backend: the output within 1e-5 of float64, gradients within
+    3e-5 of their size (float64 here checks the same call at 1e-12)."""
+    leaves, g = _inputs(3, 21, 40, dtype=dtype)
+    kw = _masks("causal, lens (B, Lq)", 21, 40, g)
+    tol = (1e-5, 3e-5) if dtype == torch.float32 else (1e-12, 1e-11)
+    on_device = [t.detach().to(DEVICE).requires_grad_() for t in leaves]
+    out = attnkit.additive_attention(*on_device, backend="triton", **_on(DEVICE, kw)).output
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    want, _ = mathref.attention(*leaves64[:3], w_v=leaves64[3], **kw)
+    grad_out = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    assert max_err(out.cpu(), want) <= tol[0]
+    expected = torch.autograd.grad(want, leaves64, grad_out)
+    for name, got, true in zip("qkvw", _grads(out, on_device, grad_out.to(dtype)), expected, strict=True):
+        assert max_err(got, true) <= tol[1] * max(1.0, true.abs().max().item()), name
+
+
+@RUNS
+def test_nan_where_no_query_may_see_reaches_nothing(small_tiles):
     leaves, _ = _inputs(5, 9, 21)
-    q, k, v, w_v = leaves
-    lens = torch.tensor([4, 21])
+    q, k, v, w_v = (t.detach().to(DEVICE).requires_grad_() for t in leaves)
+    lens = torch.tensor([4, 21], device=DEVICE)
 
     def run(k2, v2):
         k2, v2 = k2.detach().requires_grad_(), v2.detach().requires_grad_()
         out = attnkit.additive_attention(q, k2, v2, w_v, valid_lens=lens, backend="triton").output
-        return [out, *torch.autograd.grad(out.sum(), [q, k2, v2, w_v])]
+        return [t.cpu() for t in (out, *torch.autograd.grad(out.sum(), [q, k2, v2, w_v]))]
 
     unseen = [(0, slice(None), slice(4, None))]  # example 0's keys and values past its length
-    mathref.assert_unseen_nan_reaches_nothing(run, k, v, unseen, ["out", "dq", "dk", "dv", "dw_v"], tol=1e-12)
+    mathref.assert_unseen_nan_reaches_nothing(run, k.detach(), v.detach(), unseen, ["out", "dq", "dk", "dv", "dw_v"])
 
 
-@INTERPRETED
-def test_rows_that_see_no_key_give_zeros_and_no_gradient(interpreted):
+@RUNS
+def test_rows_that_see_no_key_give_zeros_and_no_gradient(small_tiles):
     """Causal with more queries than keys (bottom right: the first Lq - Lk rows see nothing), and a length of 0."""
-    leaves, _ = _inputs(7, 21, 5)
-    out = attnkit.additive_attention(*leaves, is_causal=True, valid_lens=torch.tensor([0, 5]), backend="triton")
-    assert torch.equal(out.output[0], torch.zeros_like(out.output[0]))
-    assert torch.equal(out.output[1, :, :16], torch.zeros_like(out.output[1, :, :16]))
-    dq = torch.autograd.grad(out.output.sum(), leaves[0])[0]
-    assert torch.equal(dq[0], torch.zeros_like(dq[0])) and torch.isfinite(dq).all()
+    leaves, g = _inputs(7, 21, 5)
+    kw = {"is_causal": True, "valid_lens": torch.tensor([0, 5])}
+    _agrees(leaves, kw, 1e-12, 1e-11, g)
+    on_device = [t.detach().to(DEVICE).requires_grad_() for t in leaves]
+    out = attnkit.additive_attention(*on_device, backend="triton", **_on(DEVICE, kw)).output.cpu()
+    assert not out[0].any() and not out[1, :, :16].any()
+    grads = _grads(out, on_device, torch.ones(out.shape, dtype=torch.float64))
+    assert not grads[0][0].any() and not grads[0][1, :, :16].any()  # dq of the rows that see nothing
+    assert all(torch.isfinite(gr).all() for gr in grads)
 
 
-@INTERPRETED
-def test_empty_calls(interpreted):
-    leaves, _ = _inputs(0, 0, 4)
-    out = attnkit.additive_attention(*leaves, backend="triton").output
-    assert out.shape == (B, H, 0, DV)
-    grads = torch.autograd.grad(out.sum(), leaves, allow_unused=True)
-    assert all(gr is None or not gr.any() for gr in grads)
+@RUNS
+@pytest.mark.parametrize("empty", ["no queries", "values of size 0", "no example"])
+def test_empty_calls_give_empty_outputs_and_zero_gradients(small_tiles, empty):
+    leaves, _ = _inputs(0, 0 if empty == "no queries" else 6, 4)
+    if empty == "values of size 0":
+        leaves[2] = leaves[2][..., :0].detach().requires_grad_()  # (B, Hkv, Lk, 0)
+    if empty == "no example":
+        leaves = [t[:0].detach().requires_grad_() if t.dim() > 1 else t for t in leaves]
+    on_device = [t.detach().to(DEVICE).requires_grad_() for t in leaves]
+    out = attnkit.additive_attention(*on_device, backend="triton").output
+    assert out.numel() == 0
+    grads = torch.autograd.grad(out.sum(), on_device, allow_unused=True)
+    assert all(gr is None or (torch.isfinite(gr).all() and not gr.any()) for gr in grads)
 
 
-@INTERPRETED
-def test_the_book_layer_and_three_dim_inputs_run_on_it(interpreted):
-    """``(B, L, D)`` inputs (no head axis) and the book's AdditiveAttention layer, as users call them."""
+@RUNS
+def test_a_second_derivative_is_refused_not_wrong(small_tiles):
+    leaves, _ = _inputs(1, 5, 6)
+    q, k, v, w_v = (t.detach().to(DEVICE).requires_grad_() for t in leaves)
+    out = attnkit.additive_attention(q, k, v, w_v, backend="triton").output
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        dq.sum().backward()
+
+
+@RUNS
+def test_three_dim_inputs_and_the_additive_layer_run_on_it(small_tiles):
+    """``(B, L, D)`` inputs (no head axis), and attnkit.AdditiveAttention (the book.s layer) with backend="triton"."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, n, 6, generator=g, dtype=torch.float64) for n in (5, 11, 11))
     w_v = torch.randn(6, generator=g, dtype=torch.float64)
     lens = torch.tensor([3, 11])
-    out = attnkit.additive_attention(q, k, v, w_v, valid_lens=lens, backend="triton").output
+    found = attnkit.additive_attention(
+        *(t.to(DEVICE) for t in (q, k, v, w_v)), valid_lens=lens.to(DEVICE), backend="triton"
+    )
     want, _ = mathref.attention(q, k, v, w_v=w_v, valid_lens=lens)
-    assert out.shape == (2, 5, 6) and max_err(out, want) <= 1e-12
+    assert found.output.shape == (2, 5, 6) and max_err(found.output.cpu(), want) <= 1e-12
+    layer = attnkit.AdditiveAttention(8, backend="triton").double().to(DEVICE)
+    book = attnkit.AdditiveAttention(8, backend="reference").double().to(DEVICE)
+    with torch.no_grad():
+        layer(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), lens.to(DEVICE))  # sizes inferred
+        book.load_state_dict(layer.state_dict())
+    with dispatch.watch() as ran:
+        ours = layer(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), lens.to(DEVICE))
+    assert ran == ["triton"]
+    assert max_err(ours.cpu(), book(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), lens.to(DEVICE)).cpu()) <= 1e-12
 
 
 def test_what_it_refuses_each_by_name():
@@ -190,10 +265,9 @@ def test_what_it_refuses_each_by_name():
         "weights": ({"need_weights": True}, "never returns weights"),
         "dropout": ({"dropout_p": 0.5}, "no dropout"),
     }
-    for name, (kw, reason) in refused.items():
+    for kw, reason in refused.values():
         with pytest.raises(ValueError, match=reason):
             attnkit.additive_attention(q, k, v, w_v, backend="triton", **kw)
-        assert name
     with pytest.raises(ValueError, match=r"triton: .*additive scoring only"):
         attnkit.scaled_dot_product_attention(q, k, v, backend="triton")
     if not torch.cuda.is_available():
@@ -246,3 +320,13 @@ def test_on_cuda_equals_the_math_within_the_dtype(dtype, kind):
     for name, got, in_dtype, true in named:
         limit = 2 * max_err(in_dtype, true) + eps * max(1.0, true.abs().max().item())
         assert max_err(got.cpu(), true) <= limit, name
+
+
+def test_without_the_triton_package_the_reason_says_what_to_install(monkeypatch):
+    lacking = dataclasses.replace(triton_backend.SUPPORTS, needs="the triton package (pip install -e '.[triton]')")
+    monkeypatch.setattr(triton_backend, "SUPPORTS", lacking)
+    with pytest.raises(ValueError, match=r"triton: needs the triton package \(pip install -e '\.\[triton\]'\)"):
+        attnkit.additive_attention(
+            torch.randn(1, 3, 4), torch.randn(1, 5, 4), torch.randn(1, 5, 4), torch.randn(4), backend="triton"
+        )
+    assert "triton" not in dispatch.available_backends("cuda")

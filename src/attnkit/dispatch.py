@@ -62,8 +62,9 @@ _WATCHERS: ContextVar[tuple[_Watch, ...]] = ContextVar("attnkit_watchers", defau
 
 def available_backends(device: str | torch.device | None = None) -> list[str]:
     """Names of attnkit's backends that run on ``device`` (a device type such as ``"cpu"`` or ``"cuda"``, or a
-    device), or, when ``None``, on some device this machine has. What a backend cannot run is declared in its
-    ``SUPPORTS`` and said per call, and a backend named explicitly lists every backend's reasons.
+    device), or, when ``None``, on some device this machine has (and whose packages it has: ``Supports.needs``).
+    What a backend cannot run is declared in its ``SUPPORTS`` and said per call, and a backend named explicitly
+    lists every backend's reasons.
 
     Example:
         >>> available_backends("cpu")
@@ -71,7 +72,8 @@ def available_backends(device: str | torch.device | None = None) -> list[str]:
     """
     here = {"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"}
     types = here if device is None else {torch.device(device).type}
-    return [name for name, b in BACKENDS.items() if b.SUPPORTS.devices is None or types & b.SUPPORTS.devices]
+    found = [(name, b.SUPPORTS) for name, b in BACKENDS.items()]
+    return [name for name, s in found if s.needs is None and (s.devices is None or types & s.devices)]
 
 
 def describe_backends() -> dict[str, str]:

@@ -166,7 +166,8 @@ class Supports:
     same (False: the mask is added as ``-inf``, where an overflowing hidden score would give NaN);
     ``opaque_modifiers``: modifiers whose tensors cannot be found, under autograd (False: its backward reads them
     again and must check they did not change); ``value_dim``: values of another head size than the queries';
-    ``score_mod_grad``: gradients to the tensors a built-in score_mod reads (ALiBi's slopes)."""
+    ``score_mod_grad``: gradients to the tensors a built-in score_mod reads (ALiBi's slopes); ``needs``: what this
+    machine lacks for it (a package, with how to install it), or ``None``."""
 
     scoring: frozenset[str] = frozenset({DOT, ADDITIVE})
     weights: bool = True
@@ -185,10 +186,13 @@ class Supports:
     opaque_modifiers: bool = True
     value_dim: bool = True
     score_mod_grad: bool = True
+    needs: str | None = None
 
     def why_not(self, call: Call) -> list[str]:
         """Each reason this declaration refuses ``call``; ``[]`` when it can run it."""
         reasons = []
+        if self.needs is not None:
+            reasons.append(f"needs {self.needs}")
         if self.devices is not None and call.q.device.type not in self.devices:
             where = " or ".join(sorted(self.devices)) or "no device here (this PyTorch lacks it)"
             reasons.append(f"runs on {where} only (the inputs are on {call.q.device.type})")
@@ -278,6 +282,8 @@ class Supports:
             can.append("values of the queries' head size")
         if self.score_mod != "none" and not self.score_mod_grad:
             can.append("no gradients to a score_mod's tensors")
+        if self.needs is not None:
+            can.append(f"needs {self.needs}")
         return ", ".join(can)
 
 

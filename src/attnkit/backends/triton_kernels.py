@@ -52,6 +52,15 @@ def _allowed(rows, cols, lens, Lq, Lk, OFFSET, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _rows_of(base, rows, vcols, row_ok, Dv, ACC: tl.constexpr):
+    """Rows ``rows`` of a ``(L, Dv)`` matrix at ``base``, columns padded to ``BDV``, in ``ACC``; zeros where masked
+    (they meet weights of 0, and Triton leaves masked lanes undefined without ``other``)."""
+    return tl.load(
+        base + rows[:, None] * Dv + vcols[None, :], mask=row_ok[:, None] & (vcols < Dv)[None, :], other=0.0
+    ).to(ACC)
+
+
+@triton.jit
 def _forward(
     Q, K, V, W, LENS, OUT, LSE,
     H, GROUP, Lq, Lk, D, Dv, OFFSET,
@@ -59,8 +68,8 @@ def _forward(
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
 ):  # fmt: skip
     """One block of ``BM`` query rows of one (example, head): the output and each row's log-sum-exp."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(0).to(tl.int64)
+    pid_m = tl.program_id(1)
     b, h = bh // H, bh % H
     kv = b * (H // GROUP) + h // GROUP  # the key/value head this query head reads
     rows = pid_m * BM + tl.arange(0, BM)  # (BM,)
@@ -84,8 +93,8 @@ def _forward(
         alpha = tl.exp(m - m_use)  # rescales what was summed so far
         p = tl.exp(s - m_use[:, None])  # (BM, BN)
         l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
-        vb = tl.load(v_base + cols[:, None] * Dv + vcols[None, :], mask=col_ok[:, None] & (vcols < Dv)[None, :])
-        acc = acc * alpha[:, None] + tl.dot(p, vb.to(ACC), input_precision=PRECISION)  # (BM, BDV)
+        vb = _rows_of(v_base, cols, vcols, col_ok, Dv, ACC)  # (BN, BDV)
+        acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision=PRECISION)  # (BM, BDV)
         m = m_new
     live = l > 0.0
     out = tl.where(live[:, None], acc / tl.where(live, l, 1.0)[:, None], 0.0)  # rows with no key: zeros
@@ -104,17 +113,9 @@ def _weights_grad(
     s = _scores(q_base, k_base, W, rows, cols, row_ok, col_ok, D, ACC, BD)  # (BM, BN)
     allowed = _allowed(rows, cols, lens, Lq, Lk, OFFSET, CAUSAL)
     p = tl.where(allowed, tl.exp(s - lse[:, None]), 0.0)  # (BM, BN)
-    vb = tl.load(v_base + cols[:, None] * Dv + vcols[None, :], mask=col_ok[:, None] & (vcols < Dv)[None, :])
-    dp = tl.dot(do, tl.trans(vb.to(ACC)), input_precision=PRECISION)  # (BM, BN)
+    vb = _rows_of(v_base, cols, vcols, col_ok, Dv, ACC)  # (BN, BDV)
+    dp = tl.dot(do, tl.trans(vb), input_precision=PRECISION)  # (BM, BN)
     return p, p * (dp - delta[:, None])
-
-
-@triton.jit
-def _rows_of(base, rows, vcols, row_ok, Dv, ACC: tl.constexpr):
-    """Rows ``rows`` of a ``(L, Dv)`` matrix at ``base``, columns padded with zeros to ``BDV``, in ``ACC``."""
-    return tl.load(
-        base + rows[:, None] * Dv + vcols[None, :], mask=row_ok[:, None] & (vcols < Dv)[None, :], other=0.0
-    ).to(ACC)
 
 
 @triton.jit
@@ -131,32 +132,33 @@ def _tanh_chunk(q_base, k_base, w_ptr, rows, cols, row_ok, col_ok, d0, D, ACC: t
 
 @triton.jit
 def _backward_keys(
-    Q, K, V, W, LENS, LSE, DELTA, DO, DK, DV, DW,
+    Q, K, V, W, LENS, KEYS, LSE, DELTA, DO, DK, DV, DW,
     H, GROUP, Lq, Lk, D, Dv, OFFSET,
     CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
 ):  # fmt: skip
     """One block of ``BN`` keys of one (example, query head): its keys' and values' gradients from this head
     (``DK``, ``DV`` per query head: the caller sums a group), and this block's share of ``w``'s (``DW``)."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
     b, h = bh // H, bh % H
     kv = b * (H // GROUP) + h // GROUP
     cols = pid_n * BN + tl.arange(0, BN)  # (BN,)
     col_ok = cols < Lk
     vcols = tl.arange(0, BDV)
     q_base, k_base, v_base = Q + bh * Lq * D, K + kv * Lk * D, V + kv * Lk * Dv
-    dk_base, dw_base = DK + bh * Lk * D, DW + (bh * tl.num_programs(0) + pid_n) * D
+    dk_base, dw_base = DK + bh * Lk * D, DW + (bh * tl.num_programs(1) + pid_n) * D
     dv = tl.zeros((BN, BDV), dtype=ACC)
     lo = 0
     if CAUSAL:  # the first query row that may see this block's first key, rounded down to a block
         lo = tl.maximum(pid_n * BN - OFFSET, 0) // BM * BM
-    for m0 in range(lo, Lq, BM):
+    hi = tl.where(pid_n * BN < tl.load(KEYS + b), Lq, lo)  # KEYS[b]: the most keys a row of b sees; past: none
+    for m0 in range(lo, hi, BM):
         rows = m0 + tl.arange(0, BM)  # (BM,)
         row_ok = rows < Lq
-        lens = tl.load(LENS + b * Lq + rows, mask=row_ok, other=0)
-        lse = tl.load(LSE + bh * Lq + rows, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + bh * Lq + rows, mask=row_ok, other=0.0)
+        lens = tl.load(LENS + b * Lq + rows, mask=row_ok, other=0)  # (BM,)
+        lse = tl.load(LSE + bh * Lq + rows, mask=row_ok, other=0.0)  # (BM,)
+        delta = tl.load(DELTA + bh * Lq + rows, mask=row_ok, other=0.0)  # (BM,)
         do = _rows_of(DO + bh * Lq * Dv, rows, vcols, row_ok, Dv, ACC)  # (BM, BDV)
         p, ds = _weights_grad(
             q_base, k_base, v_base, W, lens, lse, delta, do, rows, cols, vcols, row_ok, col_ok,
@@ -168,8 +170,9 @@ def _backward_keys(
             dk = tl.sum(ds[:, :, None] * (1.0 - t * t), axis=0) * wd[None, :]  # (BN, BD)
             dw = tl.sum(tl.sum(ds[:, :, None] * t, axis=0), axis=0)  # (BD,)
             at, here = dk_base + cols[:, None] * D + feats[None, :], col_ok[:, None] & d_ok[None, :]
-            tl.store(at, tl.load(at, mask=here, other=0.0) + dk, mask=here)
-            tl.store(dw_base + feats, tl.load(dw_base + feats, mask=d_ok, other=0.0) + dw, mask=d_ok)
+            # each element belongs to this program alone (atomics: whichever of its threads adds it, nothing is lost)
+            tl.atomic_add(at, dk, mask=here, sem="relaxed")
+            tl.atomic_add(dw_base + feats, dw, mask=d_ok, sem="relaxed")
     dv_ptr = DV + bh * Lk * Dv + cols[:, None] * Dv + vcols[None, :]
     tl.store(dv_ptr, dv, mask=col_ok[:, None] & (vcols < Dv)[None, :])
 
@@ -182,17 +185,17 @@ def _backward_queries(
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
 ):  # fmt: skip
     """One block of ``BM`` query rows of one (example, head): the queries' gradient ``DQ``."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(0).to(tl.int64)
+    pid_m = tl.program_id(1)
     b, h = bh // H, bh % H
     kv = b * (H // GROUP) + h // GROUP
     rows = pid_m * BM + tl.arange(0, BM)  # (BM,)
     row_ok = rows < Lq
     vcols = tl.arange(0, BDV)
     q_base, k_base, v_base, dq_base = Q + bh * Lq * D, K + kv * Lk * D, V + kv * Lk * Dv, DQ + bh * Lq * D
-    lens = tl.load(LENS + b * Lq + rows, mask=row_ok, other=0)
-    lse = tl.load(LSE + bh * Lq + rows, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + bh * Lq + rows, mask=row_ok, other=0.0)
+    lens = tl.load(LENS + b * Lq + rows, mask=row_ok, other=0)  # (BM,)
+    lse = tl.load(LSE + bh * Lq + rows, mask=row_ok, other=0.0)  # (BM,)
+    delta = tl.load(DELTA + bh * Lq + rows, mask=row_ok, other=0.0)  # (BM,)
     do = _rows_of(DO + bh * Lq * Dv, rows, vcols, row_ok, Dv, ACC)  # (BM, BDV)
     hi = tl.minimum(tl.max(lens, axis=0), Lk)
     if CAUSAL:
@@ -208,4 +211,4 @@ def _backward_queries(
             t, wd, feats, d_ok = _tanh_chunk(q_base, k_base, W, rows, cols, row_ok, col_ok, d0, D, ACC, BD)
             dq = tl.sum(ds[:, :, None] * (1.0 - t * t), axis=1) * wd[None, :]  # (BM, BD)
             at, here = dq_base + rows[:, None] * D + feats[None, :], row_ok[:, None] & d_ok[None, :]
-            tl.store(at, tl.load(at, mask=here, other=0.0) + dq, mask=here)
+            tl.atomic_add(at, dq, mask=here, sem="relaxed")  # (rows of this program alone)
