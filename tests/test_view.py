@@ -437,6 +437,26 @@ def test_view_command_on_a_saved_tuple_of_layers_as_transformers_returns_them(ca
     assert np.array_equal(weights, layers[1][1].numpy())
 
 
+def test_view_command_on_a_saved_generate_tuple_of_steps_and_on_empty_tuples(capsys, tmp_path):
+    """``torch.save(out.attentions, "g.pt")`` after ``generate``: a tuple of steps, each a tuple of layers, read as
+    the calls of each layer; an empty tuple (sdpa's) or a tuple of empty steps says what view() says: use eager."""
+    g = torch.Generator().manual_seed(0)
+    steps = tuple(
+        tuple(torch.softmax(torch.randn(1, 2, 3 if s == 0 else 1, 3 + s, generator=g), -1) for _ in range(2))
+        for s in range(3)
+    )
+    torch.save(steps, tmp_path / "g.pt")
+    code, _, err = run(capsys, "view", tmp_path / "g.pt", "--out", tmp_path / "g.html")
+    assert (code, err) == (0, "")
+    data = payload((tmp_path / "g.html").read_text(encoding="utf-8"))
+    assert [len(layer["calls"]) for layer in data["layers"]] == [3, 3]
+    for empty, fragment in (((), "weights is an empty tuple"), (((), ()), "weights[0] is an empty tuple")):
+        torch.save(empty, tmp_path / "e.pt")
+        code, _, err = run(capsys, "view", tmp_path / "e.pt", "--out", tmp_path / "e.html")
+        assert code == 2 and fragment in err and 'attn_implementation="eager"' in err, err
+        assert not (tmp_path / "e.html").exists()
+
+
 @pytest.mark.parametrize(
     ("make", "args", "fragment"),
     [

@@ -276,14 +276,10 @@ def load_weights(path: Path, *, record: bool = False) -> Any:
                 raise UsageError(f"{path}: layer {shown(name)} has no calls (an empty list)")
             loaded[name] = [_weights_tensor(path, c, f"layer {shown(name)}: ") for c in calls]
         return loaded
-    if (
-        record
-        and isinstance(data, (list, tuple))
-        and data
-        and all(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in data)
-    ):
-        # one tensor per layer, as transformers' outputs.attentions saved whole: the viewer reads it as such
-        return type(data)(_weights_tensor(path, t, f"layer {i}: ") for i, t in enumerate(data))
+    if record and isinstance(data, (list, tuple)) and _layers_or_calls(data):
+        # one tensor per layer (transformers' outputs.attentions), or a tuple of calls of layers (generate's), saved
+        # whole: each tensor checked here; the viewer reads the structure, and says what an empty one lacks
+        return _checked_sequence(path, data, "")
     if not isinstance(data, torch.Tensor):
         wanted = "one tensor or array of weights" + (
             ", a dict {layer name: tensors}, or a list of (B, H, Lq, Lk) or (H, Lq, Lk) tensors, one per layer"
@@ -292,6 +288,25 @@ def load_weights(path: Path, *, record: bool = False) -> Any:
         )
         raise UsageError(f"{path}: expected {wanted}, got an object of type {type(data).__name__}")
     return _weights_tensor(path, data, "")
+
+
+def _layers_or_calls(data: list | tuple) -> bool:
+    """A tuple of layers' tensors of 3 or more dims, or of such tuples (calls), empty ones included (transformers'
+    sdpa gives ``()`` per step); not a nested list of numbers (one array written out)."""
+    return all(
+        (isinstance(t, torch.Tensor) and t.dim() >= 3)
+        or (isinstance(t, (list, tuple)) and all(isinstance(u, torch.Tensor) and u.dim() >= 3 for u in t))
+        for t in data
+    )
+
+
+def _checked_sequence(path: Path, data: list | tuple, where: str) -> list | tuple:
+    return type(data)(
+        _weights_tensor(path, t, f"{where}layer {i}: ")
+        if isinstance(t, torch.Tensor)
+        else _checked_sequence(path, t, f"{where}call {i}, ")
+        for i, t in enumerate(data)
+    )
 
 
 def _weights_tensor(path: Path, data: Any, where: str) -> torch.Tensor:
