@@ -409,3 +409,20 @@ def test_a_decode_step_reads_the_keys_up_to_the_longest_live_row_only(monkeypatc
     monkeypatch.setattr(decode.torch, "bmm", bmm)
     assert [tuple(w) for w in widths] == [(6, 8, 40), (6, 40, 8)]
     assert max_err(out, math_attention(q.double(), k.double(), v.double(), valid_lens=lens)[0]) <= OUT_TOL
+
+
+@pytest.mark.parametrize("backend", ["chunked", "tiles"])
+def test_a_second_derivative_through_a_recomputing_backward_is_refused_not_wrong(backend):
+    """A gradient penalty (create_graph=True) through a backend whose backward recomputes outside autograd: an error
+    naming the backend and the reference, never a second derivative silently missing the attention's share (the
+    compiled, triton and ring backwards share the same check)."""
+    q, k, v, _ = make_inputs(7, 20, 8, 2, seed=0)
+    q, v = q.requires_grad_(), v[..., :8]  # (tiles: values of the queries' head size)
+    out = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True, backend=backend).output
+    with pytest.raises(
+        RuntimeError, match=rf"the {backend} backend's backward cannot be differentiated again.*'reference'"
+    ):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+    out = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True, backend="reference").output
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    assert dq.requires_grad  # the reference differentiates twice

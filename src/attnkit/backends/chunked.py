@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit.backends.common import Watched, probe, repeat_kv, zero_dead
+from attnkit.backends.common import Watched, first_order_only, probe, repeat_kv, zero_dead
 from attnkit.backends.contract import Call, Supports
 from attnkit.backends.online import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads, key_blocks
 from attnkit.masks import Mask, compute_dtype
@@ -159,8 +159,8 @@ class _OnlineSoftmax(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        first_order_only(NAME)
         q, k, v, w_v, sinks, out, lse, *closed_over = ctx.saved_tensors
         if ctx.watched is not None:
             ctx.watched.check(NAME)

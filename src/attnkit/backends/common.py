@@ -99,6 +99,23 @@ def _finite_suffixes(mask: Mask, k: Tensor, v: Tensor, zeros_past: Tensor | None
     return bool(torch.isfinite(k[:, :, shortest:].sum() + v[:, :, shortest:].sum()))
 
 
+def first_order_only(backend: str) -> None:
+    """Called first in the backward of a backend whose backward recomputes outside autograd: under
+    ``create_graph=True`` (a gradient penalty, a Hessian-vector product) autograd would record nothing of it and a
+    second derivative would silently miss its share, so it raises instead. Outside ``create_graph`` autograd runs a
+    backward without grad, so the rest of it records nothing. (``once_differentiable`` raises only when the incoming
+    gradient requires grad, which a gradient penalty's does not, and it hides ``create_graph`` from this check.)
+
+    Raises:
+        RuntimeError: naming the backend and the one that differentiates twice.
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"the {backend} backend's backward cannot be differentiated again (create_graph=True): for second "
+            "derivatives run the call with backend='reference'"
+        )
+
+
 def probe(dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
     """One score, of query 0 and key 0 of example 0 and head 0: the arguments to run a score_mod on once
     (:func:`attnkit.mods.closure.grad_inputs`)."""

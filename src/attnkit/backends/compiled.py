@@ -31,7 +31,7 @@ from torch import Tensor
 from attnkit import mods
 from attnkit.backends import compiled_steps as steps
 from attnkit.backends import tiles
-from attnkit.backends.common import Watched, probe, repeat_kv, zero_dead
+from attnkit.backends.common import Watched, first_order_only, probe, repeat_kv, zero_dead
 from attnkit.backends.contract import ADDITIVE, DOT, Call, Supports
 from attnkit.backends.online import RunningSoftmax
 from attnkit.masks import Mask, compute_dtype
@@ -312,8 +312,8 @@ class _Compiled(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        first_order_only(NAME)
         q, k, v, w, sinks, out, lse, *closed_over = ctx.saved_tensors  # q, k in the exp form where ctx.exp
         if ctx.watched is not None:
             ctx.watched.check(NAME)

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from attnkit import mods
 from attnkit._checks import ranges
-from attnkit.backends.common import Watched, bias_of, zero_dead
+from attnkit.backends.common import Watched, bias_of, first_order_only, zero_dead
 from attnkit.backends.contract import DOT, Call, Supports
 from attnkit.masks import Mask
 from attnkit.mods import ScoreMod
@@ -373,8 +373,8 @@ class _Tiles(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        first_order_only(NAME)
         q, k, v, sinks, out, lse = ctx.saved_tensors
         if ctx.watched is not None:
             ctx.watched.check(NAME)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.backends.common import zero_dead
+from attnkit.backends.common import first_order_only, zero_dead
 from attnkit.backends.contract import ADDITIVE, Call, Supports
 
 NAME = "triton"
@@ -121,7 +121,9 @@ class _Additive(torch.autograd.Function):
         B, H, Lq, _ = q.shape
         q, k, v, w_v = q.contiguous(), k.contiguous(), v.contiguous(), w_v.contiguous()
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        out = torch.zeros((B, H, Lq, v.shape[3]), dtype=q.dtype, device=q.device)  # (B, H, Lq, Dv)
+        # in ACC: the backward's delta = dO . O from the output before its rounding to a 16-bit dtype (from the
+        # rounded one, bfloat16's dq was 4x the error of the math in bfloat16)
+        out = torch.zeros((B, H, Lq, v.shape[3]), dtype=acc, device=q.device)  # (B, H, Lq, Dv)
         lse = torch.zeros((B, H, Lq), dtype=acc, device=q.device)  # (B, H, Lq): each row's log-sum-exp
         if out.numel():
             sizes, constants = launch.args(q, k, v)
@@ -129,11 +131,11 @@ class _Additive(torch.autograd.Function):
                 launch.forward[(B * H, _cdiv(Lq, constants["BM"]))](q, k, v, w_v, lens, out, lse, *sizes, **constants)
         ctx.save_for_backward(q, k, v, w_v, lens, out, lse)
         ctx.launch = launch
-        return out
+        return out.to(q.dtype)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        first_order_only(NAME)
         q, k, v, w_v, lens, out, lse = ctx.saved_tensors
         launch: _Launch = ctx.launch
         B, H, Lq, D = q.shape
@@ -147,7 +149,7 @@ class _Additive(torch.autograd.Function):
         key_blocks = _cdiv(Lk, constants["BN"])
         dw = torch.zeros((B * H * key_blocks, D), dtype=acc, device=q.device)  # each key block's share of w_v's
         if out.numel() and Lk:
-            delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, H, Lq): dO_i . O_i
+            delta = (dout.to(acc) * out).sum(-1)  # (B, H, Lq): dO_i . O_i
             keys = lens.amax(dim=1).to(torch.int32)  # (B,): the most keys a row of each example sees
             saved = (q, k, v, w_v, lens)
             with launch.on(q.device):

@@ -96,7 +96,7 @@ def _forward(
         vb = _rows_of(v_base, cols, vcols, col_ok, Dv, ACC)  # (BN, BDV)
         acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision=PRECISION)  # (BM, BDV)
         m = m_new
-    live = l > 0.0
+    live = l != 0.0  # (NaN from a NaN input stays NaN, as on every backend; only a row that saw no key is 0)
     out = tl.where(live[:, None], acc / tl.where(live, l, 1.0)[:, None], 0.0)  # rows with no key: zeros
     o_ptr = OUT + bh * Lq * Dv + rows[:, None] * Dv + vcols[None, :]
     tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (vcols < Dv)[None, :])

@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit.backends.common import repeat_kv
+from attnkit.backends.common import first_order_only, repeat_kv
 from attnkit.backends.online import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads, key_blocks
 from attnkit.distributed import comm
 from attnkit.distributed.agree import Request, agree
@@ -164,6 +164,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        first_order_only("ring")
         q, k, v, out, lse = ctx.saved_tensors
         plan: Plan = ctx.plan
         ring = plan.ring
