@@ -139,13 +139,15 @@ def stats_row(device: str, dtype: torch.dtype, smoke: bool) -> dict[str, Callabl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
     parser.add_argument("--dtypes", default="bfloat16,float16")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU in float32 (no flex row)")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     rows = [r for r in args.rows.split(",") if r]
     unknown = sorted(set(rows) - set(ROWS))
     if unknown:

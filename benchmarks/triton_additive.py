@@ -94,7 +94,8 @@ def error_against_float64(leaves: list[Tensor], lens: Tensor, rows: int) -> floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # (--smoke exactly:
+    # it is read before triton is imported)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--features", type=int, default=256)
@@ -102,15 +103,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", metavar="PATH")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU in Triton's interpreter")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny sizes on CPU in Triton's interpreter (the sizes given are ignored)"
+    )
     args = parser.parse_args(argv)
+    for name in ("batch", "length", "features", "value_dim", "repeats"):
+        if getattr(args, name) < (2 if name == "length" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be at least {2 if name == 'length' else 1}")
     device = "cuda"
     if args.smoke:
         args.batch, args.length, args.features, args.value_dim, args.repeats, device = 2, 40, 8, 4, 1, "cpu"
         # the backend declares CUDA only; the interpreter runs its kernels on CPU tensors
         triton_backend.SUPPORTS = dataclasses.replace(triton_backend.SUPPORTS, devices=None)
     elif not torch.cuda.is_available():
-        print("needs CUDA (or --smoke with TRITON_INTERPRET=1)", file=sys.stderr)
+        print("needs CUDA (or --smoke: tiny sizes in Triton's interpreter on CPU)", file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
     B, L = args.batch, args.length
@@ -149,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         shown = "-" if peak is None else f"{peak / 2**20:.0f} MiB"
         lines.append(f"| {name} | {'-' if s is None else f'{s:.4f}'} | {shown} |")
     lines += ["", f"chunked / triton: {ratio:.2f}x (target >= {TARGET}x); largest error against float64: {error:.2e}"]
+    if args.smoke:
+        lines.append("(--smoke: tiny sizes in Triton's interpreter; its times say nothing of a GPU's)")
     missed = [] if args.smoke or ratio >= TARGET else [f"triton {ratio:.2f}x faster than chunked, target {TARGET}x"]
     return finish(results, "\n".join(lines), missed, args.json)
 
