@@ -28,17 +28,23 @@ import triton.language as tl
 
 
 @triton.jit
+def _tanh_chunk(q_base, k_base, w_ptr, rows, cols, row_ok, col_ok, d0, D, ACC: tl.constexpr, BD: tl.constexpr):
+    """``t = tanh(q_i + k_j)`` for features ``d0 .. d0 + BD`` ``(BM, BN, BD)``, ``w`` there, and the features."""
+    feats = d0 + tl.arange(0, BD)  # (BD,)
+    d_ok = feats < D
+    qd = tl.load(q_base + rows[:, None] * D + feats[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    kd = tl.load(k_base + cols[:, None] * D + feats[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    wd = tl.load(w_ptr + feats, mask=d_ok, other=0.0).to(ACC)  # (BD,)
+    x = qd.to(ACC)[:, None, :] + kd.to(ACC)[None, :, :]  # (BM, BN, BD)
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0), wd, feats, d_ok  # tanh(x) (BM, BN, BD): padded features 0
+
+
+@triton.jit
 def _scores(q_base, k_base, w_ptr, rows, cols, row_ok, col_ok, D, ACC: tl.constexpr, BD: tl.constexpr):
     """The tile's ``(BM, BN)`` scores, a chunk of ``BD`` features at a time."""
     s = tl.zeros((rows.shape[0], cols.shape[0]), dtype=ACC)  # (BM, BN)
     for d0 in range(0, D, BD):
-        feats = d0 + tl.arange(0, BD)  # (BD,)
-        d_ok = feats < D
-        qd = tl.load(q_base + rows[:, None] * D + feats[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        kd = tl.load(k_base + cols[:, None] * D + feats[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        wd = tl.load(w_ptr + feats, mask=d_ok, other=0.0).to(ACC)  # (BD,)
-        x = qd.to(ACC)[:, None, :] + kd.to(ACC)[None, :, :]  # (BM, BN, BD)
-        t = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)  # tanh(x), padded features 0
+        t, wd, _, _ = _tanh_chunk(q_base, k_base, w_ptr, rows, cols, row_ok, col_ok, d0, D, ACC, BD)
         s += tl.sum(t * wd[None, None, :], axis=2)  # (BM, BN)
     return s
 
@@ -61,6 +67,23 @@ def _rows_of(base, rows, vcols, row_ok, Dv, ACC: tl.constexpr):
 
 
 @triton.jit
+def _program(H, GROUP):
+    """This program's (example, query head) as one index, its example, its key/value head, and its block."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    return bh, b, b * (H // GROUP) + h // GROUP, tl.program_id(1)
+
+
+@triton.jit
+def _keys_end(lens, Lk, pid_m, OFFSET, CAUSAL: tl.constexpr, BM: tl.constexpr):
+    """Where a block of query rows stops reading keys: past every row's length, and past the causal diagonal."""
+    hi = tl.minimum(tl.max(lens, axis=0), Lk)
+    if CAUSAL:
+        hi = tl.minimum(hi, pid_m * BM + BM + OFFSET)
+    return hi
+
+
+@triton.jit
 def _forward(
     Q, K, V, W, LENS, OUT, LSE,
     H, GROUP, Lq, Lk, D, Dv, OFFSET,
@@ -68,10 +91,7 @@ def _forward(
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
 ):  # fmt: skip
     """One block of ``BM`` query rows of one (example, head): the output and each row's log-sum-exp."""
-    bh = tl.program_id(0).to(tl.int64)
-    pid_m = tl.program_id(1)
-    b, h = bh // H, bh % H
-    kv = b * (H // GROUP) + h // GROUP  # the key/value head this query head reads
+    bh, b, kv, pid_m = _program(H, GROUP)  # kv: the key/value head this query head reads
     rows = pid_m * BM + tl.arange(0, BM)  # (BM,)
     row_ok = rows < Lq
     lens = tl.load(LENS + b * Lq + rows, mask=row_ok, other=0)  # (BM,)
@@ -80,9 +100,7 @@ def _forward(
     m = tl.full((BM,), float("-inf"), dtype=ACC)  # running row maximum
     l = tl.zeros((BM,), dtype=ACC)  # noqa: E741  (running normaliser)
     acc = tl.zeros((BM, BDV), dtype=ACC)  # running unnormalised output
-    hi = tl.minimum(tl.max(lens, axis=0), Lk)  # keys past every row's length are never read
-    if CAUSAL:
-        hi = tl.minimum(hi, pid_m * BM + BM + OFFSET)
+    hi = _keys_end(lens, Lk, pid_m, OFFSET, CAUSAL, BM)  # keys past it are never read
     for n0 in range(0, hi, BN):
         cols = n0 + tl.arange(0, BN)  # (BN,)
         col_ok = cols < Lk
@@ -119,18 +137,6 @@ def _weights_grad(
 
 
 @triton.jit
-def _tanh_chunk(q_base, k_base, w_ptr, rows, cols, row_ok, col_ok, d0, D, ACC: tl.constexpr, BD: tl.constexpr):
-    """``t = tanh(q_i + k_j)`` for features ``d0 .. d0 + BD`` ``(BM, BN, BD)``, ``w`` there, and the features."""
-    feats = d0 + tl.arange(0, BD)  # (BD,)
-    d_ok = feats < D
-    qd = tl.load(q_base + rows[:, None] * D + feats[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    kd = tl.load(k_base + cols[:, None] * D + feats[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-    wd = tl.load(w_ptr + feats, mask=d_ok, other=0.0).to(ACC)  # (BD,)
-    x = qd.to(ACC)[:, None, :] + kd.to(ACC)[None, :, :]  # (BM, BN, BD)
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0), wd, feats, d_ok
-
-
-@triton.jit
 def _backward_keys(
     Q, K, V, W, LENS, KEYS, LSE, DELTA, DO, DK, DV, DW,
     H, GROUP, Lq, Lk, D, Dv, OFFSET,
@@ -139,10 +145,7 @@ def _backward_keys(
 ):  # fmt: skip
     """One block of ``BN`` keys of one (example, query head): its keys' and values' gradients from this head
     (``DK``, ``DV`` per query head: the caller sums a group), and this block's share of ``w``'s (``DW``)."""
-    bh = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1)
-    b, h = bh // H, bh % H
-    kv = b * (H // GROUP) + h // GROUP
+    bh, b, kv, pid_n = _program(H, GROUP)
     cols = pid_n * BN + tl.arange(0, BN)  # (BN,)
     col_ok = cols < Lk
     vcols = tl.arange(0, BDV)
@@ -185,10 +188,7 @@ def _backward_queries(
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
 ):  # fmt: skip
     """One block of ``BM`` query rows of one (example, head): the queries' gradient ``DQ``."""
-    bh = tl.program_id(0).to(tl.int64)
-    pid_m = tl.program_id(1)
-    b, h = bh // H, bh % H
-    kv = b * (H // GROUP) + h // GROUP
+    bh, b, kv, pid_m = _program(H, GROUP)
     rows = pid_m * BM + tl.arange(0, BM)  # (BM,)
     row_ok = rows < Lq
     vcols = tl.arange(0, BDV)
@@ -197,9 +197,7 @@ def _backward_queries(
     lse = tl.load(LSE + bh * Lq + rows, mask=row_ok, other=0.0)  # (BM,)
     delta = tl.load(DELTA + bh * Lq + rows, mask=row_ok, other=0.0)  # (BM,)
     do = _rows_of(DO + bh * Lq * Dv, rows, vcols, row_ok, Dv, ACC)  # (BM, BDV)
-    hi = tl.minimum(tl.max(lens, axis=0), Lk)
-    if CAUSAL:
-        hi = tl.minimum(hi, pid_m * BM + BM + OFFSET)
+    hi = _keys_end(lens, Lk, pid_m, OFFSET, CAUSAL, BM)
     for n0 in range(0, hi, BN):
         cols = n0 + tl.arange(0, BN)  # (BN,)
         col_ok = cols < Lk
