@@ -1,8 +1,10 @@
 """Run a function on W real processes joined by a gloo process group, and collect what each returns.
 
-Children are started with ``spawn`` (a fork of a process that has run torch's thread pools can hang), each on
-one thread so that four ranks share two cores without thrashing. A rank that dies or hangs is reported as
-such, never waited for past ``deadline``.
+Children are forked by multiprocessing's ``forkserver``: a fresh interpreter that has imported torch and
+attnkit.distributed and computed nothing (none of torch's thread pools started), so each rank starts without
+importing them again (seconds each) and no rank is a fork of a process that has run torch's thread pools (which
+can hang; spawn, where there is no fork). Each rank runs on one thread so that four ranks share two cores without
+thrashing. A rank that dies or hangs is reported as such, never waited for past ``deadline``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+# What the fork server imports before it forks any rank: what every worker module imports first (a module of
+# tests/ cannot be named here: the server does not have tests/ on its path).
+PRELOAD = ["torch", "torch.distributed", "attnkit", "attnkit.distributed"]
 
 
 @dataclass
@@ -33,7 +39,11 @@ class Outcome:
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, deadline: float = 120.0) -> list[Outcome]:
     """``fn(rank, world_size, *args)`` on ``world_size`` processes; one :class:`Outcome` per rank."""
-    ctx = mp.get_context("spawn")
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call of the session
+    else:  # Windows: no fork, each rank imports torch itself
+        ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, results)) for r in range(world_size)]

@@ -1,8 +1,12 @@
-"""The `attnkit` command: in-process through `cli.main(argv)`, and end to end in a subprocess as a user runs it."""
+"""The `attnkit` command: in-process through `cli.main(argv)`, and end to end in a subprocess as a user runs it.
+
+Each process spends seconds importing torch, so the cases run in-process; what only a real process shows (the exit
+status of ``python -m attnkit``, nothing else on stderr, a closed or full stdout) keeps a test or two end to end:
+info and trace here, heatmap's pictures, a refused ``bench`` in tests/test_bench.py and ``demo`` in
+tests/test_demo.py."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -23,30 +27,6 @@ def attnkit(*args, cwd=None, timeout=120):
     )
 
 
-def attnkit_at_once(argvs, cwd=None, timeout=120):
-    """``attnkit(*argv)`` for each of ``argvs``, the processes run side by side (each spends most of its time
-    importing torch): their results in order."""
-    command = [sys.executable, "-m", "attnkit"]
-    procs = [
-        subprocess.Popen([*command, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
-        for argv in argvs
-    ]
-    results = []
-    for argv, proc in zip(argvs, procs, strict=True):
-        out, err = proc.communicate(timeout=timeout)
-        results.append(subprocess.CompletedProcess([*command, *argv], proc.returncode, out, err))
-    return results
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.startswith("attnkit: error: ")
-    assert result.stderr.count("\n") == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr
-
-
 def test_info_names_versions_and_backends():
     result = attnkit("info")
     assert result.returncode == 0, result.stderr
@@ -65,26 +45,31 @@ def test_trace_multihead_book_view_as_json():
 
 
 @pytest.mark.parametrize("kind", ["dot", "additive", "multihead"])
-def test_trace_text_and_markdown(kind):
-    text = attnkit("trace", kind, "--batch", "3", "--valid-lens", "1,6,2", "--causal")
-    assert text.returncode == 0, text.stderr
-    assert "scores" in text.stdout and "valid_lens [1, 6, 2]; causal" in text.stdout
-    markdown = attnkit("trace", kind, "--format", "markdown")
-    assert markdown.stdout.startswith("| module | step | shape in | shape out | note |")
+def test_trace_text_and_markdown(capsys, kind):
+    code, out, err = main(capsys, "trace", kind, "--batch", "3", "--valid-lens", "1,6,2", "--causal")
+    assert code == 0, err
+    assert "scores" in out and "valid_lens [1, 6, 2]; causal" in out
+    code, out, err = main(capsys, "trace", kind, "--format", "markdown")
+    assert code == 0, err
+    assert out.startswith("| module | step | shape in | shape out | note |")
 
 
-def test_heatmap_from_torch_and_numpy_files(tmp_path):
+def test_heatmap_from_torch_and_numpy_files(capsys, tmp_path):
+    """The torch file end to end, as a user runs it; the numpy file and the grid in-process."""
     weights = torch.softmax(torch.randn(2, 5, 7), -1)
     torch.save(weights, tmp_path / "w.pt")
     np.save(tmp_path / "w.npy", weights[0].numpy())
-    for source, out in (("w.pt", "heads.png"), ("w.npy", "one.svg")):
-        result = attnkit("heatmap", str(tmp_path / source), "--out", str(tmp_path / out), "--title", "t")
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.strip() == str(tmp_path / out)
+    result = attnkit("heatmap", str(tmp_path / "w.pt"), "--out", str(tmp_path / "heads.png"), "--title", "t")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(tmp_path / "heads.png")
+    code, out, err = main(capsys, "heatmap", tmp_path / "w.npy", "--out", tmp_path / "one.svg", "--title", "t")
+    assert code == 0, err
+    assert out.strip() == str(tmp_path / "one.svg")
     assert matplotlib.image.imread(tmp_path / "heads.png").shape[2] in (3, 4)
     assert (tmp_path / "one.svg").read_text().startswith("<?xml")
     torch.save(torch.softmax(torch.randn(2, 3, 4, 5), -1), tmp_path / "grid.pt")
-    assert attnkit("heatmap", str(tmp_path / "grid.pt"), "--out", str(tmp_path / "grid.pdf")).returncode == 0
+    code, _, err = main(capsys, "heatmap", tmp_path / "grid.pt", "--out", tmp_path / "grid.pdf")
+    assert code == 0, err
 
 
 USER_MISTAKES = [
@@ -104,19 +89,15 @@ USER_MISTAKES = [
 ]
 
 
-@functools.cache
-def _user_mistakes_run() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
-    """Every USER_MISTAKES command, run side by side once (each process mostly imports torch)."""
-    argvs = [args for args, _ in USER_MISTAKES]
-    return dict(zip(argvs, attnkit_at_once(argvs), strict=True))
-
-
 @pytest.mark.parametrize(("args", "fragments"), USER_MISTAKES)
-def test_user_mistakes_print_one_line_and_exit_2(args, fragments):
-    assert_one_line_error(_user_mistakes_run()[args], *fragments)
+def test_user_mistakes_print_one_line_and_exit_2(capsys, no_work, tmp_path, monkeypatch, args, fragments):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = main(capsys, *args)
+    assert_one_line(code, err, *fragments)
+    assert out == "" and list(tmp_path.iterdir()) == []
 
 
-def test_heatmap_mistakes_with_files(tmp_path):
+def test_heatmap_mistakes_with_files(capsys, tmp_path):
     (tmp_path / "junk.pt").write_bytes(b"not a tensor file")
     torch.save({"w": torch.ones(2, 2)}, tmp_path / "dict.pt")
     torch.save(torch.ones(2, 2), tmp_path / "ok.pt")
@@ -134,9 +115,9 @@ def test_heatmap_mistakes_with_files(tmp_path):
         ((str(tmp_path / "ok.pt"), "--out", str(tmp_path / "ok.pt" / "a.png")), "is not a folder"),
         ((str(tmp_path / "flat.pt"), "--out", png), "2, 3 or 4"),
     ]
-    results = attnkit_at_once([("heatmap", *args) for args, _ in cases])
-    for (_, fragment), result in zip(cases, results, strict=True):
-        assert_one_line_error(result, fragment)
+    for args, fragment in cases:
+        code, _, err = main(capsys, "heatmap", *args)
+        assert_one_line(code, err, fragment)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "bool.pt",
         "dict.pt",
@@ -147,9 +128,10 @@ def test_heatmap_mistakes_with_files(tmp_path):
     ]
 
 
-def test_demo_output_folder_that_cannot_be_written(tmp_path):
+def test_demo_output_folder_that_cannot_be_written(capsys, no_work, tmp_path):
     (tmp_path / "a-file").write_text("")
-    assert_one_line_error(attnkit("demo", "--quick", "--out", str(tmp_path / "a-file" / "sub")), "cannot write")
+    code, _, err = main(capsys, "demo", "--quick", "--out", tmp_path / "a-file" / "sub")
+    assert_one_line(code, err, "cannot write")
 
 
 # In-process: cli.main(argv), its return code, one line on stderr, and nothing left behind -----------------------
@@ -507,10 +489,10 @@ def test_commands_that_draw_say_what_to_install_without_matplotlib(
     assert [p.name for p in weights_file.parent.iterdir()] == ["w.pt"]
 
 
-# End to end, as the issue reported them: each was a traceback --------------------------------------------------
+# As the issue reported them: each was a traceback ----------------------------------------------------------------
 
 
-def test_the_reported_tracebacks_are_one_line_errors(tmp_path):
+def test_the_reported_tracebacks_are_one_line_errors(capsys, no_work, tmp_path, monkeypatch):
     torch.save(torch.softmax(torch.randn(3, 4), -1), tmp_path / "w.pt")
     (tmp_path / "DIR").mkdir()
     (tmp_path / "null.json").write_text("null")
@@ -527,8 +509,10 @@ def test_the_reported_tracebacks_are_one_line_errors(tmp_path):
     ]
     if not ON_LINUX_PROC:
         cases = [c for c in cases if "/proc/a.png" not in c[0]]
-    for (_, fragment), result in zip(cases, attnkit_at_once([args for args, _ in cases], cwd=tmp_path), strict=True):
-        assert_one_line_error(result, fragment)
+    monkeypatch.chdir(tmp_path)
+    for args, fragment in cases:
+        code, _, err = main(capsys, *args)
+        assert_one_line(code, err, fragment)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["DIR", "grid.pt", "null.json", "string.json", "w.pt"]
     assert list((tmp_path / "DIR").iterdir()) == []
 
@@ -536,13 +520,14 @@ def test_the_reported_tracebacks_are_one_line_errors(tmp_path):
 def test_a_reader_that_goes_away_gets_no_traceback():
     """`attnkit trace multihead --format json | head -0`: the pipe is closed before attnkit writes; it stops quietly
     (rich's tables exit 1 on their own, plain output exits 141 as a shell reports SIGPIPE)."""
-    import subprocess
-    import sys
-
-    for argv in (["trace", "multihead", "--format", "json"], ["info"]):
+    argvs = (["trace", "multihead", "--format", "json"], ["info"])
+    procs = []
+    for argv in argvs:  # side by side: each process spends most of its time importing torch
         script = f"import sys; from attnkit.cli import main; sys.exit(main({argv!r}))"
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         proc.stdout.close()  # the reader is gone before anything is written
+        procs.append(proc)
+    for argv, proc in zip(argvs, procs, strict=True):
         err = proc.stderr.read().decode()
         assert proc.wait(timeout=120) in (1, 141), err
         assert err == "", argv
@@ -619,11 +604,15 @@ def test_filling_a_folder_is_all_or_nothing(tmp_path):
 
 
 def test_an_output_that_cannot_be_written_is_one_line_without_traceback():
-    for argv in (["info"], ["trace", "dot", "--format", "json"]):
+    argvs = (["info"], ["trace", "dot", "--format", "json"])
+    procs = []
+    for argv in argvs:  # side by side: each process spends most of its time importing torch
         script = f"import sys; from attnkit.cli import main; sys.exit(main({argv!r}))"
         with open("/dev/full", "w") as full:
-            done = subprocess.run([sys.executable, "-c", script], stdout=full, stderr=subprocess.PIPE, timeout=120)
-        err = done.stderr.decode()
-        assert done.returncode == 1 and err == "attnkit: error: cannot write the output (No space left on device)\n", (
+            procs.append(subprocess.Popen([sys.executable, "-c", script], stdout=full, stderr=subprocess.PIPE))
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        err = err.decode()
+        assert proc.returncode == 1 and err == "attnkit: error: cannot write the output (No space left on device)\n", (
             err
         )
