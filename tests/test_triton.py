@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 
 import pytest
 import torch
@@ -367,3 +368,29 @@ def test_bfloat16_small_gradients_within_twice_the_math_in_bfloat16(small_tiles)
     grads = _grads(out, on_device, grad_out.bfloat16())
     for name, got, in_bf16, true in zip(["dq", "dk", "dv", "dw_v"], grads, math_grads, true_grads, strict=True):
         assert max_err(got, true) <= 2 * max_err(in_bf16, true), name
+
+
+@RUNS
+def test_two_threads_at_once_each_get_their_own_result(small_tiles):
+    """Triton's interpreter patches triton.language while a kernel runs: two threads' launches at once gave a wrong
+    output in one and an error in the other until launches were serialised there (compiled kernels need no lock)."""
+    results: dict[int, float] = {}
+
+    def work(seed: int) -> None:
+        leaves, g = _inputs(seed, 19, 23)
+        kw = _masks("causal, lens (B,)", 19, 23, g)
+        want, _ = mathref.attention(*(t.detach() for t in leaves[:3]), w_v=leaves[3].detach(), **kw)
+        errors = []
+        for _ in range(3):  # forward and backward, three times: the race showed within these
+            on_device = [t.detach().to(DEVICE).requires_grad_() for t in leaves]
+            out = attnkit.additive_attention(*on_device, backend="triton", **_on(DEVICE, kw)).output
+            out.sum().backward()
+            errors.append(max_err(out.cpu(), want))
+        results[seed] = max(errors)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [1, 2] and max(results.values()) <= 1e-12, results

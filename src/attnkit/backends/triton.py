@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import threading
 from types import MappingProxyType
 from typing import Any
 
@@ -53,6 +54,10 @@ SUPPORTS = Supports(
 #: A tile: ``BM`` query rows x ``BN`` keys, features reduced ``BD`` at a time (powers of two; ``BM`` and ``BN`` at
 #: least 16, as ``tl.dot`` needs; to be tuned on a GPU: issue 28).
 BLOCKS = MappingProxyType({"BM": 32, "BN": 32, "BD": 8})
+
+# One launch at a time where the kernels run in Triton's interpreter (triton_kernels.INTERPRETED): two threads'
+# launches at once gave wrong outputs in one and an error in the other.
+_INTERPRETER = threading.Lock()
 
 
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
@@ -89,6 +94,7 @@ class _Launch:
 
         assert all(n & (n - 1) == 0 for n in blocks.values()) and min(blocks["BM"], blocks["BN"]) >= 16, blocks
         self.causal, self.blocks = causal, blocks
+        self.interpreted = triton_kernels.INTERPRETED
         self.forward = triton_kernels._forward
         self.backward_keys = triton_kernels._backward_keys
         self.backward_queries = triton_kernels._backward_queries
@@ -111,7 +117,10 @@ class _Launch:
         return [H, H // Hkv, Lq, Lk, D, Dv, Lk - Lq], constants
 
     def on(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-        """Triton launches on the current CUDA device: make it the inputs'."""
+        """Where and how the kernels launch: Triton launches on the current CUDA device, so make it the inputs';
+        in the interpreter, one launch at a time."""
+        if self.interpreted:
+            return _INTERPRETER
         return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 

@@ -22,6 +22,12 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton import knobs
+
+#: Whether ``triton.jit`` made these kernels for Triton's interpreter (``TRITON_INTERPRET=1``): it patches
+#: ``triton.language`` while a kernel runs, so two threads at once corrupt each other's results; launches are then
+#: serialised (:mod:`attnkit.backends.triton`).
+INTERPRETED = bool(knobs.runtime.interpret)
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D features (h), Dv value head dim;
 # BM query rows, BN keys, BD features, BDV value columns of one tile (powers of two)
