@@ -28,11 +28,15 @@ browser:
 demo: $(STAMP)
 	$(BIN)/attnkit demo
 
+# A test file's tests run in one worker process, the files spread over the cores (pytest-xdist); each worker uses
+# one torch thread (conftest.py). `pytest -q` alone runs them in this process, one after another.
+PARALLEL := -n auto --dist loadfile
+
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PARALLEL)
 
 test-all: $(STAMP) browser
-	$(BIN)/python -m pytest -q -m ''
+	$(BIN)/python -m pytest -q -m '' $(PARALLEL)
 
 # The API reference, from the docstrings: static HTML in site/api/ (open site/api/index.html, offline). -n -W: a
 # cross-reference that resolves to nothing, or any other warning, fails the build.

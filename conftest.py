@@ -2,6 +2,9 @@
 
 Without a GPU, Triton's kernels run in its interpreter (numpy on the host: tests/test_triton.py). Triton fixes that
 mode when it is first imported, which torch._dynamo does, so it is set here, before any test imports attnkit.
+
+Under pytest-xdist (`make test`: one worker process per core) each worker runs torch on one thread: two workers of
+two threads each on a 2-core machine took 10.9 CPU minutes against 7.4 for one process (measured, warm caches).
 """
 
 import os
@@ -11,6 +14,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
