@@ -1,0 +1,143 @@
+"""Two ideas measured and not taken (``docs/benchmarks.md`` says where each would have gone and why not).
+
+* ``tile-step`` (issue 23, the statistics' tiled pass): one 512 x 1,024 tile of scores reduced as
+  ``attnkit.stats.tiled`` does it, eager (the product, chunk maxima, shift, ``exp()``, entropy, row sums, column
+  sums, distance moment), against the same reductions as one ``torch.compile``d graph (Inductor's C++), the weights
+  written into a rotating store of 8 tiles as the pass's kept weights are; and ``exp()`` alone, eager against
+  Inductor's, into a tile that stays in cache.
+* ``bias-mask`` (issue 24, a learned table of relative-position biases): PyTorch's fused CPU kernel, forward and
+  backward, run a block of 1,024 queries at a time with the block's biases as a float ``attn_mask`` (the causal part
+  as ``-inf``), B=1, H=8, D=64, L=8192, float32, against SDPA's ``is_causal`` call in the same rounds. The table's own
+  gradient is not computed: this is the cost before it.
+
+Usage::
+
+    python benchmarks/tried.py tile-step
+    python benchmarks/tried.py bias-mask
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+# r rows of a tile, w keys of a tile, C keys a chunk, G query heads per key/value head, n rows of each
+R, W, C, G = 512, 1024, 32, 1
+
+
+def medians(contenders: dict[str, Callable[[int], object]], rounds: int, calls: int) -> dict[str, float]:
+    """Median seconds of one call of each contender, rounds interleaved."""
+    for f in contenders.values():
+        for i in range(3):
+            f(i)
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, f in contenders.items():
+            start = time.perf_counter()
+            for i in range(calls):
+                f(i)
+            times[name].append((time.perf_counter() - start) / calls)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def tile_step() -> None:
+    torch.manual_seed(0)
+    n = R // G
+    q, k = torch.randn(R, 64), torch.randn(W, 64) * 0.125  # (r, 64), (w, 64)
+    t, store = torch.empty(R, W), torch.empty(8, R, W)  # (r, w), (8, r, w)
+    maxima = torch.empty(R, W // C)  # (r, c)
+    shift = -(torch.randn(R, 1) + 8)  # (r, 1): -lse
+    kpos = torch.arange(W, dtype=torch.float32)  # (w,)
+    ones = torch.ones(G, 1, n)  # (G, 1, n)
+
+    def eager(i: int) -> tuple:
+        w = store[i % 8]  # (r, w)
+        torch.mm(q, k.T, out=t)
+        torch.amax(t.view(R, W // C, C), dim=-1, out=maxima)  # (r, c)
+        t.add_(shift)
+        torch.exp(t, out=w)
+        entropy, mass = torch.linalg.vecdot(w, t), w.sum(-1)  # (r,) each
+        return entropy, mass, torch.bmm(ones, w.view(G, n, W))[:, 0], w @ kpos  # (r,), (r,), (G, w), (r,)
+
+    def step(t: torch.Tensor, shift: torch.Tensor, kpos: torch.Tensor, w: torch.Tensor) -> tuple:
+        s = t + shift  # (r, w)
+        e = torch.exp(s)
+        w.copy_(e)
+        column = e.view(G, n, W).sum(1)  # (G, w)
+        maxima = t.view(R, W // C, C).amax(-1)  # (r, c)
+        return (e * s).sum(-1), e.sum(-1), column, (e * kpos).sum(-1), maxima
+
+    compiled = torch.compile(step, dynamic=False, fullgraph=True)
+
+    def fused(i: int) -> tuple:
+        torch.mm(q, k.T, out=t)
+        return compiled(t, shift, kpos, store[i % 8])
+
+    def product(i: int) -> None:
+        torch.mm(q, k.T, out=t)
+
+    hot, scores = torch.empty(R, W), torch.randn(R, W) - 8  # (r, w) each
+    exp_graph = torch.compile(lambda x, out: out.copy_(torch.exp(x)), dynamic=False, fullgraph=True)
+    found = medians(
+        {
+            "eager tile": eager,
+            "compiled tile": fused,
+            "product alone": product,
+            "exp, eager": lambda i: torch.exp(scores, out=hot),
+            "exp, compiled": lambda i: exp_graph(scores, hot),
+        },
+        rounds=15,
+        calls=16,
+    )
+    for name, seconds in found.items():
+        print(f"{name:>15}: {seconds * 1e6:7.0f} us")
+    apart = max(float((a - b).abs().max()) for a, b in zip(eager(0), fused(0)[:4], strict=True))
+    print(f"largest difference between the two tiles' reductions: {apart:.1e}")
+
+
+def bias_mask() -> None:
+    torch.manual_seed(0)
+    B, H, L, D, rows = 1, 8, 8192, 64, 1024
+    q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))  # (B, H, L, D) each
+    dout = torch.randn(B, H, L, D)  # (B, H, L, D)
+    table = torch.randn(2 * L - 1) * 0.1  # (2L - 1,): a bias per distance
+    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+    def peer(i: int) -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
+
+    def blocks(i: int) -> None:
+        qd, kd, vd = q.detach(), k.detach(), v.detach()
+        dq, dk, dv = torch.empty_like(qd), torch.zeros_like(kd), torch.zeros_like(vd)  # (B, H, L, D) each
+        for r0 in range(0, L, rows):
+            r1 = r0 + rows
+            qi, kj = torch.arange(r0, r1)[:, None], torch.arange(0, r1)[None]  # (rows, 1), (1, r1)
+            bias = table[qi - kj + L - 1].masked_fill(kj > qi, float("-inf"))[None, None]  # (1, 1, rows, r1)
+            qb, kb, vb = qd[:, :, r0:r1], kd[:, :, :r1], vd[:, :, :r1]
+            out, lse = forward(qb, kb, vb, 0.0, False, attn_mask=bias)[:2]  # (B, H, rows, D), (B, H, rows)
+            g = backward(dout[:, :, r0:r1], qb, kb, vb, out, lse, 0.0, False, attn_mask=bias)
+            dq[:, :, r0:r1] = g[0]
+            dk[:, :, :r1] += g[1]
+            dv[:, :, :r1] += g[2]
+
+    found = medians({"sdpa is_causal": peer, "fused kernel, bias blocks": blocks}, rounds=3, calls=1)
+    for name, seconds in found.items():
+        print(f"{name:>26}: {seconds:.3f} s")
+    print(f"ratio: {found['fused kernel, bias blocks'] / found['sdpa is_causal']:.2f}x (before the table's gradient)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("idea", choices=["tile-step", "bias-mask"])
+    args = parser.parse_args()
+    tile_step() if args.idea == "tile-step" else bias_mask()
+
+
+if __name__ == "__main__":
+    main()
