@@ -28,9 +28,10 @@ browser:
 demo: $(STAMP)
 	$(BIN)/attnkit demo
 
-# A test file's tests run in one worker process, the files spread over the cores (pytest-xdist); each worker uses
-# one torch thread (conftest.py). `pytest -q` alone runs them in this process, one after another.
-PARALLEL := -n auto --dist loadfile
+# A test file's tests run in one worker process, the files spread over the cores, at most 4 workers (pytest-xdist:
+# each worker imports torch, and a distributed test starts 4 processes); each worker uses one torch thread
+# (conftest.py). `pytest -q` alone runs them in this process, one after another.
+PARALLEL := -n auto --maxprocesses 4 --dist loadfile
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q $(PARALLEL)

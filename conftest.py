@@ -3,7 +3,8 @@
 Without a GPU, Triton's kernels run in its interpreter (numpy on the host: tests/test_triton.py). Triton fixes that
 mode when it is first imported, which torch._dynamo does, so it is set here, before any test imports attnkit.
 
-Under pytest-xdist (`make test`: one worker process per core) each worker runs torch on one thread: two workers of
+Under pytest-xdist (`make test`: one worker process per core, at most 4) each worker runs torch on one thread, and
+so do the processes its tests start: two workers of
 two threads each on a 2-core machine took 10.9 CPU minutes against 7.4 for one process (measured, warm caches).
 """
 
@@ -17,6 +18,7 @@ if not torch.cuda.is_available():
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # and the processes its tests start (the command line, torchrun)
 
 
 @pytest.fixture(autouse=True)
