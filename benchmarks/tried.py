@@ -9,11 +9,17 @@
   backward, run a block of 1,024 queries at a time with the block's biases as a float ``attn_mask`` (the causal part
   as ``-inf``), B=1, H=8, D=64, L=8192, float32, against SDPA's ``is_causal`` call in the same rounds. The table's own
   gradient is not computed: this is the cost before it.
+* ``window-flip`` (issue 24, ``sliding_window(1024)`` at 8192, forward and backward): the ``tiles`` backend's three
+  runs of the kernel per block of 256 queries written out bare (the window's partly visible tile with a float mask,
+  the full keys, the causal diagonal tile), against the same with the partly visible tile as the kernel's own
+  ``is_causal`` on queries and keys in reverse order (the tile moved one key later: ``0 <= p - j < 1024`` there is
+  ``j >= i`` in the tile, the transpose of causal), beside ``attnkit`` itself and SDPA without a mask.
 
 Usage::
 
     python benchmarks/tried.py tile-step
     python benchmarks/tried.py bias-mask
+    python benchmarks/tried.py window-flip
 """
 
 from __future__ import annotations
@@ -133,11 +139,96 @@ def bias_mask() -> None:
     print(f"ratio: {found['fused kernel, bias blocks'] / found['sdpa is_causal']:.2f}x (before the table's gradient)")
 
 
+def window_flip() -> None:
+    import attnkit
+    from attnkit import mods
+
+    torch.manual_seed(0)
+    B, H, L, D, window, n = 1, 8, 8192, 64, 1024, 256
+    q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))  # (B, H, L, D) each
+    dout = torch.randn(B, H, L, D)  # (B, H, L, D)
+    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None]  # (n, 1), (1, n)
+    strict = torch.where(j > i, 0.0, float("-inf"))  # (n, n): the tile of keys [r0 - 1024, r0 - 768)
+    seen = torch.arange(n) < n - 1  # (n,): the block's last query sees none of that tile's keys
+
+    def runs(r0: int, flip: bool) -> list[tuple[int, int, str]]:
+        a = r0 - window + (1 if flip else 0)  # the partly visible tile's first key
+        found = [(a, a + n, "flipped" if flip else "masked")] if a >= 0 else []
+        found.append((a + n if a >= 0 else 0, r0, "full"))
+        found.append((r0, r0 + n, "causal"))
+        return [run for run in found if run[1] > run[0]]
+
+    def run_forward(kind: str, qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor) -> tuple:
+        if kind == "flipped":
+            o, lse = forward(qb.flip(2), kb.flip(2), vb.flip(2), 0.0, True)[:2]  # (B, H, n, D), (B, H, n)
+            return o.flip(2), lse.flip(2)
+        if kind == "masked":
+            o, lse = forward(qb, kb, vb, 0.0, False, attn_mask=strict)[:2]
+            return o, torch.where(seen, lse, float("-inf"))  # (B, H, n)
+        return forward(qb, kb, vb, 0.0, kind == "causal")[:2]
+
+    def run_backward(kind: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        if kind == "flipped":
+            return [g.flip(2) for g in backward(*(t.flip(2) for t in tensors), 0.0, True)[:3]]
+        mask = strict if kind == "masked" else None
+        return list(backward(*tensors, 0.0, kind == "causal", attn_mask=mask)[:3])
+
+    def bare(flip: bool) -> tuple[torch.Tensor, ...]:
+        qd, kd, vd = q.detach(), k.detach(), v.detach()
+        out, lse = torch.empty_like(qd), torch.empty(B, H, L)  # (B, H, L, D), (B, H, L)
+        for r0 in range(0, L, n):
+            parts = [
+                run_forward(kind, qd[:, :, r0 : r0 + n], kd[:, :, a:z], vd[:, :, a:z]) for a, z, kind in runs(r0, flip)
+            ]
+            total = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)  # (B, H, n)
+            out[:, :, r0 : r0 + n] = sum(o * torch.exp(part_lse - total)[..., None] for o, part_lse in parts)
+            lse[:, :, r0 : r0 + n] = total
+        dq, dk, dv = torch.zeros_like(qd), torch.zeros_like(kd), torch.zeros_like(vd)  # (B, H, L, D) each
+        for r0 in range(0, L, n):
+            rows = slice(r0, r0 + n)
+            for a, z, kind in runs(r0, flip):
+                block = (
+                    dout[:, :, rows],
+                    qd[:, :, rows],
+                    kd[:, :, a:z],
+                    vd[:, :, a:z],
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                )
+                g = run_backward(kind, *block)
+                dq[:, :, rows] += g[0]
+                dk[:, :, a:z] += g[1]
+                dv[:, :, a:z] += g[2]
+        return out, dq, dk, dv
+
+    def ours(i: int) -> None:
+        attnkit.scaled_dot_product_attention(q, k, v, mask_mod=mods.sliding_window(window)).output.backward(dout)
+
+    apart = max(float((a - b).abs().max()) for a, b in zip(bare(False), bare(True), strict=True))
+    found = medians(
+        {
+            "sdpa, no mask": lambda i: F.scaled_dot_product_attention(q, k, v).backward(dout),
+            "attnkit": ours,
+            "bare runs, masked tile": lambda i: bare(False),
+            "bare runs, flipped tile": lambda i: bare(True),
+        },
+        rounds=5,
+        calls=1,
+    )
+    for name, seconds in found.items():
+        print(f"{name:>24}: {seconds:.3f} s  {seconds / found['sdpa, no mask']:.3f}x")
+    print(f"largest difference between the two bare forms (output, dq, dk, dv): {apart:.1e}")
+
+
+IDEAS = {"tile-step": tile_step, "bias-mask": bias_mask, "window-flip": window_flip}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("idea", choices=["tile-step", "bias-mask"])
-    args = parser.parse_args()
-    tile_step() if args.idea == "tile-step" else bias_mask()
+    parser.add_argument("idea", choices=list(IDEAS))
+    IDEAS[parser.parse_args().idea]()
 
 
 if __name__ == "__main__":
