@@ -25,30 +25,30 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from flex import timed_rounds
 
 # r rows of a tile, w keys of a tile, C keys a chunk, G query heads per key/value head, n rows of each
 R, W, C, G = 512, 1024, 32, 1
 
 
 def medians(contenders: dict[str, Callable[[int], object]], rounds: int, calls: int) -> dict[str, float]:
-    """Median seconds of one call of each contender, rounds interleaved."""
-    for f in contenders.values():
-        for i in range(3):
-            f(i)
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, f in contenders.items():
-            start = time.perf_counter()
+    """Median seconds of one call of each contender (called with its call's number), ``calls`` calls a round,
+    rounds interleaved (:func:`flex.timed_rounds`)."""
+
+    def batch(f: Callable[[int], object]) -> Callable[[], None]:
+        def run() -> None:
             for i in range(calls):
                 f(i)
-            times[name].append((time.perf_counter() - start) / calls)
-    return {name: statistics.median(t) for name, t in times.items()}
+
+        return run
+
+    found = timed_rounds({name: batch(f) for name, f in contenders.items()}, rounds)
+    return {name: seconds / calls for name, seconds in found.items()}
 
 
 def tile_step() -> None:
