@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv browser demo test test-all lint docs bench memory ring ray clean
+.PHONY: venv browser compiler demo test test-all lint docs bench memory ring ray clean
 
 venv: $(STAMP)
 
@@ -25,7 +25,18 @@ browser:
 			echo "chromium is missing and cannot be installed here (not root): the browser tests will fail under CI=true, skip otherwise"; \
 		fi; }
 
-demo: $(STAMP)
+# A C++ compiler, with which PyTorch's extension loader builds the statistics' tile kernel on first use
+# (attnkit.stats.kernel; without one, torch ops: slower). Installed with apt-get when missing and we are root.
+compiler:
+	@command -v c++ >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "installing Debian's g++ for the statistics' tile kernel"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null; \
+		else \
+			echo "no C++ compiler, and none can be installed here (not root): the kernel's tests will fail under CI=true, skip otherwise"; \
+		fi; }
+
+demo: $(STAMP) compiler
 	$(BIN)/attnkit demo
 
 # A test file's tests run in one worker process, the files spread over the cores, at most 4 workers (pytest-xdist:
@@ -33,10 +44,10 @@ demo: $(STAMP)
 # (conftest.py). `pytest -q` alone runs them in this process, one after another.
 PARALLEL := -n auto --maxprocesses 4 --dist loadfile
 
-test: $(STAMP) browser
+test: $(STAMP) browser compiler
 	$(BIN)/python -m pytest -q $(PARALLEL)
 
-test-all: $(STAMP) browser
+test-all: $(STAMP) browser compiler
 	$(BIN)/python -m pytest -q -m '' $(PARALLEL)
 
 # The API reference, from the docstrings: static HTML in site/api/ (open site/api/index.html, offline). -n -W: a

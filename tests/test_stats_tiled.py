@@ -16,7 +16,7 @@ from attnkit import stats
 from attnkit.backends import sdpa
 from attnkit.backends.contract import Call
 from attnkit.functional import Masks, _build_mask
-from attnkit.stats import tiled
+from attnkit.stats import kernel, tiled
 from attnkit.stats.reduce import Sums
 from test_stats import assert_stats
 
@@ -37,8 +37,8 @@ def weights64(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> t
 @st.composite
 def calls(draw):
     """Shapes (grouped heads, several examples, lengths that end mid-chunk and mid-tile), causal or not, scores from
-    flat to so sharp that most weights underflow, float32 or float64, tiles small enough to take several, and a
-    budget that keeps one tile's weights at a time, a few, or all."""
+    flat to so sharp that most weights underflow, float32 or float64, tiles small enough to take several, a budget
+    that keeps one tile's weights at a time, a few, or all, and float32's tiles by the kernel or by torch ops."""
     B, Hkv, G = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 4]))
     causal = draw(st.booleans())
     Lq = draw(st.integers(1, 300))
@@ -50,7 +50,8 @@ def calls(draw):
     q = torch.randn(B, Hkv * G, Lq, D, generator=g, dtype=dtype) * sharp
     k = torch.randn(B, Hkv, Lk, D, generator=g, dtype=dtype)
     tile, rows = draw(st.sampled_from([32, 64, 1024])), draw(st.sampled_from([1, 8, 512]))
-    return q, k, causal, draw(st.integers(1, 12)), tile, rows, draw(st.sampled_from([1, 2**14, 2**24])), sharp
+    block = draw(st.sampled_from([1, 2**14, 2**24]))
+    return q, k, causal, draw(st.integers(1, 12)), tile, rows, block, sharp, draw(st.booleans())
 
 
 @contextlib.contextmanager
@@ -79,13 +80,14 @@ def test_statistics_from_the_kernels_row_sums_equal_those_of_the_whole_weights_m
 
 
 def _check_row_sums(call) -> None:
-    q, k, causal, topk, tile, rows, block, sharp = call
+    q, k, causal, topk, tile, rows, block, sharp, by_kernel = call
     scale = q.shape[-1] ** -0.5
     _, lse = FLASH(q, k, k, 0.0, causal, scale=scale)[:2]  # (B, H, Lq)
     parts, _ = stats.parts(q, k, is_causal=causal)
     parts = parts._replace(lse=lse)
     assert tiled.supports(parts)
-    with tiles(tile, rows, block):
+    with tiles(tile, rows, block), contextlib.nullcontext() if by_kernel else kernel.disabled():
+        assert tiled.fused(parts) == (by_kernel and q.dtype == torch.float32 and kernel.available())
         sums = Sums(*q.shape[:3], k.shape[2], topk, q.dtype, q.device)
         taken = tiled.compute(parts, sums, 4)  # (its rows summed to 1: it was not put aside for the whole-row path)
         found = stats.compute(parts, topk)
@@ -97,7 +99,15 @@ def _check_row_sums(call) -> None:
     assert_stats(found, weights64(q, k, causal, scale), tol=max(1e-5, 4 * torch.finfo(q.dtype).eps * largest))
 
 
-def test_long_rows_take_the_chunked_top_k_search_over_tiles(monkeypatch):
+@pytest.fixture(params=["kernel", "torch ops"])
+def tile_path(request, monkeypatch) -> str:
+    """A float32 call's tiles by the kernel (where it builds) or by torch ops."""
+    if request.param == "torch ops":
+        monkeypatch.setenv("ATTNKIT_STATS_KERNEL", "0")
+    return request.param
+
+
+def test_long_rows_take_the_chunked_top_k_search_over_tiles(monkeypatch, tile_path):
     """Rows of thousands of keys over tiles of 256: the top-k search through chunk maxima across tiles (a last tile
     narrower than the others), with ties, its weights kept 2 tiles at a time or all at once; and the distance's far
     tiles, before every row."""
@@ -114,7 +124,7 @@ def test_long_rows_take_the_chunked_top_k_search_over_tiles(monkeypatch):
             assert_stats(stats.compute(parts, 5), weights64(q, k, causal, 0.25))
 
 
-def test_row_sums_that_do_not_sum_the_weights_to_1_send_the_call_to_the_whole_row_path(monkeypatch):
+def test_row_sums_that_do_not_sum_the_weights_to_1_send_the_call_to_the_whole_row_path(monkeypatch, tile_path):
     """A log-sum-exp off by 1e-3 (weights summing to 0.999) and NaN: the call gives the whole-row path's statistics.
     Huge scores (a key of -1e30, scores ~1e29: this pass's and the kernel's may round far apart, weights past 1):
     finite statistics, the whole-row path's or, where every row summed to 1 within MASS_TOLERANCE, near them."""
@@ -218,8 +228,8 @@ def test_the_kernel_is_asked_only_for_calls_it_runs_as_sdpa_would():
 
 def test_a_layer_recorded_without_grad_takes_the_kernels_row_sums(monkeypatch):
     """MultiHeadAttention, causal, GQA, under no_grad, rows as long as MIN_KEYS: the statistics come from the tiled
-    path, equal to the whole weights', and the output is the one the layer gives unrecorded. Shorter rows, or a
-    mask: the whole-row path."""
+    path, equal to the whole weights', and the output is the one the layer gives unrecorded. A mask: the whole-row
+    path. Shorter rows: the tiled path where the kernel takes them, the whole-row path where torch ops would."""
     monkeypatch.setattr(tiled, "MIN_KEYS", 90)
     used = []
     original = tiled.compute
@@ -238,12 +248,18 @@ def test_a_layer_recorded_without_grad_takes_the_kernels_row_sums(monkeypatch):
     assert_stats(rec[""], rw[""].double())
     with torch.no_grad(), attnkit.record_stats(mha, topk=4):  # a mask: the whole-row path
         mha(x, x, x, torch.tensor([90, 40]), is_causal=True)
-    with torch.no_grad(), attnkit.record_stats(mha, topk=4):  # fewer keys than MIN_KEYS: the whole-row path
+    with torch.no_grad(), kernel.disabled(), attnkit.record_stats(mha, topk=4):  # torch ops, fewer keys: whole rows
         mha(x[:, :89], x[:, :89], x[:, :89], is_causal=True)
     assert used == [1]
+    with torch.no_grad(), attnkit.record_stats(mha, topk=4) as short:  # the kernel takes rows of any length
+        mha(x[:, :89], x[:, :89], x[:, :89], is_causal=True)
+    assert used == [1, 1] if kernel.available() else used == [1]
+    with attnkit.record_weights(mha) as rw, torch.no_grad():
+        mha(x[:, :89], x[:, :89], x[:, :89], is_causal=True)
+    assert_stats(short[""], rw[""].double())
 
 
-def test_weights_below_the_smallest_normal_number_are_those_of_the_whole_row_path(monkeypatch):
+def test_weights_below_the_smallest_normal_number_are_those_of_the_whole_row_path(monkeypatch, tile_path):
     """Scores 0, -95 and -200 apart: weights 1, 5.5e-42 (a subnormal) and 0. The tiled path clamps what exp() would
     take slowly and takes the subnormal ones one by one: the same values and keys as the whole-row path."""
     monkeypatch.setattr(tiled, "MIN_KEYS", 1)

@@ -37,6 +37,12 @@ class Sums:
         self.distance = torch.zeros(B, H, Lq, dtype=dtype, device=device)
         self.sink = torch.zeros(B, H, Lq, dtype=dtype, device=device)
 
+    def clear(self) -> None:
+        """Back to no block reduced."""
+        self.indices.fill_(-1)
+        for sums in (self.values, self.entropy, self.column, self.distance, self.sink):
+            sums.zero_()
+
 
 def reduce(sums: Sums, block: Block, where: Where, sink_keys: int) -> None:
     """Fold one block's weights ``keep * w`` into ``sums``: each reduction reads ``w`` once (``t`` once more for the

@@ -1,6 +1,8 @@
 """The statistics of a call whose rows' log-sum-exp the forward gave (:mod:`attnkit.stats`): each weight is then
 ``exp(score - lse)`` on its own, so the scores are taken a tile of keys at a time, each tile reduced while it is in
-cache, and only the top-k search reads the weights again, a few chunks a row.
+cache. In float32 a C++ kernel reduces each tile (:mod:`attnkit.stats.kernel`, ``tile.cpp``): each row's weights,
+sums, column sums and top-k so far while the row is in cache. Otherwise torch ops do the same, and the top-k search
+reads the kept weights again, a few chunks a row.
 
 Why a second path: without ``lse`` a row's softmax needs the whole row first, and at 32k tokens a block of whole
 rows is 128 rows x 32,768 keys, a product the BLAS computes at ~100 GFLOPS on this machine; a tile of 512 rows x
@@ -22,10 +24,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from attnkit.stats import kernel
 from attnkit.stats.blocks import CHUNK, Parts
 from attnkit.stats.reduce import Sums, chunk_topk, windows
 
-__all__ = ["KEPT_BYTES", "MASS_TOLERANCE", "MIN_KEYS", "ROWS", "TILE", "compute", "supports"]
+__all__ = ["KEPT_BYTES", "MASS_TOLERANCE", "MIN_KEYS", "ROWS", "TILE", "compute", "fused", "supports"]
 
 # B batch, H heads, Hkv key/value heads, G = H // Hkv, Lq/Lk query/key length, D head dim, n rows of each head in a
 # tile, r = G * n rows of a tile, w keys of a tile, c chunks of CHUNK keys, k the top-k
@@ -38,9 +41,10 @@ ROWS = 512
 # of float32. Longer rows keep theirs a group of tiles at a time, and each group's k best chunks join the best so
 # far; at 16 MiB (4 groups at 32k) those merges cost ~13% of the pass (measured), hence the larger budget.
 KEPT_BYTES = 64 * 2**20
-# Rows of fewer keys take the whole-row path (attnkit.stats.compute's policy): whole rows of 16,384 keys or fewer
-# make tall enough products, and its fused softmax is faster than exp() here; at 16k the two tie, at 32k tiles run
-# ~20% faster, below 8k 0-20% slower (docs/benchmarks.md).
+# Without the tile kernel (float64, or where it cannot be built), rows of fewer keys take the whole-row path
+# (attnkit.stats.compute's policy): whole rows of 16,384 keys or fewer make tall enough products, and its fused
+# softmax is faster than exp() here; at 16k the two tie, at 32k tiles run ~20% faster, below 8k 0-20% slower
+# (docs/benchmarks.md). The kernel's tiles run 2-3.5x faster than whole rows from 1,024 keys up: it takes all.
 MIN_KEYS = 16384
 # How far from 1 a row's weights may sum (the kernel's log-sum-exp against this pass's scores, each rounded in its
 # own order: ~1e-6 in float32 for scores of tens); past it the call takes the whole-row path.
@@ -70,11 +74,28 @@ def supports(parts: Parts) -> bool:
     )
 
 
+def fused(parts: Parts) -> bool:
+    """Whether the tile kernel (:mod:`attnkit.stats.kernel`) takes ``parts``' tiles: float32 on the CPU, where it
+    runs."""
+    return parts.q.dtype == torch.float32 and parts.q.device.type == "cpu" and kernel.available()
+
+
 def compute(parts: Parts, sums: Sums, sink_keys: int) -> bool:
     """Fill ``sums`` with the statistics of ``parts`` (which :func:`supports`), a tile at a time. False, and
     ``sums`` to be thrown away, where some row's weights do not sum to 1 within ``MASS_TOLERANCE``: scores so
     large that this pass's rounding and the kernel's part ways, or NaN (the whole-row path, whose rows sum to 1 by
     construction, then takes the call)."""
+    if fused(parts):
+        try:
+            return _compute(parts, sums, sink_keys, True)
+        except RuntimeError as error:  # the kernel, built, fails to run here: said once, then torch ops
+            kernel.failed(error)
+            sums.clear()
+    return _compute(parts, sums, sink_keys, False)
+
+
+def _compute(parts: Parts, sums: Sums, sink_keys: int, by_kernel: bool) -> bool:
+    """:func:`compute`, each tile by the kernel or by torch ops."""
     assert parts.lse is not None
     q, lse = parts.q.detach(), parts.lse.detach()
     B, H, Lq, D = q.shape
@@ -84,8 +105,9 @@ def compute(parts: Parts, sums: Sums, sink_keys: int) -> bool:
     k = parts.k.detach().to(memory_format=torch.contiguous_format, copy=True).mul_(parts.scale)  # (B, Hkv, Lk, D)
     n = min(max(1, ROWS // G), Lq)
     width = min(TILE, -(-Lk // CHUNK) * CHUNK)  # keys of every tile but a row block's last
-    # tiles whose weights are kept at once: the top-k search reads them, then the next ones take their place
-    group = min(max(1, KEPT_BYTES // (G * n * width * q.element_size())), -(-Lk // width))
+    # tiles whose weights are kept at once: the top-k search reads them, then the next ones take their place (the
+    # kernel keeps each row's top-k as it goes, and no weights)
+    group = 0 if by_kernel else min(max(1, KEPT_BYTES // (G * n * width * q.element_size())), -(-Lk // width))
     # reused buffers: one tile's scores, and the weights of a row block's last tiles, tile after tile
     scores = q.new_empty(G * n * width)  # (r * w,)
     store = q.new_empty(G * n * group * width)  # (group * r * w,)
@@ -96,9 +118,77 @@ def compute(parts: Parts, sums: Sums, sink_keys: int) -> bool:
             for r0 in range(0, Lq, n):
                 r1 = min(r0 + n, Lq)
                 seen = min(Lk, r1 + Lk - Lq) if causal else Lk  # the keys some row of the block sees
-                if not _rows(q[b, heads], k[b, h], lse[b, heads], sums, b, heads, r0, r1, seen, causal, sink_keys,
-                             (scores, store, maxima), width, group):  # fmt: skip
+                rows = (q[b, heads], k[b, h], lse[b, heads], sums, b, heads, r0, r1, seen, causal, sink_keys)
+                if by_kernel:
+                    done = _fused_rows(*rows, scores, width)
+                else:
+                    done = _rows(*rows, (scores, store, maxima), width, group)
+                if not done:
                     return False
+    return True
+
+
+def _fused_rows(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    sums: Sums,
+    b: int,
+    heads: slice,
+    r0: int,
+    r1: int,
+    seen: int,
+    causal: bool,
+    sink_keys: int,
+    scores: Tensor,
+    width: int,
+) -> bool:
+    """:func:`_rows` with each tile reduced by the kernel (``tile.cpp``), which keeps each row's top-k as it goes, in
+    a heap on the score."""
+    G, Lq, D = q.shape
+    Lk = k.shape[0]
+    n = r1 - r0
+    rows = G * n
+    device = q.device
+    qb = q[:, r0:r1].reshape(rows, D)  # (r, D)
+    shift = lse[:, r0:r1].reshape(rows).neg()  # (r,)
+    qpos = _positions(r0, r1, Lq, Lk, G, device)  # (r,)
+    found = torch.zeros(4, rows, dtype=torch.float64, device=device)  # (4, r): see _rows
+    topk = sums.values.shape[-1]
+    top = (  # each row's top-k so far, a heap on the score (tile.cpp)
+        torch.full((rows, topk), float("-inf"), device=device),  # (r, k): scores
+        torch.zeros(rows, topk, device=device),  # (r, k): weights
+        torch.full((rows, topk), -1, dtype=torch.long, device=device),  # (r, k): keys
+    )
+    for a in range(0, seen, width):
+        real = min(width, seen - a)  # keys of the tile some row sees
+        t = scores[: rows * real].view(rows, real)  # (r, real)
+        torch.mm(qb, k[a : a + real].T, out=t)  # (r, real)
+        kernel.tile(t, shift, qpos, a, real, causal, sink_keys, n, found, sums.column[b, heads, a : a + real], top)
+    order = top[0].sort(dim=-1, descending=True).indices  # (r, k): the heaps' keys, largest first
+    values, indices = top[1].gather(-1, order), top[2].gather(-1, order)  # (r, k) each
+    return _store(sums, b, heads, r0, r1, found.float(), values, indices)
+
+
+def _positions(r0: int, r1: int, Lq: int, Lk: int, G: int, device: torch.device) -> Tensor:
+    """The positions ``i + Lk - Lq`` of rows ``[r0, r1)`` of each of ``G`` heads, head after head: ``(G * n,)``."""
+    return torch.arange(r0 + Lk - Lq, r1 + Lk - Lq, device=device).repeat(G)  # (r,)
+
+
+def _store(sums: Sums, b: int, heads: slice, r0: int, r1: int, found: Tensor, values: Tensor, indices: Tensor) -> bool:
+    """Store the rows ``[r0, r1)`` of ``heads`` of example ``b``: their sums ``found (4, r)`` (see :func:`_rows`),
+    top-k ``values`` and keys ``indices (r, k)``, descending; False, storing nothing, where some row's weights do
+    not sum to 1 within ``MASS_TOLERANCE`` or its entropy is not finite (NaN)."""
+    entropy, mass, sink, distance = found  # (r,) each
+    if not bool(((mass - 1).abs() <= MASS_TOLERANCE[found.dtype]).all() and torch.isfinite(entropy).all()):
+        return False
+    n = r1 - r0
+    G = mass.shape[0] // n
+    sums.entropy[b, heads, r0:r1] = entropy.neg().view(G, n)
+    sums.distance[b, heads, r0:r1] = (distance / mass).view(G, n)  # its definition's division
+    sums.sink[b, heads, r0:r1] = sink.view(G, n)
+    sums.values[b, heads, r0:r1] = values.view(G, n, -1)
+    sums.indices[b, heads, r0:r1] = torch.where(values > 0, indices, -1).view(G, n, -1)
     return True
 
 
@@ -129,15 +219,11 @@ def _rows(
     scores, store, maxima = buffers
     maxima = maxima[: rows * group * width // CHUNK].view(rows, -1)  # (r, c): the kept tiles' chunks
     qb = q[:, r0:r1].reshape(rows, D)  # (r, D)
-    shift = -lse[:, r0:r1].reshape(rows, 1)  # (r, 1)
-    lowest, highest = r0 + Lk - Lq, r1 - 1 + Lk - Lq  # the rows' positions: i + Lk - Lq
-    qpos = torch.arange(lowest, highest + 1, device=device).repeat(G)  # (r,)
-    rel = (qpos - lowest).to(dtype)  # (r,): from the lowest row's
-    reach = max(n, CHUNK)  # keys nearer than this to some row have their distances taken key by key
-    entropy = torch.zeros(rows, dtype=dtype, device=device)  # (r,): sum_j w log w
-    distance = torch.zeros(rows, dtype=dtype, device=device)  # (r,): sum_j w |pos(i) - j|
-    mass = torch.zeros(rows, dtype=dtype, device=device)  # (r,): sum_j w, 1 within MASS_TOLERANCE
-    sink = torch.zeros(rows, dtype=dtype, device=device)  # (r,)
+    shift = lse[:, r0:r1].reshape(rows).neg()  # (r,)
+    lowest = r0 + Lk - Lq  # the rows' positions: i + Lk - Lq
+    qpos = _positions(r0, r1, Lq, Lk, G, device)  # (r,)
+    # per row: sum_j w log w, sum_j w (1 within MASS_TOLERANCE), the sink's weight, sum_j w |pos(i) - j|
+    found = torch.zeros(4, rows, dtype=dtype, device=device)  # (4, r)
     ones = torch.ones(G, 1, n, dtype=dtype, device=device)  # (G, 1, n)
     offsets: list[int] = []  # where each kept tile starts in store
     widths: list[int] = []  # its keys
@@ -157,50 +243,70 @@ def _rows(
             torch.mm(qb, k[a : a + wide].T, out=t)  # (r, w)
         else:
             t[:, :real] = qb @ k[a : a + real].T  # (r, real)
-            t[:, real:] = float("-inf")
-        kpos = torch.arange(a, a + wide, device=device)  # (w,)
-        diagonal = causal and a + wide - 1 > lowest  # some key past some row's position
-        if diagonal:
-            t.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))  # (r, w)
-        hides = diagonal or real < wide  # some key hidden, or past the last one
         c0 = (a - first) // CHUNK
-        torch.amax(t.view(rows, wide // CHUNK, CHUNK), dim=-1, out=maxima[:, c0 : c0 + wide // CHUNK])
-        t.add_(shift)  # (r, w): log w
         w = store[offsets[-1] : offsets[-1] + rows * wide].view(rows, wide)  # (r, w)
-        low = _LOWEST[dtype]  # exp() at or below log(tiny) takes PyTorch's slow path: not on a whole tile
-        if hides or float(t.amin()) < low:
-            under = t < low  # (r, w): hidden keys (-inf) and weights near or past the smallest normal number
-            tiny = under & (t > float("-inf"))  # (r, w): of those, the weights that are subnormal or round to 0
-            exact = t[tiny] if bool(tiny.any()) else None  # (u,): their exp() alone on the slow path
-            torch.exp(t.clamp_min_(low), out=w)
-            w.masked_fill_(under, 0.0)  # (t stays finite there: their terms are 0 x t)
-            if exact is not None:
-                w[tiny], t[tiny] = exact.exp(), exact
-        else:
-            torch.exp(t, out=w)
-        entropy += torch.linalg.vecdot(w, t)  # (r,)
-        row_mass = w.sum(dim=-1)  # (r,)
-        mass += row_mass
+        _reduce(t, w, maxima[:, c0 : c0 + wide // CHUNK], found, shift, qpos, lowest, a, real, causal, sink_keys, n)
         column = torch.bmm(ones, w.view(G, n, wide))[:, 0, :real]  # (G, real): a product reads w faster than a sum
         sums.column[b, heads, a : a + real] += column
-        if a < sink_keys:
-            sink += w[:, : sink_keys - a].sum(dim=-1)  # (r,)
-        if a + wide > lowest - reach and a <= highest + reach:  # near some row: key by key, exactly
-            distance += torch.linalg.vecdot(w, (qpos[:, None] - kpos[None, :]).abs_().to(dtype))  # (r,)
-        else:  # one product with the keys' positions from the lowest row's: its rounding is small beside reach
-            moment = w @ (kpos - lowest).to(dtype)  # (r,)
-            far = rel * row_mass - moment  # (r,): the keys before every row
-            distance += far if a < lowest else far.neg_()
-    if not bool(((mass - 1).abs() <= MASS_TOLERANCE[dtype]).all()):
-        return False
-    sums.entropy[b, heads, r0:r1] = entropy.neg_().view(G, n)
-    sums.distance[b, heads, r0:r1] = (distance / mass).view(G, n)  # its definition's division
-    sums.sink[b, heads, r0:r1] = sink.view(G, n)
     kept = _keep(kept, store, maxima[:, : sum(widths) // CHUNK], offsets, widths, first, topk)
     values, indices = _topk(kept, topk)  # (r, k) each
-    sums.values[b, heads, r0:r1] = values.view(G, n, -1)
-    sums.indices[b, heads, r0:r1] = torch.where(values > 0, indices, -1).view(G, n, -1)
-    return True
+    return _store(sums, b, heads, r0, r1, found, values, indices)
+
+
+def _reduce(
+    t: Tensor,
+    w: Tensor,
+    maxima: Tensor,
+    found: Tensor,
+    shift: Tensor,
+    qpos: Tensor,
+    lowest: int,
+    a: int,
+    real: int,
+    causal: bool,
+    sink_keys: int,
+    n: int,
+) -> None:
+    """One tile as torch ops: ``t (r, w)`` the scores of keys ``[a, a + w)``, of which ``[a, a + real)`` exist, for
+    rows at ``qpos (r,)`` (``n`` of each head, from ``lowest``); write the weights to ``w (r, w)`` and each chunk's
+    largest score to ``maxima (r, w / CHUNK)`` (for :func:`_keep`), and add each row's sums to ``found (4, r)``
+    (``tile.cpp`` adds the same sums, reading each row once, and keeps no weights)."""
+    rows, wide = t.shape
+    dtype, device = t.dtype, t.device
+    highest = lowest + n - 1
+    reach = max(n, CHUNK)  # keys nearer than this to some row have their distances taken key by key
+    if real < wide:
+        t[:, real:] = float("-inf")
+    kpos = torch.arange(a, a + wide, device=device)  # (w,)
+    diagonal = causal and a + wide - 1 > lowest  # some key past some row's position
+    if diagonal:
+        t.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))  # (r, w)
+    hides = diagonal or real < wide  # some key hidden, or past the last one
+    torch.amax(t.view(rows, wide // CHUNK, CHUNK), dim=-1, out=maxima)
+    t.add_(shift[:, None])  # (r, w): log w
+    low = _LOWEST[dtype]  # exp() at or below log(tiny) takes PyTorch's slow path: not on a whole tile
+    if hides or float(t.amin()) < low:
+        under = t < low  # (r, w): hidden keys (-inf) and weights near or past the smallest normal number
+        tiny = under & (t > float("-inf"))  # (r, w): of those, the weights that are subnormal or round to 0
+        exact = t[tiny] if bool(tiny.any()) else None  # (u,): their exp() alone on the slow path
+        torch.exp(t.clamp_min_(low), out=w)
+        w.masked_fill_(under, 0.0)  # (t stays finite there: their terms are 0 x t)
+        if exact is not None:
+            w[tiny], t[tiny] = exact.exp(), exact
+    else:
+        torch.exp(t, out=w)
+    entropy, mass, sink, distance = found  # (r,) each: views
+    entropy += torch.linalg.vecdot(w, t)  # (r,)
+    row_mass = w.sum(dim=-1)  # (r,)
+    mass += row_mass
+    if a < sink_keys:
+        sink += w[:, : sink_keys - a].sum(dim=-1)  # (r,)
+    if a + wide > lowest - reach and a <= highest + reach:  # near some row: key by key, exactly
+        distance += torch.linalg.vecdot(w, (qpos[:, None] - kpos[None, :]).abs_().to(dtype))  # (r,)
+    else:  # one product with the keys' positions from the lowest row's: its rounding is small beside reach
+        moment = w @ (kpos - lowest).to(dtype)  # (r,)
+        far = (qpos - lowest).to(dtype) * row_mass - moment  # (r,): the keys before every row
+        distance += far if a < lowest else far.neg_()
 
 
 class _Chunks(NamedTuple):
