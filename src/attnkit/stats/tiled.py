@@ -118,41 +118,51 @@ def _compute(parts: Parts, sums: Sums, sink_keys: int, by_kernel: bool) -> bool:
             for r0 in range(0, Lq, n):
                 r1 = min(r0 + n, Lq)
                 seen = min(Lk, r1 + Lk - Lq) if causal else Lk  # the keys some row of the block sees
-                rows = (q[b, heads], k[b, h], lse[b, heads], sums, b, heads, r0, r1, seen, causal, sink_keys)
+                block = _Block(q[b, heads], k[b, h], lse[b, heads], b, heads, r0, r1, seen, causal, sink_keys)
                 if by_kernel:
-                    done = _fused_rows(*rows, scores, width)
+                    done = _fused_rows(block, sums, scores, width)
                 else:
-                    done = _rows(*rows, (scores, store, maxima), width, group)
+                    done = _rows(block, sums, (scores, store, maxima), width, group)
                 if not done:
                     return False
     return True
 
 
-def _fused_rows(
-    q: Tensor,
-    k: Tensor,
-    lse: Tensor,
-    sums: Sums,
-    b: int,
-    heads: slice,
-    r0: int,
-    r1: int,
-    seen: int,
-    causal: bool,
-    sink_keys: int,
-    scores: Tensor,
-    width: int,
-) -> bool:
+class _Block(NamedTuple):
+    """The rows ``[r0, r1)`` of the query heads ``heads`` of example ``b``: ``q (G, Lq, D)``, their key/value head's
+    keys ``k (Lk, D)`` (scaled), ``lse (G, Lq)``, over the keys ``[0, seen)`` (:func:`compute`)."""
+
+    q: Tensor
+    k: Tensor
+    lse: Tensor
+    b: int
+    heads: slice
+    r0: int
+    r1: int
+    seen: int
+    causal: bool
+    sink_keys: int
+
+    def operands(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Its ``r = G * n`` rows, head after head: their queries ``(r, D)``, ``-lse`` ``(r,)`` and positions
+        ``i + Lk - Lq`` ``(r,)``."""
+        G, Lq, D = self.q.shape
+        Lk = self.k.shape[0]
+        rows = G * (self.r1 - self.r0)
+        qb = self.q[:, self.r0 : self.r1].reshape(rows, D)  # (r, D)
+        shift = self.lse[:, self.r0 : self.r1].reshape(rows).neg()  # (r,)
+        qpos = torch.arange(self.r0 + Lk - Lq, self.r1 + Lk - Lq, device=self.q.device).repeat(G)  # (r,)
+        return qb, shift, qpos
+
+
+def _fused_rows(block: _Block, sums: Sums, scores: Tensor, width: int) -> bool:
     """:func:`_rows` with each tile reduced by the kernel (``tile.cpp``), which keeps each row's top-k as it goes, in
     a heap on the score."""
-    G, Lq, D = q.shape
-    Lk = k.shape[0]
+    q, k, _, b, heads, r0, r1, seen, causal, sink_keys = block
     n = r1 - r0
-    rows = G * n
-    device = q.device
-    qb = q[:, r0:r1].reshape(rows, D)  # (r, D)
-    shift = lse[:, r0:r1].reshape(rows).neg()  # (r,)
-    qpos = _positions(r0, r1, Lq, Lk, G, device)  # (r,)
+    rows = q.shape[0] * n
+    device = k.device
+    qb, shift, qpos = block.operands()  # (r, D), (r,), (r,)
     found = torch.zeros(4, rows, dtype=torch.float64, device=device)  # (4, r): see _rows
     topk = sums.values.shape[-1]
     top = (  # each row's top-k so far, a heap on the score (tile.cpp)
@@ -168,11 +178,6 @@ def _fused_rows(
     order = top[0].sort(dim=-1, descending=True).indices  # (r, k): the heaps' keys, largest first
     values, indices = top[1].gather(-1, order), top[2].gather(-1, order)  # (r, k) each
     return _store(sums, b, heads, r0, r1, found.float(), values, indices)
-
-
-def _positions(r0: int, r1: int, Lq: int, Lk: int, G: int, device: torch.device) -> Tensor:
-    """The positions ``i + Lk - Lq`` of rows ``[r0, r1)`` of each of ``G`` heads, head after head: ``(G * n,)``."""
-    return torch.arange(r0 + Lk - Lq, r1 + Lk - Lq, device=device).repeat(G)  # (r,)
 
 
 def _store(sums: Sums, b: int, heads: slice, r0: int, r1: int, found: Tensor, values: Tensor, indices: Tensor) -> bool:
@@ -192,36 +197,19 @@ def _store(sums: Sums, b: int, heads: slice, r0: int, r1: int, found: Tensor, va
     return True
 
 
-def _rows(
-    q: Tensor,
-    k: Tensor,
-    lse: Tensor,
-    sums: Sums,
-    b: int,
-    heads: slice,
-    r0: int,
-    r1: int,
-    seen: int,
-    causal: bool,
-    sink_keys: int,
-    buffers: tuple[Tensor, Tensor, Tensor],
-    width: int,
-    group: int,
-) -> bool:
-    """The rows ``[r0, r1)`` of the query heads ``heads`` of example ``b``: ``q (G, Lq, D)``, their key/value head's
-    keys ``k (Lk, D)`` (scaled), ``lse (G, Lq)``, over the keys ``[0, seen)``, ``width`` keys a tile and ``group``
-    tiles' weights kept at once; False where their weights do not sum to 1 (:func:`compute`)."""
-    G, Lq, D = q.shape
+def _rows(block: _Block, sums: Sums, buffers: tuple[Tensor, Tensor, Tensor], width: int, group: int) -> bool:
+    """The statistics of ``block`` into ``sums``, ``width`` keys a tile and ``group`` tiles' weights kept at once;
+    False where its rows' weights do not sum to 1 (:func:`compute`)."""
+    q, k, _, b, heads, r0, r1, seen, causal, sink_keys = block
+    G, Lq, _ = q.shape
     Lk = k.shape[0]
     n = r1 - r0
     rows = G * n
     dtype, device = q.dtype, q.device
     scores, store, maxima = buffers
     maxima = maxima[: rows * group * width // CHUNK].view(rows, -1)  # (r, c): the kept tiles' chunks
-    qb = q[:, r0:r1].reshape(rows, D)  # (r, D)
-    shift = lse[:, r0:r1].reshape(rows).neg()  # (r,)
+    qb, shift, qpos = block.operands()  # (r, D), (r,), (r,)
     lowest = r0 + Lk - Lq  # the rows' positions: i + Lk - Lq
-    qpos = _positions(r0, r1, Lq, Lk, G, device)  # (r,)
     # per row: sum_j w log w, sum_j w (1 within MASS_TOLERANCE), the sink's weight, sum_j w |pos(i) - j|
     found = torch.zeros(4, rows, dtype=dtype, device=device)  # (4, r)
     ones = torch.ones(G, 1, n, dtype=dtype, device=device)  # (G, 1, n)
