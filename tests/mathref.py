@@ -63,6 +63,7 @@ def attention(q, k, v, *, valid_lens=None, attn_mask=None, is_causal=False, scal
     if attn_mask is not None and attn_mask.is_floating_point():
         bias = attn_mask.unsqueeze(1) if three_d and attn_mask.dim() == 3 else attn_mask
         scores = scores + torch.where(torch.isneginf(bias), 0, bias).to(dtype)
+    allowed = allowed & ~torch.isneginf(scores)  # a score of -inf (an infinite input) hides its key, as a mask does
     scores = scores.masked_fill(~allowed, float("-inf"))
     live = allowed.any(dim=-1, keepdim=True)
     # rows with no key: softmax of zeros, then dropped, so neither values nor gradients see NaN
@@ -214,8 +215,8 @@ def attention_mods(
         a[i, j] = exp(s[i, j]) / (exp(sink_h) + sum_{j' allowed} exp(s[i, j']))   allowed j, else 0
         a row with no allowed key is all zeros (with or without a sink)
 
-    `allowed` is valid_lens AND is_causal AND attn_mask AND mask_mod. Returns output and weights; 3-dim inputs
-    are one head (sinks then (1,)).
+    `allowed` is valid_lens AND is_causal AND attn_mask AND mask_mod AND s[i, j] > -inf. Returns output and
+    weights; 3-dim inputs are one head (sinks then (1,)).
     """
     three_d, q, k, v, scores = _scores(q, k, v, w_v, scale, dtype)
     B, H, Lq, Lk = scores.shape
@@ -229,6 +230,7 @@ def attention_mods(
     if attn_mask is not None and attn_mask.is_floating_point():
         bias = attn_mask.unsqueeze(1) if three_d and attn_mask.dim() == 3 else attn_mask
         scores = scores + torch.where(torch.isneginf(bias), 0, bias).to(dtype)
+    allowed = allowed & ~torch.isneginf(scores)  # a score of -inf (an infinite input) hides its key, as a mask does
     live = allowed.any(dim=-1, keepdim=True)  # (B, H, Lq, 1)
     # scores of dead rows and hidden keys replaced by finite values before exp: no NaN in values or gradients
     scores = torch.where(allowed, scores, torch.finfo(dtype).min)

@@ -137,6 +137,72 @@ def test_nan_where_no_query_may_see_never_leaks(call, additive):
     assert not weights.masked_select(dead_rows[..., None]).any()  # rows with no key: zero weights
 
 
+def _with_minus_infinity(q, k, keys, d=0):
+    """``q`` and ``k`` where every query's scores of the keys ``keys`` (bool, ``(B, Hkv, Lk)``) are ``-inf``: those
+    keys hold ``-inf`` in dimension ``d``, every query a positive number there (a key infinite in its data)."""
+    q, k = q.clone(), k.clone()
+    q[..., d] = q[..., d].abs() + 0.5
+    k[..., d] = k[..., d].masked_fill(keys, float("-inf"))
+    return q, k
+
+
+@settings(max_examples=100, deadline=None)
+@given(calls(), st.floats(0.0, 1.0), st.integers(0, 2**31 - 1))
+def test_a_score_of_minus_infinity_hides_its_key_in_every_backend(call, share, seed):
+    """A key whose score is -inf (an infinite input, not a mask) weighs 0 in every backend and in the weights, as a
+    mask would hide it: a row that sees only such keys gives zeros (a tester's finding: the reference and decode
+    backends put its weight on keys it may not see, the chunked one on the -inf keys)."""
+    q, k, v, kw, block, layout = call
+    g = torch.Generator().manual_seed(seed)
+    q, k = _with_minus_infinity(q, k.contiguous(), torch.rand(k.shape[:3], generator=g) < share)
+    k = layout(k)
+    truth, truth_w = math_attention(q.double(), k.double(), v.double(), **kw)
+    assert torch.isfinite(truth).all()
+    ran = []
+    for backend in (*BACKENDS, "graph", "decode"):
+        if backend == "decode" and not _a_decode_step(q, k):
+            continue
+        try:
+            with chunked.settings(block_size=block), torch.no_grad():
+                out, _ = attnkit.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
+        except ValueError as refused:  # sdpa and graph add the mask as -inf: they refuse what may overflow
+            assert "overflow" in str(refused), (backend, str(refused))
+            continue
+        assert max_err(out, truth) <= 1e-5, backend
+        ran.append(backend)
+    assert {"reference", "chunked"} <= set(ran)
+    weights = attnkit.scaled_dot_product_attention(q, k, v, need_weights=True, **kw).weights
+    assert max_err(weights, truth_w) <= 1e-5
+
+
+@settings(max_examples=60, deadline=None)
+@given(calls(), st.integers(0, 2**31 - 1))
+def test_a_query_that_holds_nan_gives_its_row_nan_in_every_backend(call, seed):
+    """NaN in a query that sees some key makes its row of the output NaN, as in the math, and no other row; the
+    weights are NaN where it may see and 0 where it may not (a tester's finding: PyTorch's CPU kernel gives such a
+    row zeros, a result that hides where the input went wrong)."""
+    q, k, v, kw, block, _ = call
+    _, dead_rows = _dead_positions(q, k, kw)
+    live = (~dead_rows).nonzero()
+    assume(len(live) > 0)
+    b, h, i = live[torch.randint(len(live), (1,), generator=torch.Generator().manual_seed(seed))].squeeze(0).tolist()
+    q = q.clone()
+    q[b, h, i, 0] = float("nan")
+    truth, _ = math_attention(q.double(), k.double(), v.double(), **kw)
+    bad = torch.zeros(q.shape[:3], dtype=torch.bool)
+    bad[b, h, i] = True
+    for backend in (*BACKENDS, "graph", "decode"):
+        if backend == "decode" and not _a_decode_step(q, k):
+            continue
+        with chunked.settings(block_size=block), torch.no_grad():
+            out, _ = attnkit.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
+        assert out[b, h, i].isnan().all(), backend
+        assert max_err(out[~bad], truth[~bad]) <= 1e-5, backend
+    weights = attnkit.scaled_dot_product_attention(q, k, v, need_weights=True, **kw).weights
+    allowed = allowed_mask(*q.shape[:3], k.shape[2], **kw)[b, h, i]  # (Lk,)
+    assert weights[b, h, i][allowed].isnan().all() and not weights[b, h, i][~allowed].any()
+
+
 def _snapshot(tensors):
     return [(t, t.detach().clone(), t._version) for t in tensors if isinstance(t, torch.Tensor)]
 

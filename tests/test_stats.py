@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import attnkit
@@ -593,3 +593,19 @@ def test_a_key_of_minus_infinity_weighs_0_and_leaves_every_statistic_finite():
     w = attnkit.functional.attention_weights(q.double(), k.double(), is_causal=True)  # (2, 2, 40, 40)
     assert torch.isfinite(w).all() and w[0, :, 8:, 7].eq(0).all()
     assert_stats(attnkit.attention_stats(q, k, topk=3, is_causal=True), w)
+
+
+@settings(max_examples=60, deadline=None)
+@given(calls(), st.floats(0.0, 1.0))
+def test_scores_of_minus_infinity_hide_their_keys_in_every_statistic(call, share):
+    """Keys whose scores are -inf in the data (not a mask) weigh 0 as a mask would hide them: a row
+    that sees only such keys is a row with no key (a tester's finding: its weight went to keys it may not see)."""
+    q, k, kw, ref, topk, block = call
+    g = torch.Generator().manual_seed(topk)
+    q, k = q.clone(), k.clone()
+    q[..., 0] = q[..., 0].abs() + 0.5
+    k[..., 0] = k[..., 0].masked_fill(torch.rand(k.shape[:3], generator=g) < share, float("-inf"))
+    w = weights64(q, k, ref)
+    assume(bool(torch.isfinite(w).all()))  # (a score_mod may make NaN of -inf: 0 x -inf)
+    parts, _ = stats.parts(q, k, **kw)
+    assert_stats(stats.compute(parts, topk, block_bytes=block), w)

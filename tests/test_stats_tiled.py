@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit
+import test_stats
 from attnkit import stats
 from attnkit.backends import sdpa
 from attnkit.backends.contract import Call
@@ -270,3 +271,24 @@ def test_weights_below_the_smallest_normal_number_are_those_of_the_whole_row_pat
     tiles, whole = stats.compute(parts._replace(lse=lse), 3), stats.compute(parts, 3)
     assert tiles.topk_indices[0, 0, 0].tolist() == whole.topk_indices[0, 0, 0].tolist() == [0, 1, -1]
     assert torch.equal(tiles.topk_values, whole.topk_values) and 0 < float(tiles.topk_values[0, 0, 0, 1]) < 1e-41
+
+
+@settings(max_examples=40, deadline=None)
+@given(calls(), st.floats(0.0, 1.0))
+def test_keys_whose_scores_are_minus_infinity_weigh_0_on_the_tiled_path(call, share):
+    """Keys that score -inf in the data (not a mask) weigh 0, leave every statistic finite and are no row's top-k,
+    by the kernel and by torch ops; a row that sees only such keys sees none (the whole-row path takes it)."""
+    q, k, causal, topk, tile, rows, block, sharp, by_kernel = call
+    g = torch.Generator().manual_seed(topk)
+    q, k = q.clone(), k.clone()
+    q[..., 0] = q[..., 0].abs() + 0.5
+    k[..., 0] = k[..., 0].masked_fill(torch.rand(k.shape[:3], generator=g) < share, float("-inf"))
+    scale = q.shape[-1] ** -0.5
+    _, lse = FLASH(q, k, k, 0.0, causal, scale=scale)[:2]  # (B, H, Lq)
+    parts = stats.parts(q, k, is_causal=causal)[0]._replace(lse=lse)
+    with tiles(tile, rows, block), contextlib.nullcontext() if by_kernel else kernel.disabled():
+        found = stats.compute(parts, topk)
+    w = test_stats.weights64(q, k, {"is_causal": causal, "scale": scale})
+    kk = k.double().repeat_interleave(q.shape[1] // k.shape[1], 1)  # (B, H, Lk, D)
+    finite = (q.double() @ kk.transpose(-1, -2)).nan_to_num(0.0, 0.0, 0.0)  # (B, H, Lq, Lk)
+    assert_stats(found, w, tol=max(1e-5, 4 * torch.finfo(q.dtype).eps * float(finite.abs().max()) * scale))

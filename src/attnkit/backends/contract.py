@@ -141,17 +141,23 @@ class Call:
             k = k[:, :, : int(lens.max())]  # (B, Hkv, n, D)
         if not k.numel():
             return False
-        # one read each (aminmax is the fastest reduction here) and one of the four results
-        q_lo, q_hi, k_lo, k_hi = torch.stack([*q.aminmax(), *k.aminmax()]).tolist()
-        peak = max(-q_lo, q_hi) * max(-k_lo, k_hi)
+        peak = largest_score(q, k, self.scale)
         # NaN (where no query may see, zeroed by every backend first; or the caller's own, which shows anyway)
         # leaves the bound as it is
-        return not math.isnan(peak) and abs(self.scale) * q.shape[-1] * peak >= limit
+        return not math.isnan(peak) and peak >= limit
 
     @property
     def queries_per_kv_head(self) -> int:
         """``H / Hkv * Lq``: the queries that read each key/value head (grouped query heads count each)."""
         return self.q.shape[1] // self.k.shape[1] * self.q.shape[2]
+
+
+def largest_score(q: Tensor, k: Tensor, scale: float) -> float:
+    """A bound on ``|scale * q[i] . k[j]|`` over ``q (..., Lq, D)`` and ``k (..., Lk, D)`` (both not empty):
+    ``|scale| * D * max|q| * max|k|``, from one read of each (aminmax is the fastest reduction here); NaN where
+    either holds NaN, ``inf`` where either holds an infinity."""
+    q_lo, q_hi, k_lo, k_hi = torch.stack([*q.detach().aminmax(), *k.detach().aminmax()]).tolist()
+    return abs(scale) * q.shape[-1] * max(-q_lo, q_hi) * max(-k_lo, k_hi)  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,10 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
         allowed = seen
     if bias is not None:
         scores = scores + bias  # (B, H, Lq, Lk)
+    # a score of -inf (infinite inputs, an overflow) hides its key as the mask does, the reference's rule: looked
+    # at everywhere (no branch on values), which Inductor fuses into the softmax
+    finite = ~torch.isneginf(scores)  # (B, H, Lq, Lk)
+    allowed = finite if allowed is None else allowed & finite  # (B, H, Lq, Lk)
     fill = torch.finfo(dtype).min  # exp() of it is 0 beside any visible score (and beside the sink)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, fill)

@@ -57,6 +57,7 @@ class Scorer:
     batch: int = 1
     heads: int = 1
     protected: frozenset[int] | None = frozenset()
+    finite: bool = False  # no score can be infinite (the inputs' bound): blocks need no look for -inf
 
     def __call__(
         self, q: Tensor, k_blk: Tensor, rows: tuple[int, int], cols: tuple[int, int]
@@ -315,16 +316,19 @@ def _scores(q: Tensor, k_blk: Tensor, w_v: Tensor | None, scale: float) -> tuple
 
 
 def _hidden_by_score(s: Tensor, allowed: Tensor | None, scorer: Scorer) -> tuple[Tensor | None, Tensor | None]:
-    """A score_mod's ``-inf`` hides the key (FlexAttention's rule, and the reference's): it joins ``allowed``, so
-    that a row it hides entirely gives zeros, whatever ``EXP_FLOOR`` makes of ``exp(-inf)``. Also returns the keys
-    of the block it leaves unseen by every row, ``(B|1, H|1, blk)``, or ``None``: no other row sees them (the
-    block's rows are all that may), so they are keys no query may see, zeroed as the mask's dead keys are."""
-    if scorer.score_mod is None:
-        return allowed, None
+    """A score of ``-inf`` hides the key (FlexAttention's rule for a score_mod's, and the reference's for any): it
+    joins ``allowed``, so that a row it hides entirely gives zeros, whatever ``EXP_FLOOR`` makes of ``exp(-inf)``.
+    Also returns the keys of the block a score_mod leaves unseen by every row, ``(B|1, H|1, blk)``, or ``None``: no
+    other row sees them (the block's rows are all that may), so they are keys no query may see, zeroed as the
+    mask's dead keys are (as the reference does, only for a score_mod's ``-inf``)."""
+    if scorer.score_mod is None and (scorer.finite or not s.numel() or bool(s.detach().amin() > float("-inf"))):
+        return allowed, None  # (one read of the block where the inputs do not bound the scores; NaN: look)
     hidden = torch.isneginf(s)  # (B, H, n, blk)
     if not bool(hidden.any()):
         return allowed, None
     allowed = ~hidden if allowed is None else allowed & ~hidden  # (B, H, n, blk)
+    if scorer.score_mod is None:
+        return allowed, None
     unseen = ~allowed.any(dim=-2)  # (B, H, blk)
     return allowed, (unseen if bool(unseen.any()) else None)
 

@@ -10,7 +10,12 @@ head ``h`` (``-inf`` when absent)::
 
     a[i, j] = exp(s[i, j]) / (exp(sink) + sum_{j' allowed} exp(s[i, j']))    for allowed j, else 0
               (a row with no allowed key is all zeros, so its output is zero, with or without a sink)
+
     out[i]  = sum_j dropout(a)[i, j] * v[j]
+
+A score ``s[i, j]`` of ``-inf`` (from a score_mod, infinite inputs, or a product that overflows) hides key ``j``
+from query ``i`` as the mask does: it joins the keys not allowed, so a row whose every allowed score is ``-inf``
+is all zeros too. Where a row may not see, its weights are 0 also when NaN or ``+inf`` fills the row.
 
 Keys that no query may attend to and queries that may attend to no key (under ``allowed``, the whole
 combination) are zeroed first (:func:`~attnkit.backends.common.zero_dead`), so that what they hold, NaN
@@ -30,7 +35,7 @@ from torch import Tensor
 
 from attnkit import mods
 from attnkit.backends.common import additive_scores, repeat_kv, zero_dead
-from attnkit.backends.contract import Call, Supports
+from attnkit.backends.contract import Call, Supports, largest_score
 from attnkit.masks import Mask, compute_dtype, softmax_with_mask
 
 NAME = "reference"
@@ -143,8 +148,19 @@ def _weights(
             raw.register_hook(lambda g: None if g is None else g.masked_fill(hidden_pairs, 0.0))  # (gradcheck: None)
     if sinks is not None:
         return _softmax_with_sinks(scores, allowed, bias, mask.sink_logits(sinks.to(dtype))), unseen
+    # a score of -inf (infinite inputs, or an overflow) hides its key as the mask does; the inputs' bound spares the
+    # softmax its look at the scores where no score can reach half the range (a bias stays within the other half)
+    finite = None
+    if w_v is None and score_mod is None and q.numel() and k.numel() and not torch.compiler.is_compiling():
+        finite = largest_score(q, k, scale) < torch.finfo(dtype).max / 2 or None  # (NaN: None, the scores say)
     weights = softmax_with_mask(
-        scores, allowed, bias, inplace=not grad, scratch=w_v is None and score_mod is None, empty_rows=empty_rows
+        scores,
+        allowed,
+        bias,
+        inplace=not grad,
+        scratch=w_v is None and score_mod is None,
+        empty_rows=empty_rows,
+        finite=finite,
     )  # (B, H, Lq, Lk)
     return weights, unseen
 

@@ -78,6 +78,21 @@ def attention_with_lse(call: Call) -> tuple[Tensor, Tensor] | None:
 
 
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
+    out, _ = _attention(call)  # (B, H, Lq, Dv)
+    if call.q.device.type != "cpu":
+        return out, None
+    # PyTorch's CPU kernel gives zeros to a query row that holds NaN (its largest score, NaN, reads as a row with no
+    # key); the reference and the math give NaN, which says where the input went wrong. One read of the queries.
+    nan_rows = call.q.detach().sum(dim=-1).isnan()  # (B, H, Lq) (also +inf beside -inf, NaN in the reference too)
+    if not bool(nan_rows.any()):
+        return out, None
+    live_rows = call.mask.liveness[1]  # (B|1, H|1, Lq) or None: a row that sees no key is zeros, NaN or not
+    if live_rows is not None:
+        nan_rows = nan_rows & live_rows  # (B, H, Lq)
+    return out.masked_fill(nan_rows[..., None], float("nan")), None
+
+
+def _attention(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v, mask, scale, dropout_p = call.q, call.k, call.v, call.mask, call.scale, call.dropout_p
     H, Hkv = q.shape[1], k.shape[1]
     Lq, Lk = mask.num_queries, mask.num_keys

@@ -12,6 +12,7 @@ from torch import Tensor
 from attnkit import mods
 from attnkit._checks import ranges
 from attnkit.backends.common import additive_scores, zero_dead
+from attnkit.backends.contract import largest_score
 from attnkit.masks import Mask, compute_dtype
 
 __all__ = ["CHUNK", "Block", "Parts", "blocks"]
@@ -98,10 +99,14 @@ def blocks(
         k = k.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True).mul_(parts.scale)  # (B, Hkv, Lk, D)
     else:
         k = k.to(dtype).contiguous()  # (B, Hkv, Lk, D)
-    # an infinite input makes scores of -inf (weight 0, whose entropy term would be -inf x 0): clamped in each block
-    # where a sum in the compute dtype is not finite (an overflow clamps too, harmlessly; float16's sums, which
-    # overflow at 65504, are not the ones read)
-    clamp = not bool(torch.isfinite(q.sum()) & torch.isfinite(k.sum()))
+    # an infinite input, or a product that overflows, makes scores of -inf: each hides its key as the mask does (a
+    # row of them sees nothing, as in the reference), and what is left of them is clamped (weight 0, whose entropy
+    # term would be -inf x 0). Looked for in each block where the inputs do not bound every score below half the range
+    # (a bias stays within the other half); for additive scoring, where a sum is not finite (an overflow looks too)
+    if w_v is None:
+        clamp = bool(q.numel() and k.numel()) and not largest_score(q, k, 1.0) < torch.finfo(dtype).max / 2
+    else:
+        clamp = not bool(torch.isfinite(q.sum()) & torch.isfinite(k.sum()) & torch.isfinite(w_v.abs().sum()))
     protected = None if parts.score_mod is None else mods.protected_storages(parts.score_mod)
     sinks = None if parts.sinks is None else mask.sink_logits(parts.sinks.detach().to(dtype))  # (B|1, H, Lq|1, 1)
     item = torch.finfo(dtype).bits // 8
@@ -118,7 +123,7 @@ def blocks(
             # the mask is built only over the chunks the ranges do not know to be seen whole (a causal block's
             # diagonal, a window's two edges), unless a bias or a score_mod covers them all
             partial = (~known.every[0, first : last + 1]).nonzero()[:, 0] + first  # hidden ones between included
-            if mask.bias is not None or parts.score_mod is not None:
+            if mask.bias is not None or parts.score_mod is not None or clamp:
                 p0, p1 = a, b
             elif len(partial):
                 p0, p1 = int(chunks[int(partial[0]), 0]), int(chunks[int(partial[-1]), 1])
@@ -136,18 +141,23 @@ def blocks(
                     s = mods.evaluate_score(  # (B, G, n, m)
                         score_mod, s, b_idx, h_idx[:, h0 : h0 + G], q_idx, kv_idx, protected=protected
                     )
-                    hidden = torch.isneginf(s)  # a score_mod's -inf hides the key, as in the reference
-                    if bool(hidden.any()):
-                        allowed = ~hidden if allowed is None else allowed & ~hidden  # (B, G, n, m)
                 part = s[..., p0 - a : p1 - a]  # (B, G, n, p): a view
                 if bias is not None:
                     part.add_(bias)
+                if score_mod is not None or clamp:  # (then `part` is the whole block)
+                    hidden = torch.isneginf(s)  # a score of -inf hides the key, as in the reference
+                    if bool(hidden.any()):
+                        allowed = ~hidden if allowed is None else allowed & ~hidden  # (B, G, n, m)
                 if allowed is not None:
                     part.masked_fill_(~allowed, torch.finfo(dtype).min)  # exp() of it is 0 beside the row's largest
                 live = _live(allowed, (p0, p1) == (a, b))
                 sink = None if sinks is None else _heads(sinks[..., r0:r1, :] if sinks.shape[2] > 1 else sinks, h0, G)
                 w = weights[: B * G * n * m].view(B, G, n, m)  # (B, G, n, m)
-                yield _softmax(r0, r1, h0, a, s, w, live, sink, clamp)
+                found = _softmax(r0, r1, h0, a, s, w, live, sink, clamp)
+                if clamp and allowed is not None:  # a row that NaN or +inf fills weighs 0 where it may not see
+                    found.w.masked_fill_(~allowed if live is None else ~allowed & live, 0.0)  # (rows with no key:
+                    # `keep` zeroes their results, and their weights stay a softmax's, which the entropy reads)
+                yield found
 
 
 def _row_blocks(
