@@ -158,6 +158,29 @@ def test_a_score_of_minus_infinity_hides_its_key_in_every_backend(call, share, s
     k = layout(k)
     truth, truth_w = math_attention(q.double(), k.double(), v.double(), **kw)
     assert torch.isfinite(truth).all()
+    _every_backend_agrees(q, k, v, kw, block, truth, truth_w)
+
+
+def test_a_product_that_overflows_before_the_scale_never_puts_weight_on_hidden_keys():
+    """q . k of -4e38 is -inf in float32 before the default scale (1/8) brings it back in range (-5e37). A backend
+    that takes the product first hides the key; one that scales first (PyTorch's kernel, decode) sees it: either is
+    an answer of the arithmetic, but no backend may put causal row 0's weight on the keys it may not see (a
+    reviewer's finding: the reference's bound was on the scaled score, and it did)."""
+    q, k = torch.full((1, 2, 6, 64), 2.5e18), torch.randn(1, 2, 6, 64)
+    k[:, :, 0] = -2.5e18
+    v = torch.randn(1, 2, 6, 3)
+    truth, _ = math_attention(q.double(), k.double(), v.double(), is_causal=True)  # float64: no overflow
+    for backend in (*BACKENDS, "graph", "decode"):
+        with torch.no_grad():
+            out = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True, backend=backend).output
+        assert max_err(out[:, :, 1:], truth[:, :, 1:]) <= 1e-5, backend
+        row = out[:, :, 0]  # (1, 2, 3): v[0] (seen) or 0 (hidden), nothing else
+        assert max_err(row, v[:, :, 0]) <= 1e-6 or not row.any(), (backend, row)
+    weights = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True, need_weights=True).weights
+    assert not weights[:, :, 0, 1:].any()
+
+
+def _every_backend_agrees(q, k, v, kw, block, truth, truth_w):
     ran = []
     for backend in (*BACKENDS, "graph", "decode"):
         if backend == "decode" and not _a_decode_step(q, k):

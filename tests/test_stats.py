@@ -609,3 +609,15 @@ def test_scores_of_minus_infinity_hide_their_keys_in_every_statistic(call, share
     assume(bool(torch.isfinite(w).all()))  # (a score_mod may make NaN of -inf: 0 x -inf)
     parts, _ = stats.parts(q, k, **kw)
     assert_stats(stats.compute(parts, topk, block_bytes=block), w)
+
+
+@pytest.mark.parametrize("sinks", [None, torch.zeros(2)], ids=["no sinks", "sinks"])
+def test_a_query_that_holds_nan_leaves_the_keys_it_may_not_see_finite(sinks):
+    """A NaN query's row is NaN where it may see; the keys it may not see receive nothing of it (a tester's finding:
+    every key's column sum was NaN, and with sinks still after the first fix, a reviewer's)."""
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 2, 8, 4, generator=g), torch.randn(1, 2, 8, 4, generator=g)
+    q[0, 0, 2, 0] = float("nan")
+    found = attnkit.attention_stats(q, k, topk=3, is_causal=True, sinks=sinks)
+    assert found.column_sum[0, 0, :3].isnan().all() and torch.isfinite(found.column_sum[0, 0, 3:]).all()
+    assert torch.isfinite(found.column_sum[0, 1]).all() and found.entropy[0, 0, 2].isnan()

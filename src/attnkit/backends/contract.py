@@ -153,11 +153,13 @@ class Call:
 
 
 def largest_score(q: Tensor, k: Tensor, scale: float) -> float:
-    """A bound on ``|scale * q[i] . k[j]|`` over ``q (..., Lq, D)`` and ``k (..., Lk, D)`` (both not empty):
-    ``|scale| * D * max|q| * max|k|``, from one read of each (aminmax is the fastest reduction here); NaN where
-    either holds NaN, ``inf`` where either holds an infinity."""
+    """A bound on ``|scale * q[i] . k[j]|`` and on the product before the scale, ``|q[i] . k[j]|``, over
+    ``q (..., Lq, D)`` and ``k (..., Lk, D)`` (both not empty): ``max(1, |scale|) * D * max|q| * max|k|``, from one
+    read of each (aminmax is the fastest reduction here); NaN where either holds NaN, ``inf`` where either holds an
+    infinity. (The product overflows first where the scale is below 1: 3.3e18 x -3.3e18 x 64 is -inf in float32,
+    a score of -8.7e37 once scaled by 1/8, a tester's finding.)"""
     q_lo, q_hi, k_lo, k_hi = torch.stack([*q.detach().aminmax(), *k.detach().aminmax()]).tolist()
-    return abs(scale) * q.shape[-1] * max(-q_lo, q_hi) * max(-k_lo, k_hi)  # type: ignore[no-any-return]
+    return max(1.0, abs(scale)) * q.shape[-1] * max(-q_lo, q_hi) * max(-k_lo, k_hi)  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)

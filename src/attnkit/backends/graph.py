@@ -58,8 +58,10 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
         padded = lens is not None and lens.shape[2] == 1 and lengths_alone  # a padded batch: lengths (B,) alone
         if padded and graph_ops.takes(q, call.k, call.v, mask.is_causal):
             assert lens is not None
-            return graph_ops.attention(q, call.k, call.v, lens.view(B), mask.is_causal, call.scale), None
-        return _fused(call, allowed, bias), None
+            out = graph_ops.attention(q, call.k, call.v, lens.view(B), mask.is_causal, call.scale)  # (B, H, Lq, Dv)
+        else:
+            out = _fused(call, allowed, bias)  # (B, H, Lq, Dv)
+        return _nan_rows(q, allowed, out), None
     # a KVCache's call (zeros past each row's length, its mask a prefix of each row): the keys need no zeroing, only
     # the rows that see nothing (their outputs), so a decode step does not copy the cache
     cached = call.zeros_past is not None and mask.bool_mask is None and mask.bias is None and mask.mask_mod is None
@@ -117,6 +119,15 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     if cached and allowed is not None:  # rows that see nothing, whatever the keys they did not see hold
         out = torch.where(allowed.any(dim=-1, keepdim=True), out, 0.0)  # (B, H, Lq, Dv)
     return out.to(q.dtype), (weights.to(q.dtype) if call.need_weights else None)
+
+
+def _nan_rows(q: Tensor, allowed: Tensor | None, out: Tensor) -> Tensor:
+    """``out (B, H, Lq, Dv)`` NaN in the rows whose query holds NaN and sees some key, as in the reference: PyTorch's
+    CPU kernel gives them zeros (as :mod:`attnkit.backends.sdpa` says). No branch on values: one ``where``."""
+    bad = q.detach().isnan().any(dim=-1, keepdim=True)  # (B, H, Lq, 1)
+    if allowed is not None:
+        bad = bad & allowed.any(dim=-1, keepdim=True)  # (B, H, Lq, 1): a row that sees no key is zeros
+    return torch.where(bad, float("nan"), out)  # (B, H, Lq, Dv)
 
 
 def _fused(call: Call, allowed: Tensor | None, bias: Tensor | None) -> Tensor:

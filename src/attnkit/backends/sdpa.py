@@ -83,9 +83,10 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
         return out, None
     # PyTorch's CPU kernel gives zeros to a query row that holds NaN (its largest score, NaN, reads as a row with no
     # key); the reference and the math give NaN, which says where the input went wrong. One read of the queries.
-    nan_rows = call.q.detach().sum(dim=-1).isnan()  # (B, H, Lq) (also +inf beside -inf, NaN in the reference too)
+    nan_rows = call.q.detach().sum(dim=-1).isnan()  # (B, H, Lq): those, and finite rows whose sum overflows
     if not bool(nan_rows.any()):
         return out, None
+    nan_rows = nan_rows & call.q.detach().isnan().any(dim=-1)  # (B, H, Lq): NaN itself (a reviewer's finding)
     live_rows = call.mask.liveness[1]  # (B|1, H|1, Lq) or None: a row that sees no key is zeros, NaN or not
     if live_rows is not None:
         nan_rows = nan_rows & live_rows  # (B, H, Lq)

@@ -157,6 +157,8 @@ def blocks(
                 if clamp and allowed is not None:  # a row that NaN or +inf fills weighs 0 where it may not see
                     found.w.masked_fill_(~allowed if live is None else ~allowed & live, 0.0)  # (rows with no key:
                     # `keep` zeroes their results, and their weights stay a softmax's, which the entropy reads)
+                if clamp and found.keep is not None:  # the sink's share of such a row is NaN: its weights carry
+                    found = found._replace(keep=found.keep.nan_to_num(1.0))  # the NaN, 0 x 1 where it may not see
                 yield found
 
 
