@@ -31,7 +31,7 @@ from torch import Tensor
 
 from attnkit import mods
 from attnkit.backends.common import Watched, first_order_only, probe, repeat_kv, zero_dead
-from attnkit.backends.contract import Call, Supports, largest_score
+from attnkit.backends.contract import Call, Supports, scores_bounded
 from attnkit.backends.online import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads, key_blocks
 from attnkit.masks import Mask, compute_dtype
 
@@ -128,12 +128,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
         protected = mods.protected_storages(call.score_mod, read)
     # where the inputs bound every score below half the range (a bias stays within the other half), no block need
     # be looked at for the -inf that hides a key
-    finite = (
-        w_v is None
-        and bool(q.numel() and k.numel())
-        and not torch.compiler.is_compiling()
-        and largest_score(q, k, scale) < torch.finfo(dtype).max / 2
-    )
+    finite = w_v is None and scores_bounded(q, k, scale, dtype)
     scorer = Scorer(wf, scale, call.score_mod, B, H, protected, finite)
     inputs = (qf, kf, vf, wf, sinks, *closed_over)
     backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)

@@ -162,6 +162,18 @@ def largest_score(q: Tensor, k: Tensor, scale: float) -> float:
     return max(1.0, abs(scale)) * q.shape[-1] * max(-q_lo, q_hi) * max(-k_lo, k_hi)  # type: ignore[no-any-return]
 
 
+def scores_bounded(q: Tensor, k: Tensor, scale: float, dtype: torch.dtype) -> bool:
+    """Whether no score of ``q`` and ``k`` (nor its product before the scale) can reach half the range of the compute
+    ``dtype``, by :func:`largest_score`: then none is infinite, and a bias (clamped to the other half) keeps it so.
+    True with nothing to score; False with NaN or an infinity in either, and while ``torch.compile`` traces (it
+    cannot read values): the safe side, where the caller looks at the scores themselves for ``-inf``."""
+    if not q.numel() or not k.numel():
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    return largest_score(q, k, scale) < torch.finfo(dtype).max / 2
+
+
 @dataclass(frozen=True)
 class Supports:
     """What a backend can run: the scoring kinds, returning weights, dropout, gradients to a float ``attn_mask``,

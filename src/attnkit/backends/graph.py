@@ -98,10 +98,9 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     # a score of -inf (infinite inputs, an overflow) hides its key as the mask does, the reference's rule: looked
     # at everywhere (no branch on values), which Inductor fuses into the softmax
     finite = ~torch.isneginf(scores)  # (B, H, Lq, Lk)
-    allowed = finite if allowed is None else allowed & finite  # (B, H, Lq, Lk)
+    seen = finite if allowed is None else allowed & finite  # (B, H, Lq, Lk)
     fill = torch.finfo(dtype).min  # exp() of it is 0 beside any visible score (and beside the sink)
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, fill)
+    scores = scores.masked_fill(~seen, fill)
     if call.sinks is not None:
         sink = call.sinks.to(dtype).view(1, H, 1, 1)  # (1, H, 1, 1)
         if shift is not None:  # the softmax with the sink is what it was before the bias's shift
@@ -111,13 +110,12 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
         weights = torch.softmax(scores, dim=-1)[..., :-1]  # (B, H, Lq, Lk): the sink takes its share, dropped
     else:
         weights = torch.softmax(scores, dim=-1)  # (B, H, Lq, Lk)
-    if allowed is not None:
-        weights = weights.masked_fill(~allowed, 0.0)  # a row that sees no key: zeros
+    weights = weights.masked_fill(~seen, 0.0)  # a row that sees no key: zeros
     dropped = F.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
     grouped = dropped.reshape(B, Hk, H // Hk * Lq, Lk)  # (B, Hk, H/Hk * Lq, Lk)
     out = (grouped @ vf).view(B, H, Lq, vf.shape[-1])  # (B, H, Lq, Dv)
-    if cached and allowed is not None:  # rows that see nothing, whatever the keys they did not see hold
-        out = torch.where(allowed.any(dim=-1, keepdim=True), out, 0.0)  # (B, H, Lq, Dv)
+    if cached:  # rows that see nothing, whatever the keys they did not see hold
+        out = torch.where(seen.any(dim=-1, keepdim=True), out, 0.0)  # (B, H, Lq, Dv)
     return out.to(q.dtype), (weights.to(q.dtype) if call.need_weights else None)
 
 

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from attnkit import mods
 from attnkit.backends.common import additive_scores, repeat_kv, zero_dead
-from attnkit.backends.contract import Call, Supports, largest_score
+from attnkit.backends.contract import Call, Supports, scores_bounded
 from attnkit.masks import Mask, compute_dtype, softmax_with_mask
 
 NAME = "reference"
@@ -150,9 +150,7 @@ def _weights(
         return _softmax_with_sinks(scores, allowed, bias, mask.sink_logits(sinks.to(dtype))), unseen
     # a score of -inf (infinite inputs, or an overflow) hides its key as the mask does; the inputs' bound spares the
     # softmax its look at the scores where no score can reach half the range (a bias stays within the other half)
-    finite = None
-    if w_v is None and score_mod is None and q.numel() and k.numel() and not torch.compiler.is_compiling():
-        finite = largest_score(q, k, scale) < torch.finfo(dtype).max / 2 or None  # (NaN: None, the scores say)
+    finite = w_v is None and score_mod is None and scores_bounded(q, k, scale, dtype) or None  # (None: look)
     weights = softmax_with_mask(
         scores,
         allowed,

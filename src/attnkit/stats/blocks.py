@@ -12,7 +12,7 @@ from torch import Tensor
 from attnkit import mods
 from attnkit._checks import ranges
 from attnkit.backends.common import additive_scores, zero_dead
-from attnkit.backends.contract import largest_score
+from attnkit.backends.contract import scores_bounded
 from attnkit.masks import Mask, compute_dtype
 
 __all__ = ["CHUNK", "Block", "Parts", "blocks"]
@@ -104,7 +104,7 @@ def blocks(
     # term would be -inf x 0). Looked for in each block where the inputs do not bound every score below half the range
     # (a bias stays within the other half); for additive scoring, where a sum is not finite (an overflow looks too)
     if w_v is None:
-        clamp = bool(q.numel() and k.numel()) and not largest_score(q, k, 1.0) < torch.finfo(dtype).max / 2
+        clamp = not scores_bounded(q, k, 1.0, dtype)  # (k holds the scale already)
     else:
         clamp = not bool(torch.isfinite(q.sum()) & torch.isfinite(k.sum()) & torch.isfinite(w_v.abs().sum()))
     protected = None if parts.score_mod is None else mods.protected_storages(parts.score_mod)
