@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import attnkit
 import mathref
 from attnkit import dispatch, mods
-from attnkit.backends import compiled, compiled_steps, tiles
+from attnkit.backends import compiled, compiled_steps, flash, tiles
 from mathref import max_err
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim
@@ -297,9 +297,12 @@ def test_auto_compiles_a_large_call_with_a_score_mod_that_is_not_a_bias(monkeypa
         assert chosen[0] != "compiled", name  # small: compiling would not pay
     monkeypatch.setattr(compiled, "COMPILE_FROM", B * H * 20 * 20)
     monkeypatch.setattr(compiled, "FEWEST_QUERIES", 8)
+    with dispatch.watch() as chosen:  # float64: softcap's float32 calls go to the flash kernel, where it builds
+        attnkit.scaled_dot_product_attention(q.double(), k.double(), v.double(), score_mod=cases["softcap"])
+    assert chosen == ["compiled"]
     with dispatch.watch() as chosen:
         attnkit.scaled_dot_product_attention(q, k, v, score_mod=cases["softcap"], is_causal=True)
-    assert chosen == ["compiled"]
+    assert chosen == ["flash" if flash.missing() is None else "compiled"]
     few = q[:, :, :7]  # a decode step's few queries would be padded to a block of queries: not worth it
     with dispatch.watch() as chosen:
         attnkit.scaled_dot_product_attention(

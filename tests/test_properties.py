@@ -7,12 +7,14 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import attnkit
-from attnkit.backends import chunked, decode
+from attnkit.backends import chunked, decode, flash
 from attnkit.backends.decode import positions_last
 from mathref import allowed_mask, max_err
 from mathref import attention as math_attention
 
 BACKENDS = ("reference", "sdpa", "chunked")
+# and, in the tests of every backend, attnkit's own C++ kernel where it builds here (float32 calls)
+NATIVE = ("flash",) if flash.missing() is None else ()
 
 
 @st.composite
@@ -58,7 +60,7 @@ def calls(draw):
 def test_all_backends_agree_with_the_math(call):
     q, k, v, kw, block, _ = call
     truth, _ = math_attention(q.double(), k.double(), v.double(), **kw)
-    for backend in (*BACKENDS, "decode") if _a_decode_step(q, k) else BACKENDS:
+    for backend in (*BACKENDS, *NATIVE, "decode") if _a_decode_step(q, k) else (*BACKENDS, *NATIVE):
         with chunked.settings(block_size=block):
             out, _ = attnkit.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
         assert max_err(out, truth) <= 1e-5, backend
@@ -105,7 +107,7 @@ def test_nan_where_no_query_may_see_never_leaks(call, additive):
     dirty = _poisoned(q, k, v, dead_keys, dead_rows, layout)
     grad_out = torch.randn(*q.shape[:3], v.shape[-1])
     w_v = torch.randn(q.shape[-1])
-    for backend in ("reference", "chunked") if additive else BACKENDS:
+    for backend in ("reference", "chunked") if additive else (*BACKENDS, *NATIVE):
 
         def fn(q_, k_, v_, backend=backend):
             if additive:
@@ -170,7 +172,7 @@ def test_a_product_that_overflows_before_the_scale_never_puts_weight_on_hidden_k
     k[:, :, 0] = -2.5e18
     v = torch.randn(1, 2, 6, 3)
     truth, _ = math_attention(q.double(), k.double(), v.double(), is_causal=True)  # float64: no overflow
-    for backend in (*BACKENDS, "graph", "decode"):
+    for backend in (*BACKENDS, "graph", "decode", *NATIVE):
         with torch.no_grad():
             out = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True, backend=backend).output
         assert max_err(out[:, :, 1:], truth[:, :, 1:]) <= 1e-5, backend
@@ -182,7 +184,7 @@ def test_a_product_that_overflows_before_the_scale_never_puts_weight_on_hidden_k
 
 def _every_backend_agrees(q, k, v, kw, block, truth, truth_w):
     ran = []
-    for backend in (*BACKENDS, "graph", "decode"):
+    for backend in (*BACKENDS, "graph", "decode", *NATIVE):
         if backend == "decode" and not _a_decode_step(q, k):
             continue
         try:
@@ -214,7 +216,7 @@ def test_a_query_that_holds_nan_gives_its_row_nan_in_every_backend(call, seed):
     truth, _ = math_attention(q.double(), k.double(), v.double(), **kw)
     bad = torch.zeros(q.shape[:3], dtype=torch.bool)
     bad[b, h, i] = True
-    for backend in (*BACKENDS, "graph", "decode"):
+    for backend in (*BACKENDS, "graph", "decode", *NATIVE):
         if backend == "decode" and not _a_decode_step(q, k):
             continue
         with chunked.settings(block_size=block), torch.no_grad():

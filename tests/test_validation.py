@@ -361,7 +361,7 @@ def test_dropout_p_outside_zero_one(attend, dropout_p):
 
 
 @FUNCTIONS
-@pytest.mark.parametrize("backend", ["flash", "Reference", ""])
+@pytest.mark.parametrize("backend", ["flash_attn", "Reference", ""])
 def test_unknown_backend_lists_the_valid_names(attend, backend):
     q, k, v = qkv3()
     with (

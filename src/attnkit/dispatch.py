@@ -7,6 +7,8 @@ Policy for ``backend="auto"``, first backend that can run the call wins:
 * weights wanted: ``reference`` (the only backend that returns them);
 * on CUDA, a call with a ``mask_mod`` or ``score_mod``: ``flex`` (PyTorch's compiled FlexAttention) first,
   then as below;
+* on CPU, ``softcap`` in float32 over more than a decode step's few queries: ``flash`` (attnkit's own C++ kernel,
+  built on first use; where it cannot be built, as below);
 * on CPU, a large call (``compiled.COMPILE_FROM`` scores, ``compiled.FEWEST_QUERIES`` queries) with a
   ``score_mod`` that takes blocks of scores and is not a bias (``softcap``, a user's function), or a bias whose
   tensors need a gradient: ``compiled`` (the online softmax's steps compiled by ``torch.compile``), then as below;
@@ -40,8 +42,8 @@ from types import ModuleType
 
 import torch
 
-from attnkit import _scopes
-from attnkit.backends import ALL, chunked, compiled, decode, online
+from attnkit import _scopes, mods
+from attnkit.backends import ALL, chunked, compiled, decode, flash, online
 from attnkit.backends.contract import Call
 
 __all__ = ["ADDITIVE_CHUNK_ELEMENTS", "BACKENDS", "SPARSE_BELOW", "available_backends", "choose", "watch"]
@@ -62,13 +64,14 @@ _WATCHERS: ContextVar[tuple[_Watch, ...]] = ContextVar("attnkit_watchers", defau
 
 def available_backends(device: str | torch.device | None = None) -> list[str]:
     """Names of attnkit's backends that run on ``device`` (a device type such as ``"cpu"`` or ``"cuda"``, or a
-    device), or, when ``None``, on some device this machine has (and whose packages it has: ``Supports.needs``).
+    device), or, when ``None``, on some device this machine has (and whose packages it has: ``Supports.needs``; a
+    kernel built on first use is listed before it is built, and a call it cannot run says why).
     What a backend cannot run is declared in its ``SUPPORTS`` and said per call, and a backend named explicitly
     lists every backend's reasons.
 
     Example:
         >>> available_backends("cpu")
-        ['reference', 'sdpa', 'chunked', 'tiles', 'compiled', 'decode', 'graph']
+        ['reference', 'sdpa', 'chunked', 'tiles', 'flash', 'compiled', 'decode', 'graph']
     """
     here = {"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"}
     types = here if device is None else {torch.device(device).type}
@@ -151,6 +154,8 @@ def _preferences(call: Call) -> tuple[str, ...]:
         fused = ("tiles",) if call.mask.mask_mod is not None or call.sinks is not None or bias_mod else ()
         if _compile_worth(call):
             fused = ("compiled", *fused)
+        if _flash_worth(call):
+            fused = ("flash", *fused)
         if call.sinks is not None or not call.score_bias or _sparse(call):
             return (*flex, *fused, "chunked", "sdpa", "reference")
         if decode.is_positions_last(call.k, call.v) or (_few_queries(call) and not call.mask.is_empty):
@@ -167,6 +172,19 @@ def _preferences(call: Call) -> tuple[str, ...]:
             return ("compiled", "chunked", "reference")
         return ("chunked", "reference")
     return ("reference", "chunked")
+
+
+def _flash_worth(call: Call) -> bool:
+    """``softcap`` on CPU in float32, over more queries than a decode step's (one small call per block of queries
+    would cost more than ``chunked``'s few steps), where the kernel is built (the first time, here)."""
+    return (
+        isinstance(call.score_mod, mods.softcap)
+        and call.q.device.type == "cpu"
+        and call.q.dtype == torch.float32
+        and call.w_v is None
+        and not _few_queries(call)
+        and flash.missing() is None
+    )
 
 
 def _compile_worth(call: Call) -> bool:

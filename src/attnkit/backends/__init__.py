@@ -5,10 +5,10 @@ run, as data) and ``attention(call: Call) -> (output, weights or None)``. The ch
 :mod:`attnkit.dispatch` only.
 """
 
-from attnkit.backends import chunked, compiled, decode, flex, graph, reference, sdpa, tiles, triton
+from attnkit.backends import chunked, compiled, decode, flash, flex, graph, reference, sdpa, tiles, triton
 from attnkit.backends.contract import Call, Supports
 
-ALL = (reference, sdpa, chunked, tiles, compiled, decode, flex, triton, graph)
+ALL = (reference, sdpa, chunked, tiles, flash, compiled, decode, flex, triton, graph)
 
 __all__ = [
     "ALL",
@@ -17,6 +17,7 @@ __all__ = [
     "chunked",
     "compiled",
     "decode",
+    "flash",
     "flex",
     "graph",
     "reference",

@@ -14,6 +14,7 @@ backend, which says, one reason per line of the declaration, why that backend ca
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,7 +188,9 @@ class Supports:
     ``opaque_modifiers``: modifiers whose tensors cannot be found, under autograd (False: its backward reads them
     again and must check they did not change); ``value_dim``: values of another head size than the queries';
     ``score_mod_grad``: gradients to the tensors a built-in score_mod reads (ALiBi's slopes); ``needs``: what this
-    machine lacks for it (a package, with how to install it), or ``None``."""
+    machine lacks for it (a package, with how to install it), or ``None``; ``missing``: the same, found only when a
+    call asks (a kernel built on first use), or ``None``. ``score_mod="softcap"``: only attnkit's own
+    :class:`~attnkit.mods.softcap`."""
 
     scoring: frozenset[str] = frozenset({DOT, ADDITIVE})
     weights: bool = True
@@ -207,12 +210,15 @@ class Supports:
     value_dim: bool = True
     score_mod_grad: bool = True
     needs: str | None = None
+    missing: Callable[[], str | None] | None = None
 
     def why_not(self, call: Call) -> list[str]:
         """Each reason this declaration refuses ``call``; ``[]`` when it can run it."""
         reasons = []
         if self.needs is not None:
             reasons.append(f"needs {self.needs}")
+        elif self.missing is not None and (lacking := self.missing()):
+            reasons.append(f"needs {lacking}")
         if self.devices is not None and call.q.device.type not in self.devices:
             where = " or ".join(sorted(self.devices)) or "no device here (this PyTorch lacks it)"
             reasons.append(f"runs on {where} only (the inputs are on {call.q.device.type})")
@@ -250,6 +256,8 @@ class Supports:
         if call.score_mod is not None:
             if self.score_mod == "none":
                 reasons.append("no score_mod")
+            elif self.score_mod == "softcap" and not isinstance(call.score_mod, mods.softcap):
+                reasons.append("a score_mod only when it is attnkit.mods.softcap")
             elif self.score_mod == "bias" and not call.score_bias:
                 reasons.append("a score_mod only when it is a bias on the scores (attnkit.mods.alibi)")
             elif self.score_mod == "bias" and self.dense_mask_limit is not None:
@@ -284,7 +292,12 @@ class Supports:
         can += [] if self.attn_mask else ["no attn_mask"]
         if self.mask_mod:
             can.append("mask_mod" if self.dense_mask_limit is None else "mask_mod (as one dense mask)")
-        can += {"any": ["score_mod"], "bias": ["score_mod (a bias: alibi)"], "none": []}[self.score_mod]
+        can += {
+            "any": ["score_mod"],
+            "bias": ["score_mod (a bias: alibi)"],
+            "softcap": ["score_mod (softcap)"],
+            "none": [],
+        }[self.score_mod]
         can += ["sinks"] if self.sinks else []
         if self.devices is not None:
             can.append(f"on {' or '.join(sorted(self.devices)) or 'no device (this PyTorch lacks it)'} only")

@@ -1,7 +1,7 @@
 """The statistics' tile kernel (``tile.cpp``): one float32 tile of :mod:`attnkit.stats.tiled`'s pass, each row of
 its scores reduced while it is in cache, where the same steps as torch ops read the whole tile a dozen times. Built
 with PyTorch's C++ extension loader on first use (a C++ compiler and ninja; ~7 s, then cached:
-:func:`build_directory`); where it cannot be built, the pass runs its torch ops (the same results, slower) and says
+``attnkit._native``); where it cannot be built, the pass runs its torch ops (the same results, slower) and says
 so once.
 
 ``ATTNKIT_STATS_KERNEL=0`` in the environment, or :func:`disabled`, keeps the torch ops.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -21,20 +20,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-try:
-    import fcntl
-except ImportError:  # Windows: no flock; PyTorch's loader's own lock file alone
-    fcntl = None  # type: ignore[assignment]
+from attnkit import _native
 
 __all__ = ["available", "build_directory", "disabled", "failed", "tile"]
 
+build_directory = _native.build_directory
+
 _SOURCE = Path(__file__).with_name("tile.cpp")
-# Instruction sets PyTorch dispatches its own CPU kernels to, and the compiler flags that build for the same: the
-# extension's name carries the set, so that a build cache shared by unlike machines never runs one on another.
-_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-mavx2", "-mprefer-vector-width=512"],
-    "AVX2": ["-mavx2", "-mfma"],
-}
 _LOCK = threading.Lock()
 _state: dict[str, bool] = {}  # "built": the op is registered; "failed": the build failed (said once)
 _OFF: ContextVar[bool] = ContextVar("attnkit_stats_kernel_off", default=False)
@@ -60,59 +52,9 @@ def available() -> bool:
     return _state.get("built", False)
 
 
-def build_directory(name: str) -> Path:
-    """Where the kernel is built: under ``TORCH_EXTENSIONS_DIR`` (or ``~/.cache/torch_extensions``), apart for each
-    Python and PyTorch version (the loader's own cache tells its builds apart by source and flags, not by the
-    PyTorch they link against)."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return root / f"attnkit-{python}-torch{torch.__version__.replace('+', '-')}" / name
-
-
-@contextlib.contextmanager
-def _building(directory: Path) -> Iterator[None]:
-    """Hold the build directory against attnkit's other processes (``fcntl.flock``, released by the system if this
-    one dies), and remove the loader's own lock file if one is there: under the flock it was left by a build that
-    died (the loader would wait for it forever). The ``ninja`` installed with attnkit goes first on ``PATH``, where
-    the loader looks for it (an environment's ``bin`` is on ``PATH`` only when it is activated)."""
-    path = os.environ.get("PATH", "")
-    with contextlib.suppress(ImportError):
-        import ninja
-
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
-    try:
-        with open(directory / "attnkit.flock", "w") as handle:
-            if fcntl is not None:
-                fcntl.flock(handle, fcntl.LOCK_EX)
-            with contextlib.suppress(FileNotFoundError):
-                (directory / "lock").unlink()
-            yield
-    finally:
-        os.environ["PATH"] = path
-
-
 def _build() -> dict[str, bool]:
-    capability = torch.backends.cpu.get_cpu_capability()
-    # -fno-trapping-math lets the loops of tile.cpp vectorize (floor, selects); -fopenmp makes at::parallel_for
-    # run on PyTorch's own OpenMP threads (its libgomp.so.1, loaded already, serves the extension's)
-    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", *_FLAGS.get(capability, [])]
-    name = f"attnkit_stats_{capability.lower().replace(' ', '_')}"
     try:
-        from torch.utils import cpp_extension
-
-        directory = build_directory(name)
-        directory.mkdir(parents=True, exist_ok=True)
-        with _building(directory), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the loader's notes on compiler versions: the build works or raises
-            cpp_extension.load(
-                name,
-                [str(_SOURCE)],
-                extra_cflags=flags,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                is_python_module=False,
-                verbose=False,
-            )
+        _native.build("attnkit_stats", _SOURCE)
         return {"built": True}
     except Exception as error:  # no compiler, no ninja, a build error: the torch ops instead
         _warn("could not be built", error)

@@ -1,0 +1,404 @@
+// Flash attention for one block of queries on the CPU, float32, forward and backward, with a built-in score_mod:
+// soft-capping (cap * tanh(score / cap), as FlashAttention's own `softcap`), the mask of each tile given as a bool
+// tile and a float bias tile. attnkit/backends/fused.py plans the tiles (attnkit/backends/tiles.py's plan) and builds
+// the masks of the partly visible ones; this file runs each (example, head) of a block of queries over its tiles, the
+// scores of a tile kept in cache from the product that makes them to the products that read them (where the
+// compiled steps of attnkit/backends/compiled.py write each step's (B, H, n, c) tile to memory and read it back).
+//
+// Shapes: B batch, H heads, n the block's queries, Lk keys, D head dim, Dv value head dim, c a tile's keys.
+// The semantics are those of attnkit/backends/compiled_steps.py: a score of -inf hides its key, a row that sees no
+// key gets zeros and a log-sum-exp of 0, and where `guard` says some key or value is not finite, the products that
+// read keys and values into rows skip the pairs a row may not see (0 * inf would be NaN there).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/core/List.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr float INF = std::numeric_limits<float>::infinity();
+constexpr float LOWEST = -87.0f;  // exp() below this is taken as 0 (float32's normal numbers end at -87.3)
+
+inline float bits_to_float(int32_t i) {
+  float f;
+  std::memcpy(&f, &i, sizeof f);
+  return f;
+}
+
+inline int32_t float_to_bits(float f) {
+  int32_t i;
+  std::memcpy(&i, &f, sizeof i);
+  return i;
+}
+
+// exp(x): 2^n exp(r), n = round(x / ln 2), |r| <= ln 2 / 2, a degree-7 polynomial for exp(r) (Cephes' expf,
+// within 2 units in the last place); 0 below LOWEST (-inf included), NaN for NaN; branch-free, so that the loops
+// that call it vectorize.
+inline float fast_exp(float x) {
+  constexpr float ROUND = 12582912.0f;  // 1.5 * 2^23
+  const float y = std::min(std::max(x, LOWEST), 88.3762626647949f);
+  const float shifted = y * 1.44269504088896341f + ROUND;
+  const int32_t n_bits = float_to_bits(shifted) - float_to_bits(ROUND);  // n
+  const float n = shifted - ROUND;
+  float r = y - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float e = p * bits_to_float(static_cast<int32_t>(static_cast<uint32_t>(n_bits + 127) << 23));
+  return x < LOWEST ? 0.0f : (x != x ? x : e);
+}
+
+// tanh(x), as Cephes' tanhf: an odd polynomial where |x| < 0.625, 1 - 2 / (exp(2 |x|) + 1) with the sign of x
+// elsewhere; both computed and one kept, so that the loops vectorize. +-1 at +-inf, NaN for NaN.
+inline float fast_tanh(float x) {
+  const float z = std::fabs(x);
+  const float s = x * x;
+  float p = -5.70498872745e-3f;
+  p = p * s + 2.06390887954e-2f;
+  p = p * s - 5.37397155531e-2f;
+  p = p * s + 1.33314422036e-1f;
+  p = p * s - 3.33332819422e-1f;
+  const float small = p * s * x + x;
+  const float e = fast_exp(std::min(2.0f * z, 88.0f));
+  const float large = std::copysign(1.0f - 2.0f / (e + 1.0f), x);
+  return z < 0.625f ? small : large;
+}
+
+// C (M x N, row-major, ldc) = alpha op(A) op(B) + beta C, op(A) M x K, op(B) K x N, each row-major (lda, ldb),
+// transposed where ta / tb: through the BLAS PyTorch links (MKL's sgemm_, which PyTorch's CPU library exports;
+// column-major, so it computes C^T = op(B)^T op(A)^T). Where it is not there, the kernel does not load and
+// attnkit/backends/fused.py runs the compiled steps instead.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+
+inline void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+               const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  const char tra = tb ? 'T' : 'N', trb = ta ? 'T' : 'N';
+  const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
+  // (a leading dimension is at least 1 where a matrix has no columns: D = 0)
+  const int la = static_cast<int>(std::max<int64_t>(ldb, 1)), lb = static_cast<int>(std::max<int64_t>(lda, 1));
+  const int lc = static_cast<int>(std::max<int64_t>(ldc, 1));
+  sgemm_(&tra, &trb, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+}
+
+// A (B|1, H|1, n, c) tile of a mask, read through its strides (0 where it broadcasts).
+template <typename T>
+struct Part {
+  const T* data = nullptr;
+  int64_t sb = 0, sh = 0, si = 0, sj = 0;
+
+  static Part of(const c10::optional<at::Tensor>& t) {
+    Part p;
+    if (!t.has_value() || !t->defined()) return p;
+    p.data = t->data_ptr<T>();
+    p.sb = t->size(0) == 1 ? 0 : t->stride(0), p.sh = t->size(1) == 1 ? 0 : t->stride(1);
+    p.si = t->stride(2), p.sj = t->stride(3);
+    return p;
+  }
+  const T* at(int64_t b, int64_t h, int64_t i) const { return data + b * sb + h * sh + i * si; }
+};
+
+// The tiles of a block of queries: tile t covers keys [spans[2t], spans[2t + 1]), its allowed and bias parts.
+struct Tiles {
+  std::vector<int64_t> j0, j1;
+  std::vector<Part<bool>> allowed;
+  std::vector<Part<float>> bias;
+  int64_t widest = 0;
+};
+
+Tiles tiles_of(const at::Tensor& spans, const c10::List<c10::optional<at::Tensor>>& allowed,
+               const c10::List<c10::optional<at::Tensor>>& bias, int64_t B, int64_t H, int64_t n, int64_t Lk) {
+  TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 2 && spans.scalar_type() == at::kLong && spans.is_contiguous(),
+              "spans: (T, 2) int64");
+  const int64_t T = spans.size(0);
+  TORCH_CHECK(static_cast<int64_t>(allowed.size()) == T && static_cast<int64_t>(bias.size()) == T,
+              "one allowed and one bias (or None) per tile");
+  Tiles out;
+  const int64_t* s = spans.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t j0 = s[2 * t], j1 = s[2 * t + 1];
+    TORCH_CHECK(0 <= j0 && j0 <= j1 && j1 <= Lk, "a tile's keys lie in [0, Lk)");
+    const c10::optional<at::Tensor> a = allowed.get(t), f = bias.get(t);
+    for (const auto* part : {&a, &f}) {
+      if (!part->has_value() || !(*part)->defined()) continue;
+      const at::Tensor& p = **part;
+      TORCH_CHECK(p.dim() == 4 && (p.size(0) == B || p.size(0) == 1) && (p.size(1) == H || p.size(1) == 1) &&
+                      p.size(2) == n && p.size(3) == j1 - j0,
+                  "a tile's mask: (B|1, H|1, n, c)");
+    }
+    TORCH_CHECK(!a.has_value() || !a->defined() || a->scalar_type() == at::kBool, "allowed: bool");
+    TORCH_CHECK(!f.has_value() || !f->defined() || f->scalar_type() == at::kFloat, "bias: float32");
+    out.j0.push_back(j0);
+    out.j1.push_back(j1);
+    out.allowed.push_back(Part<bool>::of(a));
+    out.bias.push_back(Part<float>::of(f));
+    out.widest = std::max(out.widest, j1 - j0);
+  }
+  return out;
+}
+
+void check(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.dim() == dim && t.is_contiguous() && t.scalar_type() == at::kFloat, name,
+              ": a contiguous float32 tensor of ", dim, " dimensions");
+}
+
+// The largest of x[0, n) (NaN does not win: the row's sum is NaN anyway): in lanes, then across them, so that the
+// compiler vectorizes it as written (one running maximum would wait on each comparison).
+inline float largest(const float* x, int64_t n) {
+  constexpr int64_t LANES = 16;
+  float lanes[LANES];
+  for (int64_t l = 0; l < LANES; ++l) lanes[l] = -INF;
+  int64_t j = 0;
+  for (; j + LANES <= n; j += LANES) {
+    for (int64_t l = 0; l < LANES; ++l) lanes[l] = lanes[l] > x[j + l] ? lanes[l] : x[j + l];
+  }
+  for (; j < n; ++j) lanes[0] = lanes[0] > x[j] ? lanes[0] : x[j];
+  float top = lanes[0];
+  for (int64_t l = 1; l < LANES; ++l) top = top > lanes[l] ? top : lanes[l];
+  return top;
+}
+
+// The modified, masked scores of row i of a tile, in place: s (c,) the raw products; g (c,), where not null, the
+// score_mod's derivative (1 - tanh^2); returns the row's largest.
+inline float modify(float* s, float* g, int64_t c, float scale, float cap, const bool* allowed, int64_t aj,
+                    const float* bias, int64_t bj) {
+  if (cap > 0) {
+    const float inv = 1.0f / cap;
+    if (g != nullptr) {
+#pragma omp simd
+      for (int64_t j = 0; j < c; ++j) {
+        const float t = fast_tanh(s[j] * scale * inv);
+        s[j] = cap * t;
+        g[j] = 1.0f - t * t;
+      }
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < c; ++j) s[j] = cap * fast_tanh(s[j] * scale * inv);
+    }
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < c; ++j) s[j] *= scale;
+  }
+  if (bias != nullptr) {
+    for (int64_t j = 0; j < c; ++j) s[j] += bias[j * bj];
+  }
+  if (allowed != nullptr) {
+    for (int64_t j = 0; j < c; ++j) s[j] = allowed[j * aj] ? s[j] : -INF;
+  }
+  return largest(s, c);
+}
+
+// C (n, d) += alpha A X over the pairs (i, j) not hidden (hidden (n, c) marks them), A (n, c), X (c, d): the
+// product where a key or value that is not finite must not reach a row that may not see it (0 * inf is NaN).
+void product_of_seen(const float* A, int64_t n, int64_t c, const uint8_t* hidden, const float* X, int64_t d,
+                     float alpha, float* C) {
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = C + i * d;
+    for (int64_t j = 0; j < c; ++j) {
+      if (hidden[i * c + j]) continue;
+      const float a = alpha * A[i * c + j];
+      const float* x = X + j * d;
+#pragma omp simd
+      for (int64_t e = 0; e < d; ++e) row[e] += a * x[e];
+    }
+  }
+}
+
+// Forward: out (B, H, n, Dv) and lse (B, H, n) of q (B, H, n, D) over the tiles of k (B, H, Lk, D), v (B, H, Lk, Dv);
+// sink (B, H, n) the sink's logit per row, or None.
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& spans,
+                                           const c10::List<c10::optional<at::Tensor>>& allowed,
+                                           const c10::List<c10::optional<at::Tensor>>& bias,
+                                           const c10::optional<at::Tensor>& sink, double scale_, double cap_,
+                                           bool guard) {
+  check(q, "q", 4), check(k, "k", 4), check(v, "v", 4);
+  const int64_t B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3), Lk = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.size(0) == B && v.size(1) == H &&
+                  v.size(2) == Lk,
+              "q, k, v: (B, H, n, D), (B, H, Lk, D), (B, H, Lk, Dv)");
+  const Tiles T = tiles_of(spans, allowed, bias, B, H, n, Lk);
+  const bool has_sink = sink.has_value() && sink->defined();
+  if (has_sink) check(*sink, "sink", 3);
+  auto out = at::empty({B, H, n, Dv}, q.options());
+  auto lse = at::empty({B, H, n}, q.options());
+  const float scale = static_cast<float>(scale_), cap = static_cast<float>(cap_);
+  const int64_t c_max = std::max<int64_t>(T.widest, 1);
+  at::parallel_for(0, B * H, 1, [&](int64_t a0, int64_t a1) {
+    std::vector<float> s(n * c_max), acc(n * Dv), m(n), l(n);
+    std::vector<uint8_t> hidden(guard ? n * c_max : 0);
+    for (int64_t a = a0; a < a1; ++a) {
+      const int64_t b = a / H, h = a % H;
+      const float* qa = q.data_ptr<float>() + a * n * D;
+      const float* ka = k.data_ptr<float>() + a * Lk * D;
+      const float* va = v.data_ptr<float>() + a * Lk * Dv;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t i = 0; i < n; ++i) {
+        m[i] = has_sink ? sink->data_ptr<float>()[a * n + i] : -INF;
+        l[i] = has_sink ? 1.0f : 0.0f;
+      }
+      for (size_t t = 0; t < T.j0.size(); ++t) {
+        const int64_t j0 = T.j0[t], c = T.j1[t] - j0;
+        if (c == 0) continue;
+        mm(false, true, n, c, D, 1.0f, qa, D, ka + j0 * D, D, 0.0f, s.data(), c);  // (n, c) q k^T
+        const Part<bool>& al = T.allowed[t];
+        const Part<float>& bi = T.bias[t];
+        for (int64_t i = 0; i < n; ++i) {
+          float* row = s.data() + i * c;
+          const float top = modify(row, nullptr, c, scale, cap, al.data ? al.at(b, h, i) : nullptr, al.sj,
+                                   bi.data ? bi.at(b, h, i) : nullptr, bi.sj);
+          if (guard) {
+            for (int64_t j = 0; j < c; ++j) hidden[i * c + j] = row[j] == -INF;
+          }
+          const float m_new = std::max(m[i], top);  // -inf where the row saw nothing yet
+          const float m_safe = m_new == -INF ? 0.0f : m_new;
+          const float alpha = fast_exp(m[i] - m_safe);
+          m[i] = m_new;
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < c; ++j) {
+            row[j] = fast_exp(row[j] - m_safe);
+            sum += row[j];
+          }
+          l[i] = l[i] * alpha + sum;
+          if (alpha != 1.0f) {
+            float* o = acc.data() + i * Dv;
+            for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha;
+          }
+        }
+        if (guard) {
+          product_of_seen(s.data(), n, c, hidden.data(), va + j0 * Dv, Dv, 1.0f, acc.data());  // (n, Dv) += p v
+        } else {
+          mm(false, false, n, Dv, c, 1.0f, s.data(), c, va + j0 * Dv, Dv, 1.0f, acc.data(), Dv);  // (n, Dv) += p v
+        }
+      }
+      float* oa = out.data_ptr<float>() + a * n * Dv;
+      float* la = lse.data_ptr<float>() + a * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const bool empty = l[i] == 0.0f;
+        const float li = std::max(l[i], std::numeric_limits<float>::min());
+        for (int64_t d = 0; d < Dv; ++d) oa[i * Dv + d] = empty ? 0.0f : acc[i * Dv + d] / li;
+        la[i] = empty ? 0.0f : m[i] + std::log(li);
+      }
+    }
+  });
+  return std::make_tuple(out, lse);
+}
+
+// Backward: dq (B, H, n, D) of the block, and its share of dk (B, H, Lk, D) and dv (B, H, Lk, Dv) added in place,
+// from dout (B, H, n, Dv), lse and delta = sum(dout * out) (B, H, n).
+at::Tensor backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
+                    const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& spans,
+                    const c10::List<c10::optional<at::Tensor>>& allowed,
+                    const c10::List<c10::optional<at::Tensor>>& bias, double scale_, double cap_, bool guard,
+                    at::Tensor dk, at::Tensor dv) {
+  check(q, "q", 4), check(k, "k", 4), check(v, "v", 4), check(dout, "dout", 4), check(lse, "lse", 3);
+  check(delta, "delta", 3), check(dk, "dk", 4), check(dv, "dv", 4);
+  const int64_t B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3), Lk = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(dk.sizes() == k.sizes() && dv.sizes() == v.sizes() && dout.size(3) == Dv, "dk, dv as k, v");
+  const Tiles T = tiles_of(spans, allowed, bias, B, H, n, Lk);
+  auto dq = at::zeros({B, H, n, D}, q.options());
+  const float scale = static_cast<float>(scale_), cap = static_cast<float>(cap_);
+  const int64_t c_max = std::max<int64_t>(T.widest, 1);
+  at::parallel_for(0, B * H, 1, [&](int64_t a0, int64_t a1) {
+    std::vector<float> p(n * c_max), g(cap > 0 ? n * c_max : 0), dp(n * c_max);
+    std::vector<uint8_t> hidden(guard ? n * c_max : 0);
+    for (int64_t a = a0; a < a1; ++a) {
+      const int64_t b = a / H, h = a % H;
+      const float* qa = q.data_ptr<float>() + a * n * D;
+      const float* ka = k.data_ptr<float>() + a * Lk * D;
+      const float* va = v.data_ptr<float>() + a * Lk * Dv;
+      const float* oa = dout.data_ptr<float>() + a * n * Dv;
+      const float* la = lse.data_ptr<float>() + a * n;
+      const float* ea = delta.data_ptr<float>() + a * n;
+      float* dqa = dq.data_ptr<float>() + a * n * D;
+      float* dka = dk.data_ptr<float>() + a * Lk * D;
+      float* dva = dv.data_ptr<float>() + a * Lk * Dv;
+      for (size_t t = 0; t < T.j0.size(); ++t) {
+        const int64_t j0 = T.j0[t], c = T.j1[t] - j0;
+        if (c == 0) continue;
+        mm(false, true, n, c, D, 1.0f, qa, D, ka + j0 * D, D, 0.0f, p.data(), c);  // (n, c) q k^T
+        const Part<bool>& al = T.allowed[t];
+        const Part<float>& bi = T.bias[t];
+        for (int64_t i = 0; i < n; ++i) {
+          float* row = p.data() + i * c;
+          modify(row, cap > 0 ? g.data() + i * c : nullptr, c, scale, cap, al.data ? al.at(b, h, i) : nullptr,
+                 al.sj, bi.data ? bi.at(b, h, i) : nullptr, bi.sj);
+          const float shift = la[i];
+          if (guard) {
+            for (int64_t j = 0; j < c; ++j) hidden[i * c + j] = row[j] == -INF;
+          }
+#pragma omp simd
+          for (int64_t j = 0; j < c; ++j) row[j] = fast_exp(row[j] - shift);  // the weights again; 0 where hidden
+        }
+        const float* kt = ka + j0 * D;
+        const float* vt = va + j0 * Dv;
+        mm(true, false, c, Dv, n, 1.0f, p.data(), c, oa, Dv, 1.0f, dva + j0 * Dv, Dv);  // (c, Dv) += p^T dout
+        mm(false, true, n, c, Dv, 1.0f, oa, Dv, vt, Dv, 0.0f, dp.data(), c);  // (n, c) dout v^T
+        for (int64_t i = 0; i < n; ++i) {
+          float* pr = p.data() + i * c;
+          const float* dr = dp.data() + i * c;
+          const float e = ea[i];
+          if (cap > 0) {
+            const float* gr = g.data() + i * c;
+#pragma omp simd
+            for (int64_t j = 0; j < c; ++j) pr[j] = pr[j] * (dr[j] - e) * gr[j];
+          } else {
+#pragma omp simd
+            for (int64_t j = 0; j < c; ++j) pr[j] = pr[j] * (dr[j] - e);
+          }
+          // the gradient of a hidden score is 0 (as FlexAttention's: a score_mod singular where it hides has none)
+          if (guard) {
+            for (int64_t j = 0; j < c; ++j) pr[j] = hidden[i * c + j] ? 0.0f : pr[j];
+          } else if (al.data != nullptr) {
+            const bool* ar = al.at(b, h, i);
+            for (int64_t j = 0; j < c; ++j) pr[j] = ar[j * al.sj] ? pr[j] : 0.0f;
+          }
+        }
+        if (guard) {  // (dp is not finite where a hidden value is not: ds is 0 there, and k's hidden keys skipped)
+          product_of_seen(p.data(), n, c, hidden.data(), kt, D, scale, dqa);  // (n, D) += ds k
+        } else {
+          mm(false, false, n, D, c, scale, p.data(), c, kt, D, 1.0f, dqa, D);  // (n, D) += ds k
+        }
+        mm(true, false, c, D, n, scale, p.data(), c, qa, D, 1.0f, dka + j0 * D, D);  // (c, D) += ds^T q
+      }
+    }
+  });
+  return dq;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(attnkit_flash, m) {
+  m.def(
+      "forward(Tensor q, Tensor k, Tensor v, Tensor spans, Tensor?[] allowed, Tensor?[] bias, Tensor? sink, "
+      "float scale, float cap, bool guard) -> (Tensor, Tensor)");
+  m.def(
+      "backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, Tensor spans, Tensor?[] allowed, "
+      "Tensor?[] bias, float scale, float cap, bool guard, Tensor(a!) dk, Tensor(b!) dv) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attnkit_flash, CPU, m) {
+  m.impl("forward", forward);
+  m.impl("backward", backward);
+}

@@ -1,0 +1,182 @@
+"""attnkit's own flash-attention kernel (``flash.cpp``, C++ on the CPU, float32), forward and backward, with
+soft-capping built in (:class:`attnkit.mods.softcap`, as FlashAttention's own ``softcap``) and every mask.
+
+Where :mod:`attnkit.backends.compiled` runs a ``score_mod`` as compiled steps over ``(B, H, 256, 256)`` tiles, each
+step writing its scores to memory for the next to read, this kernel takes one ``(example, head)`` of a block of
+queries at a time, and a tile's scores stay in cache from the product that makes them to the products that read them:
+the steps' pointwise code cost about half of SDPA's whole call, the kernel's a fifth (``docs/benchmarks.md``).
+
+The tiles are those of :mod:`attnkit.backends.tiles`' plan: hidden tiles are never touched, runs of visible keys go
+in spans of up to ``SPAN`` keys without a mask, and partly visible ones with the mask's ``allowed`` and ``bias``
+tiles (:meth:`attnkit.masks.Mask.tile`). A row's output and log-sum-exp come from one pass over its spans; the
+backward pass recomputes each span's weights from the log-sum-exp, as FlashAttention's does.
+
+Built on first use (:mod:`attnkit._native`, ~7 s, then cached); where it cannot be built, ``auto`` runs softcap on
+``compiled`` or ``chunked``, and the warning says so once. ``ATTNKIT_FLASH_KERNEL=0`` in the environment keeps it
+off.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from attnkit import _native, mods
+from attnkit.backends import tiles
+from attnkit.backends.common import Watched, first_order_only, repeat_kv, zero_dead
+from attnkit.backends.contract import DOT, Call, Supports
+from attnkit.masks import Mask
+
+NAME = "flash"
+
+# Keys of a span: one product and one pass of the kernel (512 measured 5-10% faster than 256 at L=8192, as PyTorch's
+# own CPU kernel's 512 keys a block).
+SPAN = 512
+
+_SOURCE = Path(__file__).with_name("flash.cpp")
+_LOCK = threading.Lock()
+_state: dict[str, str | None] = {}  # "missing": None once built, else why it is not
+
+
+def missing() -> str | None:
+    """What the kernel lacks here (``None``: it runs): turned off, or its build failed (said once, as a warning).
+    Builds it the first time it is asked."""
+    if os.environ.get("ATTNKIT_FLASH_KERNEL", "1") == "0":
+        return "ATTNKIT_FLASH_KERNEL unset or 1 (it is 0 here)"
+    with _LOCK:
+        if not _state:
+            try:
+                _native.build("attnkit_flash", _SOURCE)
+                _state["missing"] = None
+            except Exception as error:  # no compiler, no ninja, a build error
+                reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                _state["missing"] = f"its C++ kernel built (the build failed: {type(error).__name__}: {reason})"
+                warnings.warn(
+                    f"attnkit: the flash kernel could not be built ({type(error).__name__}: {reason}); softcap runs "
+                    "on the 'compiled' or 'chunked' backend instead (the same results, slower; `make compiler` "
+                    "installs a C++ compiler)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+    return _state["missing"]
+
+
+SUPPORTS = Supports(
+    scoring=frozenset({DOT}),
+    weights=False,
+    dropout=False,
+    bias_grad=False,
+    score_mod="softcap",
+    devices=frozenset({"cpu"}),
+    dtypes=frozenset({torch.float32}),
+    opaque_modifiers=False,
+    missing=missing,
+)
+
+# B batch, H heads, Lq/Lk query/key length, D head dim, Dv value head dim, n a block's queries, c a span's keys
+
+
+def attention(call: Call) -> tuple[Tensor, Tensor | None]:
+    q, k, v, mask = call.q, call.k, call.v, call.mask
+    H = q.shape[1]
+    tiles.plan(mask)  # first: looking at the tiles, it learns which keys and rows are live (zero_dead's question)
+    q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
+    kf = repeat_kv(k, H)  # (B, H, Lk, D): repeated outside the Function, autograd sums the groups back
+    vf = repeat_kv(v, H)  # (B, H, Lk, Dv)
+    cap = call.score_mod.cap if isinstance(call.score_mod, mods.softcap) else 0.0
+    watched = Watched.of(call) if call.needs_grad else None
+    out = _Flash.apply(q, kf, vf, call.sinks, mask, cap, call.scale, watched)  # (B, H, Lq, Dv)
+    return out, None
+
+
+def _spans(mask: Mask, rows: tiles.Rows) -> tuple[Tensor, list[Tensor | None], list[Tensor | None]]:
+    """The spans of keys a block of queries sees, ``(T, 2)`` (first key, end), and each one's ``allowed`` (bool)
+    and ``bias`` (float32) tiles as ``(B|1, H|1, n, c)`` views, or ``None`` (every pair visible, no bias)."""
+    r0, r1, n = rows.r0, rows.r1, rows.r1 - rows.r0
+    found: list[tuple[int, int]] = []
+    allowed: list[Tensor | None] = []
+    bias: list[Tensor | None] = []
+    for run in rows.runs:
+        for j0 in range(run.j0, run.j1, SPAN):
+            j1 = min(j0 + SPAN, run.j1)
+            a, b = mask.tile(r0, r1, j0, j1, torch.float32, every=run.kind == tiles.FULL)  # (B|1, H|1, n|1, c)
+            found.append((j0, j1))
+            allowed.append(None if a is None else _four(a, n, j1 - j0))
+            bias.append(None if b is None else _four(b, n, j1 - j0))
+    spans = torch.tensor(found, dtype=torch.long).reshape(-1, 2)  # (T, 2)
+    return spans, allowed, bias
+
+
+def _four(t: Tensor, n: int, c: int) -> Tensor:
+    """``t``, broadcastable to ``(B, H, n, c)``, as a ``(B|1, H|1, n, c)`` view."""
+    t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # (B|1, H|1, n|1, c|1)
+    return t.expand(*t.shape[:2], n, c)
+
+
+def _not_finite(k: Tensor, v: Tensor) -> bool:
+    """Some key or value is not finite (one read of each): the kernel's products then skip the pairs a row may not
+    see, one by one, so that no such key or value reaches a row that may not see it (0 * inf is NaN)."""
+    return not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all()))
+
+
+class _Flash(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        sinks: Tensor | None,
+        mask: Mask,
+        cap: float,
+        scale: float,
+        watched: Watched | None,
+    ) -> Tensor:
+        B, H, Lq, _ = q.shape
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        guard = _not_finite(k, v)
+        out = q.new_zeros((B, H, Lq, v.shape[-1]))  # (B, H, Lq, Dv)
+        sink = None if sinks is None else mask.sink_logits(sinks.to(q.dtype))[..., 0].expand(B, H, Lq)  # (B, H, Lq)
+        # (B, H, Lq), rows with no block keep it: 0, or the sink's logit (a new tensor: sink may be a view of sinks)
+        lse = q.new_zeros((B, H, Lq)) if sink is None else sink.clone(memory_format=torch.contiguous_format)
+        for rows in tiles.plan(mask):
+            r0, r1 = rows.r0, rows.r1
+            spans, allowed, bias = _spans(mask, rows)
+            row_sink = None if sink is None else sink[:, :, r0:r1].contiguous()  # (B, H, n)
+            qb = q[:, :, r0:r1].contiguous()  # (B, H, n, D)
+            found = torch.ops.attnkit_flash.forward(qb, k, v, spans, allowed, bias, row_sink, scale, cap, guard)
+            out[:, :, r0:r1], lse[:, :, r0:r1] = found  # (B, H, n, Dv), (B, H, n)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.mask, ctx.cap, ctx.scale, ctx.watched, ctx.guard = mask, cap, scale, watched, guard
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        first_order_only(NAME)
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        if ctx.watched is not None:
+            ctx.watched.check(NAME)
+        mask: Mask = ctx.mask
+        B, H, Lq, _ = q.shape
+        dout = dout.to(out.dtype).contiguous()
+        delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for rows in tiles.plan(mask):
+            r0, r1 = rows.r0, rows.r1
+            spans, allowed, bias = _spans(mask, rows)
+            parts = (t[:, :, r0:r1].contiguous() for t in (q, dout, lse, delta))
+            qb, db, lb, eb = parts  # (B, H, n, D), (B, H, n, Dv), (B, H, n), (B, H, n)
+            dq[:, :, r0:r1] = torch.ops.attnkit_flash.backward(
+                qb, k, v, db, lb, eb, spans, allowed, bias, ctx.scale, ctx.cap, ctx.guard, dk, dv
+            )  # (B, H, n, D); dk and dv added to in place
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # d lse / d sink = the sink's weight, exp(sink - lse); d out / d sink = -(sink's weight) * out
+            weight = torch.exp(mask.sink_logits(sinks.to(q.dtype))[..., 0].expand(B, H, Lq) - lse)  # (B, H, Lq)
+            dsinks = -(weight * delta).sum(dim=(0, 2)).to(sinks.dtype)  # (H,)
+        return dq, dk, dv, dsinks, None, None, None, None

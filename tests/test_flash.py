@@ -1,0 +1,213 @@
+"""The flash backend (attnkit's own C++ kernel, float32) against the float64 math of tests/mathref.py: outputs and
+every gradient (q, k, v, sinks), at sizes that make several blocks of queries (256) and spans of keys (512) with
+ragged ends; NaN where no query may see; infinite keys and values; empty shapes; a kernel that cannot be built;
+what ``auto`` picks.
+
+The kernel runs float32 only: its results are held to test_backends' float32 rule (outputs within 1e-5, gradients
+within 3e-5 of the largest), the float64 math computed from the same float32 values."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
+import attnkit
+import mathref
+from attnkit import dispatch, mods
+from attnkit.backends import flash
+from mathref import max_err
+
+# B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim, Dv value head dim
+
+B, H, HKV, D, DV = 2, 4, 2, 8, 5
+OUT_TOL, GRAD_TOL = 1e-5, 3e-5
+CAP = 2.0  # a small cap, so that the cap bends most scores
+
+pytestmark = pytest.mark.skipif(flash.missing() is not None, reason="the flash kernel cannot be built here")
+
+
+def _inputs(seed: int, Lq: int, Lk: int, b: int = B) -> list[torch.Tensor]:
+    """float32 q, k, v as float64 leaves (the math's inputs; attnkit's call takes them cast to float32)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, H, Lq, D, generator=g) * 2
+    k, v = torch.randn(b, HKV, Lk, D, generator=g), torch.randn(b, HKV, Lk, DV, generator=g)
+    return [t.double().requires_grad_() for t in (q, k, v)]
+
+
+def _flash(leaves: list[torch.Tensor], **kw) -> torch.Tensor:
+    """attnkit's call on float32 copies of the leaves (and float32 sinks), its output as float64: autograd carries
+    the gradients back to the float64 leaves through the casts, which are exact."""
+    q, k, v = (t.float() for t in leaves[:3])
+    if "sinks" in kw:
+        kw = {**kw, "sinks": kw["sinks"].float()}
+    out = attnkit.scaled_dot_product_attention(q, k, v, backend="flash", **kw).output
+    assert out.dtype == torch.float32
+    return out.double()
+
+
+def _agree(ours: dict, math: dict, leaves: list[torch.Tensor], names: list[str]) -> None:
+    q, k, v = leaves[:3]
+    out = _flash(leaves, **ours)
+    want, _ = mathref.attention_mods(q, k, v, **math)
+    assert max_err(out, want) <= OUT_TOL
+    dout = torch.randn_like(out)
+    got, expected = torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout)
+    for name, a, b in zip(names, got, expected, strict=True):
+        assert max_err(a, b) <= GRAD_TOL * max(1.0, b.abs().max().item()), name
+
+
+@hypothesis_settings(max_examples=30, deadline=None)
+@given(
+    case=st.fixed_dictionaries(
+        {
+            "Lq": st.sampled_from([1, 9, 255, 257, 300, 530]),
+            "Lk": st.sampled_from([1, 9, 256, 300, 513, 700]),
+            "softcap": st.booleans(),
+            "mask": st.sampled_from(
+                ["none", "causal", "window", "user stripes", "valid_lens", "float mask", "bool mask"]
+            ),
+            "sinks": st.booleans(),
+            "seed": st.integers(0, 2**16),
+        }
+    )
+)
+def test_flash_equals_the_math_outputs_and_gradients(case):
+    Lq, Lk = case["Lq"], case["Lk"]
+    leaves = _inputs(case["seed"], Lq, Lk)
+    names = ["q", "k", "v"]
+    g = torch.Generator().manual_seed(case["seed"])
+    ours: dict = {}
+    math: dict = {}
+    if case["softcap"]:
+        ours["score_mod"], math["score_mod"] = mods.softcap(CAP), mathref.softcap(CAP)
+    if case["mask"] == "causal":
+        ours["is_causal"] = math["is_causal"] = True
+    elif case["mask"] == "window":
+        ours["mask_mod"], math["mask_mod"] = mods.sliding_window(40), mathref.sliding_window(40, Lq, Lk)
+    elif case["mask"] == "user stripes":
+        ours["mask_mod"] = math["mask_mod"] = lambda b, h, i, j: (j // 3) % 2 == 0
+    elif case["mask"] == "valid_lens":
+        ours["valid_lens"] = math["valid_lens"] = torch.randint(0, Lk + 1, (B,), generator=g)
+    elif case["mask"] == "float mask":
+        ours["attn_mask"] = torch.randn(B, 1, Lq, Lk, generator=g)
+        math["attn_mask"] = ours["attn_mask"].double()
+    elif case["mask"] == "bool mask":
+        ours["attn_mask"] = math["attn_mask"] = torch.rand(B, H, Lq, Lk, generator=g) < 0.7
+    if case["sinks"]:
+        ours["sinks"] = math["sinks"] = torch.randn(H, generator=g).double().requires_grad_()
+        leaves.append(ours["sinks"])
+        names.append("sinks")
+    _agree(ours, math, leaves, names)
+
+
+def test_nan_where_no_query_may_see_reaches_nothing():
+    """NaN in the keys and values past each example's length, over several blocks and spans: outputs and gradients
+    are those of the call with zeros there, bit for bit."""
+    Lq = Lk = 600
+    q, k, v = (t.detach().float() for t in _inputs(7, Lq, Lk))
+    lens = torch.tensor([600, 345])
+
+    def run(k, v):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attnkit.scaled_dot_product_attention(
+            *leaves, valid_lens=lens, is_causal=True, score_mod=mods.softcap(CAP), backend="flash"
+        ).output
+        out.backward(torch.ones_like(out))
+        return [out.detach()] + [t.grad for t in leaves]
+
+    unseen = [(1, slice(None), slice(345, None))]
+    mathref.assert_unseen_nan_reaches_nothing(run, k, v, unseen, ["out", "dq", "dk", "dv"], tol=0.0)
+
+
+def test_an_infinite_key_or_value_reaches_only_the_rows_that_may_see_it():
+    """inf in a value and in a key that causal rows of the same block and span may not see (rows before them): those
+    rows stay finite and equal the math's, forward and backward (0 * inf would be NaN in their products)."""
+    Lq = Lk = 300
+    q, k, v = (t.detach().float() for t in _inputs(3, Lq, Lk, b=1))
+    v[:, :, 280] = float("inf")
+    k[:, :, 290] = float("inf")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attnkit.scaled_dot_product_attention(*leaves, is_causal=True, backend="flash").output
+    clean = [t.clone().double().requires_grad_() for t in (q, k, v)]
+    clean[2].detach()[:, :, 280] = 0.0  # the math of the rows before 280, which never see key 280 nor 290
+    clean[1].detach()[:, :, 290] = 0.0
+    want, _ = mathref.attention_mods(*clean, is_causal=True)
+    assert max_err(out[:, :, :280].double(), want[:, :, :280]) <= OUT_TOL
+    assert out[:, :, 280:].isnan().any()  # (rows that see inf: inf - inf, as the math's)
+    dout = torch.zeros_like(out)
+    dout[:, :, :280] = torch.randn(1, H, 280, DV)
+    got = torch.autograd.grad(out, leaves[:1], dout)[0]  # dq of the rows before 280: finite, the math's
+    expected = torch.autograd.grad(want, clean[:1], dout.double())[0]
+    assert max_err(got[:, :, :280].double(), expected[:, :, :280]) <= GRAD_TOL * max(1.0, expected.abs().max().item())
+
+
+@pytest.mark.parametrize(("b", "Lq", "Lk"), [(0, 5, 5), (2, 0, 5), (2, 5, 4)])
+def test_empty_shapes_give_empty_or_zero_results(b, Lq, Lk):
+    """No example, no query, or rows that see no key (valid_lens of 0: zeros, with a sink too), forward and
+    backward."""
+    q, k, v = (t.detach().float().requires_grad_() for t in _inputs(1, Lq, Lk, b=b))
+    sinks = torch.zeros(H, requires_grad=True)
+    for kw in ({}, {"sinks": sinks}):
+        lens = torch.zeros(b, dtype=torch.long)
+        out = attnkit.scaled_dot_product_attention(
+            q, k, v, valid_lens=lens, score_mod=mods.softcap(CAP), backend="flash", **kw
+        )
+        assert out.output.shape == (b, H, Lq, DV) and not out.output.any()
+        out.output.sum().backward()
+        assert all(t.grad is not None and not t.grad.any() for t in (q, k, v))
+
+
+def test_auto_picks_flash_for_softcap_in_float32_only():
+    """softcap in float32 over a block of queries: flash; in float64, or a decode step's few queries: not."""
+    q, k, v = (t.detach() for t in _inputs(2, 64, 64))
+    for dtype, Lq, expected in ((torch.float32, 64, True), (torch.float64, 64, False), (torch.float32, 1, False)):
+        with dispatch.watch() as ran, torch.no_grad():
+            attnkit.scaled_dot_product_attention(
+                q[:, :, :Lq].to(dtype), k.to(dtype), v.to(dtype), score_mod=mods.softcap(CAP)
+            )
+        assert (ran == ["flash"]) == expected, (dtype, Lq, ran)
+
+
+def test_a_second_derivative_is_refused():
+    leaves = [t.detach().float().requires_grad_() for t in _inputs(4, 20, 20)]
+    out = attnkit.scaled_dot_product_attention(*leaves, score_mod=mods.softcap(CAP), backend="flash").output
+    with pytest.raises(RuntimeError, match="flash backend's backward cannot be differentiated again"):
+        torch.autograd.grad(out.sum(), leaves[0], create_graph=True)
+
+
+def test_a_kernel_that_cannot_be_built_says_so_once_and_auto_goes_elsewhere(monkeypatch):
+    """The loader raising (no compiler): one RuntimeWarning naming the error; ``auto`` runs softcap on another
+    backend with the math's result, and ``backend='flash'`` is refused saying why. ATTNKIT_FLASH_KERNEL=0: no build
+    tried, no warning."""
+    from torch.utils import cpp_extension
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no compiler here\nmore lines")
+
+    monkeypatch.delenv("ATTNKIT_FLASH_KERNEL", raising=False)
+    monkeypatch.setattr(flash, "_state", {})
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    leaves = _inputs(6, 40, 40)
+    q, k, v = (t.detach().float() for t in leaves)
+    want, _ = mathref.attention_mods(*(t.detach() for t in leaves), score_mod=mathref.softcap(CAP))
+    with pytest.warns(RuntimeWarning, match="could not be built .RuntimeError: no compiler here.") as caught:
+        with dispatch.watch() as ran:
+            out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=mods.softcap(CAP)).output
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=mods.softcap(CAP))
+    assert len([w for w in caught if "could not be built" in str(w.message)]) == 1
+    assert ran and ran != ["flash"] and max_err(out.double(), want) <= OUT_TOL
+    with pytest.raises(ValueError, match="build failed: RuntimeError: no compiler here"):
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=mods.softcap(CAP), backend="flash")
+    monkeypatch.setattr(flash, "_state", {})
+    monkeypatch.setenv("ATTNKIT_FLASH_KERNEL", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "ATTNKIT_FLASH_KERNEL" in (flash.missing() or "")
+        with dispatch.watch() as ran:
+            attnkit.scaled_dot_product_attention(q, k, v, score_mod=mods.softcap(CAP))
+    assert ran != ["flash"] and flash._state == {}
