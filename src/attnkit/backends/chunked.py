@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit.backends.common import Watched, first_order_only, probe, repeat_kv, zero_dead
+from attnkit.backends.common import Watched, first_order_only, probe, repeat_kv, sinks_grad, zero_dead
 from attnkit.backends.contract import Call, Supports, scores_bounded
 from attnkit.backends.online import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads, key_blocks
 from attnkit.masks import Mask, compute_dtype
@@ -173,11 +173,7 @@ class _OnlineSoftmax(torch.autograd.Function):
         grads = Grads(torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), _zeros_or_none(w_v))
         closed_grads = [torch.zeros_like(t) for t in closed_over]
         accumulate_grads(grads, q, k, v, mask, ctx.scorer, ctx.spans, lse, dout, delta, closed_over, closed_grads)
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[4]:
-            # d lse / d sink = the sink's weight, exp(sink - lse); d out / d sink = -(sink's weight) * out
-            weight = torch.exp(_sink_logits(sinks, mask, q.shape) - lse)  # (B, H, Lq)
-            dsinks = -(weight * delta).sum(dim=(0, 2))  # (H,)
+        dsinks = sinks_grad(sinks, mask, lse, delta) if sinks is not None and ctx.needs_input_grad[4] else None
         return (grads.dq, grads.dk, grads.dv, grads.dw, dsinks, None, None, None, None, *closed_grads)
 
 

@@ -150,3 +150,12 @@ class Watched:
                     f"mask_mod or score_mod closes over) was modified in place between the forward and the backward "
                     f"pass; the {backend} backend reads it again to recompute: clone it before changing it"
                 )
+
+
+def sinks_grad(sinks: Tensor, mask: Mask, lse: Tensor, delta: Tensor) -> Tensor:
+    """The gradient of the sinks ``(H,)`` from each row's log-sum-exp ``lse`` and ``delta = sum(dout * out)``
+    ``(B, H, Lq)``: d lse / d sink is the sink's weight, ``exp(sink - lse)``, and d out / d sink is minus that weight
+    times the output, so each row adds ``-weight * delta`` (the backends that recompute the weights share this)."""
+    B, H, Lq = lse.shape
+    sink = mask.sink_logits(sinks.to(lse.dtype))[..., 0].expand(B, H, Lq)  # (B|1, H, Lq|1, 1) -> (B, H, Lq)
+    return -(torch.exp(sink - lse) * delta).sum(dim=(0, 2)).to(sinks.dtype)  # (H,)

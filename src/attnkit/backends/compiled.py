@@ -31,7 +31,7 @@ from torch import Tensor
 from attnkit import mods
 from attnkit.backends import compiled_steps as steps
 from attnkit.backends import tiles
-from attnkit.backends.common import Watched, first_order_only, probe, repeat_kv, zero_dead
+from attnkit.backends.common import Watched, first_order_only, probe, repeat_kv, sinks_grad, zero_dead
 from attnkit.backends.contract import ADDITIVE, DOT, Call, Supports
 from attnkit.backends.online import RunningSoftmax
 from attnkit.masks import Mask, compute_dtype
@@ -351,9 +351,5 @@ class _Compiled(torch.autograd.Function):
                             total += part
         dq, dk, dv = _unblocked(dqs, Lq), _unblocked(dks, k.shape[2]), _unblocked(dvs, v.shape[2])
         dw = None if dws is None else dws.sum(dim=(0, 1, 2, 3))  # (D,): padded rows hold 0
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[4]:
-            # d lse / d sink = the sink's weight, exp(sink - lse); d out / d sink = -(sink's weight) * out
-            weight = torch.exp(mask.sink_logits(sinks)[..., 0].expand(B, H, Lq) - lse)  # (B, H, Lq)
-            dsinks = -(weight * delta).sum(dim=(0, 2))  # (H,)
+        dsinks = sinks_grad(sinks, mask, lse, delta) if sinks is not None and ctx.needs_input_grad[4] else None
         return (dq, dk, dv, dw, dsinks, None, None, None, None, *closed_grads)

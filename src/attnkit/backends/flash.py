@@ -28,7 +28,7 @@ from torch import Tensor
 
 from attnkit import _native, mods
 from attnkit.backends import tiles
-from attnkit.backends.common import Watched, first_order_only, repeat_kv, zero_dead
+from attnkit.backends.common import Watched, first_order_only, repeat_kv, sinks_grad, zero_dead
 from attnkit.backends.contract import DOT, Call, Supports
 from attnkit.masks import Mask
 
@@ -162,7 +162,6 @@ class _Flash(torch.autograd.Function):
         if ctx.watched is not None:
             ctx.watched.check(NAME)
         mask: Mask = ctx.mask
-        B, H, Lq, _ = q.shape
         dout = dout.to(out.dtype).contiguous()
         delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -174,9 +173,5 @@ class _Flash(torch.autograd.Function):
             dq[:, :, r0:r1] = torch.ops.attnkit_flash.backward(
                 qb, k, v, db, lb, eb, spans, allowed, bias, ctx.scale, ctx.cap, ctx.guard, dk, dv
             )  # (B, H, n, D); dk and dv added to in place
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
-            # d lse / d sink = the sink's weight, exp(sink - lse); d out / d sink = -(sink's weight) * out
-            weight = torch.exp(mask.sink_logits(sinks.to(q.dtype))[..., 0].expand(B, H, Lq) - lse)  # (B, H, Lq)
-            dsinks = -(weight * delta).sum(dim=(0, 2)).to(sinks.dtype)  # (H,)
+        dsinks = sinks_grad(sinks, mask, lse, delta) if sinks is not None and ctx.needs_input_grad[3] else None
         return dq, dk, dv, dsinks, None, None, None, None

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from attnkit import mods
 from attnkit._checks import ranges
-from attnkit.backends.common import Watched, bias_of, first_order_only, zero_dead
+from attnkit.backends.common import Watched, bias_of, first_order_only, sinks_grad, zero_dead
 from attnkit.backends.contract import DOT, Call, Supports
 from attnkit.masks import Mask
 from attnkit.mods import ScoreMod
@@ -396,8 +396,5 @@ class _Tiles(torch.autograd.Function):
                 dv[:, :, run.j0 : run.j1] += g[2]  # (B, Hkv, m, D)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
-            # d lse / d sink = the sink's weight, exp(sink - lse); d out / d sink = -(sink's weight) * out
-            sink = mask.sink_logits(sinks.to(q.dtype))[..., 0]  # (B|1, H, Lq|1)
-            delta = (dout * out).sum(dim=-1)  # (B, H, Lq)
-            dsinks = -(torch.exp(sink - lse) * delta).sum(dim=(0, 2)).to(sinks.dtype)  # (H,)
+            dsinks = sinks_grad(sinks, mask, lse, (dout * out).sum(dim=-1))  # (H,)
         return dq, dk, dv, dsinks, None, None, None, None
