@@ -211,3 +211,39 @@ def test_a_kernel_that_cannot_be_built_says_so_once_and_auto_goes_elsewhere(monk
         with dispatch.watch() as ran:
             attnkit.scaled_dot_product_attention(q, k, v, score_mod=mods.softcap(CAP))
     assert ran != ["flash"] and flash._state == {}
+
+
+def test_a_subclass_of_softcap_or_a_cap_float32_cannot_hold_is_not_run_as_softcap():
+    """The kernel reads only ``cap``: a subclass that computes something else, or a cap below float32's normal
+    numbers (0, or an infinite reciprocal, in float32), is refused by name and not picked by ``auto``."""
+
+    class Halved(mods.softcap):
+        def __call__(self, score, b, h, q_idx, kv_idx):
+            return super().__call__(score, b, h, q_idx, kv_idx) * 0.5
+
+    leaves = _inputs(8, 30, 30)
+    q, k, v = (t.detach().float() for t in leaves)
+    for score_mod in (Halved(CAP), mods.softcap(1e-46)):
+        with pytest.raises(ValueError, match="attnkit.mods.softcap itself"):
+            attnkit.scaled_dot_product_attention(q, k, v, score_mod=score_mod, backend="flash")
+        with dispatch.watch() as ran:
+            out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=score_mod).output
+        want = attnkit.scaled_dot_product_attention(q, k, v, score_mod=score_mod, backend="reference").output
+        assert ran != ["flash"] and max_err(out, want) <= OUT_TOL
+
+
+def test_a_query_that_holds_nan_puts_nan_only_in_the_gradients_of_keys_it_may_see():
+    """Row 5 (causal) holds NaN and its output gradient is 0: dv stays finite past key 5, as the reference's (its
+    weights on hidden keys are 0 exactly, not exp(-inf - NaN))."""
+    q, k, v = (t.detach().float() for t in _inputs(9, 300, 300, b=1))
+    q[:, 0, 5, 0] = float("nan")
+    grads = {}
+    for backend in ("flash", "reference"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attnkit.scaled_dot_product_attention(*leaves, is_causal=True, backend=backend).output
+        dout = torch.ones_like(out)
+        dout[:, :, 5] = 0.0
+        out.backward(dout)
+        grads[backend] = leaves[2].grad
+    for backend, dv in grads.items():
+        assert torch.isfinite(dv[:, :, 6:]).all(), backend

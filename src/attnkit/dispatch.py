@@ -178,7 +178,7 @@ def _flash_worth(call: Call) -> bool:
     """``softcap`` on CPU in float32, over more queries than a decode step's (one small call per block of queries
     would cost more than ``chunked``'s few steps), where the kernel is built (the first time, here)."""
     return (
-        isinstance(call.score_mod, mods.softcap)
+        type(call.score_mod) is mods.softcap
         and call.q.device.type == "cpu"
         and call.q.dtype == torch.float32
         and call.w_v is None

@@ -256,8 +256,11 @@ class Supports:
         if call.score_mod is not None:
             if self.score_mod == "none":
                 reasons.append("no score_mod")
-            elif self.score_mod == "softcap" and not isinstance(call.score_mod, mods.softcap):
-                reasons.append("a score_mod only when it is attnkit.mods.softcap")
+            elif self.score_mod == "softcap" and not _float32_softcap(call.score_mod):
+                reasons.append(
+                    "a score_mod only when it is attnkit.mods.softcap itself (not a subclass), with a cap float32 "
+                    "holds as a normal number (at least 1.2e-38)"
+                )
             elif self.score_mod == "bias" and not call.score_bias:
                 reasons.append("a score_mod only when it is a bias on the scores (attnkit.mods.alibi)")
             elif self.score_mod == "bias" and self.dense_mask_limit is not None:
@@ -322,3 +325,9 @@ class Supports:
 
 def _dtypes(dtypes: frozenset[torch.dtype] | set[torch.dtype]) -> str:
     return " or ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+
+
+def _float32_softcap(score_mod: object) -> bool:
+    """attnkit's :class:`~attnkit.mods.softcap` itself (a subclass may compute something else), whose cap is a
+    normal float32 number (a smaller one would be 0, or its reciprocal infinite, in a float32 kernel)."""
+    return type(score_mod) is mods.softcap and score_mod.cap >= torch.finfo(torch.float32).tiny

@@ -1,6 +1,6 @@
 // Flash attention for one block of queries on the CPU, float32, forward and backward, with a built-in score_mod:
 // soft-capping (cap * tanh(score / cap), as FlashAttention's own `softcap`), the mask of each tile given as a bool
-// tile and a float bias tile. attnkit/backends/fused.py plans the tiles (attnkit/backends/tiles.py's plan) and builds
+// tile and a float bias tile. attnkit/backends/flash.py plans the tiles (attnkit/backends/tiles.py's plan) and builds
 // the masks of the partly visible ones; this file runs each (example, head) of a block of queries over its tiles, the
 // scores of a tile kept in cache from the product that makes them to the products that read them (where the
 // compiled steps of attnkit/backends/compiled.py write each step's (B, H, n, c) tile to memory and read it back).
@@ -85,7 +85,7 @@ inline float fast_tanh(float x) {
 // C (M x N, row-major, ldc) = alpha op(A) op(B) + beta C, op(A) M x K, op(B) K x N, each row-major (lda, ldb),
 // transposed where ta / tb: through the BLAS PyTorch links (MKL's sgemm_, which PyTorch's CPU library exports;
 // column-major, so it computes C^T = op(B)^T op(A)^T). Where it is not there, the kernel does not load and
-// attnkit/backends/fused.py runs the compiled steps instead.
+// attnkit/backends/flash.py runs the compiled steps instead.
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
                        const float* beta, float* c, const int* ldc);
@@ -162,7 +162,7 @@ void check(const at::Tensor& t, const char* name, int64_t dim) {
               ": a contiguous float32 tensor of ", dim, " dimensions");
 }
 
-// The largest of x[0, n) (NaN does not win: the row's sum is NaN anyway): in lanes, then across them, so that the
+// The largest of x[0, n) (a NaN may or may not win: the row's sum is NaN either way): in lanes, then across them, so that the
 // compiler vectorizes it as written (one running maximum would wait on each comparison).
 inline float largest(const float* x, int64_t n) {
   constexpr int64_t LANES = 16;
@@ -239,7 +239,10 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
               "q, k, v: (B, H, n, D), (B, H, Lk, D), (B, H, Lk, Dv)");
   const Tiles T = tiles_of(spans, allowed, bias, B, H, n, Lk);
   const bool has_sink = sink.has_value() && sink->defined();
-  if (has_sink) check(*sink, "sink", 3);
+  if (has_sink) {
+    check(*sink, "sink", 3);
+    TORCH_CHECK(sink->size(0) == B && sink->size(1) == H && sink->size(2) == n, "sink: (B, H, n)");
+  }
   auto out = at::empty({B, H, n, Dv}, q.options());
   auto lse = at::empty({B, H, n}, q.options());
   const float scale = static_cast<float>(scale_), cap = static_cast<float>(cap_);
@@ -315,7 +318,14 @@ at::Tensor backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   check(q, "q", 4), check(k, "k", 4), check(v, "v", 4), check(dout, "dout", 4), check(lse, "lse", 3);
   check(delta, "delta", 3), check(dk, "dk", 4), check(dv, "dv", 4);
   const int64_t B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3), Lk = k.size(2), Dv = v.size(3);
-  TORCH_CHECK(dk.sizes() == k.sizes() && dv.sizes() == v.sizes() && dout.size(3) == Dv, "dk, dv as k, v");
+  TORCH_CHECK(dk.sizes() == k.sizes() && dv.sizes() == v.sizes(), "dk, dv as k, v");
+  TORCH_CHECK(dout.size(0) == B && dout.size(1) == H && dout.size(2) == n && dout.size(3) == Dv, "dout: (B, H, n, Dv)");
+  for (const at::Tensor* t : {&lse, &delta}) {
+    TORCH_CHECK(t->size(0) == B && t->size(1) == H && t->size(2) == n, "lse, delta: (B, H, n)");
+  }
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.size(0) == B && v.size(1) == H &&
+                  v.size(2) == Lk,
+              "q, k, v: (B, H, n, D), (B, H, Lk, D), (B, H, Lk, Dv)");
   const Tiles T = tiles_of(spans, allowed, bias, B, H, n, Lk);
   auto dq = at::zeros({B, H, n, D}, q.options());
   const float scale = static_cast<float>(scale_), cap = static_cast<float>(cap_);
@@ -349,7 +359,9 @@ at::Tensor backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
             for (int64_t j = 0; j < c; ++j) hidden[i * c + j] = row[j] == -INF;
           }
 #pragma omp simd
-          for (int64_t j = 0; j < c; ++j) row[j] = fast_exp(row[j] - shift);  // the weights again; 0 where hidden
+          for (int64_t j = 0; j < c; ++j) {  // the weights again; 0 where hidden, whatever the row's lse (NaN)
+            row[j] = row[j] == -INF ? 0.0f : fast_exp(row[j] - shift);
+          }
         }
         const float* kt = ka + j0 * D;
         const float* vt = va + j0 * Dv;

@@ -18,6 +18,7 @@ off.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import warnings
@@ -86,11 +87,12 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     H = q.shape[1]
     tiles.plan(mask)  # first: looking at the tiles, it learns which keys and rows are live (zero_dead's question)
     q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
+    guard = _not_finite(k, v)  # (before repeat_kv: one read of each key/value head)
     kf = repeat_kv(k, H)  # (B, H, Lk, D): repeated outside the Function, autograd sums the groups back
     vf = repeat_kv(v, H)  # (B, H, Lk, Dv)
-    cap = call.score_mod.cap if isinstance(call.score_mod, mods.softcap) else 0.0
+    cap = call.score_mod.cap if isinstance(call.score_mod, mods.softcap) else 0.0  # (SUPPORTS: softcap, or none)
     watched = Watched.of(call) if call.needs_grad else None
-    out = _Flash.apply(q, kf, vf, call.sinks, mask, cap, call.scale, watched)  # (B, H, Lq, Dv)
+    out = _Flash.apply(q, kf, vf, call.sinks, mask, cap, call.scale, guard, watched)  # (B, H, Lq, Dv)
     return out, None
 
 
@@ -119,9 +121,10 @@ def _four(t: Tensor, n: int, c: int) -> Tensor:
 
 
 def _not_finite(k: Tensor, v: Tensor) -> bool:
-    """Some key or value is not finite (one read of each): the kernel's products then skip the pairs a row may not
+    """Some key or value may not be finite (their sums are not: one read of each, no new tensor; a sum of finite
+    values that overflows only costs the slower products): the kernel's products then skip the pairs a row may not
     see, one by one, so that no such key or value reaches a row that may not see it (0 * inf is NaN)."""
-    return not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all()))
+    return not math.isfinite(float(k.sum()) + float(v.sum()))
 
 
 class _Flash(torch.autograd.Function):
@@ -135,11 +138,11 @@ class _Flash(torch.autograd.Function):
         mask: Mask,
         cap: float,
         scale: float,
+        guard: bool,
         watched: Watched | None,
     ) -> Tensor:
         B, H, Lq, _ = q.shape
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        guard = _not_finite(k, v)
         out = q.new_zeros((B, H, Lq, v.shape[-1]))  # (B, H, Lq, Dv)
         sink = None if sinks is None else mask.sink_logits(sinks.to(q.dtype))[..., 0].expand(B, H, Lq)  # (B, H, Lq)
         # (B, H, Lq), rows with no block keep it: 0, or the sink's logit (a new tensor: sink may be a view of sinks)
@@ -174,4 +177,4 @@ class _Flash(torch.autograd.Function):
                 qb, k, v, db, lb, eb, spans, allowed, bias, ctx.scale, ctx.cap, ctx.guard, dk, dv
             )  # (B, H, n, D); dk and dv added to in place
         dsinks = sinks_grad(sinks, mask, lse, delta) if sinks is not None and ctx.needs_input_grad[3] else None
-        return dq, dk, dv, dsinks, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None
