@@ -124,7 +124,7 @@ def _not_finite(k: Tensor, v: Tensor) -> bool:
     """Some key or value may not be finite (their sums are not: one read of each, no new tensor; a sum of finite
     values that overflows only costs the slower products): the kernel's products then skip the pairs a row may not
     see, one by one, so that no such key or value reaches a row that may not see it (0 * inf is NaN)."""
-    return not math.isfinite(float(k.sum()) + float(v.sum()))
+    return not math.isfinite(float(k.detach().sum()) + float(v.detach().sum()))  # (no grad: a number only)
 
 
 class _Flash(torch.autograd.Function):
