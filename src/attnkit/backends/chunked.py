@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit.backends.common import Watched, first_order_only, probe, repeat_kv, sinks_grad, zero_dead
+from attnkit.backends.common import Watched, first_order_only, probe, repeat_kv, row_sinks, sinks_grad, zero_dead
 from attnkit.backends.contract import Call, Supports, scores_bounded
 from attnkit.backends.online import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads, key_blocks
 from attnkit.masks import Mask, compute_dtype
@@ -152,7 +152,7 @@ class _OnlineSoftmax(torch.autograd.Function):
         watched: Watched | None,
         *closed_over: Tensor,
     ) -> Tensor:
-        sink_logits = None if sinks is None else _sink_logits(sinks, mask, q.shape)  # (B, H, Lq)
+        sink_logits = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype)  # (B, H, Lq)
         state = RunningSoftmax.start(q, v.shape[-1], sink_logits)
         spans = key_blocks(mask, q.shape[2], (0, mask.num_keys), block)
         accumulate(state, q, k, v, mask, scorer, spans)
@@ -175,12 +175,6 @@ class _OnlineSoftmax(torch.autograd.Function):
         accumulate_grads(grads, q, k, v, mask, ctx.scorer, ctx.spans, lse, dout, delta, closed_over, closed_grads)
         dsinks = sinks_grad(sinks, mask, lse, delta) if sinks is not None and ctx.needs_input_grad[4] else None
         return (grads.dq, grads.dk, grads.dv, grads.dw, dsinks, None, None, None, None, *closed_grads)
-
-
-def _sink_logits(sinks: Tensor, mask: Mask, shape: torch.Size) -> Tensor:
-    """Each row's sink logit (:meth:`Mask.sink_logits`), as the running softmax holds its rows: ``(B, H, Lq)``."""
-    B, H, Lq, _ = shape
-    return mask.sink_logits(sinks)[..., 0].expand(B, H, Lq)  # (B|1, H, Lq|1, 1) -> (B, H, Lq)
 
 
 def _zeros_or_none(t: Tensor | None) -> Tensor | None:

@@ -152,10 +152,16 @@ class Watched:
                 )
 
 
+def row_sinks(sinks: Tensor, mask: Mask, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    """Each query row's sink logit (:meth:`~attnkit.masks.Mask.sink_logits`) in ``dtype``, ``(B, H, Lq)`` for inputs
+    of ``shape`` ``(B, H, Lq, ...)``: a view where it can be (copy it before writing to it)."""
+    B, H, Lq = shape[:3]
+    return mask.sink_logits(sinks.to(dtype))[..., 0].expand(B, H, Lq)  # (B|1, H, Lq|1, 1) -> (B, H, Lq)
+
+
 def sinks_grad(sinks: Tensor, mask: Mask, lse: Tensor, delta: Tensor) -> Tensor:
     """The gradient of the sinks ``(H,)`` from each row's log-sum-exp ``lse`` and ``delta = sum(dout * out)``
     ``(B, H, Lq)``: d lse / d sink is the sink's weight, ``exp(sink - lse)``, and d out / d sink is minus that weight
     times the output, so each row adds ``-weight * delta`` (the backends that recompute the weights share this)."""
-    B, H, Lq = lse.shape
-    sink = mask.sink_logits(sinks.to(lse.dtype))[..., 0].expand(B, H, Lq)  # (B|1, H, Lq|1, 1) -> (B, H, Lq)
+    sink = row_sinks(sinks, mask, lse.shape, lse.dtype)  # (B, H, Lq)
     return -(torch.exp(sink - lse) * delta).sum(dim=(0, 2)).to(sinks.dtype)  # (H,)

@@ -31,10 +31,10 @@ from torch import Tensor
 from attnkit import mods
 from attnkit.backends import compiled_steps as steps
 from attnkit.backends import tiles
-from attnkit.backends.common import Watched, first_order_only, probe, repeat_kv, sinks_grad, zero_dead
+from attnkit.backends.common import Watched, first_order_only, probe, repeat_kv, row_sinks, sinks_grad, zero_dead
 from attnkit.backends.contract import ADDITIVE, DOT, Call, Supports
 from attnkit.backends.online import RunningSoftmax
-from attnkit.masks import Mask, compute_dtype
+from attnkit.masks import Mask, all_finite, compute_dtype
 
 NAME = "compiled"
 
@@ -240,11 +240,6 @@ def _unblocked(t: Tensor, length: int) -> Tensor:
     return t[:, :, :length]
 
 
-def _not_finite(k: Tensor, v: Tensor) -> bool:
-    """Some key or value is not finite (one read of each): the steps then keep it from rows that do not see it."""
-    return not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all()))
-
-
 def _forward(
     q: Tensor,
     k: Tensor,
@@ -263,7 +258,7 @@ def _forward(
     B, H, Lq, _ = q.shape
     Dv, T = v.shape[-1], tiles.BLOCK
     out = q.new_zeros((B, H, Lq, Dv))  # (B, H, Lq, Dv)
-    sink = None if sinks is None else mask.sink_logits(sinks)[..., 0].expand(B, H, Lq)  # (B, H, Lq)
+    sink = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype)  # (B, H, Lq)
     # 0 in rows that see no key; the sink's logit where there is one (no keys at all: no block of queries below)
     lse = q.new_zeros((B, H, Lq)) if sink is None else sink.clone()  # (B, H, Lq)
     grid = _Grid(mask, B, H, q.device)
@@ -301,7 +296,7 @@ class _Compiled(torch.autograd.Function):
         watched: Watched | None,
         *closed_over: Tensor,
     ) -> Tensor:
-        guard = _not_finite(k, v)
+        guard = not (all_finite(k) and all_finite(v))  # one read of each: the steps then keep them from hidden rows
         found = None if w is None else steps.exp_form(q, k)  # additive, shifted and clamped: (B, H, L, D) each
         if found is not None:
             q, k = found

@@ -18,7 +18,6 @@ off.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import warnings
@@ -29,9 +28,9 @@ from torch import Tensor
 
 from attnkit import _native, mods
 from attnkit.backends import tiles
-from attnkit.backends.common import Watched, first_order_only, repeat_kv, sinks_grad, zero_dead
+from attnkit.backends.common import Watched, first_order_only, repeat_kv, row_sinks, sinks_grad, zero_dead
 from attnkit.backends.contract import DOT, Call, Supports
-from attnkit.masks import Mask
+from attnkit.masks import Mask, all_finite
 
 NAME = "flash"
 
@@ -87,7 +86,9 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     H = q.shape[1]
     tiles.plan(mask)  # first: looking at the tiles, it learns which keys and rows are live (zero_dead's question)
     q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
-    guard = _not_finite(k, v)  # (before repeat_kv: one read of each key/value head)
+    # Some key or value may not be finite (one read of each key/value head, before repeat_kv): the kernel's products
+    # then skip the pairs a row may not see, so that none reaches a row that may not see it (0 * inf is NaN)
+    guard = not (all_finite(k) and all_finite(v))
     kf = repeat_kv(k, H)  # (B, H, Lk, D): repeated outside the Function, autograd sums the groups back
     vf = repeat_kv(v, H)  # (B, H, Lk, Dv)
     cap = call.score_mod.cap if isinstance(call.score_mod, mods.softcap) else 0.0  # (SUPPORTS: softcap, or none)
@@ -120,13 +121,6 @@ def _four(t: Tensor, n: int, c: int) -> Tensor:
     return t.expand(*t.shape[:2], n, c)
 
 
-def _not_finite(k: Tensor, v: Tensor) -> bool:
-    """Some key or value may not be finite (their sums are not: one read of each, no new tensor; a sum of finite
-    values that overflows only costs the slower products): the kernel's products then skip the pairs a row may not
-    see, one by one, so that no such key or value reaches a row that may not see it (0 * inf is NaN)."""
-    return not math.isfinite(float(k.detach().sum()) + float(v.detach().sum()))  # (no grad: a number only)
-
-
 class _Flash(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -144,7 +138,7 @@ class _Flash(torch.autograd.Function):
         B, H, Lq, _ = q.shape
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = q.new_zeros((B, H, Lq, v.shape[-1]))  # (B, H, Lq, Dv)
-        sink = None if sinks is None else mask.sink_logits(sinks.to(q.dtype))[..., 0].expand(B, H, Lq)  # (B, H, Lq)
+        sink = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype)  # (B, H, Lq)
         # (B, H, Lq), rows with no block keep it: 0, or the sink's logit (a new tensor: sink may be a view of sinks)
         lse = q.new_zeros((B, H, Lq)) if sink is None else sink.clone(memory_format=torch.contiguous_format)
         for rows in tiles.plan(mask):
