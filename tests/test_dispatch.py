@@ -145,6 +145,10 @@ def test_each_backend_runs_what_it_declares_and_refuses_the_rest(name):
         "mask_mod": lambda: applied(mask_mod=mods.sliding_window(2)),
         "score_mod": lambda: applied(score_mod=mods.softcap(0.5)),
         "score_mod that is a bias": lambda: applied(score_mod=mods.alibi(torch.ones(1))),
+        "score_mod of the caller's": lambda: applied(score_mod=lambda s, b, h, q_idx, kv_idx: s * 0.5),
+        "score_mod on the distance": lambda: applied(
+            score_mod=lambda s, b, h, q_idx, kv_idx: s - (q_idx - kv_idx) ** 2
+        ),
         "sinks": lambda: applied(sinks=torch.full((1,), 2.0)),
         "a long mask_mod": lambda: attend(long, long, long, backend=name, mask_mod=mods.sliding_window(2)),
         "autograd": autograd,
@@ -159,8 +163,10 @@ def test_each_backend_runs_what_it_declares_and_refuses_the_rest(name):
         "dropout": supports.dropout,
         "bias grad": supports.bias_grad,
         "mask_mod": supports.mask_mod,
-        "score_mod": supports.score_mod in ("any", "softcap"),  # (the call's score_mod is softcap)
-        "score_mod that is a bias": supports.score_mod in ("any", "bias"),
+        "score_mod": supports.score_mod in ("any", "kernel"),  # (the call's score_mod is softcap)
+        "score_mod that is a bias": supports.score_mod in ("any", "bias", "kernel"),  # (ALiBi: on the distance)
+        "score_mod of the caller's": supports.score_mod == "any",
+        "score_mod on the distance": supports.score_mod in ("any", "kernel"),
         "sinks": supports.sinks,
         "a long mask_mod": supports.mask_mod and (supports.dense_mask_limit or 2**30) >= 4097**2,
         "autograd": supports.grad,

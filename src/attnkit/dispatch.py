@@ -54,6 +54,10 @@ BACKENDS: dict[str, ModuleType] = {b.NAME: b for b in ALL}
 # 2**22 float32 elements = 16 MiB for one copy of the features; the reference keeps several.
 ADDITIVE_CHUNK_ELEMENTS = 2**22
 
+# A function of the caller's as score_mod is looked into (its graph traced, ~10 ms) for the flash kernel's distance
+# bias from this many scores (B H Lq Lk) on; smaller calls run it on chunked.
+DISTANCE_FROM = 2**22
+
 # A mask_mod under which chunked scores at most this share of the Lq x Lk pairs goes to chunked first: SDPA's
 # kernels score every pair of a dense mask (docs/benchmarks.md, "Flexible attention").
 SPARSE_BELOW = 0.5
@@ -175,16 +179,21 @@ def _preferences(call: Call) -> tuple[str, ...]:
 
 
 def _flash_worth(call: Call) -> bool:
-    """``softcap`` on CPU in float32, over more queries than a decode step's (one small call per block of queries
-    would cost more than ``chunked``'s few steps), where the kernel is built (the first time, here)."""
-    return (
-        type(call.score_mod) is mods.softcap
-        and call.q.device.type == "cpu"
-        and call.q.dtype == torch.float32
-        and call.w_v is None
-        and not _few_queries(call)
-        and flash.missing() is None
-    )
+    """``softcap``, or a score_mod that is a bias on the distance ``q_idx - kv_idx`` (ALiBi, a caller's table) in a
+    call of at least ``DISTANCE_FROM`` scores (proving it traces the function: ~10 ms), on CPU in float32, over more
+    queries than a decode step's (one small call per block of queries would cost more than ``chunked``'s few
+    steps), where the kernel is built (the first time, here)."""
+    if call.score_mod is None or call.q.device.type != "cpu" or call.q.dtype != torch.float32:
+        return False
+    if call.w_v is not None or _few_queries(call):
+        return False
+    if type(call.score_mod) is not mods.softcap:
+        B, H, Lq, _ = call.q.shape
+        if B * H * Lq * call.k.shape[2] < DISTANCE_FROM and not mods.distance_bias_known(call.score_mod):
+            return False  # (a packed document's piece asks the call's function, traced once for all its pieces)
+        if not call.distance_bias:
+            return False
+    return flash.missing() is None
 
 
 def _compile_worth(call: Call) -> bool:

@@ -75,6 +75,7 @@ def split(call: Call) -> list[Piece] | None:
     sizes = [g.stop - g.start for g in groups]
     qs, ks, vs = (t.split(sizes, dim=0) for t in (call.q, call.k, call.v))  # (B', H|Hkv, L, D) each
     pieces = []
+    proof = _Proof(call.score_mod)
     for batch, q, k, v in zip(groups, qs, ks, vs, strict=True):
         row_q = ids_q[0 if ids_q.shape[0] == 1 else batch.start]  # (Lq,)
         row_k = ids_k[0 if ids_k.shape[0] == 1 else batch.start]  # (Lk,)
@@ -92,7 +93,7 @@ def split(call: Call) -> list[Piece] | None:
             piece_call = None
             if keys is not None:
                 kv = [torch.cat([parts[r] for r in runs], dim=2) for parts in (k_parts, v_parts)]  # (B', Hkv, m, D)
-                piece_call = _restrict(call, batch, (r0, r1), keys, rest, q_part, *kv)
+                piece_call = _restrict(call, batch, (r0, r1), keys, rest, q_part, kv[0], kv[1], proof)
             pieces.append(Piece(batch, (r0, r1), keys, piece_call))
     return pieces
 
@@ -224,12 +225,14 @@ def _restrict(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    proof: _Proof,
 ) -> Call:
     """The call of one piece: its queries ``q (B', H, n, D)``, keys ``k (B', Hkv, m, D)`` and values, the rest of
-    the mask restricted to them, the score_mod moved."""
+    the mask restricted to them, the score_mod moved (``proof``: whether the call's score_mod is a bias on the
+    distance, asked at most once for all the pieces)."""
     r0 = rows[0]
     mask = _restrict_mask(call.mask, batch, rows, keys, k.shape[2], rest)
-    score_mod = None if call.score_mod is None else _moved_score(call.score_mod, batch.start, r0, keys)
+    score_mod = None if call.score_mod is None else _moved_score(call.score_mod, batch.start, r0, keys, proof)
     return dataclasses.replace(call, q=q, k=k, v=v, mask=mask, score_mod=score_mod, zeros_past=None)
 
 
@@ -319,25 +322,49 @@ class _MovedMask(mods.MaskMod):
         return not isinstance(self.inner, mods.MaskMod) or self.inner.opaque
 
 
-def _moved_score(score_mod: mods.ScoreFn, b0: int, r0: int, keys: Keys) -> mods.ScoreFn:
+class _Proof:
+    """Whether a call's score_mod is a bias on the distance (:func:`attnkit.mods.is_distance_bias`), traced at most
+    once for all the pieces of the call, and only if a piece's backend asks."""
+
+    __slots__ = ("found", "score_mod")
+
+    def __init__(self, score_mod: mods.ScoreFn | None) -> None:
+        self.score_mod: mods.ScoreFn | None = score_mod
+        self.found: bool | None = None
+
+    def __call__(self) -> bool:
+        if self.found is None:
+            self.found = self.score_mod is not None and mods.is_distance_bias(self.score_mod)
+        return self.found
+
+
+def _moved_score(score_mod: mods.ScoreFn, b0: int, r0: int, keys: Keys, proof: _Proof) -> mods.ScoreFn:
     """A score_mod inside a piece, called with the call's own indices; a built-in stays a built-in (a bias such as
-    ALiBi stays a bias), a function of the caller's stays one (its tensors found through it)."""
+    ALiBi stays a bias), a function of the caller's stays one (its tensors found through it); one that reads no
+    position (softcap) stays itself, so that a kernel that computes it itself (flash) still takes it."""
+    if isinstance(score_mod, mods.ScoreMod) and not score_mod.positional:
+        return score_mod
     if not isinstance(score_mod, mods.ScoreMod):
-        return _MovedFn(score_mod, b0, r0, keys)
+        return _MovedFn(score_mod, b0, r0, keys, proof)
     if type(score_mod).bias is not mods.ScoreMod.bias:
-        return _MovedBias(score_mod, b0, r0, keys)
-    return _MovedScore(score_mod, b0, r0, keys)
+        return _MovedBias(score_mod, b0, r0, keys, proof)
+    return _MovedScore(score_mod, b0, r0, keys, proof)
 
 
 class _MovedFn:
     """A function of the caller's inside a piece (not a built-in: a backend still assumes it may read tensors that
     require grad, and finds them through this object's attributes)."""
 
-    def __init__(self, inner: Callable[..., Tensor], b0: int, r0: int, keys: Keys) -> None:
-        self.inner, self.b0, self.r0, self.keys = inner, b0, r0, keys
+    def __init__(self, inner: Callable[..., Tensor], b0: int, r0: int, keys: Keys, proof: _Proof) -> None:
+        self.inner, self.b0, self.r0, self.keys, self.proof = inner, b0, r0, keys, proof
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self.inner(score, b + self.b0, h, q_idx + self.r0, _key_positions(kv_idx, self.keys))
+
+    def attnkit_distance_bias(self) -> bool:
+        """A bias on the distance where the call's function is one and the piece's keys are one range (moved by a
+        constant, the distance moves by one)."""
+        return isinstance(self.keys, tuple) and self.proof()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -346,9 +373,13 @@ class _MovedScore(mods.ScoreMod):
     b0: int
     r0: int
     keys: Keys
+    proof: _Proof
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return self.inner(score, b + self.b0, h, q_idx + self.r0, _key_positions(kv_idx, self.keys))
+
+    def attnkit_distance_bias(self) -> bool:
+        return isinstance(self.keys, tuple) and self.proof()
 
     def bind(self, **sizes: Any) -> mods.ScoreMod:
         return self

@@ -75,6 +75,14 @@ class Call:
         return all(self.tensors_read(f) is not None for f in (self.mask.mask_mod, self.score_mod) if f is not None)
 
     @property
+    def distance_bias(self) -> bool:
+        """The score_mod is a function of the caller's that is ``score + f(b, h, q_idx - kv_idx)`` element by element,
+        as its graph shows (:func:`attnkit.mods.is_distance_bias`, traced once a call)."""
+        if "distance" not in self._memo:
+            self._memo["distance"] = self.score_mod is not None and mods.is_distance_bias(self.score_mod)
+        return self._memo["distance"]  # type: ignore[no-any-return]
+
+    @property
     def scoring(self) -> str:
         return DOT if self.w_v is None else ADDITIVE
 
@@ -189,8 +197,9 @@ class Supports:
     again and must check they did not change); ``value_dim``: values of another head size than the queries';
     ``score_mod_grad``: gradients to the tensors a built-in score_mod reads (ALiBi's slopes); ``needs``: what this
     machine lacks for it (a package, with how to install it), or ``None``; ``missing``: the same, found only when a
-    call asks (a kernel built on first use), or ``None``. ``score_mod="softcap"``: only attnkit's own
-    :class:`~attnkit.mods.softcap`."""
+    call asks (a kernel built on first use), or ``None``. ``score_mod="kernel"``: the score_mods a kernel computes
+    itself: attnkit's own :class:`~attnkit.mods.softcap`, or a bias on the distance, ``score + f(b, h, q_idx -
+    kv_idx)`` (:func:`attnkit.mods.is_distance_bias`)."""
 
     scoring: frozenset[str] = frozenset({DOT, ADDITIVE})
     weights: bool = True
@@ -256,10 +265,11 @@ class Supports:
         if call.score_mod is not None:
             if self.score_mod == "none":
                 reasons.append("no score_mod")
-            elif self.score_mod == "softcap" and not _float32_softcap(call.score_mod):
+            elif self.score_mod == "kernel" and not (_float32_softcap(call.score_mod) or call.distance_bias):
                 reasons.append(
                     "a score_mod only when it is attnkit.mods.softcap itself (not a subclass), with a cap float32 "
-                    "holds as a normal number (at least 1.2e-38)"
+                    "holds as a normal number (at least 1.2e-38), or a bias on the distance, score + f(b, h, q_idx - "
+                    "kv_idx), element-wise (this one's graph shows something else)"
                 )
             elif self.score_mod == "bias" and not call.score_bias:
                 reasons.append("a score_mod only when it is a bias on the scores (attnkit.mods.alibi)")
@@ -298,7 +308,7 @@ class Supports:
         can += {
             "any": ["score_mod"],
             "bias": ["score_mod (a bias: alibi)"],
-            "softcap": ["score_mod (softcap)"],
+            "kernel": ["score_mod (softcap, or a bias on q_idx - kv_idx)"],
             "none": [],
         }[self.score_mod]
         can += ["sinks"] if self.sinks else []

@@ -1,6 +1,8 @@
 // Flash attention for one block of queries on the CPU, float32, forward and backward, with a built-in score_mod:
-// soft-capping (cap * tanh(score / cap), as FlashAttention's own `softcap`), the mask of each tile given as a bool
-// tile and a float bias tile. attnkit/backends/flash.py plans the tiles (attnkit/backends/tiles.py's plan) and builds
+// soft-capping (cap * tanh(score / cap), as FlashAttention's own `softcap`) or a bias on the distance
+// q_idx - kv_idx (score + f(b, h, q_idx - kv_idx): a learned table of relative-position biases, read as one vector
+// per (example, head), its gradient given back as one), the mask of each tile given as a bool tile and a float bias
+// tile. attnkit/backends/flash.py plans the tiles (attnkit/backends/tiles.py's plan) and builds
 // the masks of the partly visible ones; this file runs each (example, head) of a block of queries over its tiles, the
 // scores of a tile kept in cache from the product that makes them to the products that read them (where the
 // compiled steps of attnkit/backends/compiled.py write each step's (B, H, n, c) tile to memory and read it back).
@@ -26,6 +28,11 @@
 #include <limits>
 #include <tuple>
 #include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#include <xmmintrin.h>
+#define ATTNKIT_X86 1
+#endif
 
 namespace {
 
@@ -81,6 +88,19 @@ inline float fast_tanh(float x) {
   const float large = std::copysign(1.0f - 2.0f / (e + 1.0f), x);
   return z < 0.625f ? small : large;
 }
+
+// Results below float32's normal numbers (1.2e-38) flushed to 0 while it lives (the FTZ bit of this thread's SSE
+// control word; restored after): a weight of exp(-87) times a value, or a sum rescaled by such a factor, would
+// otherwise be a subnormal number, which this machine's cores multiply through a slow assist (ALiBi's far keys
+// made the forward 15-50% slower, and PyTorch's own backward kernel 4x; docs/benchmarks.md). GPU kernels built with
+// fast math flush them too. What is flushed is below float32's smallest normal number in absolute value.
+struct FlushSubnormals {
+#ifdef ATTNKIT_X86
+  unsigned int saved = _mm_getcsr();
+  FlushSubnormals() { _mm_setcsr(saved | 0x8000u); }  // FTZ
+  ~FlushSubnormals() { _mm_setcsr(saved); }
+#endif
+};
 
 // C (M x N, row-major, ldc) = alpha op(A) op(B) + beta C, op(A) M x K, op(B) K x N, each row-major (lda, ldb),
 // transposed where ta / tb: through the BLAS PyTorch links (MKL's sgemm_, which PyTorch's CPU library exports;
@@ -157,6 +177,37 @@ Tiles tiles_of(const at::Tensor& spans, const c10::List<c10::optional<at::Tensor
   return out;
 }
 
+// A bias on the distance: rel (B|1, H|1, R), f(b, h, d) at u = d - d0, for d = q_idx - kv_idx; `base` is u at the
+// block's first query and key 0 (its query position - d0), so that pair (i, j) reads u = base + i - j.
+struct Distance {
+  const float* data = nullptr;
+  int64_t sb = 0, sh = 0, R = 0, base = 0;
+
+  static Distance of(const c10::optional<at::Tensor>& rel, int64_t base, int64_t B, int64_t H) {
+    Distance d;
+    if (!rel.has_value() || !rel->defined()) return d;
+    const at::Tensor& t = *rel;
+    TORCH_CHECK(t.dim() == 3 && (t.size(0) == B || t.size(0) == 1) && (t.size(1) == H || t.size(1) == 1) &&
+                    t.stride(2) == 1 && t.scalar_type() == at::kFloat,
+                "rel: (B|1, H|1, R) float32, its last dimension contiguous");
+    d.data = t.data_ptr<float>(), d.R = t.size(2), d.base = base;
+    d.sb = t.size(0) == 1 ? 0 : t.stride(0), d.sh = t.size(1) == 1 ? 0 : t.stride(1);
+    return d;
+  }
+  // Every pair of the n rows and the tiles reads a distance in [0, R).
+  void check(const struct Tiles& T, int64_t n) const {
+    if (data == nullptr) return;
+    for (size_t t = 0; t < T.j0.size(); ++t) {
+      if (T.j1[t] == T.j0[t] || n == 0) continue;
+      TORCH_CHECK(base - (T.j1[t] - 1) >= 0 && base + n - 1 - T.j0[t] < R, "rel: a tile's distances lie in [0, R)");
+    }
+  }
+  // The row of (b, h) at row i and the tile's first key j0: read backwards, element j at [-j].
+  const float* row(int64_t b, int64_t h, int64_t i, int64_t j0) const {
+    return data == nullptr ? nullptr : data + b * sb + h * sh + base + i - j0;
+  }
+};
+
 void check(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.dim() == dim && t.is_contiguous() && t.scalar_type() == at::kFloat, name,
               ": a contiguous float32 tensor of ", dim, " dimensions");
@@ -179,9 +230,10 @@ inline float largest(const float* x, int64_t n) {
 }
 
 // The modified, masked scores of row i of a tile, in place: s (c,) the raw products; g (c,), where not null, the
-// score_mod's derivative (1 - tanh^2); returns the row's largest.
-inline float modify(float* s, float* g, int64_t c, float scale, float cap, const bool* allowed, int64_t aj,
-                    const float* bias, int64_t bj) {
+// score_mod's derivative (1 - tanh^2); rel, where not null, the distance bias of key j at rel[-j]; returns the
+// row's largest.
+inline float modify(float* s, float* g, int64_t c, float scale, float cap, const float* rel, const bool* allowed,
+                    int64_t aj, const float* bias, int64_t bj) {
   if (cap > 0) {
     const float inv = 1.0f / cap;
     if (g != nullptr) {
@@ -195,6 +247,9 @@ inline float modify(float* s, float* g, int64_t c, float scale, float cap, const
 #pragma omp simd
       for (int64_t j = 0; j < c; ++j) s[j] = cap * fast_tanh(s[j] * scale * inv);
     }
+  } else if (rel != nullptr) {
+#pragma omp simd
+    for (int64_t j = 0; j < c; ++j) s[j] = s[j] * scale + rel[-j];
   } else {
 #pragma omp simd
     for (int64_t j = 0; j < c; ++j) s[j] *= scale;
@@ -230,14 +285,18 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
                                            const at::Tensor& spans,
                                            const c10::List<c10::optional<at::Tensor>>& allowed,
                                            const c10::List<c10::optional<at::Tensor>>& bias,
-                                           const c10::optional<at::Tensor>& sink, double scale_, double cap_,
-                                           bool guard) {
+                                           const c10::optional<at::Tensor>& sink,
+                                           const c10::optional<at::Tensor>& rel, int64_t rel_base, double scale_,
+                                           double cap_, bool guard) {
   check(q, "q", 4), check(k, "k", 4), check(v, "v", 4);
   const int64_t B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3), Lk = k.size(2), Dv = v.size(3);
   TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.size(0) == B && v.size(1) == H &&
                   v.size(2) == Lk,
               "q, k, v: (B, H, n, D), (B, H, Lk, D), (B, H, Lk, Dv)");
   const Tiles T = tiles_of(spans, allowed, bias, B, H, n, Lk);
+  const Distance dist = Distance::of(rel, rel_base, B, H);
+  dist.check(T, n);
+  TORCH_CHECK(dist.data == nullptr || cap_ == 0, "a distance bias or a cap, not both");
   const bool has_sink = sink.has_value() && sink->defined();
   if (has_sink) {
     check(*sink, "sink", 3);
@@ -248,6 +307,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
   const float scale = static_cast<float>(scale_), cap = static_cast<float>(cap_);
   const int64_t c_max = std::max<int64_t>(T.widest, 1);
   at::parallel_for(0, B * H, 1, [&](int64_t a0, int64_t a1) {
+    const FlushSubnormals flush;
     std::vector<float> s(n * c_max), acc(n * Dv), m(n), l(n);
     std::vector<uint8_t> hidden(guard ? n * c_max : 0);
     for (int64_t a = a0; a < a1; ++a) {
@@ -268,8 +328,8 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
         const Part<float>& bi = T.bias[t];
         for (int64_t i = 0; i < n; ++i) {
           float* row = s.data() + i * c;
-          const float top = modify(row, nullptr, c, scale, cap, al.data ? al.at(b, h, i) : nullptr, al.sj,
-                                   bi.data ? bi.at(b, h, i) : nullptr, bi.sj);
+          const float top = modify(row, nullptr, c, scale, cap, dist.row(b, h, i, j0),
+                                   al.data ? al.at(b, h, i) : nullptr, al.sj, bi.data ? bi.at(b, h, i) : nullptr, bi.sj);
           if (guard) {
             for (int64_t j = 0; j < c; ++j) hidden[i * c + j] = row[j] == -INF;
           }
@@ -309,12 +369,14 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
 }
 
 // Backward: dq (B, H, n, D) of the block, and its share of dk (B, H, Lk, D) and dv (B, H, Lk, Dv) added in place,
-// from dout (B, H, n, Dv), lse and delta = sum(dout * out) (B, H, n).
+// from dout (B, H, n, Dv), lse and delta = sum(dout * out) (B, H, n); with a distance bias, its gradient added to
+// drel (B, H, R) float64 (each distance sums up to a row's worth of pairs per block: kept in float64).
 at::Tensor backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
                     const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& spans,
                     const c10::List<c10::optional<at::Tensor>>& allowed,
-                    const c10::List<c10::optional<at::Tensor>>& bias, double scale_, double cap_, bool guard,
-                    at::Tensor dk, at::Tensor dv) {
+                    const c10::List<c10::optional<at::Tensor>>& bias, const c10::optional<at::Tensor>& rel,
+                    int64_t rel_base, double scale_, double cap_, bool guard, at::Tensor dk, at::Tensor dv,
+                    at::Tensor drel) {
   check(q, "q", 4), check(k, "k", 4), check(v, "v", 4), check(dout, "dout", 4), check(lse, "lse", 3);
   check(delta, "delta", 3), check(dk, "dk", 4), check(dv, "dv", 4);
   const int64_t B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3), Lk = k.size(2), Dv = v.size(3);
@@ -327,10 +389,18 @@ at::Tensor backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                   v.size(2) == Lk,
               "q, k, v: (B, H, n, D), (B, H, Lk, D), (B, H, Lk, Dv)");
   const Tiles T = tiles_of(spans, allowed, bias, B, H, n, Lk);
+  const Distance dist = Distance::of(rel, rel_base, B, H);
+  dist.check(T, n);
+  TORCH_CHECK(dist.data == nullptr || cap_ == 0, "a distance bias or a cap, not both");
+  TORCH_CHECK(dist.data == nullptr || (drel.dim() == 3 && drel.size(0) == B && drel.size(1) == H &&
+                                       drel.size(2) == dist.R && drel.is_contiguous() &&
+                                       drel.scalar_type() == at::kDouble),
+              "drel: (B, H, R) float64, contiguous");
   auto dq = at::zeros({B, H, n, D}, q.options());
   const float scale = static_cast<float>(scale_), cap = static_cast<float>(cap_);
   const int64_t c_max = std::max<int64_t>(T.widest, 1);
   at::parallel_for(0, B * H, 1, [&](int64_t a0, int64_t a1) {
+    const FlushSubnormals flush;
     std::vector<float> p(n * c_max), g(cap > 0 ? n * c_max : 0), dp(n * c_max);
     std::vector<uint8_t> hidden(guard ? n * c_max : 0);
     for (int64_t a = a0; a < a1; ++a) {
@@ -352,8 +422,8 @@ at::Tensor backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         const Part<float>& bi = T.bias[t];
         for (int64_t i = 0; i < n; ++i) {
           float* row = p.data() + i * c;
-          modify(row, cap > 0 ? g.data() + i * c : nullptr, c, scale, cap, al.data ? al.at(b, h, i) : nullptr,
-                 al.sj, bi.data ? bi.at(b, h, i) : nullptr, bi.sj);
+          modify(row, cap > 0 ? g.data() + i * c : nullptr, c, scale, cap, dist.row(b, h, i, j0),
+                 al.data ? al.at(b, h, i) : nullptr, al.sj, bi.data ? bi.at(b, h, i) : nullptr, bi.sj);
           const float shift = la[i];
           if (guard) {
             for (int64_t j = 0; j < c; ++j) hidden[i * c + j] = row[j] == -INF;
@@ -386,6 +456,11 @@ at::Tensor backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
             const bool* ar = al.at(b, h, i);
             for (int64_t j = 0; j < c; ++j) pr[j] = ar[j * al.sj] ? pr[j] : 0.0f;
           }
+          if (dist.data != nullptr) {  // d score / d f = 1: the bias at distance u gets the scores' gradients
+            double* dr = drel.data_ptr<double>() + a * dist.R + dist.base + i - j0;
+#pragma omp simd
+            for (int64_t j = 0; j < c; ++j) dr[-j] += pr[j];
+          }
         }
         if (guard) {  // (dp is not finite where a hidden value is not: ds is 0 there, and k's hidden keys skipped)
           product_of_seen(p.data(), n, c, hidden.data(), kt, D, scale, dqa);  // (n, D) += ds k
@@ -404,10 +479,11 @@ at::Tensor backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 TORCH_LIBRARY(attnkit_flash, m) {
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, Tensor spans, Tensor?[] allowed, Tensor?[] bias, Tensor? sink, "
-      "float scale, float cap, bool guard) -> (Tensor, Tensor)");
+      "Tensor? rel, int rel_base, float scale, float cap, bool guard) -> (Tensor, Tensor)");
   m.def(
       "backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, Tensor spans, Tensor?[] allowed, "
-      "Tensor?[] bias, float scale, float cap, bool guard, Tensor(a!) dk, Tensor(b!) dv) -> Tensor");
+      "Tensor?[] bias, Tensor? rel, int rel_base, float scale, float cap, bool guard, Tensor(a!) dk, Tensor(b!) dv, "
+      "Tensor(c!) drel) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnkit_flash, CPU, m) {

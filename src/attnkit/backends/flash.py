@@ -71,7 +71,7 @@ SUPPORTS = Supports(
     weights=False,
     dropout=False,
     bias_grad=False,
-    score_mod="softcap",
+    score_mod="kernel",
     devices=frozenset({"cpu"}),
     dtypes=frozenset({torch.float32}),
     opaque_modifiers=False,
@@ -91,10 +91,26 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     guard = not (all_finite(k) and all_finite(v))
     kf = repeat_kv(k, H)  # (B, H, Lk, D): repeated outside the Function, autograd sums the groups back
     vf = repeat_kv(v, H)  # (B, H, Lk, Dv)
-    cap = call.score_mod.cap if isinstance(call.score_mod, mods.softcap) else 0.0  # (SUPPORTS: softcap, or none)
+    cap, rel, d0 = 0.0, None, 0  # (SUPPORTS: softcap, a bias on the distance, or none)
+    if isinstance(call.score_mod, mods.softcap):
+        cap = call.score_mod.cap
+    elif call.score_mod is not None:
+        d0, d1 = _distances(mask)
+        # (B|1, H|1, R), evaluated here where autograd records: its gradient reaches what the function reads
+        rel = mods.distance_bias(call.score_mod, batch=q.shape[0], heads=H, distances=(d0, d1), device=q.device)
     watched = Watched.of(call) if call.needs_grad else None
-    out = _Flash.apply(q, kf, vf, call.sinks, mask, cap, call.scale, guard, watched)  # (B, H, Lq, Dv)
+    out = _Flash.apply(q, kf, vf, call.sinks, rel, mask, cap, d0, call.scale, guard, watched)  # (B, H, Lq, Dv)
     return out, None
+
+
+def _distances(mask: Mask) -> tuple[int, int]:
+    """The distances ``q_idx - kv_idx`` of the pairs in the plan's tiles, ``[d0, d1)`` (what a distance bias is
+    evaluated on: the pairs a tiled backend evaluates a score_mod on)."""
+    d0, d1 = 0, 1
+    for rows in tiles.plan(mask):
+        for run in rows.runs:
+            d0, d1 = min(d0, rows.r0 - (run.j1 - 1)), max(d1, rows.r1 - run.j0)
+    return d0, d1
 
 
 def _spans(mask: Mask, rows: tiles.Rows) -> tuple[Tensor, list[Tensor | None], list[Tensor | None]]:
@@ -129,8 +145,10 @@ class _Flash(torch.autograd.Function):
         k: Tensor,
         v: Tensor,
         sinks: Tensor | None,
+        rel: Tensor | None,
         mask: Mask,
         cap: float,
+        d0: int,
         scale: float,
         guard: bool,
         watched: Watched | None,
@@ -141,34 +159,59 @@ class _Flash(torch.autograd.Function):
         sink = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype)  # (B, H, Lq)
         # (B, H, Lq), rows with no block keep it: 0, or the sink's logit (a new tensor: sink may be a view of sinks)
         lse = q.new_zeros((B, H, Lq)) if sink is None else sink.clone(memory_format=torch.contiguous_format)
+        rel = None if rel is None else rel.detach().contiguous()  # (B|1, H|1, R)
         for rows in tiles.plan(mask):
             r0, r1 = rows.r0, rows.r1
             spans, allowed, bias = _spans(mask, rows)
             row_sink = None if sink is None else sink[:, :, r0:r1].contiguous()  # (B, H, n)
             qb = q[:, :, r0:r1].contiguous()  # (B, H, n, D)
-            found = torch.ops.attnkit_flash.forward(qb, k, v, spans, allowed, bias, row_sink, scale, cap, guard)
-            out[:, :, r0:r1], lse[:, :, r0:r1] = found  # (B, H, n, Dv), (B, H, n)
-        ctx.save_for_backward(q, k, v, sinks, out, lse)
-        ctx.mask, ctx.cap, ctx.scale, ctx.watched, ctx.guard = mask, cap, scale, watched, guard
+            found = torch.ops.attnkit_flash.forward(
+                qb, k, v, spans, allowed, bias, row_sink, rel, r0 - d0, scale, cap, guard
+            )  # (B, H, n, Dv), (B, H, n)
+            out[:, :, r0:r1], lse[:, :, r0:r1] = found
+        ctx.save_for_backward(q, k, v, sinks, rel, out, lse)
+        ctx.mask, ctx.cap, ctx.d0, ctx.scale, ctx.watched, ctx.guard = mask, cap, d0, scale, watched, guard
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         first_order_only(NAME)
-        q, k, v, sinks, out, lse = ctx.saved_tensors
+        q, k, v, sinks, rel, out, lse = ctx.saved_tensors
         if ctx.watched is not None:
             ctx.watched.check(NAME)
         mask: Mask = ctx.mask
         dout = dout.to(out.dtype).contiguous()
         delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        B, H = q.shape[:2]
+        drel = q.new_zeros((B, H, 0 if rel is None else rel.shape[-1]), dtype=torch.float64)  # (B, H, R)
         for rows in tiles.plan(mask):
             r0, r1 = rows.r0, rows.r1
             spans, allowed, bias = _spans(mask, rows)
             parts = (t[:, :, r0:r1].contiguous() for t in (q, dout, lse, delta))
             qb, db, lb, eb = parts  # (B, H, n, D), (B, H, n, Dv), (B, H, n), (B, H, n)
             dq[:, :, r0:r1] = torch.ops.attnkit_flash.backward(
-                qb, k, v, db, lb, eb, spans, allowed, bias, ctx.scale, ctx.cap, ctx.guard, dk, dv
-            )  # (B, H, n, D); dk and dv added to in place
+                qb,
+                k,
+                v,
+                db,
+                lb,
+                eb,
+                spans,
+                allowed,
+                bias,
+                rel,
+                r0 - ctx.d0,
+                ctx.scale,
+                ctx.cap,
+                ctx.guard,
+                dk,
+                dv,
+                drel,
+            )  # (B, H, n, D); dk, dv and drel added to in place
         dsinks = sinks_grad(sinks, mask, lse, delta) if sinks is not None and ctx.needs_input_grad[3] else None
-        return dq, dk, dv, dsinks, None, None, None, None, None
+        drel_ = None
+        if rel is not None and ctx.needs_input_grad[4]:
+            broadcast = [d for d in (0, 1) if rel.shape[d] == 1]
+            drel_ = (drel.sum(broadcast, keepdim=True) if broadcast else drel).to(rel.dtype)  # (B|1, H|1, R)
+        return dq, dk, dv, dsinks, drel_, None, None, None, None, None, None

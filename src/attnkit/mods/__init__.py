@@ -52,6 +52,9 @@ from attnkit.mods.evaluate import evaluate_mask as evaluate_mask
 from attnkit.mods.evaluate import evaluate_score as evaluate_score
 from attnkit.mods.evaluate import indices as indices
 from attnkit.mods.evaluate import protected_storages as protected_storages
+from attnkit.mods.relative import distance_bias as distance_bias
+from attnkit.mods.relative import distance_bias_known as distance_bias_known
+from attnkit.mods.relative import is_distance_bias as is_distance_bias
 
 __all__ = [
     "MaskMod",

@@ -7,7 +7,7 @@ import copy
 import dataclasses
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -83,9 +83,11 @@ class MaskMod:
 
 class ScoreMod:
     """A built-in score_mod: callable as ``score_mod(score, b, h, q_idx, kv_idx)``; ``offset`` as in
-    :class:`MaskMod`."""
+    :class:`MaskMod`; ``positional``: whether it reads ``b``, ``h``, ``q_idx`` or ``kv_idx`` (``False``: a function
+    of the score alone, such as :class:`~attnkit.mods.softcap`, the same on any piece of a call)."""
 
     offset: int = 0
+    positional: ClassVar[bool] = True
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         raise NotImplementedError

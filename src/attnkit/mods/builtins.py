@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import math
 import numbers
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -313,6 +313,9 @@ def alibi_slopes(num_heads: int) -> Tensor:
     return torch.tensor(slopes)
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 @dataclasses.dataclass(frozen=True)
 class softcap(ScoreMod):  # noqa: N801
     """Logit soft-capping (Gemma 2, Grok-1): ``score -> cap * tanh(score / cap)`` on the scaled scores, which keeps
@@ -320,6 +323,7 @@ class softcap(ScoreMod):  # noqa: N801
 
     cap: float
     offset: int = 0
+    positional: ClassVar[bool] = False  # (a subclass that reads the positions says True)
 
     def __post_init__(self) -> None:
         cap = self.cap
@@ -327,6 +331,10 @@ class softcap(ScoreMod):  # noqa: N801
             cap = cap.item()
         if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not 0 < float(cap) < math.inf:
             raise ValueError(f"softcap: cap must be a positive finite number, got {self.cap!r}")
+        if float(cap) > _FLOAT32_MAX:  # float32 rounds it to inf: inf * tanh(score / inf) is NaN for every score
+            raise ValueError(
+                f"softcap: cap must be at most {_FLOAT32_MAX:.8g} (float32's largest number), got {self.cap!r}"
+            )
         object.__setattr__(self, "cap", float(cap))
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
