@@ -323,7 +323,7 @@ class _MovedMask(mods.MaskMod):
 
 
 class _Proof:
-    """Whether a call's score_mod is a bias on the distance (:func:`attnkit.mods.is_distance_bias`), traced at most
+    """Whether a call's score_mod is a bias on the distance (``attnkit.mods.relative.is_distance_bias``), traced at most
     once for all the pieces of the call, and only if a piece's backend asks."""
 
     __slots__ = ("found", "score_mod")

@@ -77,7 +77,7 @@ class Call:
     @property
     def distance_bias(self) -> bool:
         """The score_mod is a function of the caller's that is ``score + f(b, h, q_idx - kv_idx)`` element by element,
-        as its graph shows (:func:`attnkit.mods.is_distance_bias`, traced once a call)."""
+        as its graph shows (``attnkit.mods.relative.is_distance_bias``, traced once a call)."""
         if "distance" not in self._memo:
             self._memo["distance"] = self.score_mod is not None and mods.is_distance_bias(self.score_mod)
         return self._memo["distance"]  # type: ignore[no-any-return]
@@ -199,7 +199,7 @@ class Supports:
     machine lacks for it (a package, with how to install it), or ``None``; ``missing``: the same, found only when a
     call asks (a kernel built on first use), or ``None``. ``score_mod="kernel"``: the score_mods a kernel computes
     itself: attnkit's own :class:`~attnkit.mods.softcap`, or a bias on the distance, ``score + f(b, h, q_idx -
-    kv_idx)`` (:func:`attnkit.mods.is_distance_bias`)."""
+    kv_idx)`` (``attnkit.mods.relative.is_distance_bias``)."""
 
     scoring: frozenset[str] = frozenset({DOT, ADDITIVE})
     weights: bool = True

@@ -2,8 +2,8 @@
 element (a learned table of relative-position biases, T5's buckets, ALiBi written as a function).
 
 Such a bias takes ``Lq + Lk - 1`` values per (example, head), not ``Lq Lk``: a kernel can read it as a vector
-(:func:`distance_bias`) and give back its gradient as one, where a function of the caller's would otherwise be run
-on every tile of scores, forward and backward. :func:`is_distance_bias` proves the form from the function's graph,
+(``distance_bias``) and give back its gradient as one, where a function of the caller's would otherwise be run
+on every tile of scores, forward and backward. ``is_distance_bias`` proves the form from the function's graph,
 traced once with fake tensors (:func:`torch.fx.experimental.proxy_tensor.make_fx`): the score enters once, added
 to the rest; the positions enter only through their difference (``q_idx - kv_idx``, moved or scaled by whole
 numbers); and everything that reads the indices is element-wise (PyTorch's ``pointwise`` operators, and indexing a
@@ -49,7 +49,7 @@ def is_distance_bias(score_mod: ScoreFn) -> bool:
     """Whether ``score_mod(score, b, h, q_idx, kv_idx)`` is ``score + f(b, h, q_idx - kv_idx)`` element by element,
     as its graph shows it (traced once on small blocks of fake tensors): a function of the caller's, or a built-in
     bound to a call (ALiBi is one). A built-in that reads no position (softcap) is not. attnkit's own wrappers
-    (a score_mod moved into a packed document's piece) say it themselves (:func:`distance_bias_known`)."""
+    (a score_mod moved into a packed document's piece) say it themselves (``distance_bias_known``)."""
     if distance_bias_known(score_mod):
         return bool(score_mod.attnkit_distance_bias())  # type: ignore[attr-defined]
     if isinstance(score_mod, ScoreMod) and not score_mod.positional:
@@ -76,7 +76,7 @@ def distance_bias_known(score_mod: ScoreFn) -> bool:
 
 
 def distance_bias(score_mod: ScoreFn, *, batch: int, heads: int, distances: tuple[int, int], device: Any) -> Tensor:
-    """``f(b, h, d)`` of a score_mod :func:`is_distance_bias` proved to be ``score + f(b, h, q_idx - kv_idx)``, for
+    """``f(b, h, d)`` of a score_mod ``is_distance_bias`` proved to be ``score + f(b, h, q_idx - kv_idx)``, for
     each ``d`` in ``[d0, d1)``: ``(B|1, H|1, R)`` float32, computed by the function itself (on positions
     ``q_idx = max(d, 0)``, ``kv_idx = max(-d, 0)``), so that autograd carries its gradient to what it reads."""
     d = torch.arange(*distances, device=device)  # (R,)
