@@ -369,6 +369,18 @@ def test_packed_documents_keep_softcap_and_a_distance_bias_on_flash(name):
 
 def test_a_cap_beyond_float32_is_refused():
     """float32 rounds it to inf, and inf * tanh(score / inf) is NaN for every score."""
-    with pytest.raises(ValueError, match="cap must be at most 3.4028235e.38"):
+    with pytest.raises(ValueError, match="cap must be at most 3.4028234663852886e.38"):
         mods.softcap(1e39)
     assert mods.softcap(3e38).cap == 3e38
+
+
+def test_tiny_values_keep_float32_precision():
+    """Values of 1e-34 (outputs far above float32's smallest normal number, 1.2e-38): within float32's error of the
+    math, relative to their size (flushing subnormal products to zero, as the kernel once did, lost 3.6e-4 here:
+    tester's finding)."""
+    leaves = _inputs(14, 300, 300)
+    q, k, v = (t.detach() for t in leaves)
+    v = v * 1e-34
+    out = attnkit.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, backend="flash").output
+    want, _ = mathref.attention_mods(q, k, v.float().double(), is_causal=True)
+    assert max_err(out.double() / 1e-34, want / 1e-34) <= OUT_TOL

@@ -3,12 +3,14 @@ graph, never guessed), and the values and gradients of that bias (the flash back
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 
 import pytest
 import torch
 
 from attnkit import mods
+from attnkit.mods import relative
 
 L, H = 8, 3
 TABLE = torch.randn(2 * L - 1)
@@ -45,6 +47,12 @@ NOT_DISTANCE = {
     "a reduction": lambda s, b, h, q, kv: s + (q - kv).float().mean(),
     "softcap": mods.softcap(30.0),
     "a wrong signature": lambda s, b, h: s,
+    # a size read off the block is a constant in one trace: the function differs between blocks (tester's finding)
+    "ALiBi's slopes from score.size(1)": lambda s, b, h, q, kv: (
+        s - torch.exp2(-8.0 * (h + 1) / s.size(1)) * (q - kv).abs()
+    ),
+    "an offset from kv_idx.shape": lambda s, b, h, q, kv: s + TABLE[(q - kv + kv.shape[-1]).clamp(0, 2 * L - 2)],
+    "a scale from numel()": lambda s, b, h, q, kv: s + (q - kv) / q.numel(),
 }
 
 
@@ -60,6 +68,43 @@ def test_anything_else_is_not(name, caplog, capfd):
         assert not mods.is_distance_bias(NOT_DISTANCE[name])
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert capfd.readouterr().err == ""
+
+
+def test_a_function_found_not_to_be_one_is_not_traced_again(monkeypatch):
+    """Made again (a lambda in a layer's forward) with the same code and closure: remembered."""
+    traced = []
+    real = relative._traced_form
+    monkeypatch.setattr(relative, "_traced_form", lambda fn: traced.append(fn) or real(fn))
+    monkeypatch.setattr(relative, "_NOT_DISTANCE", {})
+
+    def make(table):
+        return lambda s, b, h, q, kv: s + table[kv]
+
+    assert not mods.is_distance_bias(make(KEYS)) and not mods.is_distance_bias(make(KEYS))
+    assert len(traced) == 1
+    assert not mods.is_distance_bias(make(KEYS.clone()))  # another tensor: asked again
+    assert len(traced) == 2
+    assert mods.is_distance_bias(DISTANCE["a table"]) and mods.is_distance_bias(DISTANCE["a table"])
+    assert len(traced) == 4  # one that is: traced at each call
+
+
+def test_threads_asking_at_once_get_the_same_answers_and_leave_the_logger_alone():
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level, filters = logger.level, list(logger.filters)
+    names = ["a table", "T5-like buckets"] * 4
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        found = list(pool.map(lambda n: mods.is_distance_bias(DISTANCE[n]), names))
+        refused = list(pool.map(lambda n: mods.is_distance_bias(NOT_DISTANCE[n]), ["in place", "random"] * 4))
+    assert all(found) and not any(refused)
+    assert logger.level == level and logger.filters == filters
+
+
+def test_a_subclass_of_alibi_that_computes_something_else_is_not_one():
+    class Doubled(mods.alibi):
+        def __call__(self, score, b, h, q_idx, kv_idx):
+            return 2 * super().__call__(score, b, h, q_idx, kv_idx)
+
+    assert mods.is_distance_bias(mods.alibi(torch.ones(H))) and not mods.is_distance_bias(Doubled(torch.ones(H)))
 
 
 def test_a_bound_alibi_is_one():

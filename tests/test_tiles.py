@@ -15,7 +15,7 @@ import attnkit
 import mathref
 from attnkit import dispatch, functional, mods
 from attnkit._checks import ranges
-from attnkit.backends import tiles
+from attnkit.backends import flash, tiles
 from attnkit.masks import Mask
 from mathref import max_err
 
@@ -166,8 +166,13 @@ def test_alibi_slopes_that_require_grad_are_refused_and_auto_goes_elsewhere():
     assert chosen != ["tiles"]
     out.sum().backward()
     assert slopes.grad is not None and torch.isfinite(slopes.grad).all()
-    with dispatch.watch() as chosen:
+    with dispatch.watch() as chosen:  # (float32: flash, which takes their gradient, where it is built)
         attnkit.scaled_dot_product_attention(q, k, v, score_mod=mods.alibi(slopes.detach()), is_causal=True)
+    assert chosen == ["tiles" if flash.missing() is not None else "flash"]
+    with dispatch.watch() as chosen:
+        attnkit.scaled_dot_product_attention(
+            q.double(), k.double(), v.double(), score_mod=mods.alibi(slopes.detach()), is_causal=True
+        )
     assert chosen == ["tiles"]
 
 
@@ -300,10 +305,13 @@ def test_a_tensor_the_mask_reads_changed_before_the_backward_is_refused():
 
 
 def test_auto_takes_tiles_for_a_mask_mod_and_says_why_not_where_it_cannot():
+    """float64 (and float32 where attnkit's flash kernel cannot be built): tiles; float32: flash."""
     q = torch.randn(1, H, 64, D)
-    with dispatch.watch() as ran:
-        attnkit.scaled_dot_product_attention(q, q, q, mask_mod=mods.sliding_window(8))
-    assert ran == ["tiles"]
+    for dtype in (torch.float64, torch.float32):
+        with dispatch.watch() as ran:
+            attnkit.scaled_dot_product_attention(*(q.to(dtype),) * 3, mask_mod=mods.sliding_window(8))
+        flash_here = dtype == torch.float32 and flash.missing() is None
+        assert ran == ["flash" if flash_here else "tiles"], dtype
     v = torch.randn(1, H, 64, D + 1)
     with pytest.raises(ValueError, match=r"tiles: values of the queries' head size only \(D=8, Dv=9\)"):
         attnkit.scaled_dot_product_attention(q, q, v, mask_mod=mods.sliding_window(8), backend="tiles")

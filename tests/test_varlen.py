@@ -244,3 +244,27 @@ def test_a_backend_named_that_cannot_run_a_document_says_which():
     q = torch.randn(1, H, 255, D)
     with pytest.raises(ValueError, match=r"said of one packed document: queries \[0, 95\)"):
         attnkit.scaled_dot_product_attention(q, q, q, mask_mod=mods.document(ids), backend="decode")
+
+
+def test_a_softcap_subclass_that_reads_positions_sees_the_calls_positions_in_packed_documents():
+    """softcap reads no position, so packed documents pass it to each piece as it is; a subclass that adds a bias
+    per key inherits that attribute but not the promise: it is moved like any other score_mod (reviewer's finding:
+    it saw each piece's own positions, 1.26 off)."""
+
+    table = torch.randn(300, dtype=torch.float64)
+
+    class KeyBias(mods.softcap):
+        def __call__(self, score, b, h, q_idx, kv_idx):
+            return super().__call__(score, b, h, q_idx, kv_idx) + table[kv_idx]
+
+    ids = torch.repeat_interleave(torch.arange(2), torch.tensor([100, 200]))[None]  # (1, 300)
+    q, k, v = (torch.randn(1, 2, 300, 8, dtype=torch.float64) for _ in range(3))
+    same_document = lambda b, h, i, j: ids[0, i] == ids[0, j]  # noqa: E731  (the same mask, not split)
+    for backend in ("reference", "chunked"):
+        split = attnkit.scaled_dot_product_attention(
+            q, k, v, is_causal=True, mask_mod=mods.document(ids), score_mod=KeyBias(5.0), backend=backend
+        ).output
+        whole = attnkit.scaled_dot_product_attention(
+            q, k, v, is_causal=True, mask_mod=same_document, score_mod=KeyBias(5.0), backend=backend
+        ).output
+        assert (split - whole).abs().max() <= 1e-12, backend

@@ -7,8 +7,11 @@ Policy for ``backend="auto"``, first backend that can run the call wins:
 * weights wanted: ``reference`` (the only backend that returns them);
 * on CUDA, a call with a ``mask_mod`` or ``score_mod``: ``flex`` (PyTorch's compiled FlexAttention) first,
   then as below;
-* on CPU, ``softcap`` in float32 over more than a decode step's few queries: ``flash`` (attnkit's own C++ kernel,
-  built on first use; where it cannot be built, as below);
+* on CPU in float32, over more than a decode step's few queries: ``flash`` (attnkit's own C++ kernel, built on
+  first use; where it cannot be built, as below) for a ``mask_mod`` (but one that is causal self-attention
+  throughout, which ``tiles`` runs as one causal call), ``softcap``, and a ``score_mod`` that is a bias on the
+  distance ``q_idx - kv_idx`` (ALiBi, a learned table: proved from its graph, in calls of ``DISTANCE_FROM``
+  scores);
 * on CPU, a large call (``compiled.COMPILE_FROM`` scores, ``compiled.FEWEST_QUERIES`` queries) with a
   ``score_mod`` that takes blocks of scores and is not a bias (``softcap``, a user's function), or a bias whose
   tensors need a gradient: ``compiled`` (the online softmax's steps compiled by ``torch.compile``), then as below;
@@ -43,7 +46,7 @@ from types import ModuleType
 import torch
 
 from attnkit import _scopes, mods
-from attnkit.backends import ALL, chunked, compiled, decode, flash, online
+from attnkit.backends import ALL, chunked, compiled, decode, flash, online, tiles
 from attnkit.backends.contract import Call
 
 __all__ = ["ADDITIVE_CHUNK_ELEMENTS", "BACKENDS", "SPARSE_BELOW", "available_backends", "choose", "watch"]
@@ -54,8 +57,10 @@ BACKENDS: dict[str, ModuleType] = {b.NAME: b for b in ALL}
 # 2**22 float32 elements = 16 MiB for one copy of the features; the reference keeps several.
 ADDITIVE_CHUNK_ELEMENTS = 2**22
 
-# A function of the caller's as score_mod is looked into (its graph traced, ~10 ms) for the flash kernel's distance
-# bias from this many scores (B H Lq Lk) on; smaller calls run it on chunked.
+# A function of the caller's as score_mod is looked into (its graph traced twice: 12-42 ms on this machine) for the
+# flash kernel's distance bias from this many scores (B H Lq Lk) on, where flash and the tracing took 2-5x less
+# time than chunked (tester's runs at L=1024); smaller calls run it on chunked. A function found not to be one is
+# not traced again (attnkit.mods.relative).
 DISTANCE_FROM = 2**22
 
 # A mask_mod under which chunked scores at most this share of the Lq x Lk pairs goes to chunked first: SDPA's
@@ -179,21 +184,25 @@ def _preferences(call: Call) -> tuple[str, ...]:
 
 
 def _flash_worth(call: Call) -> bool:
-    """``softcap``, or a score_mod that is a bias on the distance ``q_idx - kv_idx`` (ALiBi, a caller's table) in a
-    call of at least ``DISTANCE_FROM`` scores (proving it traces the function: ~10 ms), on CPU in float32, over more
-    queries than a decode step's (one small call per block of queries would cost more than ``chunked``'s few
-    steps), where the kernel is built (the first time, here)."""
-    if call.score_mod is None or call.q.device.type != "cpu" or call.q.dtype != torch.float32:
+    """On CPU in float32, over more queries than a decode step's (one small call per block of queries would cost
+    more than ``chunked``'s few steps), where the kernel is built (the first time, here): a ``mask_mod`` (a window
+    took 0.12x SDPA without a mask there, 0.20x on ``tiles``; docs/benchmarks.md), unless the mask is causal
+    self-attention throughout (``tiles`` runs that as one causal call of PyTorch's kernel); ``softcap``; or a
+    score_mod that is a bias on the distance ``q_idx - kv_idx`` (ALiBi, a caller's table), looked for in calls of
+    at least ``DISTANCE_FROM`` scores (proving it traces the function)."""
+    if call.q.device.type != "cpu" or call.q.dtype != torch.float32 or call.w_v is not None or _few_queries(call):
         return False
-    if call.w_v is not None or _few_queries(call):
-        return False
-    if type(call.score_mod) is not mods.softcap:
-        B, H, Lq, _ = call.q.shape
-        if B * H * Lq * call.k.shape[2] < DISTANCE_FROM and not mods.distance_bias_known(call.score_mod):
-            return False  # (a packed document's piece asks the call's function, traced once for all its pieces)
-        if not call.distance_bias:
+    score_mod = call.score_mod
+    if score_mod is None:
+        if call.mask.mask_mod is None or tiles.causal_throughout(call.mask):
             return False
-    return flash.missing() is None
+        return flash.missing() is None
+    if type(score_mod) is mods.softcap:
+        return flash.missing() is None
+    B, H, Lq, _ = call.q.shape
+    if B * H * Lq * call.k.shape[2] < DISTANCE_FROM and not mods.declares_distance_bias(score_mod):
+        return False  # (a packed document's piece asks the call's function, traced once for all its pieces)
+    return flash.missing() is None and call.distance_bias
 
 
 def _compile_worth(call: Call) -> bool:

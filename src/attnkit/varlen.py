@@ -342,7 +342,7 @@ def _moved_score(score_mod: mods.ScoreFn, b0: int, r0: int, keys: Keys, proof: _
     """A score_mod inside a piece, called with the call's own indices; a built-in stays a built-in (a bias such as
     ALiBi stays a bias), a function of the caller's stays one (its tensors found through it); one that reads no
     position (softcap) stays itself, so that a kernel that computes it itself (flash) still takes it."""
-    if isinstance(score_mod, mods.ScoreMod) and not score_mod.positional:
+    if not mods.reads_positions(score_mod):
         return score_mod
     if not isinstance(score_mod, mods.ScoreMod):
         return _MovedFn(score_mod, b0, r0, keys, proof)
@@ -379,6 +379,7 @@ class _MovedScore(mods.ScoreMod):
         return self.inner(score, b + self.b0, h, q_idx + self.r0, _key_positions(kv_idx, self.keys))
 
     def attnkit_distance_bias(self) -> bool:
+        """As :meth:`_MovedFn.attnkit_distance_bias`."""
         return isinstance(self.keys, tuple) and self.proof()
 
     def bind(self, **sizes: Any) -> mods.ScoreMod:

@@ -29,15 +29,14 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
-#include <xmmintrin.h>
-#define ATTNKIT_X86 1
-#endif
-
 namespace {
 
 constexpr float INF = std::numeric_limits<float>::infinity();
-constexpr float LOWEST = -87.0f;  // exp() below this is taken as 0 (float32's normal numbers end at -87.3)
+// exp() below this is taken as 0: a weight under e^-69 = 1e-30 of its row's largest (whose weight is 1) changes no
+// float32 sum of the row, and one near float32's smallest normal numbers (e^-87) made products with values
+// subnormal, which this machine's cores compute through a slow assist (ALiBi's far keys made the forward 15-50%
+// slower at -87; PyTorch's own backward kernel, which keeps them, took 4x longer on ALiBi's tiles: docs/benchmarks.md)
+constexpr float LOWEST = -69.0f;
 
 inline float bits_to_float(int32_t i) {
   float f;
@@ -88,19 +87,6 @@ inline float fast_tanh(float x) {
   const float large = std::copysign(1.0f - 2.0f / (e + 1.0f), x);
   return z < 0.625f ? small : large;
 }
-
-// Results below float32's normal numbers (1.2e-38) flushed to 0 while it lives (the FTZ bit of this thread's SSE
-// control word; restored after): a weight of exp(-87) times a value, or a sum rescaled by such a factor, would
-// otherwise be a subnormal number, which this machine's cores multiply through a slow assist (ALiBi's far keys
-// made the forward 15-50% slower, and PyTorch's own backward kernel 4x; docs/benchmarks.md). GPU kernels built with
-// fast math flush them too. What is flushed is below float32's smallest normal number in absolute value.
-struct FlushSubnormals {
-#ifdef ATTNKIT_X86
-  unsigned int saved = _mm_getcsr();
-  FlushSubnormals() { _mm_setcsr(saved | 0x8000u); }  // FTZ
-  ~FlushSubnormals() { _mm_setcsr(saved); }
-#endif
-};
 
 // C (M x N, row-major, ldc) = alpha op(A) op(B) + beta C, op(A) M x K, op(B) K x N, each row-major (lda, ldb),
 // transposed where ta / tb: through the BLAS PyTorch links (MKL's sgemm_, which PyTorch's CPU library exports;
@@ -195,7 +181,7 @@ struct Distance {
     return d;
   }
   // Every pair of the n rows and the tiles reads a distance in [0, R).
-  void check(const struct Tiles& T, int64_t n) const {
+  void check(const Tiles& T, int64_t n) const {
     if (data == nullptr) return;
     for (size_t t = 0; t < T.j0.size(); ++t) {
       if (T.j1[t] == T.j0[t] || n == 0) continue;
@@ -307,7 +293,6 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
   const float scale = static_cast<float>(scale_), cap = static_cast<float>(cap_);
   const int64_t c_max = std::max<int64_t>(T.widest, 1);
   at::parallel_for(0, B * H, 1, [&](int64_t a0, int64_t a1) {
-    const FlushSubnormals flush;
     std::vector<float> s(n * c_max), acc(n * Dv), m(n), l(n);
     std::vector<uint8_t> hidden(guard ? n * c_max : 0);
     for (int64_t a = a0; a < a1; ++a) {
@@ -400,7 +385,6 @@ at::Tensor backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const float scale = static_cast<float>(scale_), cap = static_cast<float>(cap_);
   const int64_t c_max = std::max<int64_t>(T.widest, 1);
   at::parallel_for(0, B * H, 1, [&](int64_t a0, int64_t a1) {
-    const FlushSubnormals flush;
     std::vector<float> p(n * c_max), g(cap > 0 ? n * c_max : 0), dp(n * c_max);
     std::vector<uint8_t> hidden(guard ? n * c_max : 0);
     for (int64_t a = a0; a < a1; ++a) {

@@ -1,5 +1,9 @@
-"""attnkit's own flash-attention kernel (``flash.cpp``, C++ on the CPU, float32), forward and backward, with
-soft-capping built in (:class:`attnkit.mods.softcap`, as FlashAttention's own ``softcap``) and every mask.
+"""attnkit's own flash-attention kernel (``flash.cpp``, C++ on the CPU, float32), forward and backward, with every
+mask and two score_mods built in: soft-capping (:class:`attnkit.mods.softcap`, as FlashAttention's own ``softcap``)
+and a bias on the distance, ``score + f(b, h, q_idx - kv_idx)`` (ALiBi, a learned table of relative-position biases,
+T5-like buckets: proved from the function's graph by :mod:`attnkit.mods.relative`). The bias is evaluated once per
+call at each distance the plan's tiles hold, where autograd records, and read by the kernel as one vector per
+(example, head); its gradient comes back as one, summed in float64, and autograd takes it to what the function reads.
 
 Where :mod:`attnkit.backends.compiled` runs a ``score_mod`` as compiled steps over ``(B, H, 256, 256)`` tiles, each
 step writing its scores to memory for the next to read, this kernel takes one ``(example, head)`` of a block of
@@ -11,9 +15,9 @@ in spans of up to ``SPAN`` keys without a mask, and partly visible ones with the
 tiles (:meth:`attnkit.masks.Mask.tile`). A row's output and log-sum-exp come from one pass over its spans; the
 backward pass recomputes each span's weights from the log-sum-exp, as FlashAttention's does.
 
-Built on first use (:mod:`attnkit._native`, ~7 s, then cached); where it cannot be built, ``auto`` runs softcap on
-``compiled`` or ``chunked``, and the warning says so once. ``ATTNKIT_FLASH_KERNEL=0`` in the environment keeps it
-off.
+Built on first use (:mod:`attnkit._native`, ~7 s, then cached); where it cannot be built, ``auto`` runs these calls
+on ``tiles``, ``compiled`` or ``chunked``, and the warning says so once. ``ATTNKIT_FLASH_KERNEL=0`` in the
+environment keeps it off.
 """
 
 from __future__ import annotations
@@ -57,9 +61,9 @@ def missing() -> str | None:
                 reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
                 _state["missing"] = f"its C++ kernel built (the build failed: {type(error).__name__}: {reason})"
                 warnings.warn(
-                    f"attnkit: the flash kernel could not be built ({type(error).__name__}: {reason}); softcap runs "
-                    "on the 'compiled' or 'chunked' backend instead (the same results, slower; `make compiler` "
-                    "installs a C++ compiler)",
+                    f"attnkit: the flash kernel could not be built ({type(error).__name__}: {reason}); masks, softcap "
+                    "and biases on the distance run on the 'tiles', 'compiled' or 'chunked' backend instead (the "
+                    "same results, slower; `make compiler` installs a C++ compiler)",
                     RuntimeWarning,
                     stacklevel=4,
                 )

@@ -153,6 +153,12 @@ def schedule(mask: Mask, *, biased: bool) -> list[Rows]:
     return [Rows(0, mask.num_queries, (Run(0, mask.num_keys, CAUSAL),))]
 
 
+def causal_throughout(mask: Mask) -> bool:
+    """Whether ``mask`` is causal self-attention and nothing else, whatever its parts: :func:`schedule` runs it as
+    one causal call of the kernel (what ``auto`` leaves here rather than on ``flash``)."""
+    return _causal_throughout(plan(mask), mask)
+
+
 def _cut_at_diagonal(rows: Rows, mask: Mask) -> list[Run]:
     """The runs of a block of queries, its visible runs cut at the edges of the tiles that hold the keys on the
     diagonal of its queries (``p + Lk - Lq`` for ``p`` in ``[r0, r1)``)."""

@@ -42,6 +42,7 @@ from attnkit.mods.base import ScoreFn as ScoreFn
 from attnkit.mods.base import Tiles as Tiles
 from attnkit.mods.base import bind as bind
 from attnkit.mods.base import check_callable as check_callable
+from attnkit.mods.base import reads_positions as reads_positions
 from attnkit.mods.builtins import alibi, alibi_slopes, and_masks, document, or_masks, prefix_lm, sliding_window, softcap
 from attnkit.mods.builtins import conjuncts as conjuncts
 from attnkit.mods.closure import Uninspectable as Uninspectable
@@ -52,8 +53,8 @@ from attnkit.mods.evaluate import evaluate_mask as evaluate_mask
 from attnkit.mods.evaluate import evaluate_score as evaluate_score
 from attnkit.mods.evaluate import indices as indices
 from attnkit.mods.evaluate import protected_storages as protected_storages
+from attnkit.mods.relative import declares_distance_bias as declares_distance_bias
 from attnkit.mods.relative import distance_bias as distance_bias
-from attnkit.mods.relative import distance_bias_known as distance_bias_known
 from attnkit.mods.relative import is_distance_bias as is_distance_bias
 
 __all__ = [

@@ -84,7 +84,9 @@ class MaskMod:
 class ScoreMod:
     """A built-in score_mod: callable as ``score_mod(score, b, h, q_idx, kv_idx)``; ``offset`` as in
     :class:`MaskMod`; ``positional``: whether it reads ``b``, ``h``, ``q_idx`` or ``kv_idx`` (``False``: a function
-    of the score alone, such as :class:`~attnkit.mods.softcap`, the same on any piece of a call)."""
+    of the score alone, such as :class:`~attnkit.mods.softcap`, the same on any piece of a call), read from the
+    class that defines ``__call__`` (``reads_positions``: a subclass that computes something else says it
+    again, or is taken to read them)."""
 
     offset: int = 0
     positional: ClassVar[bool] = True
@@ -117,6 +119,16 @@ class ScoreMod:
         """The same function, written for compiled code (:mod:`attnkit.backends.compiled` calls it in its steps):
         itself, unless a form that Inductor's code runs faster exists (:class:`~attnkit.mods.softcap`'s)."""
         return self
+
+
+def reads_positions(score_mod: Any) -> bool:
+    """Whether a score_mod may read ``b``, ``h``, ``q_idx`` or ``kv_idx``: ``True`` but for a built-in whose class
+    that defines ``__call__`` declares ``positional = False`` itself (a subclass of softcap that adds a bias per key
+    inherits the attribute, not the promise)."""
+    if not isinstance(score_mod, ScoreMod):
+        return True
+    owner = next(c for c in type(score_mod).__mro__ if "__call__" in c.__dict__)
+    return bool(owner.__dict__.get("positional", True))
 
 
 def bind(mod: Any, **sizes: Any) -> Any:

@@ -249,6 +249,11 @@ class alibi(ScoreMod):  # noqa: N801
     def bias(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return -self.slopes[h] * (q_idx + self.offset - kv_idx).abs()
 
+    def attnkit_distance_bias(self) -> bool:
+        """A bias on the distance ``q_idx - kv_idx`` (``attnkit.mods.relative.is_distance_bias`` need not trace
+        it); a subclass that computes something else is not taken for one."""
+        return type(self).__call__ is alibi.__call__ and type(self).bias is alibi.bias
+
     def split_bias(
         self, heads: int, rows: tuple[int, int], cols: tuple[int, int], device: torch.device | None
     ) -> tuple[Tensor, Tensor] | None:
@@ -323,7 +328,7 @@ class softcap(ScoreMod):  # noqa: N801
 
     cap: float
     offset: int = 0
-    positional: ClassVar[bool] = False  # (a subclass that reads the positions says True)
+    positional: ClassVar[bool] = False  # (read from the class that defines __call__: mods.reads_positions)
 
     def __post_init__(self) -> None:
         cap = self.cap
@@ -333,7 +338,7 @@ class softcap(ScoreMod):  # noqa: N801
             raise ValueError(f"softcap: cap must be a positive finite number, got {self.cap!r}")
         if float(cap) > _FLOAT32_MAX:  # float32 rounds it to inf: inf * tanh(score / inf) is NaN for every score
             raise ValueError(
-                f"softcap: cap must be at most {_FLOAT32_MAX:.8g} (float32's largest number), got {self.cap!r}"
+                f"softcap: cap must be at most {_FLOAT32_MAX!r} (float32's largest number), got {self.cap!r}"
             )
         object.__setattr__(self, "cap", float(cap))
 

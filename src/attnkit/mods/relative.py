@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import types
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from attnkit.mods.base import ScoreFn, ScoreMod
+from attnkit._checks import broadcasts
+from attnkit.mods.base import ScoreFn, reads_positions
 
-__all__ = ["distance_bias", "distance_bias_known", "is_distance_bias"]
+__all__ = ["declares_distance_bias", "distance_bias", "is_distance_bias"]
 
 # B batch, H heads, R distances
 
@@ -47,58 +50,157 @@ _ELEMENTWISE = {  # element-wise, without PyTorch's pointwise tag
 
 def is_distance_bias(score_mod: ScoreFn) -> bool:
     """Whether ``score_mod(score, b, h, q_idx, kv_idx)`` is ``score + f(b, h, q_idx - kv_idx)`` element by element,
-    as its graph shows it (traced once on small blocks of fake tensors): a function of the caller's, or a built-in
-    bound to a call (ALiBi is one). A built-in that reads no position (softcap) is not. attnkit's own wrappers
-    (a score_mod moved into a packed document's piece) say it themselves (``distance_bias_known``)."""
-    if distance_bias_known(score_mod):
+    as its graph shows it.
+
+    The function is traced once on small blocks of fake tensors (so it runs once more than the call itself, on
+    tensors without values). A built-in that reads no position (softcap) is not one; ALiBi and attnkit's own
+    wrappers (a score_mod moved into a packed document's piece) say it themselves (:func:`declares_distance_bias`).
+    A Python function found not to be one is remembered (its code and what its closure holds): asked again, it is
+    not traced again. One found to be one is traced at every call, since what it reads may change its graph.
+
+    Args:
+        score_mod: a function of the caller's, or a built-in bound to a call.
+
+    Returns:
+        ``True`` only where the graph proves the form; ``False`` for anything else, including a function that
+        cannot be traced (a Python ``if`` on a value, randomness, a write in place, a wrong signature).
+    """
+    if declares_distance_bias(score_mod):
         return bool(score_mod.attnkit_distance_bias())  # type: ignore[attr-defined]
-    if isinstance(score_mod, ScoreMod) and not score_mod.positional:
+    if not reads_positions(score_mod):
         return False
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    args = _probe(2, 2, torch.arange(-1, 2), torch.device("cpu"))
-    try:
-        with torch.no_grad(), _quiet():
-            graph = make_fx(score_mod, tracing_mode="fake", _allow_non_fake_inputs=True)(*args).graph
-    except Exception:  # Python control flow on a value, an operation fake tensors lack, a wrong signature
+    key = _key(score_mod)
+    if key is not None and key in _NOT_DISTANCE:
         return False
-    try:
-        return _additive_in_distance(graph)
-    except (AttributeError, KeyError, TypeError, ValueError):  # a graph of a shape this reading does not expect
-        return False
+    found = _traced_form(score_mod)
+    if not found and key is not None:
+        if len(_NOT_DISTANCE) >= _REMEMBERED:
+            _NOT_DISTANCE.pop(next(iter(_NOT_DISTANCE)))
+        _NOT_DISTANCE[key] = None
+    return found
 
 
-def distance_bias_known(score_mod: ScoreFn) -> bool:
-    """Whether ``score_mod`` says itself whether it is a bias on the distance (``attnkit_distance_bias()``: attnkit's
-    wrappers, which ask the function they wrap once for all of a call's pieces), so that asking traces nothing
-    new."""
+def declares_distance_bias(score_mod: ScoreFn) -> bool:
+    """Whether ``score_mod`` says itself whether it is a bias on the distance, through a method
+    ``attnkit_distance_bias()`` (ALiBi; attnkit's wrappers, which ask the function they wrap once for all of a
+    call's pieces), so that asking traces nothing new."""
     return callable(getattr(score_mod, "attnkit_distance_bias", None))
 
 
 def distance_bias(score_mod: ScoreFn, *, batch: int, heads: int, distances: tuple[int, int], device: Any) -> Tensor:
-    """``f(b, h, d)`` of a score_mod ``is_distance_bias`` proved to be ``score + f(b, h, q_idx - kv_idx)``, for
-    each ``d`` in ``[d0, d1)``: ``(B|1, H|1, R)`` float32, computed by the function itself (on positions
-    ``q_idx = max(d, 0)``, ``kv_idx = max(-d, 0)``), so that autograd carries its gradient to what it reads."""
+    """The bias of a score_mod :func:`is_distance_bias` proved to be ``score + f(b, h, q_idx - kv_idx)``, at each
+    distance of ``[d0, d1)``, computed by the function itself (on positions ``q_idx = max(d, 0)``,
+    ``kv_idx = max(-d, 0)``), so that autograd carries its gradient to what it reads.
+
+    Args:
+        score_mod: the function (or a built-in bound to the call).
+        batch, heads: ``B`` and ``H`` of the call.
+        distances: ``(d0, d1)``, the distances ``q_idx - kv_idx`` to evaluate.
+        device: where the call's tensors are.
+
+    Returns:
+        ``(B|1, H|1, d1 - d0)`` float32: ``f(b, h, d0 + u)`` at ``[b, h, u]``.
+
+    Raises:
+        TypeError: the function returns no floating point tensor. ValueError: its result does not broadcast to
+        the block it was given.
+    """
     d = torch.arange(*distances, device=device)  # (R,)
     score, b, h, q_idx, kv_idx = _probe(batch, heads, d, device)
-    out = score_mod(score, b, h, q_idx, kv_idx)  # (B|1, H|1, 1|1, R|1)
+    out = score_mod(score, b, h, q_idx, kv_idx)  # (B|1, H|1, 1, R|1)
     if not isinstance(out, Tensor) or not out.is_floating_point():
         raise TypeError(f"score_mod must return the scores (floating point), got {out!r:.80}")
+    block = (batch, heads, 1, d.numel())
+    if not broadcasts(out.shape, block):
+        raise ValueError(f"score_mod must return a tensor that broadcasts to the block {block}, got {tuple(out.shape)}")
     out = out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))  # (B|1, H|1, 1, R|1)
     return out.to(torch.float32).expand(out.shape[0], out.shape[1], 1, d.numel())[:, :, 0]  # (B|1, H|1, R)
+
+
+# make_fx patches module state while it traces (two threads at once: "CURRENT_PATCHER is None"): one at a time
+_TRACING = threading.Lock()
+# Python functions found not to be a bias on the distance, by code and closure (a stale entry only sends a call to a
+# backend that runs any function): the most recent _REMEMBERED
+_NOT_DISTANCE: dict[tuple[object, ...], None] = {}
+_REMEMBERED = 256
+
+
+def _key(score_mod: ScoreFn) -> tuple[object, ...] | None:
+    """A Python function's code and the objects its closure holds (a lambda made again at each call has the same),
+    or ``None`` for anything else."""
+    if not isinstance(score_mod, types.FunctionType):
+        return None
+    try:
+        cells = tuple(id(c.cell_contents) for c in score_mod.__closure__ or ())
+    except ValueError:  # a cell not filled yet
+        return None
+    defaults = tuple(id(x) for x in score_mod.__defaults__ or ())
+    return (score_mod.__code__, id(score_mod.__globals__), defaults, cells)
+
+
+def _traced_form(score_mod: ScoreFn) -> bool:
+    """Traced twice, on the small probe :func:`distance_bias` uses and on a block of scores as the backends give
+    it, of other sizes throughout: both graphs of the form, and the same graph (a function that reads a size, say
+    ``score.size(1)`` for the number of heads, bakes it in as a constant that differs: not one)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graphs = []
+    for args in (_probe(2, 3, torch.arange(-2, 3), torch.device("cpu")), _block()):
+        try:
+            with _TRACING, torch.no_grad(), _quiet():
+                graph = make_fx(score_mod, tracing_mode="fake", _allow_non_fake_inputs=True)(*args).graph
+        except Exception:  # Python control flow on a value, an operation fake tensors lack, a wrong signature
+            return False
+        try:
+            if not _additive_in_distance(graph):
+                return False
+        except (AttributeError, KeyError, TypeError, ValueError):  # a graph of a shape this reading does not expect
+            return False
+        graphs.append(_signature(graph))
+    return graphs[0] == graphs[1]
+
+
+def _block() -> tuple[Tensor, ...]:
+    """A block of scores ``(7, 6, 4, 9)`` and its index tensors, as the backends call a score_mod (no size in common
+    with :func:`_probe`'s)."""
+    b, h, q_idx, kv_idx = (
+        torch.arange(n).view([n if i == axis else 1 for i in range(4)]) for axis, n in enumerate((7, 6, 4, 9))
+    )
+    return torch.zeros(7, 6, 4, 9), b, h, q_idx, kv_idx
+
+
+def _signature(graph: torch.fx.Graph) -> list[tuple[object, ...]]:
+    """The graph's operations and their arguments, nodes by position (what two traces of one code path share)."""
+    where = {node: i for i, node in enumerate(graph.nodes)}
+
+    def plain(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return ("node", where[a])
+        if isinstance(a, (list, tuple)):
+            return tuple(plain(x) for x in a)
+        if isinstance(a, dict):
+            return tuple(sorted((k, plain(x)) for k, x in a.items()))
+        return repr(a)
+
+    return [(n.op, str(n.target), plain(n.args), plain(n.kwargs)) for n in graph.nodes]
 
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """FakeTensor logs an error, with its traceback, for an operation that fails while traced: here that only means
-    the function is not a distance bias."""
+    the function is not a distance bias. Drops this thread's records of that logger while it lasts (a filter: the
+    logger's level, which other threads read, is left alone)."""
     logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    me = threading.get_ident()
+
+    def others(record: logging.LogRecord) -> bool:
+        return record.thread != me
+
+    logger.addFilter(others)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.removeFilter(others)
 
 
 def _probe(batch: int, heads: int, d: Tensor, device: Any) -> tuple[Tensor, ...]:
