@@ -249,19 +249,59 @@ inline float modify(float* s, float* g, int64_t c, float scale, float cap, const
   return largest(s, c);
 }
 
-// C (n, d) += alpha A X over the pairs (i, j) not hidden (hidden (n, c) marks them), A (n, c), X (c, d): the
-// product where a key or value that is not finite must not reach a row that may not see it (0 * inf is NaN).
-void product_of_seen(const float* A, int64_t n, int64_t c, const uint8_t* hidden, const float* X, int64_t d,
-                     float alpha, float* C) {
+// C (n, d) += alpha A X over the pairs (i, j) not hidden (hidden (n, c) marks them), A (n, c), X (c, d), A and
+// hidden rows ld apart: the product where a key or value that is not finite must not reach a row that may not see it
+// (0 * inf is NaN).
+void product_of_seen(const float* A, int64_t n, int64_t c, int64_t ld, const uint8_t* hidden, const float* X,
+                     int64_t d, float alpha, float* C) {
   for (int64_t i = 0; i < n; ++i) {
     float* row = C + i * d;
     for (int64_t j = 0; j < c; ++j) {
-      if (hidden[i * c + j]) continue;
-      const float a = alpha * A[i * c + j];
+      if (hidden[i * ld + j]) continue;
+      const float a = alpha * A[i * ld + j];
       const float* x = X + j * d;
 #pragma omp simd
       for (int64_t e = 0; e < d; ++e) row[e] += a * x[e];
     }
+  }
+}
+
+// A piece of a tile to compute: rows [i0, i1), and the columns [lo, hi) some row among them may see.
+struct Piece {
+  int64_t i0, i1, lo, hi;
+};
+
+// Rows of a masked tile computed together: the products skip the columns none of them may see (most of the hidden
+// half of a causal diagonal or a window's edge), in products that stay large enough to run near the BLAS's rate.
+constexpr int64_t SUB = 64;
+
+// The pieces of tile (b, h) of n rows and c columns: the whole tile without a mask; with one, each SUB rows over the
+// columns their masks show (none where they show nothing).
+void pieces_of(const Part<bool>& al, int64_t b, int64_t h, int64_t n, int64_t c, std::vector<Piece>& out) {
+  out.clear();
+  if (al.data == nullptr) {
+    out.push_back({0, n, 0, c});
+    return;
+  }
+  for (int64_t i0 = 0; i0 < n; i0 += SUB) {
+    const int64_t i1 = std::min(i0 + SUB, n);
+    int64_t lo = c, hi = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+      const bool* ar = al.at(b, h, i);
+      for (int64_t j = 0; j < lo; ++j) {
+        if (ar[j * al.sj]) {
+          lo = j;
+          break;
+        }
+      }
+      for (int64_t j = c - 1; j >= hi; --j) {
+        if (ar[j * al.sj]) {
+          hi = j + 1;
+          break;
+        }
+      }
+    }
+    if (lo < hi) out.push_back({i0, i1, lo, hi});
   }
 }
 
@@ -295,6 +335,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
   at::parallel_for(0, B * H, 1, [&](int64_t a0, int64_t a1) {
     std::vector<float> s(n * c_max), acc(n * Dv), m(n), l(n);
     std::vector<uint8_t> hidden(guard ? n * c_max : 0);
+    std::vector<Piece> pieces;
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t b = a / H, h = a % H;
       const float* qa = q.data_ptr<float>() + a * n * D;
@@ -308,36 +349,43 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
       for (size_t t = 0; t < T.j0.size(); ++t) {
         const int64_t j0 = T.j0[t], c = T.j1[t] - j0;
         if (c == 0) continue;
-        mm(false, true, n, c, D, 1.0f, qa, D, ka + j0 * D, D, 0.0f, s.data(), c);  // (n, c) q k^T
         const Part<bool>& al = T.allowed[t];
         const Part<float>& bi = T.bias[t];
-        for (int64_t i = 0; i < n; ++i) {
-          float* row = s.data() + i * c;
-          const float top = modify(row, nullptr, c, scale, cap, dist.row(b, h, i, j0),
-                                   al.data ? al.at(b, h, i) : nullptr, al.sj, bi.data ? bi.at(b, h, i) : nullptr, bi.sj);
-          if (guard) {
-            for (int64_t j = 0; j < c; ++j) hidden[i * c + j] = row[j] == -INF;
-          }
-          const float m_new = std::max(m[i], top);  // -inf where the row saw nothing yet
-          const float m_safe = m_new == -INF ? 0.0f : m_new;
-          const float alpha = fast_exp(m[i] - m_safe);
-          m[i] = m_new;
-          float sum = 0.0f;
+        pieces_of(al, b, h, n, c, pieces);
+        for (const Piece& pc : pieces) {  // rows [i0, i1) x columns [lo, hi) of the tile, its scores at s[i, lo + j]
+          const int64_t i0 = pc.i0, rows = pc.i1 - pc.i0, lo = pc.lo, w = pc.hi - pc.lo, k0 = j0 + lo;
+          float* sp = s.data() + i0 * c + lo;
+          mm(false, true, rows, w, D, 1.0f, qa + i0 * D, D, ka + k0 * D, D, 0.0f, sp, c);  // (rows, w) q k^T
+          for (int64_t i = pc.i0; i < pc.i1; ++i) {
+            float* row = s.data() + i * c + lo;
+            const float top = modify(row, nullptr, w, scale, cap, dist.row(b, h, i, k0),
+                                     al.data ? al.at(b, h, i) + lo * al.sj : nullptr, al.sj,
+                                     bi.data ? bi.at(b, h, i) + lo * bi.sj : nullptr, bi.sj);
+            if (guard) {
+              for (int64_t j = 0; j < w; ++j) hidden[i * c + lo + j] = row[j] == -INF;
+            }
+            const float m_new = std::max(m[i], top);  // -inf where the row saw nothing yet
+            const float m_safe = m_new == -INF ? 0.0f : m_new;
+            const float alpha = fast_exp(m[i] - m_safe);
+            m[i] = m_new;
+            float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < c; ++j) {
-            row[j] = fast_exp(row[j] - m_safe);
-            sum += row[j];
+            for (int64_t j = 0; j < w; ++j) {
+              row[j] = fast_exp(row[j] - m_safe);
+              sum += row[j];
+            }
+            l[i] = l[i] * alpha + sum;
+            if (alpha != 1.0f) {
+              float* o = acc.data() + i * Dv;
+              for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha;
+            }
           }
-          l[i] = l[i] * alpha + sum;
-          if (alpha != 1.0f) {
-            float* o = acc.data() + i * Dv;
-            for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha;
+          float* ap = acc.data() + i0 * Dv;
+          if (guard) {  // (rows, Dv) += p v
+            product_of_seen(sp, rows, w, c, hidden.data() + i0 * c + lo, va + k0 * Dv, Dv, 1.0f, ap);
+          } else {
+            mm(false, false, rows, Dv, w, 1.0f, sp, c, va + k0 * Dv, Dv, 1.0f, ap, Dv);  // (rows, Dv) += p v
           }
-        }
-        if (guard) {
-          product_of_seen(s.data(), n, c, hidden.data(), va + j0 * Dv, Dv, 1.0f, acc.data());  // (n, Dv) += p v
-        } else {
-          mm(false, false, n, Dv, c, 1.0f, s.data(), c, va + j0 * Dv, Dv, 1.0f, acc.data(), Dv);  // (n, Dv) += p v
         }
       }
       float* oa = out.data_ptr<float>() + a * n * Dv;
@@ -387,6 +435,7 @@ at::Tensor backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   at::parallel_for(0, B * H, 1, [&](int64_t a0, int64_t a1) {
     std::vector<float> p(n * c_max), g(cap > 0 ? n * c_max : 0), dp(n * c_max);
     std::vector<uint8_t> hidden(guard ? n * c_max : 0);
+    std::vector<Piece> pieces;
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t b = a / H, h = a % H;
       const float* qa = q.data_ptr<float>() + a * n * D;
@@ -401,57 +450,66 @@ at::Tensor backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       for (size_t t = 0; t < T.j0.size(); ++t) {
         const int64_t j0 = T.j0[t], c = T.j1[t] - j0;
         if (c == 0) continue;
-        mm(false, true, n, c, D, 1.0f, qa, D, ka + j0 * D, D, 0.0f, p.data(), c);  // (n, c) q k^T
         const Part<bool>& al = T.allowed[t];
         const Part<float>& bi = T.bias[t];
-        for (int64_t i = 0; i < n; ++i) {
-          float* row = p.data() + i * c;
-          modify(row, cap > 0 ? g.data() + i * c : nullptr, c, scale, cap, dist.row(b, h, i, j0),
-                 al.data ? al.at(b, h, i) : nullptr, al.sj, bi.data ? bi.at(b, h, i) : nullptr, bi.sj);
-          const float shift = la[i];
-          if (guard) {
-            for (int64_t j = 0; j < c; ++j) hidden[i * c + j] = row[j] == -INF;
-          }
+        pieces_of(al, b, h, n, c, pieces);
+        for (const Piece& pc : pieces) {  // rows [i0, i1) x columns [lo, hi) of the tile, at p[i, lo + j]
+          const int64_t i0 = pc.i0, rows = pc.i1 - pc.i0, lo = pc.lo, w = pc.hi - pc.lo, k0 = j0 + lo;
+          float* pp = p.data() + i0 * c + lo;
+          float* dpp = dp.data() + i0 * c + lo;
+          mm(false, true, rows, w, D, 1.0f, qa + i0 * D, D, ka + k0 * D, D, 0.0f, pp, c);  // (rows, w) q k^T
+          for (int64_t i = pc.i0; i < pc.i1; ++i) {
+            float* row = p.data() + i * c + lo;
+            modify(row, cap > 0 ? g.data() + i * c + lo : nullptr, w, scale, cap, dist.row(b, h, i, k0),
+                   al.data ? al.at(b, h, i) + lo * al.sj : nullptr, al.sj,
+                   bi.data ? bi.at(b, h, i) + lo * bi.sj : nullptr, bi.sj);
+            const float shift = la[i];
+            if (guard) {
+              for (int64_t j = 0; j < w; ++j) hidden[i * c + lo + j] = row[j] == -INF;
+            }
 #pragma omp simd
-          for (int64_t j = 0; j < c; ++j) {  // the weights again; 0 where hidden, whatever the row's lse (NaN)
-            row[j] = row[j] == -INF ? 0.0f : fast_exp(row[j] - shift);
+            for (int64_t j = 0; j < w; ++j) {  // the weights again; 0 where hidden, whatever the row's lse (NaN)
+              row[j] = row[j] == -INF ? 0.0f : fast_exp(row[j] - shift);
+            }
           }
-        }
-        const float* kt = ka + j0 * D;
-        const float* vt = va + j0 * Dv;
-        mm(true, false, c, Dv, n, 1.0f, p.data(), c, oa, Dv, 1.0f, dva + j0 * Dv, Dv);  // (c, Dv) += p^T dout
-        mm(false, true, n, c, Dv, 1.0f, oa, Dv, vt, Dv, 0.0f, dp.data(), c);  // (n, c) dout v^T
-        for (int64_t i = 0; i < n; ++i) {
-          float* pr = p.data() + i * c;
-          const float* dr = dp.data() + i * c;
-          const float e = ea[i];
-          if (cap > 0) {
-            const float* gr = g.data() + i * c;
+          const float* kt = ka + k0 * D;
+          const float* vt = va + k0 * Dv;
+          const float* op = oa + i0 * Dv;
+          mm(true, false, w, Dv, rows, 1.0f, pp, c, op, Dv, 1.0f, dva + k0 * Dv, Dv);  // (w, Dv) += p^T dout
+          mm(false, true, rows, w, Dv, 1.0f, op, Dv, vt, Dv, 0.0f, dpp, c);  // (rows, w) dout v^T
+          for (int64_t i = pc.i0; i < pc.i1; ++i) {
+            float* pr = p.data() + i * c + lo;
+            const float* dr = dp.data() + i * c + lo;
+            const float e = ea[i];
+            if (cap > 0) {
+              const float* gr = g.data() + i * c + lo;
 #pragma omp simd
-            for (int64_t j = 0; j < c; ++j) pr[j] = pr[j] * (dr[j] - e) * gr[j];
+              for (int64_t j = 0; j < w; ++j) pr[j] = pr[j] * (dr[j] - e) * gr[j];
+            } else {
+#pragma omp simd
+              for (int64_t j = 0; j < w; ++j) pr[j] = pr[j] * (dr[j] - e);
+            }
+            // the gradient of a hidden score is 0 (as FlexAttention's: a score_mod singular where it hides has none)
+            if (guard) {
+              for (int64_t j = 0; j < w; ++j) pr[j] = hidden[i * c + lo + j] ? 0.0f : pr[j];
+            } else if (al.data != nullptr) {
+              const bool* ar = al.at(b, h, i) + lo * al.sj;
+              for (int64_t j = 0; j < w; ++j) pr[j] = ar[j * al.sj] ? pr[j] : 0.0f;
+            }
+            if (dist.data != nullptr) {  // d score / d f = 1: the bias at distance u gets the scores' gradients
+              double* du = drel.data_ptr<double>() + a * dist.R + dist.base + i - k0;
+#pragma omp simd
+              for (int64_t j = 0; j < w; ++j) du[-j] += pr[j];
+            }
+          }
+          float* dqp = dqa + i0 * D;
+          if (guard) {  // (dp is not finite where a hidden value is not: ds is 0 there, and k's hidden keys skipped)
+            product_of_seen(pp, rows, w, c, hidden.data() + i0 * c + lo, kt, D, scale, dqp);  // (rows, D) += ds k
           } else {
-#pragma omp simd
-            for (int64_t j = 0; j < c; ++j) pr[j] = pr[j] * (dr[j] - e);
+            mm(false, false, rows, D, w, scale, pp, c, kt, D, 1.0f, dqp, D);  // (rows, D) += ds k
           }
-          // the gradient of a hidden score is 0 (as FlexAttention's: a score_mod singular where it hides has none)
-          if (guard) {
-            for (int64_t j = 0; j < c; ++j) pr[j] = hidden[i * c + j] ? 0.0f : pr[j];
-          } else if (al.data != nullptr) {
-            const bool* ar = al.at(b, h, i);
-            for (int64_t j = 0; j < c; ++j) pr[j] = ar[j * al.sj] ? pr[j] : 0.0f;
-          }
-          if (dist.data != nullptr) {  // d score / d f = 1: the bias at distance u gets the scores' gradients
-            double* dr = drel.data_ptr<double>() + a * dist.R + dist.base + i - j0;
-#pragma omp simd
-            for (int64_t j = 0; j < c; ++j) dr[-j] += pr[j];
-          }
+          mm(true, false, w, D, rows, scale, pp, c, qa + i0 * D, D, 1.0f, dka + k0 * D, D);  // (w, D) += ds^T q
         }
-        if (guard) {  // (dp is not finite where a hidden value is not: ds is 0 there, and k's hidden keys skipped)
-          product_of_seen(p.data(), n, c, hidden.data(), kt, D, scale, dqa);  // (n, D) += ds k
-        } else {
-          mm(false, false, n, D, c, scale, p.data(), c, kt, D, 1.0f, dqa, D);  // (n, D) += ds k
-        }
-        mm(true, false, c, D, n, scale, p.data(), c, qa, D, 1.0f, dka + j0 * D, D);  // (c, D) += ds^T q
       }
     }
   });

@@ -164,9 +164,8 @@ class _Flash(torch.autograd.Function):
         # (B, H, Lq), rows with no block keep it: 0, or the sink's logit (a new tensor: sink may be a view of sinks)
         lse = q.new_zeros((B, H, Lq)) if sink is None else sink.clone(memory_format=torch.contiguous_format)
         rel = None if rel is None else rel.detach().contiguous()  # (B|1, H|1, R)
-        for rows in tiles.plan(mask):
-            r0, r1 = rows.r0, rows.r1
-            spans, allowed, bias = _spans(mask, rows)
+        blocks = [(rows.r0, rows.r1, *_spans(mask, rows)) for rows in tiles.plan(mask)]  # (the backward's too)
+        for r0, r1, spans, allowed, bias in blocks:
             row_sink = None if sink is None else sink[:, :, r0:r1].contiguous()  # (B, H, n)
             qb = q[:, :, r0:r1].contiguous()  # (B, H, n, D)
             found = torch.ops.attnkit_flash.forward(
@@ -175,6 +174,7 @@ class _Flash(torch.autograd.Function):
             out[:, :, r0:r1], lse[:, :, r0:r1] = found
         ctx.save_for_backward(q, k, v, sinks, rel, out, lse)
         ctx.mask, ctx.cap, ctx.d0, ctx.scale, ctx.watched, ctx.guard = mask, cap, d0, scale, watched, guard
+        ctx.blocks = blocks
         return out
 
     @staticmethod
@@ -189,9 +189,7 @@ class _Flash(torch.autograd.Function):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         B, H = q.shape[:2]
         drel = q.new_zeros((B, H, 0 if rel is None else rel.shape[-1]), dtype=torch.float64)  # (B, H, R)
-        for rows in tiles.plan(mask):
-            r0, r1 = rows.r0, rows.r1
-            spans, allowed, bias = _spans(mask, rows)
+        for r0, r1, spans, allowed, bias in ctx.blocks:
             parts = (t[:, :, r0:r1].contiguous() for t in (q, dout, lse, delta))
             qb, db, lb, eb = parts  # (B, H, n, D), (B, H, n, Dv), (B, H, n), (B, H, n)
             dq[:, :, r0:r1] = torch.ops.attnkit_flash.backward(
