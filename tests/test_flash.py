@@ -387,3 +387,30 @@ def test_tiny_values_keep_float32_precision():
     out = attnkit.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, backend="flash").output
     want, _ = mathref.attention_mods(q, k, v.float().double(), is_causal=True)
     assert max_err(out.double() / 1e-34, want / 1e-34) <= OUT_TOL
+
+
+def test_the_masks_kept_for_the_backward_stay_within_their_budget(monkeypatch):
+    """A mask of new tensors larger than KEEP_BYTES (here made small) is made again in the backward, a block at a
+    time, so that memory stays linear in L (reviewer's finding: every block's tiles were kept, H L^2 bytes); the
+    results are the same either way."""
+    Lq = Lk = 600
+    leaves = [t.detach().float() for t in _inputs(15, Lq, Lk)]
+    mask_mod = lambda b, h, i, j: (i + j + h) % 5 != 0  # noqa: E731  (new tiles per block: reads h and both positions)
+
+    def run():
+        xs = [t.clone().requires_grad_() for t in leaves]
+        out = attnkit.scaled_dot_product_attention(*xs, mask_mod=mask_mod, backend="flash").output
+        out.backward(torch.ones_like(out))
+        return [out.detach()] + [t.grad for t in xs]
+
+    made = []
+    spans = flash._spans
+    monkeypatch.setattr(flash, "_spans", lambda mask, rows: made.append(rows.r0) or spans(mask, rows))
+    kept = run()
+    assert made == [0, 256, 512]  # the forward's only
+    made.clear()
+    monkeypatch.setattr(flash, "KEEP_BYTES", 1024)
+    again = run()
+    assert made == [0, 256, 512] * 2  # the backward's too
+    for a, b in zip(kept, again, strict=True):
+        assert torch.equal(a, b)

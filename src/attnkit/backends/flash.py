@@ -42,6 +42,11 @@ NAME = "flash"
 # own CPU kernel's 512 keys a block).
 SPAN = 512
 
+# The masks of a call's blocks are kept from the forward for the backward up to this many bytes (a window's: 4 MiB at
+# L=8192); a mask that is new tensors of H L^2 bytes or more (a mask_mod of h and the positions) is made again, a block
+# at a time, as in the forward, so that memory stays linear in L.
+KEEP_BYTES = 32 * 2**20
+
 _SOURCE = Path(__file__).with_name("flash.cpp")
 _LOCK = threading.Lock()
 _state: dict[str, str | None] = {}  # "missing": None once built, else why it is not
@@ -164,8 +169,17 @@ class _Flash(torch.autograd.Function):
         # (B, H, Lq), rows with no block keep it: 0, or the sink's logit (a new tensor: sink may be a view of sinks)
         lse = q.new_zeros((B, H, Lq)) if sink is None else sink.clone(memory_format=torch.contiguous_format)
         rel = None if rel is None else rel.detach().contiguous()  # (B|1, H|1, R)
-        blocks = [(rows.r0, rows.r1, *_spans(mask, rows)) for rows in tiles.plan(mask)]  # (the backward's too)
-        for r0, r1, spans, allowed, bias in blocks:
+        kept: list[tuple] | None = [] if any(ctx.needs_input_grad) else None  # the blocks, for the backward
+        size = 0
+        for rows in tiles.plan(mask):
+            r0, r1 = rows.r0, rows.r1
+            spans, allowed, bias = _spans(mask, rows)
+            if kept is not None:
+                size += sum(t.numel() * t.element_size() for t in (*allowed, *bias) if t is not None)
+                if size <= KEEP_BYTES:
+                    kept.append((r0, r1, spans, allowed, bias))
+                else:
+                    kept = None
             row_sink = None if sink is None else sink[:, :, r0:r1].contiguous()  # (B, H, n)
             qb = q[:, :, r0:r1].contiguous()  # (B, H, n, D)
             found = torch.ops.attnkit_flash.forward(
@@ -174,7 +188,7 @@ class _Flash(torch.autograd.Function):
             out[:, :, r0:r1], lse[:, :, r0:r1] = found
         ctx.save_for_backward(q, k, v, sinks, rel, out, lse)
         ctx.mask, ctx.cap, ctx.d0, ctx.scale, ctx.watched, ctx.guard = mask, cap, d0, scale, watched, guard
-        ctx.blocks = blocks
+        ctx.blocks = kept
         return out
 
     @staticmethod
@@ -189,7 +203,8 @@ class _Flash(torch.autograd.Function):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         B, H = q.shape[:2]
         drel = q.new_zeros((B, H, 0 if rel is None else rel.shape[-1]), dtype=torch.float64)  # (B, H, R)
-        for r0, r1, spans, allowed, bias in ctx.blocks:
+        blocks = ctx.blocks or ((rows.r0, rows.r1, *_spans(mask, rows)) for rows in tiles.plan(mask))
+        for r0, r1, spans, allowed, bias in blocks:
             parts = (t[:, :, r0:r1].contiguous() for t in (q, dout, lse, delta))
             qb, db, lb, eb = parts  # (B, H, n, D), (B, H, n, Dv), (B, H, n), (B, H, n)
             dq[:, :, r0:r1] = torch.ops.attnkit_flash.backward(
