@@ -309,13 +309,17 @@ def test_auto_compiles_a_large_call_with_a_score_mod_that_is_not_a_bias(monkeypa
             few, k.repeat(1, 1, 3, 1), v.repeat(1, 1, 3, 1), score_mod=cases["softcap"]
         )
     assert chosen != ["compiled"]
-    with dispatch.watch() as chosen:  # a bias the fused kernel takes
-        attnkit.scaled_dot_product_attention(q, k, v, score_mod=cases["alibi"], is_causal=True)
-    assert chosen == ["tiles"]
-    slopes = mods.alibi_slopes(H).requires_grad_()  # ... unless its slopes need a gradient
-    with dispatch.watch() as chosen:
-        attnkit.scaled_dot_product_attention(q, k, v, score_mod=mods.alibi(slopes), is_causal=True)
-    assert chosen == ["compiled"]
+    slopes = mods.alibi_slopes(H).requires_grad_()
+    kernel = flash.missing() is None  # float32 ALiBi goes to the flash kernel (with its slopes' gradient), where built
+    for dtype in (torch.float64, torch.float32):
+        x = (t.to(dtype) for t in (q, k, v))
+        with dispatch.watch() as chosen:  # a bias PyTorch's fused kernel takes
+            attnkit.scaled_dot_product_attention(*x, score_mod=cases["alibi"], is_causal=True)
+        assert chosen == ["flash" if kernel and dtype == torch.float32 else "tiles"], dtype
+        x = (t.to(dtype) for t in (q, k, v))
+        with dispatch.watch() as chosen:  # ... unless its slopes need a gradient
+            attnkit.scaled_dot_product_attention(*x, score_mod=mods.alibi(slopes.to(dtype)), is_causal=True)
+        assert chosen == ["flash" if kernel and dtype == torch.float32 else "compiled"], dtype
 
 
 def test_inside_a_callers_torch_compile_with_a_causal_mask():
