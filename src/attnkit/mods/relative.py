@@ -25,6 +25,7 @@ from torch import Tensor
 
 from attnkit._checks import broadcasts
 from attnkit.mods.base import ScoreFn, reads_positions
+from attnkit.mods.evaluate import indices
 
 __all__ = ["declares_distance_bias", "distance_bias", "is_distance_bias"]
 
@@ -163,10 +164,8 @@ def _traced_form(score_mod: ScoreFn) -> bool:
 def _block() -> tuple[Tensor, ...]:
     """A block of scores ``(7, 6, 4, 9)`` and its index tensors, as the backends call a score_mod (no size in common
     with :func:`_probe`'s)."""
-    b, h, q_idx, kv_idx = (
-        torch.arange(n).view([n if i == axis else 1 for i in range(4)]) for axis, n in enumerate((7, 6, 4, 9))
-    )
-    return torch.zeros(7, 6, 4, 9), b, h, q_idx, kv_idx
+    b, h, q_idx, kv_idx = indices(7, 6, (0, 4), (0, 9), None)  # (7, 1, 1, 1), (1, 6, 1, 1), (1, 1, 4, 1), (1, 1, 1, 9)
+    return torch.zeros(7, 6, 4, 9), b, h, q_idx, kv_idx  # the scores (7, 6, 4, 9)
 
 
 def _signature(graph: torch.fx.Graph) -> list[tuple[object, ...]]:
