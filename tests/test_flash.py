@@ -20,6 +20,7 @@ import attnkit
 import mathref
 from attnkit import dispatch, mods
 from attnkit.backends import flash
+from attnkit.masks import Mask
 from mathref import max_err
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim, Dv value head dim
@@ -413,4 +414,27 @@ def test_the_masks_kept_for_the_backward_stay_within_their_budget(monkeypatch):
     again = run()
     assert made == [0, 256, 512] * 2  # the backward's too
     for a, b in zip(kept, again, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_kept_plans_masks_are_made_once_for_the_calls_after(monkeypatch):
+    """A mask that is a function of the indices alone (a built-in window) keeps its tiles' masks with its plan:
+    the next call (the next layer, the next step) makes none, and gives the same results, bit for bit."""
+    leaves = [t.detach().float() for t in _inputs(16, 700, 700)]
+    made = []
+    tile = Mask.tile
+    monkeypatch.setattr(Mask, "tile", lambda self, *a, **kw: made.append(a[:4]) or tile(self, *a, **kw))
+
+    def run():
+        xs = [t.clone().requires_grad_() for t in leaves]
+        out = attnkit.scaled_dot_product_attention(*xs, mask_mod=mods.sliding_window(77, offset=3), backend="flash")
+        out.output.backward(torch.ones_like(out.output))
+        return [out.output.detach()] + [t.grad for t in xs]
+
+    first = run()
+    assert made  # the window's edges
+    made.clear()
+    again = run()
+    assert not [m for m in made if m[3] - m[2] < 700]  # no masked tile made again (a full one returns None at once)
+    for a, b in zip(first, again, strict=True):
         assert torch.equal(a, b)

@@ -1,21 +1,20 @@
-// Flash attention for one block of queries on the CPU, float32, forward and backward, with a built-in score_mod:
-// soft-capping (cap * tanh(score / cap), as FlashAttention's own `softcap`) or a bias on the distance
+// Flash attention on the CPU, float32, forward and backward, over the blocks of queries of a plan, with a built-in
+// score_mod: soft-capping (cap * tanh(score / cap), as FlashAttention's own `softcap`) or a bias on the distance
 // q_idx - kv_idx (score + f(b, h, q_idx - kv_idx): a learned table of relative-position biases, read as one vector
 // per (example, head), its gradient given back as one), the mask of each tile given as a bool tile and a float bias
-// tile. attnkit/backends/flash.py plans the tiles (attnkit/backends/tiles.py's plan) and builds
-// the masks of the partly visible ones; this file runs each (example, head) of a block of queries over its tiles, the
-// scores of a tile kept in cache from the product that makes them to the products that read them (where the
-// compiled steps of attnkit/backends/compiled.py write each step's (B, H, n, c) tile to memory and read it back).
+// tile. attnkit/backends/flash.py plans the tiles (attnkit/backends/tiles.py's plan) and builds the masks of the
+// partly visible ones; this file runs each (example, head) of each block of queries over its tiles, reading and
+// writing the call's tensors in place, the scores of a tile kept in cache from the product that makes them to the
+// products that read them (where the compiled steps of attnkit/backends/compiled.py write each step's (B, H, n, c)
+// tile to memory and read it back).
 //
-// Shapes: B batch, H heads, n the block's queries, Lk keys, D head dim, Dv value head dim, c a tile's keys.
+// Shapes: B batch, H heads, Lq queries, n a block's queries, Lk keys, D head dim, Dv value head dim, c a tile's keys.
 // The semantics are those of attnkit/backends/compiled_steps.py: a score of -inf hides its key, a row that sees no
 // key gets zeros and a log-sum-exp of 0, and where `guard` says some key or value is not finite, the products that
 // read keys and values into rows skip the pairs a row may not see (0 * inf would be NaN there).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <ATen/core/List.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
@@ -124,73 +123,97 @@ struct Part {
   const T* at(int64_t b, int64_t h, int64_t i) const { return data + b * sb + h * sh + i * si; }
 };
 
-// The tiles of a block of queries: tile t covers keys [spans[2t], spans[2t + 1]), its allowed and bias parts.
-struct Tiles {
+// The blocks of queries of a call (or of a group of its blocks): block x covers rows [r0[x], r1[x]) and tiles
+// [first[x], first[x + 1]); tile t covers keys [j0[t], j1[t]), its allowed and bias parts (B|1, H|1, n, c), n its
+// block's rows.
+struct Plan {
+  std::vector<int64_t> r0, r1, first;
   std::vector<int64_t> j0, j1;
   std::vector<Part<bool>> allowed;
   std::vector<Part<float>> bias;
-  int64_t widest = 0;
+  int64_t widest = 0, tallest = 0;  // the most keys of a tile, the most rows of a block
+
+  int64_t blocks() const { return static_cast<int64_t>(r0.size()); }
 };
 
-Tiles tiles_of(const at::Tensor& spans, const c10::List<c10::optional<at::Tensor>>& allowed,
-               const c10::List<c10::optional<at::Tensor>>& bias, int64_t B, int64_t H, int64_t n, int64_t Lk) {
+Plan plan_of(const at::Tensor& rows, const at::Tensor& starts, const at::Tensor& spans,
+             const c10::List<c10::optional<at::Tensor>>& allowed, const c10::List<c10::optional<at::Tensor>>& bias,
+             int64_t B, int64_t H, int64_t Lq, int64_t Lk) {
+  TORCH_CHECK(rows.dim() == 2 && rows.size(1) == 2 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "rows: (NB, 2) int64");
   TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 2 && spans.scalar_type() == at::kLong && spans.is_contiguous(),
               "spans: (T, 2) int64");
-  const int64_t T = spans.size(0);
+  const int64_t NB = rows.size(0), T = spans.size(0);
+  TORCH_CHECK(starts.dim() == 1 && starts.size(0) == NB + 1 && starts.scalar_type() == at::kLong &&
+                  starts.is_contiguous(),
+              "starts: (NB + 1,) int64");
   TORCH_CHECK(static_cast<int64_t>(allowed.size()) == T && static_cast<int64_t>(bias.size()) == T,
               "one allowed and one bias (or None) per tile");
-  Tiles out;
+  Plan out;
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* f = starts.data_ptr<int64_t>();
   const int64_t* s = spans.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t j0 = s[2 * t], j1 = s[2 * t + 1];
-    TORCH_CHECK(0 <= j0 && j0 <= j1 && j1 <= Lk, "a tile's keys lie in [0, Lk)");
-    const c10::optional<at::Tensor> a = allowed.get(t), f = bias.get(t);
-    for (const auto* part : {&a, &f}) {
-      if (!part->has_value() || !(*part)->defined()) continue;
-      const at::Tensor& p = **part;
-      TORCH_CHECK(p.dim() == 4 && (p.size(0) == B || p.size(0) == 1) && (p.size(1) == H || p.size(1) == 1) &&
-                      p.size(2) == n && p.size(3) == j1 - j0,
-                  "a tile's mask: (B|1, H|1, n, c)");
+  TORCH_CHECK(f[0] == 0 && f[NB] == T, "starts: from 0 to T");
+  for (int64_t x = 0; x < NB; ++x) {
+    const int64_t r0 = r[2 * x], r1 = r[2 * x + 1], n = r1 - r0;
+    TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= Lq, "a block's rows lie in [0, Lq)");
+    TORCH_CHECK(f[x] <= f[x + 1], "starts: not decreasing");
+    out.r0.push_back(r0), out.r1.push_back(r1), out.first.push_back(f[x]);
+    out.tallest = std::max(out.tallest, n);
+    for (int64_t t = f[x]; t < f[x + 1]; ++t) {
+      const int64_t j0 = s[2 * t], j1 = s[2 * t + 1];
+      TORCH_CHECK(0 <= j0 && j0 <= j1 && j1 <= Lk, "a tile's keys lie in [0, Lk)");
+      const c10::optional<at::Tensor> a = allowed.get(t), b = bias.get(t);
+      for (const auto* part : {&a, &b}) {
+        if (!part->has_value() || !(*part)->defined()) continue;
+        const at::Tensor& p = **part;
+        TORCH_CHECK(p.dim() == 4 && (p.size(0) == B || p.size(0) == 1) && (p.size(1) == H || p.size(1) == 1) &&
+                        p.size(2) == n && p.size(3) == j1 - j0,
+                    "a tile's mask: (B|1, H|1, n, c)");
+      }
+      TORCH_CHECK(!a.has_value() || !a->defined() || a->scalar_type() == at::kBool, "allowed: bool");
+      TORCH_CHECK(!b.has_value() || !b->defined() || b->scalar_type() == at::kFloat, "bias: float32");
+      out.j0.push_back(j0), out.j1.push_back(j1);
+      out.allowed.push_back(Part<bool>::of(a));
+      out.bias.push_back(Part<float>::of(b));
+      out.widest = std::max(out.widest, j1 - j0);
     }
-    TORCH_CHECK(!a.has_value() || !a->defined() || a->scalar_type() == at::kBool, "allowed: bool");
-    TORCH_CHECK(!f.has_value() || !f->defined() || f->scalar_type() == at::kFloat, "bias: float32");
-    out.j0.push_back(j0);
-    out.j1.push_back(j1);
-    out.allowed.push_back(Part<bool>::of(a));
-    out.bias.push_back(Part<float>::of(f));
-    out.widest = std::max(out.widest, j1 - j0);
   }
+  out.first.push_back(T);
   return out;
 }
 
-// A bias on the distance: rel (B|1, H|1, R), f(b, h, d) at u = d - d0, for d = q_idx - kv_idx; `base` is u at the
-// block's first query and key 0 (its query position - d0), so that pair (i, j) reads u = base + i - j.
+// A bias on the distance: rel (B|1, H|1, R), f(b, h, d) at u = d - d0, for d = q_idx - kv_idx: pair (query p,
+// key j) reads u = p - j - d0.
 struct Distance {
   const float* data = nullptr;
-  int64_t sb = 0, sh = 0, R = 0, base = 0;
+  int64_t sb = 0, sh = 0, R = 0, d0 = 0;
 
-  static Distance of(const c10::optional<at::Tensor>& rel, int64_t base, int64_t B, int64_t H) {
+  static Distance of(const c10::optional<at::Tensor>& rel, int64_t d0, int64_t B, int64_t H) {
     Distance d;
     if (!rel.has_value() || !rel->defined()) return d;
     const at::Tensor& t = *rel;
     TORCH_CHECK(t.dim() == 3 && (t.size(0) == B || t.size(0) == 1) && (t.size(1) == H || t.size(1) == 1) &&
                     t.stride(2) == 1 && t.scalar_type() == at::kFloat,
                 "rel: (B|1, H|1, R) float32, its last dimension contiguous");
-    d.data = t.data_ptr<float>(), d.R = t.size(2), d.base = base;
+    d.data = t.data_ptr<float>(), d.R = t.size(2), d.d0 = d0;
     d.sb = t.size(0) == 1 ? 0 : t.stride(0), d.sh = t.size(1) == 1 ? 0 : t.stride(1);
     return d;
   }
-  // Every pair of the n rows and the tiles reads a distance in [0, R).
-  void check(const Tiles& T, int64_t n) const {
+  // Every pair of every block's rows and tiles reads a distance in [0, R).
+  void check(const Plan& P) const {
     if (data == nullptr) return;
-    for (size_t t = 0; t < T.j0.size(); ++t) {
-      if (T.j1[t] == T.j0[t] || n == 0) continue;
-      TORCH_CHECK(base - (T.j1[t] - 1) >= 0 && base + n - 1 - T.j0[t] < R, "rel: a tile's distances lie in [0, R)");
+    for (int64_t x = 0; x < P.blocks(); ++x) {
+      for (int64_t t = P.first[x]; t < P.first[x + 1]; ++t) {
+        if (P.j1[t] == P.j0[t] || P.r1[x] == P.r0[x]) continue;
+        TORCH_CHECK(P.r0[x] - (P.j1[t] - 1) - d0 >= 0 && P.r1[x] - 1 - P.j0[t] - d0 < R,
+                    "rel: a tile's distances lie in [0, R)");
+      }
     }
   }
-  // The row of (b, h) at row i and the tile's first key j0: read backwards, element j at [-j].
-  const float* row(int64_t b, int64_t h, int64_t i, int64_t j0) const {
-    return data == nullptr ? nullptr : data + b * sb + h * sh + base + i - j0;
+  // The row of (b, h) at query p and the tile's first key j0: read backwards, element j at [-j].
+  const float* row(int64_t b, int64_t h, int64_t p, int64_t j0) const {
+    return data == nullptr ? nullptr : data + b * sb + h * sh + p - j0 - d0;
   }
 };
 
@@ -305,60 +328,61 @@ void pieces_of(const Part<bool>& al, int64_t b, int64_t h, int64_t n, int64_t c,
   }
 }
 
-// Forward: out (B, H, n, Dv) and lse (B, H, n) of q (B, H, n, D) over the tiles of k (B, H, Lk, D), v (B, H, Lk, Dv);
-// sink (B, H, n) the sink's logit per row, or None.
-std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                           const at::Tensor& spans,
-                                           const c10::List<c10::optional<at::Tensor>>& allowed,
-                                           const c10::List<c10::optional<at::Tensor>>& bias,
-                                           const c10::optional<at::Tensor>& sink,
-                                           const c10::optional<at::Tensor>& rel, int64_t rel_base, double scale_,
-                                           double cap_, bool guard) {
-  check(q, "q", 4), check(k, "k", 4), check(v, "v", 4);
-  const int64_t B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3), Lk = k.size(2), Dv = v.size(3);
+// Forward: out (B, H, Lq, Dv) and lse (B, H, Lq) of q (B, H, Lq, D) over the tiles of k (B, H, Lk, D), v (B, H,
+// Lk, Dv), written in place in the rows of the plan's blocks (the other rows are left as they are); sink (B, H, Lq)
+// the sink's logit per row, or None. Each (example, head) of each block runs apart: parallel over all of them.
+void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
+             const at::Tensor& starts, const at::Tensor& spans, const c10::List<c10::optional<at::Tensor>>& allowed,
+             const c10::List<c10::optional<at::Tensor>>& bias, const c10::optional<at::Tensor>& sink,
+             const c10::optional<at::Tensor>& rel, int64_t d0, double scale_, double cap_, bool guard, at::Tensor out,
+             at::Tensor lse) {
+  check(q, "q", 4), check(k, "k", 4), check(v, "v", 4), check(out, "out", 4), check(lse, "lse", 3);
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.size(2), Dv = v.size(3);
   TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.size(0) == B && v.size(1) == H &&
                   v.size(2) == Lk,
-              "q, k, v: (B, H, n, D), (B, H, Lk, D), (B, H, Lk, Dv)");
-  const Tiles T = tiles_of(spans, allowed, bias, B, H, n, Lk);
-  const Distance dist = Distance::of(rel, rel_base, B, H);
-  dist.check(T, n);
+              "q, k, v: (B, H, Lq, D), (B, H, Lk, D), (B, H, Lk, Dv)");
+  TORCH_CHECK(out.size(0) == B && out.size(1) == H && out.size(2) == Lq && out.size(3) == Dv, "out: (B, H, Lq, Dv)");
+  TORCH_CHECK(lse.size(0) == B && lse.size(1) == H && lse.size(2) == Lq, "lse: (B, H, Lq)");
+  const Plan P = plan_of(rows, starts, spans, allowed, bias, B, H, Lq, Lk);
+  const Distance dist = Distance::of(rel, d0, B, H);
+  dist.check(P);
   TORCH_CHECK(dist.data == nullptr || cap_ == 0, "a distance bias or a cap, not both");
   const bool has_sink = sink.has_value() && sink->defined();
   if (has_sink) {
     check(*sink, "sink", 3);
-    TORCH_CHECK(sink->size(0) == B && sink->size(1) == H && sink->size(2) == n, "sink: (B, H, n)");
+    TORCH_CHECK(sink->size(0) == B && sink->size(1) == H && sink->size(2) == Lq, "sink: (B, H, Lq)");
   }
-  auto out = at::empty({B, H, n, Dv}, q.options());
-  auto lse = at::empty({B, H, n}, q.options());
   const float scale = static_cast<float>(scale_), cap = static_cast<float>(cap_);
-  const int64_t c_max = std::max<int64_t>(T.widest, 1);
-  at::parallel_for(0, B * H, 1, [&](int64_t a0, int64_t a1) {
-    std::vector<float> s(n * c_max), acc(n * Dv), m(n), l(n);
-    std::vector<uint8_t> hidden(guard ? n * c_max : 0);
+  const int64_t c_max = std::max<int64_t>(P.widest, 1), n_max = P.tallest, NB = P.blocks();
+  const float* sink_data = has_sink ? sink->data_ptr<float>() : nullptr;
+  at::parallel_for(0, B * H * NB, 1, [&](int64_t x0, int64_t x1) {
+    std::vector<float> s(n_max * c_max), acc(n_max * Dv), m(n_max), l(n_max);
+    std::vector<uint8_t> hidden(guard ? n_max * c_max : 0);
     std::vector<Piece> pieces;
-    for (int64_t a = a0; a < a1; ++a) {
-      const int64_t b = a / H, h = a % H;
-      const float* qa = q.data_ptr<float>() + a * n * D;
+    for (int64_t x = x0; x < x1; ++x) {
+      const int64_t a = x / NB, blk = x % NB, b = a / H, h = a % H;
+      const int64_t r0 = P.r0[blk], n = P.r1[blk] - r0;
+      const float* qa = q.data_ptr<float>() + (a * Lq + r0) * D;
       const float* ka = k.data_ptr<float>() + a * Lk * D;
       const float* va = v.data_ptr<float>() + a * Lk * Dv;
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(acc.begin(), acc.begin() + n * Dv, 0.0f);
       for (int64_t i = 0; i < n; ++i) {
-        m[i] = has_sink ? sink->data_ptr<float>()[a * n + i] : -INF;
+        m[i] = has_sink ? sink_data[a * Lq + r0 + i] : -INF;
         l[i] = has_sink ? 1.0f : 0.0f;
       }
-      for (size_t t = 0; t < T.j0.size(); ++t) {
-        const int64_t j0 = T.j0[t], c = T.j1[t] - j0;
+      for (int64_t t = P.first[blk]; t < P.first[blk + 1]; ++t) {
+        const int64_t j0 = P.j0[t], c = P.j1[t] - j0;
         if (c == 0) continue;
-        const Part<bool>& al = T.allowed[t];
-        const Part<float>& bi = T.bias[t];
+        const Part<bool>& al = P.allowed[t];
+        const Part<float>& bi = P.bias[t];
         pieces_of(al, b, h, n, c, pieces);
         for (const Piece& pc : pieces) {  // rows [i0, i1) x columns [lo, hi) of the tile, its scores at s[i, lo + j]
-          const int64_t i0 = pc.i0, rows = pc.i1 - pc.i0, lo = pc.lo, w = pc.hi - pc.lo, k0 = j0 + lo;
+          const int64_t i0 = pc.i0, rows_ = pc.i1 - pc.i0, lo = pc.lo, w = pc.hi - pc.lo, k0 = j0 + lo;
           float* sp = s.data() + i0 * c + lo;
-          mm(false, true, rows, w, D, 1.0f, qa + i0 * D, D, ka + k0 * D, D, 0.0f, sp, c);  // (rows, w) q k^T
+          mm(false, true, rows_, w, D, 1.0f, qa + i0 * D, D, ka + k0 * D, D, 0.0f, sp, c);  // (rows, w) q k^T
           for (int64_t i = pc.i0; i < pc.i1; ++i) {
             float* row = s.data() + i * c + lo;
-            const float top = modify(row, nullptr, w, scale, cap, dist.row(b, h, i, k0),
+            const float top = modify(row, nullptr, w, scale, cap, dist.row(b, h, r0 + i, k0),
                                      al.data ? al.at(b, h, i) + lo * al.sj : nullptr, al.sj,
                                      bi.data ? bi.at(b, h, i) + lo * bi.sj : nullptr, bi.sj);
             if (guard) {
@@ -382,14 +406,14 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
           }
           float* ap = acc.data() + i0 * Dv;
           if (guard) {  // (rows, Dv) += p v
-            product_of_seen(sp, rows, w, c, hidden.data() + i0 * c + lo, va + k0 * Dv, Dv, 1.0f, ap);
+            product_of_seen(sp, rows_, w, c, hidden.data() + i0 * c + lo, va + k0 * Dv, Dv, 1.0f, ap);
           } else {
-            mm(false, false, rows, Dv, w, 1.0f, sp, c, va + k0 * Dv, Dv, 1.0f, ap, Dv);  // (rows, Dv) += p v
+            mm(false, false, rows_, Dv, w, 1.0f, sp, c, va + k0 * Dv, Dv, 1.0f, ap, Dv);  // (rows, Dv) += p v
           }
         }
       }
-      float* oa = out.data_ptr<float>() + a * n * Dv;
-      float* la = lse.data_ptr<float>() + a * n;
+      float* oa = out.data_ptr<float>() + (a * Lq + r0) * Dv;
+      float* la = lse.data_ptr<float>() + a * Lq + r0;
       for (int64_t i = 0; i < n; ++i) {
         const bool empty = l[i] == 0.0f;
         const float li = std::max(l[i], std::numeric_limits<float>::min());
@@ -398,134 +422,142 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
       }
     }
   });
-  return std::make_tuple(out, lse);
 }
 
-// Backward: dq (B, H, n, D) of the block, and its share of dk (B, H, Lk, D) and dv (B, H, Lk, Dv) added in place,
-// from dout (B, H, n, Dv), lse and delta = sum(dout * out) (B, H, n); with a distance bias, its gradient added to
-// drel (B, H, R) float64 (each distance sums up to a row's worth of pairs per block: kept in float64).
-at::Tensor backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
-                    const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& spans,
-                    const c10::List<c10::optional<at::Tensor>>& allowed,
-                    const c10::List<c10::optional<at::Tensor>>& bias, const c10::optional<at::Tensor>& rel,
-                    int64_t rel_base, double scale_, double cap_, bool guard, at::Tensor dk, at::Tensor dv,
-                    at::Tensor drel) {
-  check(q, "q", 4), check(k, "k", 4), check(v, "v", 4), check(dout, "dout", 4), check(lse, "lse", 3);
-  check(delta, "delta", 3), check(dk, "dk", 4), check(dv, "dv", 4);
-  const int64_t B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3), Lk = k.size(2), Dv = v.size(3);
-  TORCH_CHECK(dk.sizes() == k.sizes() && dv.sizes() == v.sizes(), "dk, dv as k, v");
-  TORCH_CHECK(dout.size(0) == B && dout.size(1) == H && dout.size(2) == n && dout.size(3) == Dv, "dout: (B, H, n, Dv)");
-  for (const at::Tensor* t : {&lse, &delta}) {
-    TORCH_CHECK(t->size(0) == B && t->size(1) == H && t->size(2) == n, "lse, delta: (B, H, n)");
-  }
+// Backward: dq (B, H, Lq, D) written in the rows of the plan's blocks, and their share of dk (B, H, Lk, D) and dv
+// (B, H, Lk, Dv) added in place, from out and dout (B, H, Lq, Dv) and lse (B, H, Lq); with a distance bias, its
+// gradient added to drel (B, H, R) float64 (each distance sums up to a row's worth of pairs per block: kept in
+// float64). Parallel over (example, head): the blocks of one add to the same keys' gradients.
+void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+              const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& rows, const at::Tensor& starts,
+              const at::Tensor& spans, const c10::List<c10::optional<at::Tensor>>& allowed,
+              const c10::List<c10::optional<at::Tensor>>& bias, const c10::optional<at::Tensor>& rel, int64_t d0,
+              double scale_, double cap_, bool guard, at::Tensor dq, at::Tensor dk, at::Tensor dv, at::Tensor drel) {
+  check(q, "q", 4), check(k, "k", 4), check(v, "v", 4), check(out, "out", 4), check(dout, "dout", 4);
+  check(lse, "lse", 3), check(dq, "dq", 4), check(dk, "dk", 4), check(dv, "dv", 4);
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(dq.sizes() == q.sizes() && dk.sizes() == k.sizes() && dv.sizes() == v.sizes(), "dq, dk, dv as q, k, v");
+  TORCH_CHECK(out.size(0) == B && out.size(1) == H && out.size(2) == Lq && out.size(3) == Dv &&
+                  dout.sizes() == out.sizes(),
+              "out, dout: (B, H, Lq, Dv)");
+  TORCH_CHECK(lse.size(0) == B && lse.size(1) == H && lse.size(2) == Lq, "lse: (B, H, Lq)");
   TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.size(0) == B && v.size(1) == H &&
                   v.size(2) == Lk,
-              "q, k, v: (B, H, n, D), (B, H, Lk, D), (B, H, Lk, Dv)");
-  const Tiles T = tiles_of(spans, allowed, bias, B, H, n, Lk);
-  const Distance dist = Distance::of(rel, rel_base, B, H);
-  dist.check(T, n);
+              "q, k, v: (B, H, Lq, D), (B, H, Lk, D), (B, H, Lk, Dv)");
+  const Plan P = plan_of(rows, starts, spans, allowed, bias, B, H, Lq, Lk);
+  const Distance dist = Distance::of(rel, d0, B, H);
+  dist.check(P);
   TORCH_CHECK(dist.data == nullptr || cap_ == 0, "a distance bias or a cap, not both");
   TORCH_CHECK(dist.data == nullptr || (drel.dim() == 3 && drel.size(0) == B && drel.size(1) == H &&
                                        drel.size(2) == dist.R && drel.is_contiguous() &&
                                        drel.scalar_type() == at::kDouble),
               "drel: (B, H, R) float64, contiguous");
-  auto dq = at::zeros({B, H, n, D}, q.options());
   const float scale = static_cast<float>(scale_), cap = static_cast<float>(cap_);
-  const int64_t c_max = std::max<int64_t>(T.widest, 1);
+  const int64_t c_max = std::max<int64_t>(P.widest, 1), n_max = P.tallest, NB = P.blocks();
   at::parallel_for(0, B * H, 1, [&](int64_t a0, int64_t a1) {
-    std::vector<float> p(n * c_max), g(cap > 0 ? n * c_max : 0), dp(n * c_max);
-    std::vector<uint8_t> hidden(guard ? n * c_max : 0);
+    std::vector<float> p(n_max * c_max), g(cap > 0 ? n_max * c_max : 0), dp(n_max * c_max), delta(n_max);
+    std::vector<uint8_t> hidden(guard ? n_max * c_max : 0);
     std::vector<Piece> pieces;
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t b = a / H, h = a % H;
-      const float* qa = q.data_ptr<float>() + a * n * D;
       const float* ka = k.data_ptr<float>() + a * Lk * D;
       const float* va = v.data_ptr<float>() + a * Lk * Dv;
-      const float* oa = dout.data_ptr<float>() + a * n * Dv;
-      const float* la = lse.data_ptr<float>() + a * n;
-      const float* ea = delta.data_ptr<float>() + a * n;
-      float* dqa = dq.data_ptr<float>() + a * n * D;
       float* dka = dk.data_ptr<float>() + a * Lk * D;
       float* dva = dv.data_ptr<float>() + a * Lk * Dv;
-      for (size_t t = 0; t < T.j0.size(); ++t) {
-        const int64_t j0 = T.j0[t], c = T.j1[t] - j0;
-        if (c == 0) continue;
-        const Part<bool>& al = T.allowed[t];
-        const Part<float>& bi = T.bias[t];
-        pieces_of(al, b, h, n, c, pieces);
-        for (const Piece& pc : pieces) {  // rows [i0, i1) x columns [lo, hi) of the tile, at p[i, lo + j]
-          const int64_t i0 = pc.i0, rows = pc.i1 - pc.i0, lo = pc.lo, w = pc.hi - pc.lo, k0 = j0 + lo;
-          float* pp = p.data() + i0 * c + lo;
-          float* dpp = dp.data() + i0 * c + lo;
-          mm(false, true, rows, w, D, 1.0f, qa + i0 * D, D, ka + k0 * D, D, 0.0f, pp, c);  // (rows, w) q k^T
-          for (int64_t i = pc.i0; i < pc.i1; ++i) {
-            float* row = p.data() + i * c + lo;
-            modify(row, cap > 0 ? g.data() + i * c + lo : nullptr, w, scale, cap, dist.row(b, h, i, k0),
-                   al.data ? al.at(b, h, i) + lo * al.sj : nullptr, al.sj,
-                   bi.data ? bi.at(b, h, i) + lo * bi.sj : nullptr, bi.sj);
-            const float shift = la[i];
-            if (guard) {
-              for (int64_t j = 0; j < w; ++j) hidden[i * c + lo + j] = row[j] == -INF;
-            }
+      for (int64_t blk = 0; blk < NB; ++blk) {
+        const int64_t r0 = P.r0[blk], n = P.r1[blk] - r0;
+        const float* qa = q.data_ptr<float>() + (a * Lq + r0) * D;
+        const float* oa = dout.data_ptr<float>() + (a * Lq + r0) * Dv;
+        const float* outa = out.data_ptr<float>() + (a * Lq + r0) * Dv;
+        const float* la = lse.data_ptr<float>() + a * Lq + r0;
+        float* dqa = dq.data_ptr<float>() + (a * Lq + r0) * D;
+        std::fill(dqa, dqa + n * D, 0.0f);
+        for (int64_t i = 0; i < n; ++i) {  // sum_j p_ij dp_ij = dout_i . out_i, the softmax Jacobian's row term
+          float e = 0.0f;
+#pragma omp simd reduction(+ : e)
+          for (int64_t d = 0; d < Dv; ++d) e += oa[i * Dv + d] * outa[i * Dv + d];
+          delta[i] = e;
+        }
+        for (int64_t t = P.first[blk]; t < P.first[blk + 1]; ++t) {
+          const int64_t j0 = P.j0[t], c = P.j1[t] - j0;
+          if (c == 0) continue;
+          const Part<bool>& al = P.allowed[t];
+          const Part<float>& bi = P.bias[t];
+          pieces_of(al, b, h, n, c, pieces);
+          for (const Piece& pc : pieces) {  // rows [i0, i1) x columns [lo, hi) of the tile, at p[i, lo + j]
+            const int64_t i0 = pc.i0, rows_ = pc.i1 - pc.i0, lo = pc.lo, w = pc.hi - pc.lo, k0 = j0 + lo;
+            float* pp = p.data() + i0 * c + lo;
+            float* dpp = dp.data() + i0 * c + lo;
+            mm(false, true, rows_, w, D, 1.0f, qa + i0 * D, D, ka + k0 * D, D, 0.0f, pp, c);  // (rows, w) q k^T
+            for (int64_t i = pc.i0; i < pc.i1; ++i) {
+              float* row = p.data() + i * c + lo;
+              modify(row, cap > 0 ? g.data() + i * c + lo : nullptr, w, scale, cap, dist.row(b, h, r0 + i, k0),
+                     al.data ? al.at(b, h, i) + lo * al.sj : nullptr, al.sj,
+                     bi.data ? bi.at(b, h, i) + lo * bi.sj : nullptr, bi.sj);
+              const float shift = la[i];
+              if (guard) {
+                for (int64_t j = 0; j < w; ++j) hidden[i * c + lo + j] = row[j] == -INF;
+              }
 #pragma omp simd
-            for (int64_t j = 0; j < w; ++j) {  // the weights again; 0 where hidden, whatever the row's lse (NaN)
-              row[j] = row[j] == -INF ? 0.0f : fast_exp(row[j] - shift);
+              for (int64_t j = 0; j < w; ++j) {  // the weights again; 0 where hidden, whatever the row's lse (NaN)
+                row[j] = row[j] == -INF ? 0.0f : fast_exp(row[j] - shift);
+              }
             }
-          }
-          const float* kt = ka + k0 * D;
-          const float* vt = va + k0 * Dv;
-          const float* op = oa + i0 * Dv;
-          mm(true, false, w, Dv, rows, 1.0f, pp, c, op, Dv, 1.0f, dva + k0 * Dv, Dv);  // (w, Dv) += p^T dout
-          mm(false, true, rows, w, Dv, 1.0f, op, Dv, vt, Dv, 0.0f, dpp, c);  // (rows, w) dout v^T
-          for (int64_t i = pc.i0; i < pc.i1; ++i) {
-            float* pr = p.data() + i * c + lo;
-            const float* dr = dp.data() + i * c + lo;
-            const float e = ea[i];
-            if (cap > 0) {
-              const float* gr = g.data() + i * c + lo;
+            const float* kt = ka + k0 * D;
+            const float* vt = va + k0 * Dv;
+            const float* op = oa + i0 * Dv;
+            mm(true, false, w, Dv, rows_, 1.0f, pp, c, op, Dv, 1.0f, dva + k0 * Dv, Dv);  // (w, Dv) += p^T dout
+            mm(false, true, rows_, w, Dv, 1.0f, op, Dv, vt, Dv, 0.0f, dpp, c);  // (rows, w) dout v^T
+            for (int64_t i = pc.i0; i < pc.i1; ++i) {
+              float* pr = p.data() + i * c + lo;
+              const float* dr = dp.data() + i * c + lo;
+              const float e = delta[i];
+              if (cap > 0) {
+                const float* gr = g.data() + i * c + lo;
 #pragma omp simd
-              for (int64_t j = 0; j < w; ++j) pr[j] = pr[j] * (dr[j] - e) * gr[j];
+                for (int64_t j = 0; j < w; ++j) pr[j] = pr[j] * (dr[j] - e) * gr[j];
+              } else {
+#pragma omp simd
+                for (int64_t j = 0; j < w; ++j) pr[j] = pr[j] * (dr[j] - e);
+              }
+              // the gradient of a hidden score is 0 (as FlexAttention's: a score_mod singular where it hides has none)
+              if (guard) {
+                for (int64_t j = 0; j < w; ++j) pr[j] = hidden[i * c + lo + j] ? 0.0f : pr[j];
+              } else if (al.data != nullptr) {
+                const bool* ar = al.at(b, h, i) + lo * al.sj;
+                for (int64_t j = 0; j < w; ++j) pr[j] = ar[j * al.sj] ? pr[j] : 0.0f;
+              }
+              if (dist.data != nullptr) {  // d score / d f = 1: the bias at distance u gets the scores' gradients
+                double* du = drel.data_ptr<double>() + a * dist.R + (r0 + i) - k0 - dist.d0;
+#pragma omp simd
+                for (int64_t j = 0; j < w; ++j) du[-j] += pr[j];
+              }
+            }
+            float* dqp = dqa + i0 * D;
+            if (guard) {  // (dp is not finite where a hidden value is not: ds is 0 there, and k's hidden keys skipped)
+              product_of_seen(pp, rows_, w, c, hidden.data() + i0 * c + lo, kt, D, scale, dqp);  // (rows, D) += ds k
             } else {
-#pragma omp simd
-              for (int64_t j = 0; j < w; ++j) pr[j] = pr[j] * (dr[j] - e);
+              mm(false, false, rows_, D, w, scale, pp, c, kt, D, 1.0f, dqp, D);  // (rows, D) += ds k
             }
-            // the gradient of a hidden score is 0 (as FlexAttention's: a score_mod singular where it hides has none)
-            if (guard) {
-              for (int64_t j = 0; j < w; ++j) pr[j] = hidden[i * c + lo + j] ? 0.0f : pr[j];
-            } else if (al.data != nullptr) {
-              const bool* ar = al.at(b, h, i) + lo * al.sj;
-              for (int64_t j = 0; j < w; ++j) pr[j] = ar[j * al.sj] ? pr[j] : 0.0f;
-            }
-            if (dist.data != nullptr) {  // d score / d f = 1: the bias at distance u gets the scores' gradients
-              double* du = drel.data_ptr<double>() + a * dist.R + dist.base + i - k0;
-#pragma omp simd
-              for (int64_t j = 0; j < w; ++j) du[-j] += pr[j];
-            }
+            mm(true, false, w, D, rows_, scale, pp, c, qa + i0 * D, D, 1.0f, dka + k0 * D, D);  // (w, D) += ds^T q
           }
-          float* dqp = dqa + i0 * D;
-          if (guard) {  // (dp is not finite where a hidden value is not: ds is 0 there, and k's hidden keys skipped)
-            product_of_seen(pp, rows, w, c, hidden.data() + i0 * c + lo, kt, D, scale, dqp);  // (rows, D) += ds k
-          } else {
-            mm(false, false, rows, D, w, scale, pp, c, kt, D, 1.0f, dqp, D);  // (rows, D) += ds k
-          }
-          mm(true, false, w, D, rows, scale, pp, c, qa + i0 * D, D, 1.0f, dka + k0 * D, D);  // (w, D) += ds^T q
         }
       }
     }
   });
-  return dq;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(attnkit_flash, m) {
   m.def(
-      "forward(Tensor q, Tensor k, Tensor v, Tensor spans, Tensor?[] allowed, Tensor?[] bias, Tensor? sink, "
-      "Tensor? rel, int rel_base, float scale, float cap, bool guard) -> (Tensor, Tensor)");
+      "forward(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor starts, Tensor spans, Tensor?[] allowed, "
+      "Tensor?[] bias, Tensor? sink, Tensor? rel, int d0, float scale, float cap, bool guard, Tensor(a!) out, "
+      "Tensor(b!) lse) -> ()");
   m.def(
-      "backward(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse, Tensor delta, Tensor spans, Tensor?[] allowed, "
-      "Tensor?[] bias, Tensor? rel, int rel_base, float scale, float cap, bool guard, Tensor(a!) dk, Tensor(b!) dv, "
-      "Tensor(c!) drel) -> Tensor");
+      "backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, Tensor rows, Tensor starts, "
+      "Tensor spans, Tensor?[] allowed, Tensor?[] bias, Tensor? rel, int d0, float scale, float cap, bool guard, "
+      "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor(d!) drel) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attnkit_flash, CPU, m) {

@@ -22,9 +22,11 @@ environment keeps it off.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -42,9 +44,10 @@ NAME = "flash"
 # own CPU kernel's 512 keys a block).
 SPAN = 512
 
-# The masks of a call's blocks are kept from the forward for the backward up to this many bytes (a window's: 4 MiB at
-# L=8192); a mask that is new tensors of H L^2 bytes or more (a mask_mod of h and the positions) is made again, a block
-# at a time, as in the forward, so that memory stays linear in L.
+# The kernel runs a call's blocks of queries in groups whose masks hold about this many bytes: one group, one kernel
+# call, for most masks (a window's: 4 MiB at L=8192), whose masks are kept from the forward for the backward; a mask
+# that is new tensors of H L^2 bytes (a mask_mod of h and the positions) runs in several, made again in the backward,
+# a group at a time, as in the forward, so that memory stays linear in L.
 KEEP_BYTES = 32 * 2**20
 
 _SOURCE = Path(__file__).with_name("flash.cpp")
@@ -122,9 +125,9 @@ def _distances(mask: Mask) -> tuple[int, int]:
     return d0, d1
 
 
-def _spans(mask: Mask, rows: tiles.Rows) -> tuple[Tensor, list[Tensor | None], list[Tensor | None]]:
-    """The spans of keys a block of queries sees, ``(T, 2)`` (first key, end), and each one's ``allowed`` (bool)
-    and ``bias`` (float32) tiles as ``(B|1, H|1, n, c)`` views, or ``None`` (every pair visible, no bias)."""
+def _spans(mask: Mask, rows: tiles.Rows) -> tuple[list[tuple[int, int]], list[Tensor | None], list[Tensor | None]]:
+    """The spans of keys a block of queries sees, ``(first key, end)``, and each one's ``allowed`` (bool) and
+    ``bias`` (float32) tiles as ``(B|1, H|1, n, c)`` views, or ``None`` (every pair visible, no bias)."""
     r0, r1, n = rows.r0, rows.r1, rows.r1 - rows.r0
     found: list[tuple[int, int]] = []
     allowed: list[Tensor | None] = []
@@ -132,18 +135,67 @@ def _spans(mask: Mask, rows: tiles.Rows) -> tuple[Tensor, list[Tensor | None], l
     for run in rows.runs:
         for j0 in range(run.j0, run.j1, SPAN):
             j1 = min(j0 + SPAN, run.j1)
-            a, b = mask.tile(r0, r1, j0, j1, torch.float32, every=run.kind == tiles.FULL)  # (B|1, H|1, n|1, c)
+            a, b = tiles.tile(mask, r0, r1, j0, j1, torch.float32, every=run.kind == tiles.FULL)  # (B|1, H|1, n|1, c)
             found.append((j0, j1))
             allowed.append(None if a is None else _four(a, n, j1 - j0))
             bias.append(None if b is None else _four(b, n, j1 - j0))
-    spans = torch.tensor(found, dtype=torch.long).reshape(-1, 2)  # (T, 2)
-    return spans, allowed, bias
+    return found, allowed, bias
 
 
 def _four(t: Tensor, n: int, c: int) -> Tensor:
     """``t``, broadcastable to ``(B, H, n, c)``, as a ``(B|1, H|1, n, c)`` view."""
     t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # (B|1, H|1, n|1, c|1)
     return t.expand(*t.shape[:2], n, c)
+
+
+# a block of queries, its spans of keys (first, end), and each span's allowed and bias (:func:`_spans`)
+_Block = tuple[tiles.Rows, list[tuple[int, int]], list[Tensor | None], list[Tensor | None]]
+
+
+@dataclasses.dataclass
+class _Group:
+    """Consecutive blocks of queries, as the kernel takes them: block ``x``'s rows ``rows[x]`` (first, end), its
+    spans of keys ``spans[starts[x]:starts[x + 1]]`` (first, end), and each span's ``allowed`` and ``bias``."""
+
+    rows: Tensor  # (NB, 2) int64
+    starts: Tensor  # (NB + 1,) int64
+    spans: Tensor  # (T, 2) int64
+    allowed: list[Tensor | None]
+    bias: list[Tensor | None]
+
+    def plan(self) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None], list[Tensor | None]]:
+        """The kernel's arguments ``rows, starts, spans, allowed, bias``."""
+        return self.rows, self.starts, self.spans, self.allowed, self.bias
+
+
+def _groups(mask: Mask) -> Iterator[_Group]:
+    """The plan's blocks (:func:`attnkit.backends.tiles.plan`) in groups whose masks hold about ``KEEP_BYTES``
+    (every block in one, unless its masks are larger: one kernel call each), made a group at a time."""
+    blocks: list[_Block] = []
+    size = 0
+    for block in tiles.plan(mask):
+        found, allowed, bias = _spans(mask, block)
+        blocks.append((block, found, allowed, bias))
+        size += sum(t.numel() * t.element_size() for t in (*allowed, *bias) if t is not None)
+        if size >= KEEP_BYTES:
+            yield _group(blocks)
+            blocks, size = [], 0
+    if blocks:
+        yield _group(blocks)
+
+
+def _group(blocks: list[_Block]) -> _Group:
+    """Blocks of queries, each with its spans and their masks (:func:`_spans`), as one group."""
+    starts = [0]
+    for _, found, _, _ in blocks:
+        starts.append(starts[-1] + len(found))
+    return _Group(
+        torch.tensor([(block.r0, block.r1) for block, *_ in blocks], dtype=torch.long).reshape(-1, 2),  # (NB, 2)
+        torch.tensor(starts, dtype=torch.long),  # (NB + 1,)
+        torch.tensor([span for _, found, _, _ in blocks for span in found], dtype=torch.long).reshape(-1, 2),  # (T, 2)
+        [a for _, _, allowed, _ in blocks for a in allowed],
+        [b for _, _, _, bias in blocks for b in bias],
+    )
 
 
 class _Flash(torch.autograd.Function):
@@ -164,31 +216,23 @@ class _Flash(torch.autograd.Function):
     ) -> Tensor:
         B, H, Lq, _ = q.shape
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = q.new_zeros((B, H, Lq, v.shape[-1]))  # (B, H, Lq, Dv)
-        sink = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype)  # (B, H, Lq)
-        # (B, H, Lq), rows with no block keep it: 0, or the sink's logit (a new tensor: sink may be a view of sinks)
-        lse = q.new_zeros((B, H, Lq)) if sink is None else sink.clone(memory_format=torch.contiguous_format)
+        sink = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype).contiguous()  # (B, H, Lq)
+        # every row is in a block of the plan, which writes it, unless there are no keys (Lk = 0: no blocks): then
+        # zeros, and a log-sum-exp of 0 or the sink's logit (a new tensor: sink may be sinks itself)
+        if mask.num_keys > 0:
+            out, lse = q.new_empty((B, H, Lq, v.shape[-1])), q.new_empty((B, H, Lq))  # (B, H, Lq, Dv), (B, H, Lq)
+        else:
+            out = q.new_zeros((B, H, Lq, v.shape[-1]))  # (B, H, Lq, Dv)
+            lse = q.new_zeros((B, H, Lq)) if sink is None else sink.clone()  # (B, H, Lq)
         rel = None if rel is None else rel.detach().contiguous()  # (B|1, H|1, R)
-        kept: list[tuple] | None = [] if any(ctx.needs_input_grad) else None  # the blocks, for the backward
-        size = 0
-        for rows in tiles.plan(mask):
-            r0, r1 = rows.r0, rows.r1
-            spans, allowed, bias = _spans(mask, rows)
-            if kept is not None:
-                size += sum(t.numel() * t.element_size() for t in (*allowed, *bias) if t is not None)
-                if size <= KEEP_BYTES:
-                    kept.append((r0, r1, spans, allowed, bias))
-                else:
-                    kept = None
-            row_sink = None if sink is None else sink[:, :, r0:r1].contiguous()  # (B, H, n)
-            qb = q[:, :, r0:r1].contiguous()  # (B, H, n, D)
-            found = torch.ops.attnkit_flash.forward(
-                qb, k, v, spans, allowed, bias, row_sink, rel, r0 - d0, scale, cap, guard
-            )  # (B, H, n, Dv), (B, H, n)
-            out[:, :, r0:r1], lse[:, :, r0:r1] = found
+        groups = []
+        for group in _groups(mask):
+            torch.ops.attnkit_flash.forward(q, k, v, *group.plan(), sink, rel, d0, scale, cap, guard, out, lse)
+            groups.append(group)
         ctx.save_for_backward(q, k, v, sinks, rel, out, lse)
         ctx.mask, ctx.cap, ctx.d0, ctx.scale, ctx.watched, ctx.guard = mask, cap, d0, scale, watched, guard
-        ctx.blocks = kept
+        # the masks, kept for the backward when they are one group (within KEEP_BYTES), else made again
+        ctx.groups = groups if len(groups) == 1 and any(ctx.needs_input_grad) else None
         return out
 
     @staticmethod
@@ -199,34 +243,17 @@ class _Flash(torch.autograd.Function):
             ctx.watched.check(NAME)
         mask: Mask = ctx.mask
         dout = dout.to(out.dtype).contiguous()
-        delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq = q.new_empty(q.shape) if mask.num_keys > 0 else torch.zeros_like(q)  # (B, H, Lq, D): rows written
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # added to by every block
         B, H = q.shape[:2]
         drel = q.new_zeros((B, H, 0 if rel is None else rel.shape[-1]), dtype=torch.float64)  # (B, H, R)
-        blocks = ctx.blocks or ((rows.r0, rows.r1, *_spans(mask, rows)) for rows in tiles.plan(mask))
-        for r0, r1, spans, allowed, bias in blocks:
-            parts = (t[:, :, r0:r1].contiguous() for t in (q, dout, lse, delta))
-            qb, db, lb, eb = parts  # (B, H, n, D), (B, H, n, Dv), (B, H, n), (B, H, n)
-            dq[:, :, r0:r1] = torch.ops.attnkit_flash.backward(
-                qb,
-                k,
-                v,
-                db,
-                lb,
-                eb,
-                spans,
-                allowed,
-                bias,
-                rel,
-                r0 - ctx.d0,
-                ctx.scale,
-                ctx.cap,
-                ctx.guard,
-                dk,
-                dv,
-                drel,
-            )  # (B, H, n, D); dk, dv and drel added to in place
-        dsinks = sinks_grad(sinks, mask, lse, delta) if sinks is not None and ctx.needs_input_grad[3] else None
+        args = (rel, ctx.d0, ctx.scale, ctx.cap, ctx.guard, dq, dk, dv, drel)
+        for group in ctx.groups or _groups(mask):  # dq (B, H, Lq, D) written; dk, dv, drel added to
+            torch.ops.attnkit_flash.backward(q, k, v, out, dout, lse, *group.plan(), *args)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
+            dsinks = sinks_grad(sinks, mask, lse, delta)
         drel_ = None
         if rel is not None and ctx.needs_input_grad[4]:
             broadcast = [d for d in (0, 1) if rel.shape[d] == 1]

@@ -316,15 +316,7 @@ def _run_forward(qb: Tensor, k: Tensor, v: Tensor, scale: float, args: _Args, ru
 def _run_mask(mask: Mask, r0: int, r1: int, run: Run, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
     """A run's mask as the float bias the kernel adds (``-inf`` where hidden), ``(B|1, H|1, n, m)``, and which rows
     see some of its keys (``None``: all of them)."""
-    kept: _Kept | None = mask.plans.get(("tiles kept", BLOCK))  # type: ignore[assignment]
-    allowed: Tensor | None
-    if kept is not None and run.kind != FULL and (r0, run.j0, run.j1) in kept.masks:
-        allowed, bias = kept.masks[(r0, run.j0, run.j1)], None  # (B|1, H|1, n|1, m); a kept mask has no bias
-    else:
-        allowed, bias = mask.tile(r0, r1, run.j0, run.j1, dtype, every=run.kind == FULL)  # (B|1, H|1, n|1, m)|None
-        if kept is not None and allowed is not None and kept.elements + allowed.numel() <= KEPT_MASK_ELEMENTS:
-            kept.masks[(r0, run.j0, run.j1)] = allowed
-            kept.elements += allowed.numel()
+    allowed, bias = tile(mask, r0, r1, run.j0, run.j1, dtype, every=run.kind == FULL)  # (B|1, H|1, n|1, m)|None
     n, m = r1 - r0, run.j1 - run.j0
     bias = torch.zeros((), dtype=dtype, device=mask.device) if bias is None else bias
     filled = bias if allowed is None else torch.where(allowed, bias, float("-inf"))  # (B|1, H|1, n|1, m)
@@ -334,6 +326,27 @@ def _run_mask(mask: Mask, r0: int, r1: int, run: Run, dtype: torch.dtype) -> tup
         return filled, None
     seen = allowed.any(dim=-1)  # (B|1, H|1, n|1)
     return filled, seen.reshape((1,) * (3 - seen.dim()) + tuple(seen.shape))
+
+
+def tile(
+    mask: Mask, r0: int, r1: int, j0: int, j1: int, dtype: torch.dtype, *, every: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """``mask.tile(...)`` (:meth:`~attnkit.masks.Mask.tile`): the ``allowed`` and ``bias`` of queries ``[r0, r1)``
+    and keys ``[j0, j1)``, each ``(B|1, H|1, n|1, m)`` or ``None``; for a mask whose plan is kept (a function of the
+    indices alone), its ``allowed`` kept with the plan within the plan's budget, for the calls after."""
+    kept: _Kept | None = mask.plans.get(("tiles kept", BLOCK))  # type: ignore[assignment]
+    if kept is not None and not every and (r0, j0, j1) in kept.masks:
+        return kept.masks[(r0, j0, j1)], None  # (B|1, H|1, n|1, m); a kept mask has no bias
+    allowed, bias = mask.tile(r0, r1, j0, j1, dtype, every=every)  # (B|1, H|1, n|1, m) | None each
+    if (
+        kept is not None
+        and allowed is not None
+        and bias is None
+        and kept.elements + allowed.numel() <= KEPT_MASK_ELEMENTS
+    ):
+        kept.masks[(r0, j0, j1)] = allowed
+        kept.elements += allowed.numel()
+    return allowed, bias
 
 
 def _merge(parts: list[tuple[Tensor, Tensor]], sink: Tensor | None) -> tuple[Tensor, Tensor]:
