@@ -181,6 +181,23 @@ def test_an_error_in_a_later_tile_names_the_score_mod():
         attnkit.scaled_dot_product_attention(q, k, v, score_mod=short_table, backend="compiled")
 
 
+def test_a_query_that_holds_nan_puts_nan_only_in_the_gradients_of_keys_it_may_see():
+    """Row 5 (causal) holds NaN and its output gradient is 0: dv stays finite past key 5, as the reference's (the
+    weights of hidden keys are 0 exactly, not exp(-inf - NaN); the steps made them NaN)."""
+    Lq = Lk = 20
+    q, k, v = (t.detach() for t in _inputs(7, Lq, Lk))
+    q[:, 0, 5, 0] = float("nan")
+    for backend in ("compiled", "reference"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attnkit.scaled_dot_product_attention(
+            *leaves, is_causal=True, score_mod=lambda s, b, h, i, j: torch.tanh(s), backend=backend
+        ).output
+        dout = torch.ones_like(out)
+        dout[:, :, 5] = 0.0
+        out.backward(dout)
+        assert torch.isfinite(leaves[2].grad[:, :, 6:]).all(), backend
+
+
 def test_one_graph_a_variant_whatever_the_lengths_and_layouts():
     """Tiles are contiguous blocks of one shape and strides (tensors are laid out a block at a time), and each
     variant has code of its own: other lengths, a transposed query, an expanded output gradient compile nothing

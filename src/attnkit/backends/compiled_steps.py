@@ -167,7 +167,9 @@ def _backward_step(
         s = s + bias
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
-    p = torch.exp(s - lse[..., None])  # (B, H, n, c): the weights again
+    # (B, H, n, c): the weights again; 0 where hidden, whatever the row's lse (NaN in a row whose query is: its
+    # output gradient of 0 then keeps dv finite past the keys it sees, as the reference's)
+    p = torch.where(torch.isneginf(s), 0.0, torch.exp(s - lse[..., None]))
     hidden = torch.isneginf(s) if guard else None  # (B, H, n, c)
     if hidden is not None:
         unseen = hidden.all(dim=-2)[..., None]  # (B, H, c, 1): keys no row of the tile sees
