@@ -221,6 +221,22 @@ def test_nan_where_no_query_may_see_reaches_nothing(case):
         assert max_err(a, b) <= GRAD_TOL64, name
 
 
+def test_a_query_that_holds_nan_gives_nan_across_the_runs_it_sees():
+    """A row that sees several runs (a window's partial and full tiles) and whose query holds NaN: its output is NaN,
+    as the reference's (the merge of the runs made it zeros), and the other rows are those of a clean call."""
+    L = 60
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, H, L, D, generator=g) for _ in range(3))
+    q[0, 1, 40, 0] = float("nan")
+    kw = {"mask_mod": mods.sliding_window(20), "backend": "tiles"}
+    out = attnkit.scaled_dot_product_attention(q, k, v, **kw).output
+    clean = attnkit.scaled_dot_product_attention(q.nan_to_num(0.0), k, v, **kw).output
+    assert torch.isnan(out[0, 1, 40]).all()
+    keep = torch.ones(L, dtype=torch.bool)
+    keep[40] = False
+    assert torch.equal(out[0, 1, keep], clean[0, 1, keep]) and torch.equal(out[:, [0, 2, 3]], clean[:, [0, 2, 3]])
+
+
 def test_a_user_causal_mask_plans_as_is_causal_does():
     """Evaluated once per tile, a causal mask_mod gives the plan of is_causal: tiles below the diagonal run without a
     mask, those above are skipped, the diagonal ones are causal; and the whole call runs as one causal call (a score

@@ -366,8 +366,8 @@ def _merge(parts: list[tuple[Tensor, Tensor]], sink: Tensor | None) -> tuple[Ten
     safe = total.masked_fill(empty, 0.0)  # (B, H, n)
     out = None
     for (o, _), run_lse in zip(parts, lses, strict=True):
-        weight = torch.exp(run_lse - safe)[..., None]  # (B, H, n, 1); 0 where the run sees nothing
-        term = torch.where(weight > 0, o * weight, 0.0)  # (B, H, n, D)
+        weight = torch.exp(run_lse - safe)[..., None]  # (B, H, n, 1); 0 where the run sees nothing, NaN in a NaN row
+        term = torch.where(weight == 0, 0.0, o * weight)  # (B, H, n, D): a NaN row stays NaN (not zeros)
         out = term if out is None else out.add_(term)
     assert out is not None
     return out, safe
