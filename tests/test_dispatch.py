@@ -183,3 +183,11 @@ def test_each_backend_runs_what_it_declares_and_refuses_the_rest(name):
                     run()
         assert ran == ([name] if declared[what] else []), what
     assert dispatch.describe_backends()[name] == supports.describe()
+
+
+def test_the_call_names_every_backend_in_its_docstring():
+    """``backend=``'s documented names are the dispatcher's (the list had fallen behind: no flash, compiled,
+    triton or graph)."""
+    doc = attnkit.scaled_dot_product_attention.__doc__ or ""
+    documented = doc[doc.index("backend:") : doc.index("mask_mod:")]
+    assert [name for name in dispatch.BACKENDS if f'``"{name}"``' not in documented] == []

@@ -86,7 +86,8 @@ def scaled_dot_product_attention(
         dropout_p: dropout on the weights (always applied when > 0; layers pass 0 in eval mode).
         need_weights: also return the weights (runs the reference backend).
         backend: ``"auto"`` or a backend's name: ``"reference"``, ``"sdpa"``, ``"chunked"``, ``"tiles"``,
-            ``"decode"``, ``"flex"`` (:mod:`attnkit.dispatch`).
+            ``"flash"``, ``"compiled"``, ``"decode"``, ``"flex"``, ``"triton"``, ``"graph"`` (:mod:`attnkit.dispatch`;
+            ``attnkit.available_backends()`` lists those that run here).
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, True = may attend (FlexAttention's signature;
             built-ins in :mod:`attnkit.mods`); combines with the other masks (all must allow a pair).
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, on the scaled scores, before the float
