@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,10 @@ _FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-mavx2", "-mprefer-vector-width=512"],
     "AVX2": ["-mavx2", "-mfma"],
 }
+
+
+# One build at a time in this process: each puts ninja on PATH and restores it after (os.environ is the process's).
+_IN_PROCESS = threading.Lock()
 
 
 def extension_name(prefix: str) -> str:
@@ -74,21 +79,30 @@ def build(prefix: str, source: Path) -> None:
 
 @contextlib.contextmanager
 def _building(directory: Path) -> Iterator[None]:
-    """Hold the build directory against attnkit's other processes (``fcntl.flock``, released by the system if this
-    one dies), and remove the loader's own lock file if one is there: under the flock it was left by a build that
-    died (the loader would wait for it forever). The ``ninja`` installed with attnkit goes first on ``PATH``, where
-    the loader looks for it (an environment's ``bin`` is on ``PATH`` only when it is activated)."""
+    """Hold the builds against this process's other threads (one at a time) and the build directory against
+    attnkit's other processes (``fcntl.flock``, released by the system if this one dies), and remove the loader's
+    own lock file if one is there: under the flock it was left by a build that died (the loader would wait for it
+    forever). The ``ninja`` installed with attnkit goes first on ``PATH``, where the loader looks for it (an
+    environment's ``bin`` is on ``PATH`` only when it is activated)."""
+    with _IN_PROCESS, _with_ninja(), open(directory / "attnkit.flock", "w") as handle:
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            (directory / "lock").unlink()
+        yield
+
+
+@contextlib.contextmanager
+def _with_ninja() -> Iterator[None]:
+    """``PATH`` with the ``ninja`` installed with attnkit first, then as it was (under ``_IN_PROCESS``: a second
+    thread's build would otherwise read the first's ``PATH`` and put it back after the first had restored it, or
+    lose ``ninja`` while it builds)."""
     path = os.environ.get("PATH", "")
     with contextlib.suppress(ImportError):
         import ninja
 
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
     try:
-        with open(directory / "attnkit.flock", "w") as handle:
-            if fcntl is not None:
-                fcntl.flock(handle, fcntl.LOCK_EX)
-            with contextlib.suppress(FileNotFoundError):
-                (directory / "lock").unlink()
-            yield
+        yield
     finally:
         os.environ["PATH"] = path
