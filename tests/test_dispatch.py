@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -191,3 +193,19 @@ def test_the_call_names_every_backend_in_its_docstring():
     doc = attnkit.scaled_dot_product_attention.__doc__ or ""
     documented = doc[doc.index("backend:") : doc.index("mask_mod:")]
     assert [name for name in dispatch.BACKENDS if f'``"{name}"``' not in documented] == []
+
+
+def test_a_kernel_is_not_built_to_explain_a_call_it_could_not_run_anyway(monkeypatch):
+    """A backend's ``missing`` (which builds its kernel the first time: seconds) is asked last, only for a call
+    nothing else refuses: explaining a float64 call sent to ``flash`` builds nothing."""
+    from attnkit.backends import flash
+
+    asked = []
+    supports = dataclasses.replace(flash.SUPPORTS, missing=lambda: asked.append(1) or None)
+    monkeypatch.setattr(flash, "SUPPORTS", supports)
+    q = torch.randn(1, 2, 5, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"flash: float32 only"):
+        attnkit.scaled_dot_product_attention(q, q, q, backend="flash")
+    assert asked == []
+    attnkit.scaled_dot_product_attention(q.float(), q.float(), q.float(), backend="flash")
+    assert asked  # a call it can run asks

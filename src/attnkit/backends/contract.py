@@ -197,7 +197,7 @@ class Supports:
     again and must check they did not change); ``value_dim``: values of another head size than the queries';
     ``score_mod_grad``: gradients to the tensors a built-in score_mod reads (ALiBi's slopes); ``needs``: what this
     machine lacks for it (a package, with how to install it), or ``None``; ``missing``: the same, found only when a
-    call asks (a kernel built on first use), or ``None``. ``score_mod="kernel"``: the score_mods a kernel computes
+    call it could run asks (a kernel built on first use: asked last, where nothing else refuses), or ``None``. ``score_mod="kernel"``: the score_mods a kernel computes
     itself: attnkit's own :class:`~attnkit.mods.softcap`, or a bias on the distance, ``score + f(b, h, q_idx -
     kv_idx)`` (``attnkit.mods.relative.is_distance_bias``)."""
 
@@ -226,8 +226,6 @@ class Supports:
         reasons = []
         if self.needs is not None:
             reasons.append(f"needs {self.needs}")
-        elif self.missing is not None and (lacking := self.missing()):
-            reasons.append(f"needs {lacking}")
         if self.devices is not None and call.q.device.type not in self.devices:
             where = " or ".join(sorted(self.devices)) or "no device here (this PyTorch lacks it)"
             reasons.append(f"runs on {where} only (the inputs are on {call.q.device.type})")
@@ -295,6 +293,9 @@ class Supports:
                 "adds the mask as -inf, and a hidden score could overflow here (|scale| * D * max|q| * max|k| beyond "
                 "the largest float): inf - inf would be NaN in rows that may not see that key"
             )
+        # last, and only where nothing else refuses: it may build a kernel (seconds, the first time)
+        if self.needs is None and self.missing is not None and not reasons and (lacking := self.missing()):
+            reasons.append(f"needs {lacking}")
         return reasons
 
     def describe(self) -> str:
