@@ -8,7 +8,9 @@ within 3e-5 of the largest), the float64 math computed from the same float32 val
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -438,3 +440,48 @@ def test_a_kept_plans_masks_are_made_once_for_the_calls_after(monkeypatch):
     assert not [m for m in made if m[3] - m[2] < 700]  # no masked tile made again (a full one returns None at once)
     for a, b in zip(first, again, strict=True):
         assert torch.equal(a, b)
+
+
+def _stripes(b, h, i, j):  # new tiles per block: reads h and both positions
+    return (i + j + h) % 5 != 0
+
+
+def test_the_forward_holds_at_most_two_groups_of_masks_at_once(monkeypatch):
+    """A mask of new tensors run in several groups: the forward lets each group's masks go once the next one runs
+    (reviewer's finding: every group was held to the end, the H L^2 bytes the groups exist to avoid)."""
+    monkeypatch.setattr(flash, "KEEP_BYTES", 4 * 300 * 256)  # one block of 256 rows a group
+    alive, most = [], [0]
+    spans = flash._spans
+
+    def spy(mask, rows):
+        gc.collect()
+        most[0] = max(most[0], sum(r() is not None for r in alive))
+        found, allowed, bias = spans(mask, rows)
+        alive.extend(weakref.ref(a) for a in allowed if a is not None)
+        return found, allowed, bias
+
+    monkeypatch.setattr(flash, "_spans", spy)
+    q, k, v = (torch.randn(1, 4, 2000, 8).requires_grad_() for _ in range(3))
+    attnkit.scaled_dot_product_attention(q, k, v, mask_mod=_stripes, backend="flash")
+    per_block = len(alive) // 8  # 8 blocks of queries
+    assert 0 < most[0] <= 2 * per_block, (most[0], len(alive))
+
+
+def test_the_masks_kept_for_the_backward_never_pass_keep_bytes(monkeypatch):
+    """One group whose masks pass KEEP_BYTES (a single block larger than it, or its last block over it) is made
+    again in the backward (reviewer's finding: one group was kept whatever its size)."""
+    monkeypatch.setattr(flash, "KEEP_BYTES", 700_000)  # block 0: 614,400 bytes; both: 720,000
+    made = []
+    spans = flash._spans
+    monkeypatch.setattr(flash, "_spans", lambda mask, rows: made.append(rows.r0) or spans(mask, rows))
+    for Lq, expected in ((300, [0, 256] * 2), (200, [0])):
+        made.clear()
+        q, k, v = (torch.randn(1, 4, L, 8).requires_grad_() for L in (Lq, 600, 600))
+        out = attnkit.scaled_dot_product_attention(q, k, v, mask_mod=_stripes, backend="flash").output
+        out.sum().backward()
+        assert made == expected, Lq
+    monkeypatch.setattr(flash, "KEEP_BYTES", 400_000)  # one block of 200 x 600 x 4 heads: over
+    made.clear()
+    q, k, v = (torch.randn(1, 4, L, 8).requires_grad_() for L in (200, 600, 600))
+    attnkit.scaled_dot_product_attention(q, k, v, mask_mod=_stripes, backend="flash").output.sum().backward()
+    assert made == [0, 0]

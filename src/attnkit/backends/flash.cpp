@@ -157,6 +157,7 @@ Plan plan_of(const at::Tensor& rows, const at::Tensor& starts, const at::Tensor&
   for (int64_t x = 0; x < NB; ++x) {
     const int64_t r0 = r[2 * x], r1 = r[2 * x + 1], n = r1 - r0;
     TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= Lq, "a block's rows lie in [0, Lq)");
+    TORCH_CHECK(x == 0 || r[2 * x - 1] <= r0, "blocks in order, apart (each writes its rows: run in parallel)");
     TORCH_CHECK(f[x] <= f[x + 1], "starts: not decreasing");
     out.r0.push_back(r0), out.r1.push_back(r1), out.first.push_back(f[x]);
     out.tallest = std::max(out.tallest, n);

@@ -162,6 +162,7 @@ class _Group:
     spans: Tensor  # (T, 2) int64
     allowed: list[Tensor | None]
     bias: list[Tensor | None]
+    nbytes: int  # what its masks hold
 
     def plan(self) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None], list[Tensor | None]]:
         """The kernel's arguments ``rows, starts, spans, allowed, bias``."""
@@ -169,22 +170,23 @@ class _Group:
 
 
 def _groups(mask: Mask) -> Iterator[_Group]:
-    """The plan's blocks (:func:`attnkit.backends.tiles.plan`) in groups whose masks hold about ``KEEP_BYTES``
-    (every block in one, unless its masks are larger: one kernel call each), made a group at a time."""
+    """The plan's blocks (:func:`attnkit.backends.tiles.plan`) in groups whose masks hold at most ``KEEP_BYTES``
+    (a block whose masks are larger is a group of its own), made a group at a time."""
     blocks: list[_Block] = []
     size = 0
     for block in tiles.plan(mask):
         found, allowed, bias = _spans(mask, block)
-        blocks.append((block, found, allowed, bias))
-        size += sum(t.numel() * t.element_size() for t in (*allowed, *bias) if t is not None)
-        if size >= KEEP_BYTES:
-            yield _group(blocks)
+        nbytes = sum(t.numel() * t.element_size() for t in (*allowed, *bias) if t is not None)
+        if blocks and size + nbytes > KEEP_BYTES:
+            yield _group(blocks, size)
             blocks, size = [], 0
+        blocks.append((block, found, allowed, bias))
+        size += nbytes
     if blocks:
-        yield _group(blocks)
+        yield _group(blocks, size)
 
 
-def _group(blocks: list[_Block]) -> _Group:
+def _group(blocks: list[_Block], nbytes: int) -> _Group:
     """Blocks of queries, each with its spans and their masks (:func:`_spans`), as one group."""
     starts = [0]
     for _, found, _, _ in blocks:
@@ -195,6 +197,7 @@ def _group(blocks: list[_Block]) -> _Group:
         torch.tensor([span for _, found, _, _ in blocks for span in found], dtype=torch.long).reshape(-1, 2),  # (T, 2)
         [a for _, _, allowed, _ in blocks for a in allowed],
         [b for _, _, _, bias in blocks for b in bias],
+        nbytes,
     )
 
 
@@ -225,14 +228,15 @@ class _Flash(torch.autograd.Function):
             out = q.new_zeros((B, H, Lq, v.shape[-1]))  # (B, H, Lq, Dv)
             lse = q.new_zeros((B, H, Lq)) if sink is None else sink.clone()  # (B, H, Lq)
         rel = None if rel is None else rel.detach().contiguous()  # (B|1, H|1, R)
-        groups = []
-        for group in _groups(mask):
+        first: _Group | None = None  # the first group, while it is the only one (a later one drops it)
+        for count, group in enumerate(_groups(mask)):
             torch.ops.attnkit_flash.forward(q, k, v, *group.plan(), sink, rel, d0, scale, cap, guard, out, lse)
-            groups.append(group)
+            first = group if count == 0 else None
         ctx.save_for_backward(q, k, v, sinks, rel, out, lse)
         ctx.mask, ctx.cap, ctx.d0, ctx.scale, ctx.watched, ctx.guard = mask, cap, d0, scale, watched, guard
-        # the masks, kept for the backward when they are one group (within KEEP_BYTES), else made again
-        ctx.groups = groups if len(groups) == 1 and any(ctx.needs_input_grad) else None
+        # the masks, kept for the backward when they are one group within KEEP_BYTES, else made again
+        keep = first is not None and first.nbytes <= KEEP_BYTES and any(ctx.needs_input_grad)
+        ctx.groups = [first] if keep else None
         return out
 
     @staticmethod
