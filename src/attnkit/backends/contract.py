@@ -197,9 +197,9 @@ class Supports:
     again and must check they did not change); ``value_dim``: values of another head size than the queries';
     ``score_mod_grad``: gradients to the tensors a built-in score_mod reads (ALiBi's slopes); ``needs``: what this
     machine lacks for it (a package, with how to install it), or ``None``; ``missing``: the same, found only when a
-    call it could run asks (a kernel built on first use: asked last, where nothing else refuses), or ``None``. ``score_mod="kernel"``: the score_mods a kernel computes
-    itself: attnkit's own :class:`~attnkit.mods.softcap`, or a bias on the distance, ``score + f(b, h, q_idx -
-    kv_idx)`` (``attnkit.mods.relative.is_distance_bias``)."""
+    call it could run asks (a kernel built on first use: asked last, where nothing else refuses), or ``None``.
+    ``score_mod="kernel"``: the score_mods a kernel computes itself: attnkit's own :class:`~attnkit.mods.softcap`,
+    or a bias on the distance, ``score + f(b, h, q_idx - kv_idx)`` (``attnkit.mods.relative.is_distance_bias``)."""
 
     scoring: frozenset[str] = frozenset({DOT, ADDITIVE})
     weights: bool = True
