@@ -118,7 +118,9 @@ def plan(mask: Mask) -> list[Rows]:
     key = ("tiles", BLOCK)
     if key in mask.plans:
         return mask.plans[key]  # type: ignore[return-value]
-    index_key = mask.index_key
+    # (a plan made under inference mode holds inference tensors, which a later call under autograd may not save:
+    # kept only from calls outside it)
+    index_key = None if torch.is_inference_mode_enabled() else mask.index_key
     if index_key is None:
         mask.plans[key] = _plan(mask)
         return mask.plans[key]  # type: ignore[return-value]
@@ -341,6 +343,7 @@ def tile(
     if (
         kept is not None
         and allowed is not None
+        and not torch.is_inference_mode_enabled()  # (inference tensors: as plan's)
         and bias is None
         and kept.elements + allowed.numel() <= KEPT_MASK_ELEMENTS
     ):
