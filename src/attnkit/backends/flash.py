@@ -44,10 +44,10 @@ NAME = "flash"
 # own CPU kernel's 512 keys a block).
 SPAN = 512
 
-# The kernel runs a call's blocks of queries in groups whose masks hold about this many bytes: one group, one kernel
-# call, for most masks (a window's: 4 MiB at L=8192), whose masks are kept from the forward for the backward; a mask
-# that is new tensors of H L^2 bytes (a mask_mod of h and the positions) runs in several, made again in the backward,
-# a group at a time, as in the forward, so that memory stays linear in L.
+# The kernel runs a call's blocks of queries in groups whose masks hold at most this many bytes (a block that holds
+# more is a group of its own): one group, one kernel call, for most masks (a window's: 4 MiB at L=8192), whose masks
+# are kept from the forward for the backward; a mask that is new tensors of H L^2 bytes (a mask_mod of h and the
+# positions) runs in several, made again in the backward, a group at a time, so that memory stays linear in L.
 KEEP_BYTES = 32 * 2**20
 
 _SOURCE = Path(__file__).with_name("flash.cpp")
