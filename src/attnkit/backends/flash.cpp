@@ -223,8 +223,8 @@ void check(const at::Tensor& t, const char* name, int64_t dim) {
               ": a contiguous float32 tensor of ", dim, " dimensions");
 }
 
-// The largest of x[0, n) (a NaN may or may not win: the row's sum is NaN either way): in lanes, then across them, so that the
-// compiler vectorizes it as written (one running maximum would wait on each comparison).
+// The largest of x[0, n) (a NaN may or may not win: the row's sum is NaN either way): in lanes, then across them,
+// so that the compiler unrolls it as written (one running maximum would wait on each comparison).
 inline float largest(const float* x, int64_t n) {
   constexpr int64_t LANES = 16;
   float lanes[LANES];
@@ -329,6 +329,18 @@ void pieces_of(const Part<bool>& al, int64_t b, int64_t h, int64_t n, int64_t c,
   }
 }
 
+// Runs fn(allowed, bias, c, i0, i1, lo, w, k0) on each piece of each tile of block blk for (example b, head h), n
+// rows: the tile's c keys from its first, the piece's rows [i0, i1) and columns [lo, lo + w), keys [k0, k0 + w).
+template <typename Fn>
+void each_piece(const Plan& P, int64_t blk, int64_t b, int64_t h, int64_t n, std::vector<Piece>& pieces, Fn&& fn) {
+  for (int64_t t = P.first[blk]; t < P.first[blk + 1]; ++t) {
+    const int64_t j0 = P.j0[t], c = P.j1[t] - j0;
+    if (c == 0) continue;
+    pieces_of(P.allowed[t], b, h, n, c, pieces);
+    for (const Piece& pc : pieces) fn(P.allowed[t], P.bias[t], c, pc.i0, pc.i1, pc.lo, pc.hi - pc.lo, j0 + pc.lo);
+  }
+}
+
 // Forward: out (B, H, Lq, Dv) and lse (B, H, Lq) of q (B, H, Lq, D) over the tiles of k (B, H, Lk, D), v (B, H,
 // Lk, Dv), written in place in the rows of the plan's blocks (the other rows are left as they are); sink (B, H, Lq)
 // the sink's logit per row, or None. Each (example, head) of each block runs apart: parallel over all of them.
@@ -371,48 +383,43 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
         m[i] = has_sink ? sink_data[a * Lq + r0 + i] : -INF;
         l[i] = has_sink ? 1.0f : 0.0f;
       }
-      for (int64_t t = P.first[blk]; t < P.first[blk + 1]; ++t) {
-        const int64_t j0 = P.j0[t], c = P.j1[t] - j0;
-        if (c == 0) continue;
-        const Part<bool>& al = P.allowed[t];
-        const Part<float>& bi = P.bias[t];
-        pieces_of(al, b, h, n, c, pieces);
-        for (const Piece& pc : pieces) {  // rows [i0, i1) x columns [lo, hi) of the tile, its scores at s[i, lo + j]
-          const int64_t i0 = pc.i0, rows_ = pc.i1 - pc.i0, lo = pc.lo, w = pc.hi - pc.lo, k0 = j0 + lo;
-          float* sp = s.data() + i0 * c + lo;
-          mm(false, true, rows_, w, D, 1.0f, qa + i0 * D, D, ka + k0 * D, D, 0.0f, sp, c);  // (rows, w) q k^T
-          for (int64_t i = pc.i0; i < pc.i1; ++i) {
-            float* row = s.data() + i * c + lo;
-            const float top = modify(row, nullptr, w, scale, cap, dist.row(b, h, r0 + i, k0),
-                                     al.data ? al.at(b, h, i) + lo * al.sj : nullptr, al.sj,
-                                     bi.data ? bi.at(b, h, i) + lo * bi.sj : nullptr, bi.sj);
-            if (guard) {
-              for (int64_t j = 0; j < w; ++j) hidden[i * c + lo + j] = row[j] == -INF;
-            }
-            const float m_new = std::max(m[i], top);  // -inf where the row saw nothing yet
-            const float m_safe = m_new == -INF ? 0.0f : m_new;
-            const float alpha = fast_exp(m[i] - m_safe);
-            m[i] = m_new;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < w; ++j) {
-              row[j] = fast_exp(row[j] - m_safe);
-              sum += row[j];
-            }
-            l[i] = l[i] * alpha + sum;
-            if (alpha != 1.0f) {
-              float* o = acc.data() + i * Dv;
-              for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha;
-            }
+      // rows [i0, i1) x keys [k0, k0 + w) of a tile of c keys, its columns [lo, lo + w): its scores at s[i, lo + j]
+      each_piece(P, blk, b, h, n, pieces, [&](const Part<bool>& al, const Part<float>& bi, int64_t c, int64_t i0,
+                                               int64_t i1, int64_t lo, int64_t w, int64_t k0) {
+        const int64_t rows_ = i1 - i0;
+        float* sp = s.data() + i0 * c + lo;
+        mm(false, true, rows_, w, D, 1.0f, qa + i0 * D, D, ka + k0 * D, D, 0.0f, sp, c);  // (rows, w) q k^T
+        for (int64_t i = i0; i < i1; ++i) {
+          float* row = s.data() + i * c + lo;
+          const float top = modify(row, nullptr, w, scale, cap, dist.row(b, h, r0 + i, k0),
+                                   al.data ? al.at(b, h, i) + lo * al.sj : nullptr, al.sj,
+                                   bi.data ? bi.at(b, h, i) + lo * bi.sj : nullptr, bi.sj);
+          if (guard) {
+            for (int64_t j = 0; j < w; ++j) hidden[i * c + lo + j] = row[j] == -INF;
           }
-          float* ap = acc.data() + i0 * Dv;
-          if (guard) {  // (rows, Dv) += p v
-            product_of_seen(sp, rows_, w, c, hidden.data() + i0 * c + lo, va + k0 * Dv, Dv, 1.0f, ap);
-          } else {
-            mm(false, false, rows_, Dv, w, 1.0f, sp, c, va + k0 * Dv, Dv, 1.0f, ap, Dv);  // (rows, Dv) += p v
+          const float m_new = std::max(m[i], top);  // -inf where the row saw nothing yet
+          const float m_safe = m_new == -INF ? 0.0f : m_new;
+          const float alpha = fast_exp(m[i] - m_safe);
+          m[i] = m_new;
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < w; ++j) {
+            row[j] = fast_exp(row[j] - m_safe);
+            sum += row[j];
+          }
+          l[i] = l[i] * alpha + sum;
+          if (alpha != 1.0f) {
+            float* o = acc.data() + i * Dv;
+            for (int64_t d = 0; d < Dv; ++d) o[d] *= alpha;
           }
         }
-      }
+        float* ap = acc.data() + i0 * Dv;
+        if (guard) {  // (rows, Dv) += p v
+          product_of_seen(sp, rows_, w, c, hidden.data() + i0 * c + lo, va + k0 * Dv, Dv, 1.0f, ap);
+        } else {
+          mm(false, false, rows_, Dv, w, 1.0f, sp, c, va + k0 * Dv, Dv, 1.0f, ap, Dv);  // (rows, Dv) += p v
+        }
+      });
       float* oa = out.data_ptr<float>() + (a * Lq + r0) * Dv;
       float* la = lse.data_ptr<float>() + a * Lq + r0;
       for (int64_t i = 0; i < n; ++i) {
@@ -479,70 +486,65 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
           for (int64_t d = 0; d < Dv; ++d) e += oa[i * Dv + d] * outa[i * Dv + d];
           delta[i] = e;
         }
-        for (int64_t t = P.first[blk]; t < P.first[blk + 1]; ++t) {
-          const int64_t j0 = P.j0[t], c = P.j1[t] - j0;
-          if (c == 0) continue;
-          const Part<bool>& al = P.allowed[t];
-          const Part<float>& bi = P.bias[t];
-          pieces_of(al, b, h, n, c, pieces);
-          for (const Piece& pc : pieces) {  // rows [i0, i1) x columns [lo, hi) of the tile, at p[i, lo + j]
-            const int64_t i0 = pc.i0, rows_ = pc.i1 - pc.i0, lo = pc.lo, w = pc.hi - pc.lo, k0 = j0 + lo;
-            float* pp = p.data() + i0 * c + lo;
-            float* dpp = dp.data() + i0 * c + lo;
-            mm(false, true, rows_, w, D, 1.0f, qa + i0 * D, D, ka + k0 * D, D, 0.0f, pp, c);  // (rows, w) q k^T
-            for (int64_t i = pc.i0; i < pc.i1; ++i) {
-              float* row = p.data() + i * c + lo;
-              modify(row, cap > 0 ? g.data() + i * c + lo : nullptr, w, scale, cap, dist.row(b, h, r0 + i, k0),
-                     al.data ? al.at(b, h, i) + lo * al.sj : nullptr, al.sj,
-                     bi.data ? bi.at(b, h, i) + lo * bi.sj : nullptr, bi.sj);
-              const float shift = la[i];
-              if (guard) {
-                for (int64_t j = 0; j < w; ++j) hidden[i * c + lo + j] = row[j] == -INF;
-              }
-#pragma omp simd
-              for (int64_t j = 0; j < w; ++j) {  // the weights again; 0 where hidden, whatever the row's lse (NaN)
-                row[j] = row[j] == -INF ? 0.0f : fast_exp(row[j] - shift);
-              }
+        // rows [i0, i1) x keys [k0, k0 + w) of a tile of c keys, its columns [lo, lo + w): at p[i, lo + j]
+        each_piece(P, blk, b, h, n, pieces, [&](const Part<bool>& al, const Part<float>& bi, int64_t c, int64_t i0,
+                                                 int64_t i1, int64_t lo, int64_t w, int64_t k0) {
+          const int64_t rows_ = i1 - i0;
+          float* pp = p.data() + i0 * c + lo;
+          float* dpp = dp.data() + i0 * c + lo;
+          mm(false, true, rows_, w, D, 1.0f, qa + i0 * D, D, ka + k0 * D, D, 0.0f, pp, c);  // (rows, w) q k^T
+          for (int64_t i = i0; i < i1; ++i) {
+            float* row = p.data() + i * c + lo;
+            modify(row, cap > 0 ? g.data() + i * c + lo : nullptr, w, scale, cap, dist.row(b, h, r0 + i, k0),
+                   al.data ? al.at(b, h, i) + lo * al.sj : nullptr, al.sj,
+                   bi.data ? bi.at(b, h, i) + lo * bi.sj : nullptr, bi.sj);
+            const float shift = la[i];
+            if (guard) {
+              for (int64_t j = 0; j < w; ++j) hidden[i * c + lo + j] = row[j] == -INF;
             }
-            const float* kt = ka + k0 * D;
-            const float* vt = va + k0 * Dv;
-            const float* op = oa + i0 * Dv;
-            mm(true, false, w, Dv, rows_, 1.0f, pp, c, op, Dv, 1.0f, dva + k0 * Dv, Dv);  // (w, Dv) += p^T dout
-            mm(false, true, rows_, w, Dv, 1.0f, op, Dv, vt, Dv, 0.0f, dpp, c);  // (rows, w) dout v^T
-            for (int64_t i = pc.i0; i < pc.i1; ++i) {
-              float* pr = p.data() + i * c + lo;
-              const float* dr = dp.data() + i * c + lo;
-              const float e = delta[i];
-              if (cap > 0) {
-                const float* gr = g.data() + i * c + lo;
 #pragma omp simd
-                for (int64_t j = 0; j < w; ++j) pr[j] = pr[j] * (dr[j] - e) * gr[j];
-              } else {
-#pragma omp simd
-                for (int64_t j = 0; j < w; ++j) pr[j] = pr[j] * (dr[j] - e);
-              }
-              // the gradient of a hidden score is 0 (as FlexAttention's: a score_mod singular where it hides has none)
-              if (guard) {
-                for (int64_t j = 0; j < w; ++j) pr[j] = hidden[i * c + lo + j] ? 0.0f : pr[j];
-              } else if (al.data != nullptr) {
-                const bool* ar = al.at(b, h, i) + lo * al.sj;
-                for (int64_t j = 0; j < w; ++j) pr[j] = ar[j * al.sj] ? pr[j] : 0.0f;
-              }
-              if (dist.data != nullptr) {  // d score / d f = 1: the bias at distance u gets the scores' gradients
-                double* du = drel.data_ptr<double>() + a * dist.R + (r0 + i) - k0 - dist.d0;
-#pragma omp simd
-                for (int64_t j = 0; j < w; ++j) du[-j] += pr[j];
-              }
+            for (int64_t j = 0; j < w; ++j) {  // the weights again; 0 where hidden, whatever the row's lse (NaN)
+              row[j] = row[j] == -INF ? 0.0f : fast_exp(row[j] - shift);
             }
-            float* dqp = dqa + i0 * D;
-            if (guard) {  // (dp is not finite where a hidden value is not: ds is 0 there, and k's hidden keys skipped)
-              product_of_seen(pp, rows_, w, c, hidden.data() + i0 * c + lo, kt, D, scale, dqp);  // (rows, D) += ds k
-            } else {
-              mm(false, false, rows_, D, w, scale, pp, c, kt, D, 1.0f, dqp, D);  // (rows, D) += ds k
-            }
-            mm(true, false, w, D, rows_, scale, pp, c, qa + i0 * D, D, 1.0f, dka + k0 * D, D);  // (w, D) += ds^T q
           }
-        }
+          const float* kt = ka + k0 * D;
+          const float* vt = va + k0 * Dv;
+          const float* op = oa + i0 * Dv;
+          mm(true, false, w, Dv, rows_, 1.0f, pp, c, op, Dv, 1.0f, dva + k0 * Dv, Dv);  // (w, Dv) += p^T dout
+          mm(false, true, rows_, w, Dv, 1.0f, op, Dv, vt, Dv, 0.0f, dpp, c);  // (rows, w) dout v^T
+          for (int64_t i = i0; i < i1; ++i) {
+            float* pr = p.data() + i * c + lo;
+            const float* dr = dp.data() + i * c + lo;
+            const float e = delta[i];
+            if (cap > 0) {
+              const float* gr = g.data() + i * c + lo;
+#pragma omp simd
+              for (int64_t j = 0; j < w; ++j) pr[j] = pr[j] * (dr[j] - e) * gr[j];
+            } else {
+#pragma omp simd
+              for (int64_t j = 0; j < w; ++j) pr[j] = pr[j] * (dr[j] - e);
+            }
+            // the gradient of a hidden score is 0 (as FlexAttention's: a score_mod singular where it hides has none)
+            if (guard) {
+              for (int64_t j = 0; j < w; ++j) pr[j] = hidden[i * c + lo + j] ? 0.0f : pr[j];
+            } else if (al.data != nullptr) {
+              const bool* ar = al.at(b, h, i) + lo * al.sj;
+              for (int64_t j = 0; j < w; ++j) pr[j] = ar[j * al.sj] ? pr[j] : 0.0f;
+            }
+            if (dist.data != nullptr) {  // d score / d f = 1: the bias at distance u gets the scores' gradients
+              double* du = drel.data_ptr<double>() + a * dist.R + (r0 + i) - k0 - dist.d0;
+#pragma omp simd
+              for (int64_t j = 0; j < w; ++j) du[-j] += pr[j];
+            }
+          }
+          float* dqp = dqa + i0 * D;
+          if (guard) {  // (dp is not finite where a hidden value is not: ds is 0 there, and k's hidden keys skipped)
+            product_of_seen(pp, rows_, w, c, hidden.data() + i0 * c + lo, kt, D, scale, dqp);  // (rows, D) += ds k
+          } else {
+            mm(false, false, rows_, D, w, scale, pp, c, kt, D, 1.0f, dqp, D);  // (rows, D) += ds k
+          }
+          mm(true, false, w, D, rows_, scale, pp, c, qa + i0 * D, D, 1.0f, dka + k0 * D, D);  // (w, D) += ds^T q
+        });
       }
     }
   });
