@@ -184,8 +184,8 @@ def _preferences(call: Call) -> tuple[str, ...]:
 
 
 def _flash_worth(call: Call) -> bool:
-    """On CPU in float32, over more queries than a decode step's (one small call per block of queries would cost
-    more than ``chunked``'s few steps), where the kernel is built (the first time, here): a ``mask_mod`` (a window
+    """On CPU in float32, over more queries than a decode step's (planning tiles would cost more there than
+    ``chunked``'s few steps), where the kernel is built (the first time, here): a ``mask_mod`` (a window
     took 0.12x SDPA without a mask there, 0.20x on ``tiles``; docs/benchmarks.md), unless the mask is causal
     self-attention throughout (``tiles`` runs that as one causal call of PyTorch's kernel); ``softcap``; or a
     score_mod that is a bias on the distance ``q_idx - kv_idx`` (ALiBi, a caller's table), looked for in calls of

@@ -220,13 +220,8 @@ class _Flash(torch.autograd.Function):
         B, H, Lq, _ = q.shape
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         sink = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype).contiguous()  # (B, H, Lq)
-        # every row is in a block of the plan, which writes it, unless there are no keys (Lk = 0: no blocks): then
-        # zeros, and a log-sum-exp of 0 or the sink's logit (a new tensor: sink may be sinks itself)
-        if mask.num_keys > 0:
-            out, lse = q.new_empty((B, H, Lq, v.shape[-1])), q.new_empty((B, H, Lq))  # (B, H, Lq, Dv), (B, H, Lq)
-        else:
-            out = q.new_zeros((B, H, Lq, v.shape[-1]))  # (B, H, Lq, Dv)
-            lse = q.new_zeros((B, H, Lq)) if sink is None else sink.clone()  # (B, H, Lq)
+        # every row is in a block of the plan, which writes it (a call has at least one key: checked when it is made)
+        out, lse = q.new_empty((B, H, Lq, v.shape[-1])), q.new_empty((B, H, Lq))  # (B, H, Lq, Dv), (B, H, Lq)
         rel = None if rel is None else rel.detach().contiguous()  # (B|1, H|1, R)
         first: _Group | None = None  # the first group, while it is the only one (a later one drops it)
         for count, group in enumerate(_groups(mask)):
@@ -247,7 +242,7 @@ class _Flash(torch.autograd.Function):
             ctx.watched.check(NAME)
         mask: Mask = ctx.mask
         dout = dout.to(out.dtype).contiguous()
-        dq = q.new_empty(q.shape) if mask.num_keys > 0 else torch.zeros_like(q)  # (B, H, Lq, D): rows written
+        dq = torch.empty_like(q)  # (B, H, Lq, D): every row written, as out's
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # added to by every block
         B, H = q.shape[:2]
         drel = q.new_zeros((B, H, 0 if rel is None else rel.shape[-1]), dtype=torch.float64)  # (B, H, R)
