@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attnkit import _split, dispatch, mods, trace, varlen
+from attnkit import _scopes, _split, dispatch, mods, trace, varlen
 from attnkit._checked import checked, value_check
 from attnkit._checks import check_qkv, check_same_kind, check_scale, describe
 from attnkit.backends import reference
@@ -201,7 +201,7 @@ def attention_weights(
     return weights.squeeze(1) if three_d else weights
 
 
-_weights_outside_graph = torch.compiler.disable(attention_weights)
+_weights_outside_graph = _scopes.outside_graph(attention_weights)
 
 
 class Scoring(NamedTuple):
@@ -329,7 +329,7 @@ def attend(
     return AttendResult(out, weights, lse)
 
 
-_outside_graph = torch.compiler.disable(attend)
+_outside_graph = _scopes.outside_graph(attend)
 
 
 def _run_piece(backend: str, piece: varlen.Piece, need_lse: bool) -> tuple[str, varlen.Result]:

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attnkit import mods
+from attnkit import _scopes, mods
 from attnkit._checks import ranges
 from attnkit.backends.common import Watched, bias_of, first_order_only, sinks_grad, zero_dead
 from attnkit.backends.contract import DOT, Call, Supports
@@ -110,7 +110,7 @@ _KEPT: collections.OrderedDict[tuple[object, ...], _Kept] = collections.OrderedD
 _KEPT_LOCK = threading.Lock()
 
 
-@torch.compiler.disable  # (Python lists of ranges from the mask's values: under a caller's torch.compile, traced,
+@_scopes.outside_graph  # (Python lists of ranges from the mask's values: under a caller's torch.compile, traced,
 # the causal tile's test met symbolic booleans and Inductor failed; run as it is, it costs a graph break)
 def plan(mask: Mask) -> list[Rows]:
     """The blocks of queries and the runs of keys each sees: kept on the mask (the backward pass reuses it), and for
