@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Sequence
 
@@ -190,11 +189,15 @@ def check_qkv(
 
 def check_scale(scale: object, dtype: torch.dtype = torch.float64) -> float:
     """Any real number (Python or NumPy, any precision) finite in ``dtype``, the dtype the scores are computed in,
-    is a scale; ``bool``, NaN and infinities are not (``1e300`` is infinite in float32: every score would be)."""
+    is a scale; ``bool``, NaN and infinities are not (``1e300`` is infinite in float32: every score would be). A
+    symbolic number (``torch.SymFloat``: the default ``D ** -0.5`` while ``torch.compile`` traces with dynamic
+    shapes) is checked by arithmetic, which dynamo traces."""
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise TypeError(f"scale must be a number, got {scale!r}")
-    value = float(scale)
-    if not math.isfinite(value):
+    # (arithmetic, not math.isfinite: under torch.compile with dynamic shapes a scale made from a shape is a
+    # symbolic number, which math.isfinite cannot read; x - x is 0 for a finite x only)
+    value = scale if torch.compiler.is_compiling() else float(scale)
+    if not value - value == 0:
         raise ValueError(f"scale must be finite, got {value}")
     largest = torch.finfo(dtype).max
     if abs(value) > largest:
@@ -202,7 +205,7 @@ def check_scale(scale: object, dtype: torch.dtype = torch.float64) -> float:
             f"scale must be finite in {str(dtype).removeprefix('torch.')}, the dtype the scores are computed in "
             f"(at most {largest:g} in magnitude), got {value:g}"
         )
-    return value
+    return value  # type: ignore[return-value]
 
 
 def check_same_kind(*named: tuple[str, Tensor]) -> None:

@@ -295,6 +295,10 @@ def attend(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if three_d:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L, D)
+    if w_v is None and isinstance(scale, float) and scale <= 0:
+        # PyTorch's CPU kernels fill a causal mask's -inf before they scale (-inf * 0 is NaN, -inf * -1 is +inf):
+        # a scale of 0 or below goes into the queries, and every backend gets the scale 1
+        q, scale = q * scale, 1.0  # (B, H, Lq, D)
     mask = _build_mask(q, k, masks, three_d, from_cache=lengths_made)
     score_mod, sinks = _check_mods(q, k, masks.score_mod, sinks)
     call = Call(
