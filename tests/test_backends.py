@@ -298,8 +298,8 @@ def test_padded_batches_group_only_when_the_skipped_work_pays_for_the_calls(monk
     from attnkit.backends import sdpa
 
     calls = []
-    kernel = sdpa.F.scaled_dot_product_attention
-    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    kernel = sdpa.fused  # every call of the fused kernel goes through it
+    monkeypatch.setattr(sdpa, "fused", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     g = torch.Generator().manual_seed(5)
     for Lq, Lk, expected_calls in ((1, 400, 1), (512, 512, 8)):
         q = torch.randn(8, 4, Lq, 64, generator=g)
@@ -322,8 +322,8 @@ def test_a_decode_step_over_a_cache_runs_as_two_products_and_matches_the_math(mo
     from attnkit.backends.decode import positions_last
 
     calls = []
-    kernel = sdpa.F.scaled_dot_product_attention
-    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(a) or kernel(*a, **kw))
+    kernel = sdpa.fused  # every call of the fused kernel goes through it
+    monkeypatch.setattr(sdpa, "fused", lambda *a, **kw: calls.append(a) or kernel(*a, **kw))
     q, k, v, g = make_inputs(Lq, 203, 40, group, seed=Lq * group + len(masking))
     kw = make_masking(masking, Lq, 203, g)
     k, v = positions_last(k), positions_last(v)
@@ -347,8 +347,8 @@ def test_the_decode_step_leaves_to_the_fused_kernel_what_it_cannot_run(monkeypat
     from attnkit.backends.decode import positions_last
 
     calls = []
-    kernel = sdpa.F.scaled_dot_product_attention
-    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(a) or kernel(*a, **kw))
+    kernel = sdpa.fused  # every call of the fused kernel goes through it
+    monkeypatch.setattr(sdpa, "fused", lambda *a, **kw: calls.append(a) or kernel(*a, **kw))
     g = torch.Generator().manual_seed(3)
     q, k, v = (
         torch.randn(2, 8, 5, 16, generator=g),

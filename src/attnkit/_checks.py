@@ -196,7 +196,7 @@ def check_scale(scale: object, dtype: torch.dtype = torch.float64) -> float:
         raise TypeError(f"scale must be a number, got {scale!r}")
     # (arithmetic, not math.isfinite: under torch.compile with dynamic shapes a scale made from a shape is a
     # symbolic number, which math.isfinite cannot read; x - x is 0 for a finite x only)
-    value = scale if torch.compiler.is_compiling() else float(scale)
+    value: float = scale if torch.compiler.is_compiling() else float(scale)  # type: ignore[assignment]
     if not value - value == 0:
         raise ValueError(f"scale must be finite, got {value}")
     largest = torch.finfo(dtype).max

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -269,16 +269,17 @@ def attend(
             range as it makes them): not read again (a decode step's host sync; under compile, a check op).
     """
     q, k, v, w_v = _autocast(q, k, v, w_v)
-    options = {"w_v": w_v, "scale": scale, "sinks": sinks, "dropout_p": dropout_p, "need_weights": need_weights}
+    options: dict[str, Any] = {"w_v": w_v, "scale": scale, "sinks": sinks, "dropout_p": dropout_p}
+    options["need_weights"] = need_weights
     options |= {"backend": backend, "zeros_past": zeros_past, "need_lse": need_lse, "lengths_made": lengths_made}
     runner = _split.active()
     if runner is not None:  # inside attnkit.distributed.context_parallel: q, k, v are this rank's shard
         ring = _outside_graph if torch.compiler.is_compiling() else runner.attend  # (collectives: outside the graph)
-        return ring(q, k, v, masks, **options)  # type: ignore[no-any-return]
+        return ring(q, k, v, masks, **options)  # type: ignore[no-any-return,unused-ignore]
     if torch.compiler.is_compiling() and (backend not in ("auto", "graph") or varlen.has_documents(masks.mask_mod)):
         # a backend named (it plans from values), or packed documents (one call of its own shapes per document):
         # run outside the graph (a graph break), as they run eagerly
-        return _outside_graph(q, k, v, masks, **options)  # type: ignore[no-any-return]
+        return _outside_graph(q, k, v, masks, **options)  # type: ignore[no-any-return,unused-ignore]
     three_d = check_qkv(q, k, v)
     if w_v is not None:
         _check_w_v(q, w_v)

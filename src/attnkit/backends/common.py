@@ -6,8 +6,8 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit.backends.contract import Call
-from attnkit.masks import Mask
+from attnkit.backends.contract import Call, scores_bounded
+from attnkit.masks import Mask, all_finite, compute_dtype
 
 # B batch, H heads, Hkv key/value heads, L length, D head dim
 
@@ -97,6 +97,30 @@ def _finite_suffixes(mask: Mask, k: Tensor, v: Tensor, zeros_past: Tensor | None
     shortest = int(counts.min())
     # one reduction: a sum is finite only if every term is (a finite sum that overflows reads as not: zeroed)
     return bool(torch.isfinite(k[:, :, shortest:].sum() + v[:, :, shortest:].sum()))
+
+
+def kernel_backward_safe(q: Tensor, v: Tensor, dout: Tensor) -> bool:
+    """Whether a fused kernel's backward (PyTorch's CPU flash kernel's) meets no ``0 * inf`` and no NaN at a pair a
+    row may not see: it recomputes that pair's weight as ``exp(score - inf - lse)`` and multiplies it by
+    ``dout . v - delta``. So every query must be finite (``-inf + NaN`` is NaN, and a query that holds NaN would put
+    it into the values' gradients of keys it may not see), and every ``dout . v`` bounded below the largest number
+    (so is each row's delta, ``|out| <= max |v|``): one read of each. False sends the backward to
+    :func:`attnkit.backends.online.exact_grads`."""
+    return all_finite(q) and scores_bounded(dout, v, 1.0, compute_dtype(q.dtype))
+
+
+def nan_rows_stay_nan(call: Call, out: Tensor) -> Tensor:
+    """``out (B, H, Lq, Dv)`` NaN in the rows whose query holds NaN and sees some key. PyTorch's CPU kernel gives
+    such a row zeros at some sizes (its largest score, NaN, reads as a row with no key); the reference and the math
+    give NaN, which says where the input went wrong. One read of the queries."""
+    nan_rows = call.q.detach().sum(dim=-1).isnan()  # (B, H, Lq): those, and finite rows whose sum overflows
+    if not bool(nan_rows.any()):
+        return out
+    nan_rows = nan_rows & call.q.detach().isnan().any(dim=-1)  # (B, H, Lq): NaN itself (a reviewer's finding)
+    live_rows = call.mask.liveness[1]  # (B|1, H|1, Lq) or None: a row that sees no key is zeros, NaN or not
+    if live_rows is not None:
+        nan_rows = nan_rows & live_rows  # (B, H, Lq)
+    return out.masked_fill(nan_rows[..., None], float("nan"))
 
 
 def first_order_only(backend: str) -> None:

@@ -22,8 +22,10 @@ import torch
 from torch import Tensor
 
 from attnkit.backends import sdpa
+from attnkit.backends.common import kernel_backward_safe, zero_dead
+from attnkit.masks import Mask
 
-__all__ = ["attention", "takes"]
+__all__ = ["attention", "fused", "takes"]
 
 NAME = "attnkit::attention_by_length"
 
@@ -140,6 +142,11 @@ def _attention_backward(
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     q, k, v, grad = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, grad))
+    if not kernel_backward_safe(q, v, grad):  # the kernel's backward would meet 0 * inf at a pair a row may not see
+        mask = Mask.build(batch=B, heads=H, num_queries=Lq, num_keys=Lk, valid_lens=lens, is_causal=causal)
+        q, k, v = zero_dead(q, k, v, mask)
+        found = sdpa.exact_backward(q, k, v, out, lse, grad, None, causal, scale, mask=mask)
+        return tuple(g.contiguous() for g in found)  # type: ignore[return-value]
     plan = _plan(lens, Lq, Lk, H * 2 * D)
     if plan is None:
         m = _masked(q, k, v, lens, causal)
@@ -194,3 +201,89 @@ torch.library.register_autograd(NAME, _backward, setup_context=_setup)
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+# ------------------------------------------------------------------ one fused call, with the guarded backward
+
+
+@torch.library.custom_op("attnkit::fused_attention", mutates_args=())
+def _fused(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~attn_mask, -torch.inf)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # (the kernel reads rows whole)
+    blhd, lse = _empty_results(q, v)  # (B, Lq, H, D), (B, H, Lq)
+    out, found_lse = _flash(q, k, v, 0.0, causal, attn_mask=attn_mask, scale=scale)[:2]
+    blhd.transpose(1, 2).copy_(out)
+    lse.copy_(found_lse)
+    return blhd, lse
+
+
+@_fused.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    return _empty_results(q, v)
+
+
+@torch.library.custom_op("attnkit::fused_attention_backward", mutates_args=())
+def _fused_backward(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    q, k, v, grad = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, grad))
+    kernel_mask = attn_mask
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        kernel_mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~attn_mask, -torch.inf)
+    if kernel_backward_safe(q, v, grad):
+        found = _flash_backward(grad, q, k, v, out, lse, 0.0, causal, attn_mask=kernel_mask, scale=scale)[:3]
+    else:  # the kernel's backward would meet 0 * inf at a pair a row may not see
+        found = sdpa.exact_backward(q, k, v, out, lse, grad, attn_mask, causal, scale)
+    return tuple(g.contiguous() for g in found)  # type: ignore[return-value]
+
+
+@_fused_backward.register_fake
+def _(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the op's
+
+
+def _fused_setup(ctx: object, inputs: tuple, output: tuple) -> None:
+    q, k, v, attn_mask, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask)  # type: ignore[attr-defined]
+    ctx.causal, ctx.scale = causal, scale  # type: ignore[attr-defined]
+
+
+def _fused_grads(ctx: object, grad: Tensor, grad_lse: Tensor | None) -> tuple:
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors  # type: ignore[attr-defined]
+    grad, out = grad.transpose(1, 2), out.transpose(1, 2)  # (B, H, Lq, D) views of (B, Lq, H, D)
+    dq, dk, dv = _fused_backward(grad, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale)  # type: ignore[attr-defined]
+    return dq, dk, dv, None, None, None
+
+
+torch.library.register_autograd("attnkit::fused_attention", _fused_grads, setup_context=_fused_setup)
+
+
+def fused(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool, scale: float) -> Tensor:
+    """PyTorch's CPU flash kernel on ``q (B, H, Lq, D)``, ``k``/``v (B, Hkv, Lk, D)`` with ``attn_mask`` (bool or
+    float, broadcastable to ``(B, H, Lq, Lk)``) and ``causal``, as the custom op ``attnkit::fused_attention``, whose
+    backward reads values (:func:`~attnkit.backends.common.kernel_backward_safe`) and hands over to
+    :func:`attnkit.backends.sdpa.exact_backward` where the kernel's would meet ``0 * inf`` at a hidden pair: what
+    ``scaled_dot_product_attention`` cannot do inside a compiled graph. ``(B, H, Lq, D)``, a view."""
+    return _fused(q, k, v, attn_mask, causal, scale)[0].transpose(1, 2)

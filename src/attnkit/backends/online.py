@@ -19,7 +19,8 @@ from torch import Tensor
 
 from attnkit import mods
 from attnkit._checks import ranges
-from attnkit.backends.common import additive_scores
+from attnkit.backends.common import additive_scores, repeat_kv
+from attnkit.backends.contract import scores_bounded
 
 __all__ = [
     "EXP_FLOOR",
@@ -31,6 +32,7 @@ __all__ = [
     "Span",
     "accumulate",
     "accumulate_grads",
+    "exact_grads",
     "key_blocks",
 ]
 
@@ -38,6 +40,9 @@ __all__ = [
 
 # Which query rows each block of keys needs is worked out for blocks of this many rows (from index ranges only).
 ROW_STEP = 64
+
+# Keys of a block in :func:`exact_grads`.
+EXACT_BLOCK = 128
 
 # exp() of a score this far below its row's largest is taken as exp(EXP_FLOOR) = 1.8e-35: far below what float32 or
 # float64 resolve beside the largest term (1), and 4-6x faster on CPUs, whose vector exp leaves its fast path for
@@ -231,6 +236,10 @@ def accumulate_grads(
         closed_over: tensors the score_mod reads that need gradients; closed_grads: theirs, added to in place.
     """
     w_v, scale = scorer.w_v, scorer.scale
+    # dout . v of a pair a row may not see could overflow (a huge value another row sees), and so could the row's
+    # delta (|out| <= max|v|): its weight 0 times it would be NaN in that row's dq and in dk. Where the inputs bound
+    # every such product (one read of each), no block need be looked at.
+    guard = not scores_bounded(dout, v, 1.0, dout.dtype)
     for span in spans:
         seen = _block_mask(mask, span, q.dtype)
         if seen is None:
@@ -263,6 +272,8 @@ def accumulate_grads(
         grads.dv[:, :, j0:j1] += p.transpose(-2, -1) @ dout_r  # (B, H, blk, Dv)
         dp = dout_r @ vb.transpose(-2, -1)  # (B, H, n, blk)
         ds = p.mul_(dp.sub_(delta[:, :, r0:r1, None]))  # (B, H, n, blk): gradient of the (modified) scores
+        if guard and allowed is not None:
+            ds = ds.masked_fill_(~allowed, 0.0)  # a hidden pair's weight is 0, and so is its gradient (not 0 * inf)
         if modded is not None and not modded.requires_grad:
             ds = torch.zeros_like(ds)  # a score_mod whose result depends on nothing that needs a gradient (a table)
         elif modded is not None:
@@ -340,3 +351,30 @@ def _masked(s: Tensor, allowed: Tensor | None, bias: Tensor | None) -> Tensor:
     if allowed is not None:
         s = s.masked_fill_(~allowed, torch.finfo(s.dtype).min)
     return s
+
+
+def exact_grads(
+    q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, scorer: Scorer, lse: Tensor, out: Tensor, dout: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of dot-product attention through this engine's backward, block by block, given the forward's
+    output and row log-sum-exp: what a fused kernel's backward hands over where it would meet ``0 * inf`` at a pair
+    a row may not see (:func:`attnkit.backends.common.kernel_backward_safe`).
+
+    Args:
+        q: ``(B, H, Lq, D)``; k: ``(B, Hkv, Lk, D)``; v: ``(B, Hkv, Lk, Dv)``, in the compute dtype.
+        mask, scorer: the scores the forward computed (:func:`accumulate`); lse: ``(B, H, Lq)``, over them.
+        out, dout: ``(B, H, Lq, Dv)``, the forward's output and its gradient.
+
+    Returns:
+        ``dq (B, H, Lq, D)``, ``dk (B, Hkv, Lk, D)``, ``dv (B, Hkv, Lk, Dv)``.
+    """
+    B, H, Lq, _ = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    kf, vf = repeat_kv(k, H), repeat_kv(v, H)  # (B, H, Lk, D), (B, H, Lk, Dv)
+    grads = Grads(torch.zeros_like(q), torch.zeros_like(kf), torch.zeros_like(vf), None)
+    delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
+    spans = key_blocks(mask, Lq, (0, Lk), EXACT_BLOCK)
+    accumulate_grads(grads, q, kf, vf, mask, scorer, spans, lse, dout, delta)
+    dk = grads.dk.unflatten(1, (Hkv, H // Hkv)).sum(dim=2)  # (B, Hkv, Lk, D): each group's heads summed
+    dv = grads.dv.unflatten(1, (Hkv, H // Hkv)).sum(dim=2)  # (B, Hkv, Lk, Dv)
+    return grads.dq, dk, dv

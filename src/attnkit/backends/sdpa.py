@@ -13,15 +13,21 @@ A decode step over a :class:`~attnkit.KVCache`'s positions-last memory has a bac
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.backends.common import dense_mask, repeat_kv, zero_dead
+from attnkit.backends.common import (
+    dense_mask,
+    first_order_only,
+    kernel_backward_safe,
+    nan_rows_stay_nan,
+    zero_dead,
+)
 from attnkit.backends.contract import DOT, Call, Supports
-from attnkit.masks import Mask
+from attnkit.backends.online import Scorer, exact_grads
+from attnkit.masks import Mask, compute_dtype
+from attnkit.mods import ScoreFn
 
 NAME = "sdpa"
 
@@ -36,8 +42,8 @@ GROUP_BELOW = 0.875
 # in [200, 400], runs 2x faster as one masked call; over 4096 keys, 1.25x faster one call per row).
 CALL_COST_MACS = 2**17
 
-# `enable_gqa` arrived in PyTorch 2.5; before it, key/value heads are repeated here.
-_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 # The largest mask a mask_mod is evaluated into (16M elements: 64 MiB once SDPA takes it as float).
@@ -65,15 +71,14 @@ def attention_with_lse(call: Call) -> tuple[Tensor, Tensor] | None:
         return None
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or not q.numel() or not k.numel():
         return None
-    if q.shape[-1] != v.shape[-1] or not _HAS_GQA:  # the kernel takes one head size; GQA as SDPA's
+    if q.shape[-1] != v.shape[-1]:  # the kernel takes one head size
         return None
     if q.stride(-1) != 1:  # SDPA takes another kernel for such queries (5e-7 apart): the output would change
         return None
     # the kernel reads each row of k and v as contiguous (a positions-last cache's keys would give a wrong output,
     # not an error); attention() copies them so too
     k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))  # (B, Hkv, Lk, D|Dv) each
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    out, lse = flash(q, k, v, 0.0, mask.is_causal, scale=call.scale)[:2]
+    out, lse = _flash(q, k, v, 0.0, mask.is_causal, scale=call.scale)[:2]
     return out, lse  # (B, H, Lq, Dv), (B, H, Lq)
 
 
@@ -81,39 +86,22 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     out, _ = _attention(call)  # (B, H, Lq, Dv)
     if call.q.device.type != "cpu":
         return out, None
-    # PyTorch's CPU kernel gives zeros to a query row that holds NaN (its largest score, NaN, reads as a row with no
-    # key); the reference and the math give NaN, which says where the input went wrong. One read of the queries.
-    nan_rows = call.q.detach().sum(dim=-1).isnan()  # (B, H, Lq): those, and finite rows whose sum overflows
-    if not bool(nan_rows.any()):
-        return out, None
-    nan_rows = nan_rows & call.q.detach().isnan().any(dim=-1)  # (B, H, Lq): NaN itself (a reviewer's finding)
-    live_rows = call.mask.liveness[1]  # (B|1, H|1, Lq) or None: a row that sees no key is zeros, NaN or not
-    if live_rows is not None:
-        nan_rows = nan_rows & live_rows  # (B, H, Lq)
-    return out.masked_fill(nan_rows[..., None], float("nan")), None
+    return nan_rows_stay_nan(call, out), None
 
 
 def _attention(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v, mask, scale, dropout_p = call.q, call.k, call.v, call.mask, call.scale, call.dropout_p
-    H, Hkv = q.shape[1], k.shape[1]
+    H = q.shape[1]
     Lq, Lk = mask.num_queries, mask.num_keys
-    gqa: dict[str, Any] = {}
-    if H != Hkv:
-        if _HAS_GQA:
-            gqa = {"enable_gqa": True}
-        else:
-            k, v = repeat_kv(k, H), repeat_kv(v, H)  # (B, H, Lk, D), (B, H, Lk, Dv)
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         # positions last (a cache's memory), many queries: the fused kernel reads that layout several times
         # slower than a copy (`python benchmarks/decode.py --only layout`, prefill row)
         k, v = k.contiguous(), v.contiguous()  # (B, Hkv, Lk, D), (B, Hkv, Lk, Dv)
     lengths = None if call.score_mod is not None else _key_lengths(mask)
     if lengths and worth_grouping(lengths, Lk, Lq, H * (q.shape[-1] + v.shape[-1])):
-        return _by_length(q, k, v, lengths, mask.is_causal, scale, dropout_p, gqa), None
+        return _by_length(q, k, v, lengths, mask.is_causal, scale, dropout_p), None
     if call.score_mod is None and (mask.is_empty or mask.is_plain_causal):
-        out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p, is_causal=mask.is_causal, scale=scale, **gqa
-        )  # (B, H, Lq, Dv)
+        out = fused(q, k, v, is_causal=mask.is_causal, scale=scale, dropout_p=dropout_p, mask=mask)  # (B, H, Lq, Dv)
         return out, None
 
     q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
@@ -131,8 +119,8 @@ def _attention(call: Call) -> tuple[Tensor, Tensor | None]:
         assert attn_mask is not None  # a dead row needs a part that hides keys
         dead = ~live_rows[..., None]  # (B|1, H|1, Lq, 1)
         attn_mask = attn_mask | dead if attn_mask.dtype == torch.bool else attn_mask.masked_fill(dead, 0.0)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, **gqa
+    out = fused(
+        q, k, v, attn_mask=attn_mask, scale=scale, dropout_p=dropout_p, mask=mask, score_mod=call.score_mod
     )  # (B, H, Lq, Dv)
     if live_rows is not None:
         out = out.masked_fill(~live_rows[..., None], 0.0)
@@ -186,7 +174,6 @@ def _by_length(
     causal: bool,
     scale: float,
     dropout_p: float,
-    gqa: dict[str, Any],
 ) -> Tensor:
     """Attention over each example's real keys only, one call per run of equal lengths.
 
@@ -202,16 +189,142 @@ def _by_length(
         if n == 0:
             part = qg.new_zeros(count, H, Lq, vg.shape[-1])  # (b, H, Lq, Dv): nothing to attend to
         elif causal and n < Lq:
-            first = F.scaled_dot_product_attention(
-                qg[:, :, :n], kg, vg, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa
-            )  # (b, H, n, Dv)
-            rest = F.scaled_dot_product_attention(
-                qg[:, :, n:], kg, vg, dropout_p=dropout_p, scale=scale, **gqa
-            )  # (b, H, Lq - n, Dv)
+            first = fused(qg[:, :, :n], kg, vg, is_causal=True, scale=scale, dropout_p=dropout_p)  # (b, H, n, Dv)
+            rest = fused(qg[:, :, n:], kg, vg, scale=scale, dropout_p=dropout_p)  # (b, H, Lq - n, Dv)
             part = torch.cat([first, rest], dim=2)  # (b, H, Lq, Dv)
         else:
-            part = F.scaled_dot_product_attention(
-                qg, kg, vg, dropout_p=dropout_p, is_causal=causal, scale=scale, **gqa
-            )  # (b, H, Lq, Dv)
+            part = fused(qg, kg, vg, is_causal=causal, scale=scale, dropout_p=dropout_p)  # (b, H, Lq, Dv)
         parts.append(part)
     return parts[0] if len(parts) == 1 else torch.cat(parts)  # (B, H, Lq, Dv)
+
+
+def fused(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float,
+    dropout_p: float = 0.0,
+    mask: Mask | None = None,
+    score_mod: ScoreFn | None = None,
+) -> Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention`` of ``q (B, H, Lq, D)``, ``k (B, Hkv, Lk, D)``,
+    ``v (B, Hkv, Lk, Dv)``: ``(B, H, Lq, Dv)``. Where autograd records a CPU call that hides some pairs (causal, or a
+    mask), PyTorch's flash kernel through its own forward and backward ops (:class:`_Guarded`): its backward would
+    meet ``0 * inf`` at a hidden pair where a query is not finite or ``dout . v`` overflows, and hands over to the
+    online softmax's exact one there. ``mask`` (and ``score_mod``, a bias) say what ``attn_mask`` and ``is_causal``
+    mean, for that one (``None``: made from them)."""
+    hides = is_causal or attn_mask is not None
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if (
+        hides
+        and grad
+        and not dropout_p
+        and q.device.type == "cpu"
+        and q.dtype in _KERNEL_DTYPES
+        and (attn_mask is None or not attn_mask.requires_grad)
+        and q.numel()  # (the kernel's op, called on no example or no query, crashes the process: torch 2.13)
+        and k.numel()
+    ):
+        return _Guarded.apply(q, k, v, attn_mask, is_causal, scale, mask, score_mod)  # type: ignore[no-any-return]
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa
+    )  # (B, H, Lq, Dv)
+
+
+# The dtypes :class:`_Guarded` runs: PyTorch's flash kernel takes 16-bit inputs too, but a float mask in 16 bits
+# there doubled the low-precision math's error (tests/test_backends.py); those stay on scaled_dot_product_attention,
+# whose backward can still meet 0 * inf where a 16-bit value near its largest makes dout . v overflow.
+_KERNEL_DTYPES = frozenset({torch.float32, torch.float64})
+
+
+class _Guarded(torch.autograd.Function):
+    """PyTorch's CPU flash kernel, forward and backward (what ``scaled_dot_product_attention`` runs there: the same
+    bits), the queries, keys and values padded with zero features to one head size (the kernel takes one; a zero
+    feature changes no score), a boolean mask made the float one the kernel takes."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        scale: float,
+        mask: Mask | None,
+        score_mod: ScoreFn | None,
+    ) -> Tensor:
+        D, Dv = q.shape[-1], v.shape[-1]
+        width = max(D, Dv)
+        qp, kp = (F.pad(t, (0, width - D)) if width > D else t for t in (q, k))  # (B, H|Hkv, L, width)
+        vp = F.pad(v, (0, width - Dv)) if width > Dv else v  # (B, Hkv, Lk, width)
+        kernel_mask = attn_mask
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            zero = torch.zeros((), dtype=q.dtype, device=q.device)
+            kernel_mask = zero.masked_fill(~attn_mask, float("-inf"))  # (B|1, H|1, Lq, Lk)
+        out, lse = _flash(qp, kp, vp, 0.0, is_causal, attn_mask=kernel_mask, scale=scale)[:2]
+        ctx.save_for_backward(qp, kp, vp, out, lse, kernel_mask, attn_mask)
+        ctx.is_causal, ctx.scale, ctx.mask, ctx.score_mod, ctx.dims = is_causal, scale, mask, score_mod, (D, Dv)
+        return out[..., :Dv] if width > Dv else out  # (B, H, Lq, Dv)
+
+    @staticmethod
+    def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        first_order_only(NAME)
+        qp, kp, vp, out, lse, kernel_mask, attn_mask = ctx.saved_tensors
+        D, Dv = ctx.dims
+        width = qp.shape[-1]
+        dout = dout.to(out.dtype)
+        dout = F.pad(dout, (0, width - Dv)) if width > Dv else dout.contiguous()  # (B, H, Lq, width)
+        if kernel_backward_safe(qp, vp, dout):
+            grads = _flash_backward(
+                dout, qp, kp, vp, out, lse, 0.0, ctx.is_causal, attn_mask=kernel_mask, scale=ctx.scale
+            )[:3]
+        else:  # the kernel's backward would meet 0 * inf at a pair a row may not see
+            grads = exact_backward(
+                qp, kp, vp, out, lse, dout, attn_mask, ctx.is_causal, ctx.scale, mask=ctx.mask, score_mod=ctx.score_mod
+            )
+        dq, dk, dv = grads
+        return dq[..., :D], dk[..., :D], dv[..., :Dv], None, None, None, None, None
+
+
+def exact_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    scale: float,
+    *,
+    mask: Mask | None = None,
+    score_mod: ScoreFn | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``dq, dk, dv`` of a call of PyTorch's flash kernel (``q (B, H, Lq, D)``, ``k, v (B, Hkv, Lk, D)``, its output
+    and row log-sum-exp ``out``, ``lse``, the output's gradient ``dout``) through
+    :func:`attnkit.backends.online.exact_grads`, which never multiplies a pair a row may not see: where
+    :func:`~attnkit.backends.common.kernel_backward_safe` says the kernel's own backward would. In the compute dtype,
+    returned in the inputs'. ``mask`` and ``score_mod``: what ``attn_mask`` and ``is_causal`` mean (``None``: a mask
+    made from them)."""
+    B, H, Lq, _ = q.shape
+    if mask is None:
+        mask = Mask.build(
+            batch=B,
+            heads=H,
+            num_queries=Lq,
+            num_keys=k.shape[2],
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            device=q.device,
+        )
+    dtype = compute_dtype(q.dtype)
+    scorer = Scorer(None, scale, score_mod, B, H)
+    qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
+    found = exact_grads(qf, kf, vf, mask, scorer, lse, out.to(dtype), dout.to(dtype))
+    dq, dk, dv = (g.to(q.dtype) for g in found)
+    return dq, dk, dv

@@ -38,8 +38,17 @@ from torch import Tensor
 
 from attnkit import _scopes, mods
 from attnkit._checks import ranges
-from attnkit.backends.common import Watched, bias_of, first_order_only, sinks_grad, zero_dead
+from attnkit.backends.common import (
+    Watched,
+    bias_of,
+    first_order_only,
+    kernel_backward_safe,
+    nan_rows_stay_nan,
+    sinks_grad,
+    zero_dead,
+)
 from attnkit.backends.contract import DOT, Call, Supports
+from attnkit.backends.online import Scorer, exact_grads
 from attnkit.masks import Mask
 from attnkit.mods import ScoreMod
 
@@ -224,7 +233,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v = _inputs(call)
     watched = Watched.of(call) if call.needs_grad else None  # what the backward pass reads again
     out = _Tiles.apply(q, k, v, call.sinks, call.mask, call.scale, _bias_mod(call), watched)  # (B, H, Lq, D)
-    return out, None
+    return nan_rows_stay_nan(call, out), None
 
 
 def attention_with_lse(call: Call) -> tuple[Tensor, Tensor] | None:
@@ -402,6 +411,10 @@ class _Tiles(torch.autograd.Function):
             ctx.watched.check(NAME)
         mask: Mask = ctx.mask
         dout = dout.to(out.dtype).contiguous()
+        if not kernel_backward_safe(q, v, dout):  # the kernel's backward would meet 0 * inf where a row may not see
+            scorer = Scorer(None, ctx.scale, ctx.score_mod, q.shape[0], q.shape[1])
+            dq, dk, dv = exact_grads(q, k, v, mask, scorer, lse, out, dout)
+            return dq, dk, dv, _sinks_grad(ctx, sinks, mask, lse, dout, out), None, None, None, None
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for rows in schedule(mask, biased=ctx.score_mod is not None):
             r0, r1 = rows.r0, rows.r1
@@ -416,7 +429,10 @@ class _Tiles(torch.autograd.Function):
                 dq[:, :, r0:r1] += g[0]  # (B, H, n, D)
                 dk[:, :, run.j0 : run.j1] += g[1]  # (B, Hkv, m, D)
                 dv[:, :, run.j0 : run.j1] += g[2]  # (B, Hkv, m, D)
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
-            dsinks = sinks_grad(sinks, mask, lse, (dout * out).sum(dim=-1))  # (H,)
-        return dq, dk, dv, dsinks, None, None, None, None
+        return dq, dk, dv, _sinks_grad(ctx, sinks, mask, lse, dout, out), None, None, None, None
+
+
+def _sinks_grad(ctx: object, sinks: Tensor | None, mask: Mask, lse: Tensor, dout: Tensor, out: Tensor) -> Tensor | None:
+    if sinks is None or not ctx.needs_input_grad[3]:  # type: ignore[attr-defined]
+        return None
+    return sinks_grad(sinks, mask, lse, (dout * out).sum(dim=-1))  # (H,)

@@ -169,7 +169,8 @@ def softmax_with_mask(
     Masked scores are filled with ``finfo.min`` (finite, so no ``inf - inf``): their ``exp`` is exactly 0 in any row
     with an allowed key. Rows with none would come out uniform: with ``empty_rows`` (the default, the safe side)
     the weights are zeroed where not allowed after the softmax, which zeroes those rows and their gradients; a
-    caller that knows no row is empty passes ``empty_rows=False`` and saves that pass and its backward.
+    caller that knows no row is empty passes ``empty_rows=False`` and saves that pass and its backward (which then
+    reads the weights' gradient once, and drops it where a row may not see only when it is not finite).
     ``inplace=True`` (when no gradient is needed) reuses the memory of ``scores``: no second ``Lq x Lk`` tensor,
     which at ``L = 2048`` halves the time of recording weights (``benchmarks``: ``attnkit bench``,
     ``attnkit+weights``). ``scratch=True``: ``scores`` is the caller's own fresh tensor, which autograd does not
@@ -195,6 +196,11 @@ def softmax_with_mask(
     scores = scores.masked_fill_(~allowed, fill) if inplace or scratch else scores.masked_fill(~allowed, fill)
     weights = torch.softmax(scores, dim=-1, out=scores) if inplace else torch.softmax(scores, dim=-1)
     if not empty_rows:
+        if weights.requires_grad:
+            # the gradient of a weight a row may not see is dropped: were it not finite (dout . v overflowing for a
+            # huge value some other row sees), the softmax's backward would make it 0 * inf, NaN, in that row
+            hidden = ~allowed
+            weights.register_hook(lambda g: g if g is None or all_finite(g) else g.masked_fill(hidden, 0.0))
         return weights
     return weights.masked_fill_(~allowed, 0.0) if inplace else weights.masked_fill(~allowed, 0.0)
 
