@@ -11,8 +11,10 @@ returns ``lse`` with the output (:func:`attnkit.backends.sdpa.attention_with_lse
 
 Taken for the calls that kernel runs: dot-product scoring without a mask or with a causal one (``Lq == Lk``), no
 score_mod, no sinks, the default positions, float32 or float64 (:func:`supports`). ``lse`` is the kernel's, rounded
-in its own order: each row's weights sum to 1 within a few units in the last place of the scores' size, and the
-mean distance is divided by the row's own sum. Where some row's sum is further from 1 than
+in its own order: each row's weights sum to 1 within a few units in the last place of the scores' size, and its
+top-k, entropy, sink weight and mean distance are those of its weights over the row's own sum (the softmax of this
+pass's scores, as near float64 as a float32 softmax); the column sums add the weights as they are (each row's
+share off by at most ``MASS_TOLERANCE``, about 1e-5 in float32). Where some row's sum is further from 1 than
 ``MASS_TOLERANCE`` (scores of ~1e30, or NaN), the whole-row path takes the call instead.
 """
 
@@ -189,10 +191,13 @@ def _store(sums: Sums, b: int, heads: slice, r0: int, r1: int, found: Tensor, va
         return False
     n = r1 - r0
     G = mass.shape[0] // n
-    sums.entropy[b, heads, r0:r1] = entropy.neg().view(G, n)
+    # Each row's weights over its own sum: the weights are exp(score - lse) with this pass's scores and the kernel's
+    # lse, each rounded in its own order (5-7x a float32 softmax's error on the largest weights, D = 96); over the
+    # row's sum they are the softmax of this pass's scores. Entropy of w / m: -sum(w log w) / m + log m.
+    sums.entropy[b, heads, r0:r1] = (mass.log() - entropy / mass).view(G, n)
     sums.distance[b, heads, r0:r1] = (distance / mass).view(G, n)  # its definition's division
-    sums.sink[b, heads, r0:r1] = sink.view(G, n)
-    sums.values[b, heads, r0:r1] = values.view(G, n, -1)
+    sums.sink[b, heads, r0:r1] = (sink / mass).view(G, n)
+    sums.values[b, heads, r0:r1] = (values / mass[:, None].to(values.dtype)).view(G, n, -1)
     sums.indices[b, heads, r0:r1] = torch.where(values > 0, indices, -1).view(G, n, -1)
     return True
 
