@@ -585,3 +585,16 @@ def test_slots_through_a_cache_read_a_mask_wider_than_the_keys_and_only_for_caus
     for name, slot in (("causal", 4), ("cross", 5)):  # cross: the default, the last of the 6 keys
         gap = (slot - torch.arange(6)).abs()  # (6,)
         assert max_err(rec[name].distance, (w * gap).sum(-1)) <= 1e-5, name
+
+
+def test_right_padded_generate_gives_eager_and_sdpas_tokens():
+    """generate() on a right-padded batch: transformers gives the padding positions position_ids of 1, which do not
+    follow the ones before, yet padding is never a document boundary (a row's padding queries see its tokens, as in
+    eager and sdpa; read as documents they saw nothing, and the tokens after the padding differed)."""
+    models = _models("llama", ("sdpa", NAMES["auto"]))
+    batch = _batch("llama", "right")
+    tokens = {
+        name: m.generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=0) for name, m in models.items()
+    }
+    assert torch.equal(tokens["sdpa"], tokens["eager"])
+    assert torch.equal(tokens[NAMES["auto"]], tokens["eager"])

@@ -24,7 +24,9 @@ from attnkit.recording import wants_stats
 # B batch, H heads, L whole length, L_r this rank's positions, Dv value head dim
 
 
-def documents_in(position_ids: Any, B: int, L: int, mask_mod: mods.MaskFn | None) -> mods.MaskFn | None:
+def documents_in(
+    position_ids: Any, B: int, L: int, mask_mod: mods.MaskFn | None, attn_mask: Tensor | None = None
+) -> mods.MaskFn | None:
     """``mask_mod`` and, where ``position_ids (B|1, L)`` hold packed documents, attention within each document.
 
     One rule for every call whose keys are its queries' own positions: the documents ``position_ids`` say are
@@ -35,24 +37,43 @@ def documents_in(position_ids: Any, B: int, L: int, mask_mod: mods.MaskFn | None
 
     They are read as transformers reads packed rows (``masking_utils.find_packed_sequence_indices``): a document
     starts wherever a position does not follow the one before, so a row that counts up by one from anywhere is one
-    document. Each call reads them (one wait for the device a layer). While torch.compile or another tracer traces,
-    transformers' reader cannot look at the values and gives ids even for one document a row: the call then
-    carries the document mask, exact, on a backend that takes a ``mask_mod``.
+    document; but a position the call's ``attn_mask`` (attnkit's, ``(B|1, H|1, L, L)``) marks as padding, a key no
+    query may see, never starts one (transformers gives right padding the position 1: read as documents, its
+    queries saw nothing, and generate() continued from zeros). Each call reads them (one wait for the device a
+    layer). While torch.compile or another tracer traces, the values cannot be looked at: the call then carries
+    the document mask, exact, on a backend that takes a ``mask_mod``.
 
     Raises:
         ValueError: ``position_ids`` whose batch is neither 1 nor the queries'.
     """
-    from transformers.masking_utils import find_packed_sequence_indices
-
     if not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] != L:
         return mask_mod
     if position_ids.shape[0] not in (1, B):
         raise ValueError(f"position_ids must have shape (B, L) or (1, L) = (1|{B}, {L}), got {describe(position_ids)}")
-    ids = find_packed_sequence_indices(position_ids)  # (B|1, L) or None: one document a row
-    if ids is None:
-        return mask_mod
-    documents = mods.document(ids)  # (B|1, L)
+    tracing = torch.compiler.is_compiling() or torch.jit.is_tracing()
+    steps = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)  # (B|1, L): 1 within a document
+    starts = steps != 1  # (B|1, L)
+    if not tracing and not bool(starts.any()):
+        return mask_mod  # one document a row
+    if attn_mask is not None:
+        starts = starts & ~_padding(attn_mask, starts, tracing)  # (B, L)
+        if not tracing and not bool(starts.any()):
+            return mask_mod
+    documents = mods.document(starts.cumsum(dim=-1))  # (B|1, L) ids
     return documents if mask_mod is None else mods.and_masks(mask_mod, documents)
+
+
+def _padding(attn_mask: Tensor, starts: Tensor, tracing: bool) -> Tensor:
+    """Which positions ``attn_mask`` (``(B|1, H|1, L, L)``, attnkit's: ``True`` or finite where a query may see a
+    key) marks as padding, keys no query may see, ``(B|1, L)``; read at the positions ``starts`` says begin a
+    document only (a few columns; every column while tracing)."""
+    seen = attn_mask if attn_mask.dtype == torch.bool else ~torch.isneginf(attn_mask)  # (B|1, H|1, L, L)
+    if tracing:
+        return ~seen.any(dim=-2).any(dim=1)  # (B|1, L)
+    columns = starts.any(dim=0).nonzero()[:, 0]  # (c,): the positions some row starts a document at
+    padding = torch.zeros(seen.shape[0], seen.shape[-1], dtype=torch.bool, device=seen.device)  # (B|1, L)
+    padding[:, columns] = ~seen[..., columns].any(dim=-2).any(dim=1)  # (B|1, c)
+    return padding
 
 
 # What a model's mask may say inside context_parallel, where the mask transformers builds is of one shard's positions.
