@@ -616,3 +616,35 @@ def test_an_output_that_cannot_be_written_is_one_line_without_traceback():
         assert proc.returncode == 1 and err == "attnkit: error: cannot write the output (No space left on device)\n", (
             err
         )
+
+
+def test_no_command_lists_the_commands_in_its_one_line(capsys):
+    code, out, err = main(capsys)
+    assert_one_line(code, err, "required: COMMAND", "one of " + ", ".join(cli.COMMANDS), "attnkit COMMAND -h")
+    assert out == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("--tokens", "a b"), "tokens has 2 tokens but layer '(model)' labels 6 positions"),
+        (("--tokens", "a b c d e f", "--kv-heads", "3"), "kv_heads do not apply to a page of statistics"),
+        (("--query-tokens", "a b c d e f"), "query_tokens do not apply to a page of statistics"),
+    ],
+)
+def test_a_statistics_page_refuses_what_does_not_fit_it(capsys, tmp_path, args, fragment):
+    """A page of a record_stats record: tokens of another length, and the options that do not apply to it, are a
+    one-line mistake (they were ignored, exit 0) and leave no file."""
+    import attnkit
+
+    mha = attnkit.MultiHeadAttention(16, 4)
+    x = torch.randn(1, 6, 16)
+    with attnkit.record_stats(mha, topk=3) as rec:
+        mha(x, x, x)
+    rec.save(tmp_path / "stats.pt")
+    out = tmp_path / "page.html"
+    code, _, err = main(capsys, "view", tmp_path / "stats.pt", "--out", out, *args)
+    assert_one_line(code, err, fragment)
+    assert not out.exists()
+    code, printed, _ = main(capsys, "view", tmp_path / "stats.pt", "--out", out, "--tokens", "a b c d e f")
+    assert code == 0 and out.exists()

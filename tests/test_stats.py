@@ -621,3 +621,14 @@ def test_a_query_that_holds_nan_leaves_the_keys_it_may_not_see_finite(sinks):
     found = attnkit.attention_stats(q, k, topk=3, is_causal=True, sinks=sinks)
     assert found.column_sum[0, 0, :3].isnan().all() and torch.isfinite(found.column_sum[0, 0, 3:]).all()
     assert torch.isfinite(found.column_sum[0, 1]).all() and found.entropy[0, 0, 2].isnan()
+
+
+def test_a_topk_past_the_keys_is_said_once_a_record():
+    """record_stats(topk=100) over 6 keys: each row's entries past its keys are 0 with index -1, said once."""
+    mha = attnkit.MultiHeadAttention(16, 4)
+    x = torch.randn(1, 6, 16)
+    with pytest.warns(UserWarning, match=r"topk=100.*6 keys.*said once") as said, attnkit.record_stats(mha, 100) as rec:
+        mha(x, x, x)
+        mha(x, x, x)
+    assert len([w for w in said if "topk=100" in str(w.message)]) == 1
+    assert (rec[""].topk_indices[..., 6:] == -1).all()

@@ -598,3 +598,23 @@ def test_right_padded_generate_gives_eager_and_sdpas_tokens():
     }
     assert torch.equal(tokens["sdpa"], tokens["eager"])
     assert torch.equal(tokens[NAMES["auto"]], tokens["eager"])
+
+
+def test_left_padded_training_with_padding_and_first_tokens_left_out_of_the_loss_equals_eager():
+    """What docs/guide/transformers.md says to do with left padding in training: labels of -100 at the padding and
+    at each row's first real token (which the last padding position predicts): the loss and every gradient are
+    eager's."""
+    models = _models("llama", (NAMES["auto"],))
+    batch = _batch("llama", "left")
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    labels[torch.arange(B), batch["attention_mask"].argmax(dim=-1)] = -100
+    losses, grads = {}, {}
+    for name, model in models.items():
+        model.zero_grad()
+        loss = model(**batch, labels=labels).loss
+        loss.backward()
+        losses[name] = loss.detach()
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert torch.allclose(losses[NAMES["auto"]], losses["eager"], atol=LOGIT_TOL)
+    for n, g in grads["eager"].items():
+        assert torch.allclose(grads[NAMES["auto"]][n], g, atol=GRAD_TOL * max(1.0, g.abs().max().item())), n

@@ -502,3 +502,12 @@ def test_the_model_itself_is_named_as_the_record_names_it_and_a_folder_is_not_a_
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(TypeError, match="title must be a string"):
         view(rec, title=123)
+
+
+def test_a_page_written_to_another_kind_of_file_is_refused(tmp_path):
+    """view(w, path="page.png") wrote HTML into a .png file: the page is one HTML file, and a path that says
+    otherwise is a ValueError, with nothing written."""
+    with pytest.raises(ValueError, match=r"path must end in .html or .htm .*page.png"):
+        viewer.view(torch.softmax(torch.randn(2, 3, 3), -1), path=tmp_path / "page.png")
+    assert list(tmp_path.iterdir()) == []
+    assert viewer.view(torch.softmax(torch.randn(2, 3, 3), -1), path=tmp_path / "page.HTML").path.exists()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import os
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from pathlib import Path
@@ -89,10 +90,20 @@ class StatsRecord(_Record):
     def __init__(self, topk: int = 8, sink_keys: int = stats.SINK_KEYS) -> None:
         super().__init__()
         self.topk, self.sink_keys = topk, sink_keys
+        self._said_topk = False  # whether a call over fewer keys than topk was said
 
     def add(self, name: str, value: Any, kv_heads: int | None = None, heads: int | None = None) -> None:
         assert isinstance(value, stats.AttentionStats)
         H = value.entropy.shape[1] if value.entropy.dim() == 3 else None
+        keys = value.column_sum.shape[-1]
+        if self.topk > keys and not self._said_topk:
+            self._said_topk = True  # once a record
+            warnings.warn(
+                f"record_stats(topk={self.topk}): {name or 'the model'!r} was called over {keys} keys, fewer than "
+                "topk: each row's entries past its keys are weight 0 with index -1 (said once for this record)",
+                UserWarning,
+                stacklevel=2,
+            )
         super().add(name, value, kv_heads, H)
 
     @property
@@ -111,6 +122,7 @@ class StatsRecord(_Record):
         if not isinstance(saved, dict) or saved.get("attnkit_stats") != 1 or not isinstance(saved.get("calls"), dict):
             raise ValueError("not a saved attnkit statistics record (StatsRecord.save writes one)")
         record = cls(int(saved.get("topk", 8)), int(saved.get("sink_keys", stats.SINK_KEYS)))
+        record._said_topk = True  # (said when it was recorded)
         for name, calls in saved["calls"].items():
             for values in calls:
                 record.add(name, stats.AttentionStats.from_dict(values), values.get("kv_heads"))

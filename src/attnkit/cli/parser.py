@@ -15,6 +15,9 @@ __all__ = ["LARGEST", "build_parser"]
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
+        if message.endswith("required: COMMAND"):  # `attnkit` alone: which commands there are, in the one line
+            commands = next(a for a in self._actions if isinstance(a, argparse._SubParsersAction))
+            message += f" (one of {', '.join(commands.choices)}; attnkit COMMAND -h says more)"
         raise UsageError(message)
 
 
@@ -120,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
             "after attnkit.record_weights. Large inputs are reduced (each row keeps its largest weights), and the "
             "page says so. Or a statistics record, rec.save(FILE) after attnkit.record_stats: a page of per layer "
             "x head summaries and each query's strongest keys, at any length (--tokens and --example apply; "
-            "--query-tokens, --key-tokens and --kv-heads do not)."
+            "--query-tokens, --key-tokens and --kv-heads are refused: the record knows its heads and positions)."
         ),
     )
     v.add_argument("weights_file", metavar="WEIGHTS_FILE")

@@ -89,10 +89,14 @@ class AttentionView:
         """Write the page to ``path`` atomically (a temporary file beside it, renamed into place).
 
         Raises:
+            ValueError: ``path`` does not end in ``.html`` or ``.htm`` (the page is HTML, whatever the name says).
             FileNotFoundError: when the folder does not exist (naming ``path``).
             OSError: when it cannot be written (nothing is left behind).
         """
-        return write_atomically(Path(path), lambda f: f.write(self.html.encode("utf-8")))
+        target = Path(path)
+        if target.suffix.lower() not in (".html", ".htm"):
+            raise ValueError(f"path must end in .html or .htm (the page is one HTML file), got {str(path)!r}")
+        return write_atomically(target, lambda f: f.write(self.html.encode("utf-8")))
 
     def _repr_html_(self) -> str:
         """The page in an iframe of its own (a notebook cell shows it inline; its script and style stay apart
@@ -136,7 +140,8 @@ def view(
         query_tokens, key_tokens: cross-attention: keys as above; a call's queries continue those of the layer's
             call before (a whole sequence, or a prefill, then steps of one), starting over when the list is used
             up; the list must be as long as the queries reach.
-        path: write the page there (atomically: a temporary file, renamed into place); ``None``: only return it.
+        path: write the page there, a ``.html`` or ``.htm`` file (atomically: a temporary file, renamed into
+            place); ``None``: only return it.
         layer_tokens: ``{layer name: tokens or (query_tokens, key_tokens)}`` for models whose layers see
             different sequences (an encoder-decoder); other layers get ``tokens``/``query_tokens``/``key_tokens``.
         kv_heads: key/value heads (grouped-query attention), for every layer or ``{layer name: number}``: query
@@ -149,7 +154,9 @@ def view(
         An :class:`AttentionView` (``.html``, ``.path``, ``.notes``; a notebook shows it inline).
 
     Raises:
-        ValueError: for weights of another shape, empty, negative or not finite; a tuple of layers that is empty
+        ValueError: a ``path`` that is not a ``.html`` or ``.htm`` file; ``query_tokens``, ``key_tokens``,
+            ``layer_tokens`` or ``kv_heads`` given with a statistics record (they do not apply); for weights of
+            another shape, empty, negative or not finite; a tuple of layers that is empty
             or holds ``None`` (a Hugging Face model whose attention returned no weights: the message says to load
             it with ``attn_implementation="eager"``), naming the layer; token lists that do not match
             the positions they label (naming the layer and the lengths); an ``example`` past the batch; a
@@ -165,6 +172,14 @@ def view(
     if _stats.is_stats(weights):  # a record_stats record (or one saved and loaded back): its own page
         if title is not None and not isinstance(title, str):
             raise TypeError(f"title must be a string, got {type(title).__name__}: {title!r}")
+        given: dict[str, object] = {"query_tokens": query_tokens, "key_tokens": key_tokens}
+        given |= {"layer_tokens": layer_tokens, "kv_heads": kv_heads}
+        ignored = [name for name, value in given.items() if value is not None]
+        if ignored:
+            raise ValueError(
+                f"{', '.join(ignored)} do not apply to a page of statistics (a record_stats record knows its "
+                "key/value heads and its calls' positions): give tokens alone"
+            )
         heading = title if title is not None else "attention statistics"
         payload = _stats.encode(weights, tokens, example, heading)
         page = AttentionView(_html(payload, heading, "stats_page.html", "stats.js"), None, tuple(payload["notes"]))

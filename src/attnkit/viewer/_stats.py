@@ -56,6 +56,8 @@ def encode(record: Any, tokens: Sequence[Any] | None, example: int, title: str) 
                 raise ValueError(f"example {example} is past the batch of {s.entropy.shape[0]} in {n or '(model)'!r}")
     rows = sum(s.entropy.shape[1] * s.entropy.shape[2] for n in names for s in calls[n])
     token_list = None if tokens is None else labels(tokens, "tokens")
+    if token_list is not None:
+        _check_tokens(token_list, names, calls, example)
     k_page, tops, size = _fitted(names, calls, example, record.topk)
     blobs = _Blobs()
     layers = []
@@ -102,6 +104,27 @@ def encode(record: Any, tokens: Sequence[Any] | None, example: int, title: str) 
         "layers": layers,
         "blobs": blobs.items,
     }
+
+
+def _check_tokens(tokens: list[str], names: list[str], calls: dict[str, list[Any]], example: int) -> None:
+    """The tokens cover exactly the positions the record's calls label, as on a page of weights: as many as the
+    longest call's keys, or as a cache's calls' positions reach (the tokens at a cache's own positions).
+
+    Raises:
+        ValueError: naming the layer and the lengths."""
+    for n in names:
+        reach = 0
+        for s in calls[n]:
+            lk = int(s.column_sum.shape[-1])
+            positions = [p for p in (s.query_positions, s.key_positions) if p is not None]
+            reach = max(
+                [reach, lk, *(int(p[example if p.shape[0] > 1 else 0].max()) + 1 for p in positions if p.numel())]
+            )
+        if len(tokens) != reach:
+            raise ValueError(
+                f"tokens has {len(tokens)} tokens but layer {n or '(model)'!r} labels {reach} positions (its longest "
+                "call's keys, or the positions a cache's calls reach)"
+            )
 
 
 def _one_head(s: Any) -> Any:
