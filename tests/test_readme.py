@@ -189,6 +189,16 @@ def sh_blocks() -> list[tuple[str, int, str]]:
     return blocks
 
 
+def _without_variables(command: str) -> tuple[dict[str, str], str]:
+    """The variables a command line sets before its command (``A=1 B=2 pip ...``), and the command."""
+    variables = {}
+    words = command.split()
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        variables[name] = value
+    return variables, " ".join(words)
+
+
 def _commands(code: str) -> list[str]:
     return [line for line in code.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
@@ -203,18 +213,20 @@ def test_every_sh_block_runs_as_written(document, line, code, tmp_path):
         done = subprocess.run(["make", "-n", *targets], cwd=README.parent, capture_output=True, text=True, env=env)
         assert done.returncode == 0, f"{document}:{line}: make -n {' '.join(targets)}: {done.stderr}"
         return
-    if all(c.startswith("pip install ") for c in commands):
+    if all(_without_variables(c)[1].startswith("pip install ") for c in commands):
         # install from the checkout: resolved against this venv (--dry-run, no index, no build isolation), which
-        # proves the extras named exist and the package installs; the install itself is what `make venv` does
+        # proves the extras named exist and the package installs; the install itself is what `make venv` does (an
+        # install that sets variables first, as ATTNKIT_BUILD_KERNELS=1, is resolved with them set)
         for command in commands:
+            variables, command = _without_variables(command)
             args = command.split("#")[0].split()[2:]
-            args = [a.strip("'\"") for a in args]
+            args = [a.strip("'\"") for a in args if a != "--no-build-isolation"]
             done = subprocess.run(
                 [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation", *args],
                 cwd=README.parent,
                 capture_output=True,
                 text=True,
-                env=env,
+                env={**env, **variables},
                 timeout=300,
             )
             assert done.returncode == 0, f"{document}:{line}: {command}\n{done.stderr[-2000:]}"

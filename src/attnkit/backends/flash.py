@@ -1,23 +1,24 @@
-"""attnkit's own flash-attention kernel (``flash.cpp``, C++ on the CPU, float32), forward and backward, with every
-mask and two score_mods built in: soft-capping (:class:`attnkit.mods.softcap`, as FlashAttention's own ``softcap``)
-and a bias on the distance, ``score + f(b, h, q_idx - kv_idx)`` (ALiBi, a learned table of relative-position biases,
-T5-like buckets: proved from the function's graph by :mod:`attnkit.mods.relative`). The bias is evaluated once per
-call at each distance the plan's tiles hold, where autograd records, and read by the kernel as one vector per
-(example, head); its gradient comes back as one, summed in float64, and autograd takes it to what the function reads.
+"""attnkit's own flash-attention kernel (``attnkit/csrc/flash.cpp``, C++ on the CPU, float32), forward and backward,
+with every mask and two score_mods built in: soft-capping (:class:`attnkit.mods.softcap`, as FlashAttention's own
+``softcap``) and a bias on the distance, ``score + f(b, h, q_idx - kv_idx)`` (ALiBi, a learned table of relative-
+position biases, T5-like buckets: proved from the function's graph by :mod:`attnkit.mods.relative`). The bias is
+evaluated once per call at each distance the plan's tiles hold, where autograd records, and read by the kernel as one
+vector per (example, head); its gradient comes back as one, summed in float64, and autograd takes it to what the
+function reads.
 
-Where :mod:`attnkit.backends.compiled` runs a ``score_mod`` as compiled steps over ``(B, H, 256, 256)`` tiles, each
-step writing its scores to memory for the next to read, this kernel takes one ``(example, head)`` of a block of
-queries at a time, and a tile's scores stay in cache from the product that makes them to the products that read them:
-the steps' pointwise code cost about half of SDPA's whole call, the kernel's a fifth (``docs/benchmarks.md``).
+Where :mod:`attnkit.backends.compiled` runs a ``score_mod`` as compiled steps over ``(B, H, 256, 256)`` tiles, each step
+writing its scores to memory for the next to read, this kernel takes one ``(example, head)`` of a block of queries at a
+time, and a tile's scores stay in cache from the product that makes them to the products that read them: the steps'
+pointwise code cost about half of SDPA's whole call, the kernel's a fifth (``docs/benchmarks.md``).
 
-The tiles are those of :mod:`attnkit.backends.tiles`' plan: hidden tiles are never touched, runs of visible keys go
-in spans of up to ``SPAN`` keys without a mask, and partly visible ones with the mask's ``allowed`` and ``bias``
-tiles (:meth:`attnkit.masks.Mask.tile`). A row's output and log-sum-exp come from one pass over its spans; the
-backward pass recomputes each span's weights from the log-sum-exp, as FlashAttention's does.
+The tiles are those of :mod:`attnkit.backends.tiles`' plan: hidden tiles are never touched, runs of visible keys go in
+spans of up to ``SPAN`` keys without a mask, and partly visible ones with the mask's ``allowed`` and ``bias`` tiles
+(:meth:`attnkit.masks.Mask.tile`). A row's output and log-sum-exp come from one pass over its spans; the backward pass
+recomputes each span's weights from the log-sum-exp, as FlashAttention's does.
 
-Built on first use (:mod:`attnkit._native`, ~7 s, then cached); where it cannot be built, ``auto`` runs these calls
-on ``tiles``, ``compiled`` or ``chunked``, and the warning says so once. ``ATTNKIT_FLASH_KERNEL=0`` in the
-environment keeps it off.
+Built ahead of time by ``pip install``, or on first use (:func:`attnkit.csrc.load`, said once; then cached); where it
+cannot be built, ``auto`` runs these calls on ``tiles``, ``compiled`` or ``chunked``, and the warning says so once.
+``ATTNKIT_FLASH_KERNEL=0`` in the environment keeps it off.
 """
 
 from __future__ import annotations
@@ -27,12 +28,11 @@ import os
 import threading
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from attnkit import _native, mods
+from attnkit import csrc, mods
 from attnkit.backends import tiles
 from attnkit.backends.common import Watched, first_order_only, repeat_kv, row_sinks, sinks_grad, zero_dead
 from attnkit.backends.contract import DOT, Call, Supports
@@ -50,7 +50,6 @@ SPAN = 512
 # positions) runs in several, made again in the backward, a group at a time, so that memory stays linear in L.
 KEEP_BYTES = 32 * 2**20
 
-_SOURCE = Path(__file__).with_name("flash.cpp")
 _LOCK = threading.Lock()
 _state: dict[str, str | None] = {}  # "missing": None once built, else why it is not
 
@@ -63,7 +62,7 @@ def missing() -> str | None:
     with _LOCK:
         if not _state:
             try:
-                _native.build("attnkit_flash", _SOURCE)
+                csrc.load("flash")
                 _state["missing"] = None
             except Exception as error:  # no compiler, no ninja, a build error
                 reason = str(error).strip().splitlines()[0] if str(error).strip() else ""

@@ -1,8 +1,7 @@
-"""The statistics' tile kernel (``tile.cpp``): one float32 tile of :mod:`attnkit.stats.tiled`'s pass, each row of
-its scores reduced while it is in cache, where the same steps as torch ops read the whole tile a dozen times. Built
-with PyTorch's C++ extension loader on first use (a C++ compiler and ninja; ~7 s, then cached:
-``attnkit._native``); where it cannot be built, the pass runs its torch ops (the same results, slower) and says
-so once.
+"""The statistics' tile kernel (``attnkit/csrc/stats.cpp``): one float32 tile of :mod:`attnkit.stats.tiled`'s pass,
+each row of its scores reduced while it is in cache, where the same steps as torch ops read the whole tile a dozen
+times. Loaded by :func:`attnkit.csrc.load` (built ahead of time, or on first use: a C++ compiler and ninja, then
+cached); where it cannot be built, the pass runs its torch ops (the same results, slower) and says so once.
 
 ``ATTNKIT_STATS_KERNEL=0`` in the environment, or :func:`disabled`, keeps the torch ops.
 """
@@ -15,18 +14,14 @@ import threading
 import warnings
 from collections.abc import Iterator
 from contextvars import ContextVar
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from attnkit import _native
+from attnkit import csrc
 
-__all__ = ["available", "build_directory", "disabled", "failed", "tile"]
+__all__ = ["available", "disabled", "failed", "tile"]
 
-build_directory = _native.build_directory
-
-_SOURCE = Path(__file__).with_name("tile.cpp")
 _LOCK = threading.Lock()
 _state: dict[str, bool] = {}  # "built": the op is registered; "failed": the build failed (said once)
 _OFF: ContextVar[bool] = ContextVar("attnkit_stats_kernel_off", default=False)
@@ -54,7 +49,7 @@ def available() -> bool:
 
 def _build() -> dict[str, bool]:
     try:
-        _native.build("attnkit_stats", _SOURCE)
+        csrc.load("stats")
         return {"built": True}
     except Exception as error:  # no compiler, no ninja, a build error: the torch ops instead
         _warn("could not be built", error)
@@ -93,6 +88,6 @@ def tile(
     column: Tensor,
     top: tuple[Tensor, Tensor, Tensor],
 ) -> None:
-    """One tile (``tile.cpp`` says what each argument is; ``top``: the top-k's scores, values and indices); only
+    """One tile (``stats.cpp`` says what each argument is; ``top``: the top-k's scores, values and indices); only
     where :func:`available`."""
     torch.ops.attnkit_stats.tile(t, shift, qpos, a, real, causal, sink_keys, n, sums, column, *top)

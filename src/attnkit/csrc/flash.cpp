@@ -28,6 +28,8 @@
 #include <tuple>
 #include <vector>
 
+#include "common.h"
+
 namespace {
 
 constexpr float INF = std::numeric_limits<float>::infinity();
@@ -37,37 +39,10 @@ constexpr float INF = std::numeric_limits<float>::infinity();
 // slower at -87; PyTorch's own backward kernel, which keeps them, took 4x longer on ALiBi's tiles: docs/benchmarks.md)
 constexpr float LOWEST = -69.0f;
 
-inline float bits_to_float(int32_t i) {
-  float f;
-  std::memcpy(&f, &i, sizeof f);
-  return f;
-}
-
-inline int32_t float_to_bits(float f) {
-  int32_t i;
-  std::memcpy(&i, &f, sizeof i);
-  return i;
-}
-
-// exp(x): 2^n exp(r), n = round(x / ln 2), |r| <= ln 2 / 2, a degree-7 polynomial for exp(r) (Cephes' expf,
-// within 2 units in the last place); 0 below LOWEST (-inf included), NaN for NaN; branch-free, so that the loops
+// exp(x): attnkit's polynomial (common.h); 0 below LOWEST (-inf included), NaN for NaN; branch-free, so that the loops
 // that call it vectorize.
 inline float fast_exp(float x) {
-  constexpr float ROUND = 12582912.0f;  // 1.5 * 2^23
-  const float y = std::min(std::max(x, LOWEST), 88.3762626647949f);
-  const float shifted = y * 1.44269504088896341f + ROUND;
-  const int32_t n_bits = float_to_bits(shifted) - float_to_bits(ROUND);  // n
-  const float n = shifted - ROUND;
-  float r = y - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const float e = p * bits_to_float(static_cast<int32_t>(static_cast<uint32_t>(n_bits + 127) << 23));
+  const float e = attnkit::exp_polynomial(std::max(x, LOWEST));
   return x < LOWEST ? 0.0f : (x != x ? x : e);
 }
 
@@ -223,22 +198,6 @@ void check(const at::Tensor& t, const char* name, int64_t dim) {
               ": a contiguous float32 tensor of ", dim, " dimensions");
 }
 
-// The largest of x[0, n) (a NaN may or may not win: the row's sum is NaN either way): in lanes, then across them,
-// so that the compiler unrolls it as written (one running maximum would wait on each comparison).
-inline float largest(const float* x, int64_t n) {
-  constexpr int64_t LANES = 16;
-  float lanes[LANES];
-  for (int64_t l = 0; l < LANES; ++l) lanes[l] = -INF;
-  int64_t j = 0;
-  for (; j + LANES <= n; j += LANES) {
-    for (int64_t l = 0; l < LANES; ++l) lanes[l] = lanes[l] > x[j + l] ? lanes[l] : x[j + l];
-  }
-  for (; j < n; ++j) lanes[0] = lanes[0] > x[j] ? lanes[0] : x[j];
-  float top = lanes[0];
-  for (int64_t l = 1; l < LANES; ++l) top = top > lanes[l] ? top : lanes[l];
-  return top;
-}
-
 // The modified, masked scores of row i of a tile, in place: s (c,) the raw products; g (c,), where not null, the
 // score_mod's derivative (1 - tanh^2); rel, where not null, the distance bias of key j at rel[-j]; returns the
 // row's largest.
@@ -270,7 +229,7 @@ inline float modify(float* s, float* g, int64_t c, float scale, float cap, const
   if (allowed != nullptr) {
     for (int64_t j = 0; j < c; ++j) s[j] = allowed[j * aj] ? s[j] : -INF;
   }
-  return largest(s, c);
+  return attnkit::largest(s, c);
 }
 
 // C (n, d) += alpha A X over the pairs (i, j) not hidden (hidden (n, c) marks them), A (n, c), X (c, d), A and

@@ -1,6 +1,6 @@
 // One tile of the statistics' tiled pass (attnkit/stats/tiled.py), float32, each row read from cache while it is
 // there: its weights exp(score - lse), its sums for the entropy, mass, sink and mean distance, its head's column
-// sums, and its top-k so far. Built on first use by attnkit/stats/kernel.py; tiled.py's torch ops compute the
+// sums, and its top-k so far. Built on first use by attnkit/csrc/__init__.py; tiled.py's torch ops compute the
 // same (float64, and where the kernel cannot be built), and the tests hold the two to the float64 reference.
 //
 // Shapes: r rows of a tile (G query heads' n rows each, one key/value head's), w keys of a tile, k the top-k.
@@ -18,6 +18,8 @@
 #include <limits>
 #include <vector>
 
+#include "common.h"
+
 namespace {
 
 // The top-k search's groups: GROUP keys, STRIDE apart (see top_k).
@@ -26,41 +28,8 @@ constexpr int64_t STRIDE = 4;
 // A tile's rows are split into this many parts, each a task for a thread (fixed: see tile()).
 constexpr int64_t PARTS = 16;
 // exp() of less than log(FLT_MIN) + 1 is taken one by one with std::exp (subnormal weights and 0), as tiled.py's
-// _LOWEST; above it the polynomial below is within 2 units in the last place (Cephes' expf).
+// _LOWEST; above it the polynomial of common.h, within 2 units in the last place (Cephes' expf).
 constexpr float LOWEST = -86.3365478515625f;  // float32(log(FLT_MIN) + 1), as tiled.py's
-
-inline float bits_to_float(int32_t i) {
-  float f;
-  std::memcpy(&f, &i, sizeof f);
-  return f;
-}
-
-inline int32_t float_to_bits(float f) {
-  int32_t i;
-  std::memcpy(&i, &f, sizeof i);
-  return i;
-}
-
-// exp(x) for LOWEST <= x <= 88: 2^n exp(r), n = round(x / ln 2), |r| <= ln 2 / 2, a degree-7 polynomial for
-// exp(r); branch-free, so that the compiler vectorizes the loops that call it. n is rounded by adding 1.5 * 2^23
-// (its bits then hold n): no float-to-int conversion, defined for NaN too (whose result stays NaN).
-inline float exp_normal(float x) {
-  constexpr float ROUND = 12582912.0f;  // 1.5 * 2^23
-  x = std::min(x, 88.3762626647949f);
-  const float shifted = x * 1.44269504088896341f + ROUND;
-  const int32_t n_bits = float_to_bits(shifted) - float_to_bits(ROUND);  // n
-  const float n = shifted - ROUND;
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * bits_to_float(static_cast<int32_t>(static_cast<uint32_t>(n_bits + 127) << 23));
-}
 
 struct Tile {
   const float* t;          // (r, w) scores, scaled, before the mask
@@ -96,21 +65,6 @@ inline void push(float* scores, float* values, int64_t* indices, int64_t k, floa
   scores[p] = x;
   values[p] = e;
   indices[p] = j;
-}
-
-// The largest of x[0, n): in lanes, then across them (a reduction the compiler vectorizes as it is written).
-inline float largest(const float* x, int64_t n) {
-  constexpr int64_t LANES = 16;
-  float lanes[LANES];
-  for (int64_t l = 0; l < LANES; ++l) lanes[l] = -std::numeric_limits<float>::infinity();
-  int64_t j = 0;
-  for (; j + LANES <= n; j += LANES) {
-    for (int64_t l = 0; l < LANES; ++l) lanes[l] = lanes[l] > x[j + l] ? lanes[l] : x[j + l];
-  }
-  for (; j < n; ++j) lanes[0] = lanes[0] > x[j] ? lanes[0] : x[j];
-  float top = lanes[0];
-  for (int64_t l = 1; l < LANES; ++l) top = top > lanes[l] ? top : lanes[l];
-  return top;
 }
 
 inline float* scores_of(const Tile& T, int64_t i) { return T.top_scores + i * T.k; }
@@ -179,7 +133,6 @@ __attribute__((noinline)) void top_k(const Tile& T, int64_t i, const float* ti, 
 void rows(const Tile& T, int64_t i0, int64_t i1, float* wi, float* column, int64_t first_head, float* groups,
           float* ranked) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t k = T.k;
   for (int64_t i = i0; i < i1; ++i) {
     const float* ti = T.t + i * T.width;
     // keys [0, end) of the tile are the row's to see: the rest hide behind its position or do not exist
@@ -192,7 +145,7 @@ void rows(const Tile& T, int64_t i0, int64_t i1, float* wi, float* column, int64
     for (int64_t j = 0; j < end; ++j) {
       const float x = ti[j] + s;  // log w (NaN stays NaN, and so does every sum of its row)
       const bool low = x < LOWEST;
-      const float e = low ? 0.f : exp_normal(x);
+      const float e = low ? 0.f : attnkit::exp_polynomial(x);
       wi[j] = e;
       entropy += low ? 0.f : e * x;
       mass += e;
@@ -223,7 +176,7 @@ void rows(const Tile& T, int64_t i0, int64_t i1, float* wi, float* column, int64
     float* col = column + (i / T.n - first_head) * T.width;
 #pragma omp simd
     for (int64_t j = 0; j < end; ++j) col[j] += wi[j];
-    highest = largest(ti, end);
+    highest = attnkit::largest(ti, end);
     // the top-k (a heap whose root is the row's k-th largest score so far)
     if (!(highest > scores_of(T, i)[0])) continue;  // no key of the tile beats the row's k-th (most tiles)
     top_k(T, i, ti, wi, end, groups, ranked);

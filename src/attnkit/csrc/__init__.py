@@ -1,0 +1,167 @@
+"""attnkit's C++ kernels, their sources in this folder (``common.h``, ``flash.cpp``, ``stats.cpp``), and the one loader.
+
+:func:`load` registers a kernel's ops under ``torch.ops`` (``attnkit_flash``, ``attnkit_stats``):
+
+* a kernel built ahead of time by ``pip install`` (``ATTNKIT_BUILD_KERNELS=1 pip install --no-build-isolation
+  -e .``, README "Install") from these very sources, when there is one beside them;
+* otherwise one built on first use with PyTorch's C++ extension loader (a C++ compiler and ninja: about 7-90 s),
+  which says so, once, in one line on stderr, and is cached on disk (:func:`build_directory`) under the hash of its
+  sources, the flags, Python's and PyTorch's versions and the instruction set: checkouts whose sources differ do not
+  rebuild each other's, and a changed source is built anew.
+
+Where a kernel cannot be built, its caller runs torch ops or another backend and says so once
+(:mod:`attnkit.backends.flash`, :mod:`attnkit.stats.kernel`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; PyTorch's loader's own lock file alone
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["KERNELS", "build_directory", "compile_flags", "extension_name", "load", "source_hash"]
+
+HERE = Path(__file__).parent
+
+#: Each kernel's source, beside the header every one includes.
+KERNELS = {"flash": "flash.cpp", "stats": "stats.cpp"}
+HEADER = "common.h"
+
+# Instruction sets PyTorch dispatches its own CPU kernels to, and the compiler flags that build for the same: the
+# build's name and hash carry the set, so that a build cache shared by unlike machines never runs one on another.
+_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-mavx2", "-mprefer-vector-width=512"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+# One build at a time in this process: each puts ninja on PATH and restores it after (os.environ is the process's).
+_IN_PROCESS = threading.Lock()
+
+
+def compile_flags() -> list[str]:
+    """The compiler flags of every kernel on this machine: ``-O3``, OpenMP (``at::parallel_for`` then runs on
+    PyTorch's own OpenMP threads: its libgomp, loaded already, serves the kernel's), ``-fno-trapping-math`` (the
+    loops vectorize: floor, selects), and the instruction set PyTorch runs."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", *_FLAGS.get(capability, [])]
+
+
+def extension_name(name: str) -> str:
+    """The kernel's extension name: ``attnkit_``, its name and the instruction set (``attnkit_flash_avx512``)."""
+    return f"attnkit_{name}_{torch.backends.cpu.get_cpu_capability().lower().replace(' ', '_')}"
+
+
+def source_hash(name: str) -> str:
+    """What a build of kernel ``name`` depends on, hashed: its source and the header, the flags, Python's and
+    PyTorch's versions (12 hexadecimal digits)."""
+    digest = hashlib.sha256()
+    for part in (KERNELS[name], HEADER):
+        digest.update((HERE / part).read_bytes())
+    versions = f"{sys.version_info[:2]} {torch.__version__} {' '.join(compile_flags())}"
+    digest.update(versions.encode())
+    return digest.hexdigest()[:12]
+
+
+def build_directory(name: str) -> Path:
+    """Where kernel ``name`` is built on first use: under ``TORCH_EXTENSIONS_DIR`` (or ``~/.cache/torch_extensions``),
+    a folder of its own for each :func:`source_hash`."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    return root / f"{extension_name(name).replace('_', '-')}-{source_hash(name)}"
+
+
+def prebuilt(name: str) -> Path | None:
+    """The kernel ``pip install`` built ahead of time from these sources (``_<name>_<hash>*.so`` beside them), or
+    ``None``."""
+    found = sorted(HERE.glob(f"_{name}_{source_hash(name)}.*"))
+    return next((p for p in found if p.suffix in (".so", ".pyd", ".dylib")), None)
+
+
+def load(name: str) -> None:
+    """Register the ops of kernel ``name`` (a key of :data:`KERNELS`) in this process: the one built ahead of time,
+    else the one built on first use (said on stderr the first time, with how long it took).
+
+    Raises:
+        Exception: whatever the build raises (no compiler, no ninja, a build error).
+    """
+    found = prebuilt(name)
+    if found is not None:
+        with contextlib.suppress(OSError):  # (built for another runtime: build it here instead)
+            torch.ops.load_library(str(found))
+            return
+    from torch.utils import cpp_extension
+
+    directory = build_directory(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    ext = extension_name(name)
+    with _building(directory), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the loader's notes on compiler versions: the build works or raises
+        fresh = not any(directory.glob(f"{ext}.*so")) and not (directory / f"{ext}.pyd").exists()
+        start = time.monotonic()
+        if fresh:
+            print(
+                f"attnkit: building its C++ kernel {name!r} (once; cached in {directory}) ...",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+        try:
+            cpp_extension.load(
+                ext,
+                [str(HERE / KERNELS[name])],
+                extra_cflags=compile_flags(),
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(HERE)],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
+        except BaseException:
+            if fresh:
+                print(" failed", file=sys.stderr, flush=True)
+            raise
+        if fresh:
+            print(f" built in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _building(directory: Path) -> Iterator[None]:
+    """Hold the builds against this process's other threads (one at a time) and the build directory against
+    attnkit's other processes (``fcntl.flock``, released by the system if this one dies), and remove the loader's
+    own lock file if one is there: under the flock it was left by a build that died (the loader would wait for it
+    forever). The ``ninja`` installed with attnkit goes first on ``PATH``, where the loader looks for it (an
+    environment's ``bin`` is on ``PATH`` only when it is activated)."""
+    with _IN_PROCESS, _with_ninja(), open(directory / "attnkit.flock", "w") as handle:
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            (directory / "lock").unlink()
+        yield
+
+
+@contextlib.contextmanager
+def _with_ninja() -> Iterator[None]:
+    """``PATH`` with the ``ninja`` installed with attnkit first, then as it was (under ``_IN_PROCESS``: a second
+    thread's build would otherwise read the first's ``PATH`` and put it back after the first had restored it, or
+    lose ``ninja`` while it builds)."""
+    path = os.environ.get("PATH", "")
+    with contextlib.suppress(ImportError):
+        import ninja
+
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
