@@ -1,6 +1,6 @@
 """``attnkit.d2l.MultiHeadAttention`` against the book's own code, forward and backward: the drop-in's cost.
 
-The two contenders are the ``d2l`` and ``book`` rows of ``attnkit bench`` (:func:`attnkit.bench.make_call`: same
+The two contenders are the ``d2l`` and ``book`` rows of ``attnkit bench`` (:func:`attnkit.tools.bench.make_call`: same
 inputs, same weights, the book's 2-D ``valid_lens`` for causal). On a shared machine one timing of each is not
 enough to tell a few per cent apart: single calls are timed in pairs, one of each (who goes first alternates),
 ``--pairs`` times, and the report gives each one's median time and the median (with the quartiles) of the
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from attnkit import bench
+from attnkit.tools import bench
 
 CONTENDERS = ("book", "d2l")
 

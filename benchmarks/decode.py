@@ -301,7 +301,7 @@ def measure_gqa() -> dict[str, Any]:
 
 
 def measure_demo(repeats: int = 3) -> dict[str, Any]:
-    from attnkit import demo
+    from attnkit.tools import demo
 
     torch.manual_seed(0)
     model = demo.models.TransformerSeq2Seq(max_positions=64).eval()

@@ -7,7 +7,7 @@ Three measurements, forward and backward, float32, on this machine's threads:
   attention on the same backend and against ``torch.nn.functional.scaled_dot_product_attention`` given the same
   window as a dense boolean mask. Targets: at most 0.15x the causal time, at least 3x faster than the dense mask.
 * ``memory``: the peak resident-set increase of the ``window`` call on ``chunked`` at each ``--lengths``, each in a
-  fresh process (:func:`attnkit.bench.peak_memory`): it must grow linearly with ``L``.
+  fresh process (:func:`attnkit.tools.bench.peak_memory`): it must grow linearly with ``L``.
 * ``accuracy``: every built-in and a user's score_mod (a learned table of relative-position biases), on awkward sizes
   (``Lq != Lk``, lengths not multiples of the block, grouped-query heads), ``chunked`` in float32 against the
   ``reference`` backend in float64: the largest error of the output and of every gradient (q, k, v, and the
@@ -107,7 +107,7 @@ def measure_window(repeats: int) -> dict[str, Any]:
 
 def memory_child(length: int) -> dict[str, Any]:
     """In a fresh process: the peak RSS increase of one forward and backward of the window on chunked."""
-    from attnkit.bench import peak_memory
+    from attnkit.tools.bench import peak_memory
 
     torch.manual_seed(0)
     attnkit.scaled_dot_product_attention(

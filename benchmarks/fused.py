@@ -18,7 +18,7 @@ B=1, H=8, D=64, float32, forward + backward, attnkit's default backend (``auto``
   the same mask and score_mod (``--flex``; compiling takes a minute here). Target: at most 1.0x.
 * memory (``--memory 8192,16384,32768``): the peak resident-set increase of one forward and backward of the causal
   mask_mod, the window, ALiBi and softcap (those of ``--rows`` when given), each in a fresh process
-  (:func:`attnkit.bench.peak_memory`; softcap's steps compiled in a warm-up first): linear in ``L``.
+  (:func:`attnkit.tools.bench.peak_memory`; softcap's steps compiled in a warm-up first): linear in ``L``.
 
 Each measurement's contenders run in turn, round after round (benchmarks/flex.py's ``timed_rounds``), so that load
 from elsewhere on a shared machine falls on all of them alike; ratios compare contenders of one run.
@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import attnkit
-from attnkit import _book, mods
+from attnkit import mods
+from attnkit.tools import book
 from flex import document_lengths, timed_rounds
 from results import finish
 
@@ -125,11 +126,11 @@ def additive_contenders(length: int = 1024, backend: str = "auto") -> dict[str, 
     q, k, v = (torch.randn(ADDITIVE_B, length, ADDITIVE_H, requires_grad=True) for _ in range(3))  # (B, L, h) each
     w_v = torch.randn(ADDITIVE_H, requires_grad=True)  # (h,)
     dout = torch.randn(ADDITIVE_B, length, ADDITIVE_H)  # (B, L, h)
-    book = _book.AdditiveAttention(ADDITIVE_H, ADDITIVE_H, ADDITIVE_H, 0.0)
-    book.W_q = book.W_k = torch.nn.Identity()  # q and k come projected, as additive_attention takes them
-    book.w_v.weight = torch.nn.Parameter(w_v.detach()[None, :])  # (1, h)
+    books = book.AdditiveAttention(ADDITIVE_H, ADDITIVE_H, ADDITIVE_H, 0.0)
+    books.W_q = books.W_k = torch.nn.Identity()  # q and k come projected, as additive_attention takes them
+    books.w_v.weight = torch.nn.Parameter(w_v.detach()[None, :])  # (1, h)
     return {
-        "book additive": lambda: book(q, k, v, None).backward(dout),
+        "book additive": lambda: books(q, k, v, None).backward(dout),
         "additive": lambda: attnkit.additive_attention(q, k, v, w_v, backend=backend).output.backward(dout),
     }
 
@@ -167,7 +168,7 @@ MEMORY_ROWS = ("causal mask_mod", "window", "alibi", "softcap")
 
 def memory_child(name: str, length: int) -> dict[str, Any]:
     """In a fresh process: the peak resident-set increase of one forward and backward of row ``name``."""
-    from attnkit.bench import peak_memory
+    from attnkit.tools.bench import peak_memory
 
     if name == "additive":  # the compiled steps' graphs, the same at every length: compiled here, not counted
         additive_contenders(256, "compiled")["additive"]()

@@ -8,7 +8,7 @@ feed-forward 1408, vocabulary 1000), float32, forward and backward of the mean l
   with ``output_attentions=True`` (its only way to weights). Targets: attnkit within 5% of ``sdpa``; attnkit with
   weights at most 0.5x the time of eager with weights.
 * ``memory``: the peak resident-set increase of the same step, each contender in a fresh process
-  (:func:`attnkit.bench.peak_memory`): at B=4, L=1024 with weights (target: attnkit with weights at most 1/4 of
+  (:func:`attnkit.tools.bench.peak_memory`): at B=4, L=1024 with weights (target: attnkit with weights at most 1/4 of
   eager's peak), and at B=1 and longer contexts without weights, eager against attnkit: a length where eager does
   not fit in this machine's memory (or would not, by its measured growth) while attnkit completes.
 
@@ -96,7 +96,7 @@ def measure_speed(repeats: int = 3) -> dict[str, Any]:
 
 
 def memory_child(contender: str, batch: int, length: int) -> dict[str, Any]:
-    from attnkit.bench import peak_memory
+    from attnkit.tools.bench import peak_memory
 
     step(contender, 1, 64)()  # warm-up: thread pools, lazy imports
     run = step(contender, batch, length)

@@ -6,7 +6,7 @@ with ``B=1, H=8, D=64``, float32, ``Lq = Lk = L``, and ``q, k, v`` requiring gra
 How: every (backend, L) runs in a fresh subprocess (``--one BACKEND L``), so that no allocator cache or earlier
 peak is carried over. The child runs a small warm-up call (one-time initialisation is not counted), creates the
 inputs and the output gradient, makes the call, and reports how far its peak resident set size rose above the
-size before the call (:func:`attnkit.bench.peak_memory`: ``VmHWM`` after a reset through
+size before the call (:func:`attnkit.tools.bench.peak_memory`: ``VmHWM`` after a reset through
 ``/proc/self/clear_refs``). This works on a CPU-only machine (Linux), where there is no
 ``torch.cuda.max_memory_allocated``. The time is one run of forward and backward.
 
@@ -68,7 +68,7 @@ def measure_one(backend: str, length: int, block_size: int | None) -> dict[str, 
 
     import attnkit
     from attnkit.backends import chunked
-    from attnkit.bench import peak_memory
+    from attnkit.tools.bench import peak_memory
 
     def inputs(n: int) -> tuple[torch.Tensor, ...]:
         q, k, v = (torch.randn(B, H, n, D, requires_grad=True) for _ in range(3))  # (B, H, L, D) each

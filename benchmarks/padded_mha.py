@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from attnkit.bench import make_call
+from attnkit.tools.bench import make_call
 from flex import timed_rounds
 from results import finish
 

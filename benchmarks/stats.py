@@ -2,7 +2,7 @@
 the same forward without it, and eager's whole weights for comparison.
 
 Rows (each in a fresh subprocess, so that no allocator cache or earlier peak is carried over; peak = how far the
-resident set rose above its size before the forward, :func:`attnkit.bench.peak_memory`, in the first run; time:
+resident set rose above its size before the forward, :func:`attnkit.tools.bench.peak_memory`, in the first run; time:
 the median of ``REPEATS`` runs):
 
 * ``llama``: a Llama-shaped model built from a config (8 layers, hidden 512, 8 heads, 2 key/value heads,
@@ -59,7 +59,7 @@ def one(row: str, L: int, mode: str) -> dict:
     import torch
 
     import attnkit
-    from attnkit.bench import peak_memory
+    from attnkit.tools.bench import peak_memory
 
     torch.manual_seed(0)
     result: dict = {}

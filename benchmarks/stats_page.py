@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import attnkit
-import attnkit.plot
+import attnkit.tools.plot
 from attnkit.recording import StatsRecord
 
 
@@ -52,7 +52,7 @@ def main() -> None:
 
     folder = Path(tempfile.mkdtemp())
     start = time.perf_counter()
-    page_file = attnkit.plot.view(record(args.length), path=folder / "stats.html").path
+    page_file = attnkit.tools.plot.view(record(args.length), path=folder / "stats.html").path
     built = time.perf_counter() - start
     size = page_file.stat().st_size
     with sync_playwright() as p:

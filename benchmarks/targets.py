@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from attnkit import bench
+from attnkit.tools import bench
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The viewer's size and speed: a synthetic record of 12 layers x 12 heads x L x L causal weights (sharp heads and
-flat ones), written by ``attnkit.viewer.view``, then opened from disk in headless Debian chromium (playwright
+flat ones), written by ``attnkit.tools.viewer.view``, then opened from disk in headless Debian chromium (playwright
 pointed at ``chromium`` on the PATH; ``make browser`` installs it) with the network off.
 
 Time to interactive: from the start of loading the file to a click on a head answered (the head view's lines
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from attnkit.viewer import view
+from attnkit.tools.viewer import view
 from results import finish
 
 LAYERS, HEADS = 12, 12

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from playwright.sync_api import Page, sync_playwright
 
-from attnkit import demo
+from attnkit.tools import demo
 
 CHROMIUM = "/usr/bin/chromium"
 WIDTH, HEIGHT = 1280, 900

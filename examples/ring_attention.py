@@ -5,7 +5,7 @@
 
 Every rank builds the same whole sequence from a seed and keeps its shard (``shard_sequence``). Each rank then
 runs ring attention forward and backward on its shard and measures how far its peak memory rose above what
-its inputs already took (``attnkit.bench.peak_memory``: CUDA's peak allocation, or the process's peak resident
+its inputs already took (``attnkit.tools.bench.peak_memory``: CUDA's peak allocation, or the process's peak resident
 set size on the CPU). The output and gradients are gathered (``gather_sequence``), rank 0 compares them with
 ``attnkit.scaled_dot_product_attention`` on the whole sequence, and prints the largest errors and every rank's
 peak memory. Exit status 1 when an error is past ``2e-6 + 1e-5 * max|single process|`` (float32; the two sum in
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 import attnkit
-from attnkit.bench import peak_memory
 from attnkit.distributed import LAYOUTS, gather_sequence, ring_attention, shard_sequence
+from attnkit.tools.bench import peak_memory
 
 # B batch, H heads, L whole sequence length, L_r the positions of one rank, D head dim
 

@@ -1,4 +1,4 @@
-"""Reading a viewer page (attnkit.viewer) back in Python: the JSON its script reads, and its byte strings."""
+"""Reading a viewer page (attnkit.tools.viewer) back in Python: the JSON its script reads, and its byte strings."""
 
 from __future__ import annotations
 

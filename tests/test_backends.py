@@ -426,3 +426,37 @@ def test_a_second_derivative_through_a_recomputing_backward_is_refused_not_wrong
     out = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True, backend="reference").output
     (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
     assert dq.requires_grad  # the reference differentiates twice
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+def test_queries_whose_rows_are_not_contiguous_are_read_as_they_are(backend):
+    """A transposed or strided q in a causal call under autograd (PyTorch's flash kernel through its own ops reads
+    each row as contiguous: it gave outputs off by 1e36)."""
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 2, 16, 33, generator=g), torch.randn(2, 2, 16, 33, generator=g)
+    for q in (
+        torch.randn(2, 2, 33, 16, generator=g).transpose(-1, -2),
+        torch.randn(2, 2, 16, 66, generator=g)[..., ::2],
+    ):
+        leaf = q.clone().requires_grad_() if q.is_contiguous() else q.requires_grad_()
+        out = attnkit.scaled_dot_product_attention(leaf, k, v, is_causal=True, backend=backend).output
+        truth, _ = math_attention(q.double(), k.double(), v.double(), is_causal=True)
+        assert max_err(out, truth) <= OUT_TOL
+
+
+def test_torch_func_grad_of_a_causal_call_runs_on_the_fused_kernel():
+    """torch.func.grad of a causal call (it raised: an autograd.Function needs setup_context under torch.func's
+    transforms, and the guarded backward reads values): those calls keep PyTorch's own kernel (torch 2.13's
+    ``torch._C._are_functorch_transforms_active``, which sdpa.fused reads: this test fails if it moves)."""
+    assert torch._C._are_functorch_transforms_active() is False
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 9, 8, generator=g) for _ in range(3))
+
+    def loss(q):
+        return attnkit.scaled_dot_product_attention(q, k, v, is_causal=True).output.sum()
+
+    found = torch.func.grad(loss)(q)
+    leaf = q.clone().requires_grad_()
+    out = attnkit.scaled_dot_product_attention(leaf, k, v, is_causal=True, backend="reference").output
+    (expected,) = torch.autograd.grad(out.sum(), leaf)
+    assert max_err(found, expected) <= GRAD_TOL

@@ -13,7 +13,7 @@ import matplotlib.image
 import pytest
 import torch
 
-from attnkit import bench
+from attnkit.tools import bench
 
 TARGETS_SCRIPT = Path(__file__).parents[1] / "benchmarks" / "targets.py"
 
@@ -159,7 +159,7 @@ def test_targets_script_refuses_what_bench_did_not_save(tmp_path):
 
 
 def test_plot_report_draws_the_batch_size_a_quick_report_has(tmp_path, monkeypatch):
-    from attnkit import plot
+    from attnkit.tools import plot
 
     rows = [
         bench.Row("mha", 2, L, "train", "none", c, seconds=0.01 * L, peak_bytes=2**20 * L)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnkit import _files, bench, cli, demo
+from attnkit.tools import bench, cli, demo, files
 
 
 def attnkit(*args, cwd=None, timeout=120):
@@ -523,7 +523,7 @@ def test_a_reader_that_goes_away_gets_no_traceback():
     argvs = (["trace", "multihead", "--format", "json"], ["info"])
     procs = []
     for argv in argvs:  # side by side: each process spends most of its time importing torch
-        script = f"import sys; from attnkit.cli import main; sys.exit(main({argv!r}))"
+        script = f"import sys; from attnkit.tools.cli import main; sys.exit(main({argv!r}))"
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         proc.stdout.close()  # the reader is gone before anything is written
         procs.append(proc)
@@ -584,7 +584,7 @@ def test_filling_a_folder_is_all_or_nothing(tmp_path):
     folder.mkdir()
     (folder / "b.png").write_text("old b")
     (folder / "c.png").mkdir()
-    with pytest.raises(cli.UsageError, match="exists and is not a regular file"), _files.filling(folder) as staging:
+    with pytest.raises(cli.UsageError, match="exists and is not a regular file"), files.filling(folder) as staging:
         for name in ("a.png", "b.png", "c.png"):
             (staging / name).write_text("new")
     assert sorted(p.name for p in folder.iterdir()) == ["b.png", "c.png"] and (folder / "b.png").read_text() == "old b"
@@ -596,8 +596,8 @@ def test_filling_a_folder_is_all_or_nothing(tmp_path):
             raise OSError(28, "No space left on device")
         return real_replace(src, dst)
 
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(OSError), _files.filling(folder) as staging:
-        mp.setattr(_files.os, "replace", fail_on_c)
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(OSError), files.filling(folder) as staging:
+        mp.setattr(files.os, "replace", fail_on_c)
         for name in ("a.png", "b.png", "c.png"):
             (staging / name).write_text("new")
     assert sorted(p.name for p in folder.iterdir()) == ["b.png"] and (folder / "b.png").read_text() == "old b"
@@ -607,7 +607,7 @@ def test_an_output_that_cannot_be_written_is_one_line_without_traceback():
     argvs = (["info"], ["trace", "dot", "--format", "json"])
     procs = []
     for argv in argvs:  # side by side: each process spends most of its time importing torch
-        script = f"import sys; from attnkit.cli import main; sys.exit(main({argv!r}))"
+        script = f"import sys; from attnkit.tools.cli import main; sys.exit(main({argv!r}))"
         with open("/dev/full", "w") as full:
             procs.append(subprocess.Popen([sys.executable, "-c", script], stdout=full, stderr=subprocess.PIPE))
     for proc in procs:
@@ -627,7 +627,7 @@ def test_no_command_lists_the_commands_in_its_one_line(capsys):
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
-        (("--tokens", "a b"), "tokens has 2 tokens but layer '(model)' labels 6 positions"),
+        (("--tokens", "a b"), "tokens has 2 tokens but layer '(model)' has 6 keys in its longest call"),
         (("--tokens", "a b c d e f", "--kv-heads", "3"), "kv_heads do not apply to a page of statistics"),
         (("--query-tokens", "a b c d e f"), "query_tokens do not apply to a page of statistics"),
     ],

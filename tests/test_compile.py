@@ -289,7 +289,7 @@ def test_named_backend_runs_outside_the_graph() -> None:
 def test_custom_ops_pass_opcheck(causal: bool, lengths: list[int]) -> None:
     """``attnkit::attention_by_length`` (its fake shapes and strides, its registered autograd, both of its plans:
     runs of equal lengths, and one masked call) and ``attnkit::check_values``, by PyTorch's own checker."""
-    from attnkit._checked import _check_values
+    from attnkit._value_checks import _check_values
     from attnkit.backends import graph_ops
 
     torch.manual_seed(0)

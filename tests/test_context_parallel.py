@@ -208,9 +208,9 @@ def test_a_dead_rank_inside_is_a_ring_error_naming_the_step():
 
 def test_no_scope_outside_the_block():
     """Outside any block (and in a thread that never opened one) attention runs on one process as always."""
-    from attnkit import _split
+    from attnkit import _context_parallel
 
-    assert _split.active() is None
+    assert _context_parallel.active() is None
     q = torch.randn(1, 2, 5, 4)
     out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
     import attnkit

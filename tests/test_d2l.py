@@ -8,8 +8,11 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import _book as book  # the book's own code, the oracle
-from attnkit import bench, d2l
+from attnkit import d2l
+from attnkit.tools import (
+    bench,
+    book,  # the book's own code, the oracle
+)
 
 VALUES = torch.arange(40, dtype=torch.float32).reshape(1, 10, 4).repeat(2, 1, 1)
 BOOK_OUTPUT = torch.tensor([[[2.0, 3.0, 4.0, 5.0]], [[10.0, 11.0, 12.0, 13.0]]])

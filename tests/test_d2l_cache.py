@@ -1,7 +1,7 @@
 """attnkit.d2l with key/value caches: the book's Transformer decoder (Dive into Deep Learning, section 11.7), which
 keeps every raw input so far in ``state[2][i]`` and re-projects it at each step, runs with an attnkit.KVCache per
 block (and a CrossKVCache for the encoder's outputs) instead, and gives the same outputs at every greedy step as
-the book's own code (``attnkit._book``, the oracle), while projecting one position per step.
+the book's own code (``attnkit.tools.book``, the oracle), while projecting one position per step.
 
 Also: ``d2l.MultiHeadAttention(..., cache=...)`` equals ``attnkit.MultiHeadAttention(..., cache=...)`` for every
 kind of cache, ``is_causal`` is the book's training-mode ``dec_valid_lens``, and mistakes are errors naming values.
@@ -17,8 +17,8 @@ from tests.mathref import max_err
 from torch import nn
 
 import attnkit
-from attnkit import _book as book  # the book's own attention code, the oracle
 from attnkit import d2l
+from attnkit.tools import book  # the book's own attention code, the oracle
 
 # B batch, Ls source length, V vocabulary, T decoding steps, E hidden size, H heads
 

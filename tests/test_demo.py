@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnkit import cli, demo, viewer
+from attnkit.tools import cli, demo, viewer
 from pages import blob, payload
 
 

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "docs" / "api"
-PUBLIC = ["attnkit", "attnkit.masks", "attnkit.mods", "attnkit.d2l", "attnkit.stats", "attnkit.plot",
+PUBLIC = ["attnkit", "attnkit.masks", "attnkit.mods", "attnkit.d2l", "attnkit.stats", "attnkit.tools.plot",
           "attnkit.distributed", "attnkit.packing", "attnkit.trace", "attnkit.dispatch",
           "attnkit.integrations.transformers"]  # fmt: skip
 

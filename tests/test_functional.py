@@ -92,3 +92,37 @@ def test_a_scale_the_dtype_cannot_hold_names_the_argument():
         attnkit.scaled_dot_product_attention(q, q, q, scale=1e300)
     with pytest.raises(ValueError, match="scale must be finite, got nan"):
         attnkit.scaled_dot_product_attention(q, q, q, scale=float("nan"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_negative_scale_is_as_accurate_as_its_positive_in_low_precision(dtype):
+    """The sign goes into the queries exactly (-q), never as a product q * scale that rounds in 16 bits or
+    overflows in float16: scale -0.3 is as near float64 as scale 0.3, and float16 queries of 3e4 with scale -4 are
+    finite."""
+    g = torch.Generator().manual_seed(16)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=g).mul(4).to(dtype) for _ in range(3))
+    for backend in ("auto", "reference"):
+        errors = {}
+        for scale in (0.3, -0.3):
+            out = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, backend=backend).output
+            errors[scale] = max_err(out, _math(q, k, v, scale, {}, None))
+        assert errors[-0.3] <= 1.25 * errors[0.3] + 1e-6, (backend, errors)
+    if dtype == torch.float16:
+        big = (q.float().sign() * 3e4).to(dtype)
+        for backend in ("auto", "reference"):
+            out = attnkit.scaled_dot_product_attention(big, k, v, is_causal=True, scale=-4.0, backend=backend).output
+            assert max_err(out, _math(big, k, v, -4.0, {}, None)) <= 1e-2, backend
+
+
+@pytest.mark.parametrize("scale", [-1, 0])
+def test_a_whole_number_scale_under_compile_keeps_a_causal_mask_causal(scale):
+    """A scale given as an int (or any real that is not a float) is a float by the time it is checked, under
+    torch.compile as eagerly: its sign goes into the queries there too (NaN in 126 of 128 rows before)."""
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 2, 64, 8) for _ in range(3))
+
+    def call(q, k, v):
+        return attnkit.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).output
+
+    out = torch.compile(call, fullgraph=True)(q, k, v)
+    assert torch.isfinite(out).all() and max_err(out, _math(q, k, v, float(scale), {}, None)) <= OUT_TOL

@@ -10,7 +10,7 @@ import matplotlib.image
 import pytest
 import torch
 
-from attnkit import plot
+from attnkit.tools import plot
 
 
 def test_show_heatmaps_png_has_the_expected_pixel_size(tmp_path):
@@ -230,7 +230,7 @@ def test_a_target_name_at_the_length_limit_saves(tmp_path, monkeypatch):
         names.append(name)
         return fd, name
 
-    monkeypatch.setattr(tempfile, "mkstemp", spy)  # the module attnkit._files writes through
+    monkeypatch.setattr(tempfile, "mkstemp", spy)  # the module attnkit.tools.files writes through
     target = tmp_path / ("a" * 251 + ".png")  # 255 bytes, the usual limit of a name
     plot.save_figure(plot.plot_attention(torch.rand(3, 4)), target)
     assert [p.name for p in tmp_path.iterdir()] == [target.name]

@@ -507,7 +507,7 @@ def test_rows_chosen_by_a_reversed_slice_and_grouped_heads_kept_with_chosen_rows
 
 
 def test_the_page_of_a_d2l_model_leaves_out_its_inner_attention_or_shows_it_as_one_head(tmp_path):
-    import attnkit.plot
+    import attnkit.tools.plot
     from attnkit import d2l
 
     mha, additive = d2l.MultiHeadAttention(16, 4, 0.0).eval(), d2l.AdditiveAttention(16, 0.0).eval()
@@ -515,9 +515,9 @@ def test_the_page_of_a_d2l_model_leaves_out_its_inner_attention_or_shows_it_as_o
     with attnkit.record_stats(mha, topk=2) as layered, attnkit.record_stats(additive, topk=2) as alone:
         mha(x, x, x, torch.tensor([5, 3]))
         additive(x, x, x, torch.tensor([5, 3]))
-    page = attnkit.plot.view(layered, path=tmp_path / "mha.html").path.read_text()
+    page = attnkit.tools.plot.view(layered, path=tmp_path / "mha.html").path.read_text()
     assert "Left out, having no head axis" in page and "attention" in page
-    assert attnkit.plot.view(alone, path=tmp_path / "additive.html").path.stat().st_size > 0
+    assert attnkit.tools.plot.view(alone, path=tmp_path / "additive.html").path.stat().st_size > 0
 
 
 def page_keys(data: dict, call: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -540,8 +540,8 @@ def test_the_page_keeps_the_strongest_keys_it_has_room_for_deflated(budget, tmp_
     """Keys before and after their queries (cross-attention, no causal mask), padded keys naming none, and a budget
     too small for every recorded key: the page keeps each row's strongest ones, a prefix of the record's, and says
     how many."""
-    import attnkit.plot
-    from attnkit.viewer import _stats
+    import attnkit.tools.plot
+    from attnkit.tools.viewer import _stats
 
     if budget is not None:
         monkeypatch.setattr(_stats, "ENTRY_BYTES", budget)
@@ -550,7 +550,7 @@ def test_the_page_keeps_the_strongest_keys_it_has_room_for_deflated(budget, tmp_
     with attnkit.record_stats(mha, topk=8) as rec:
         mha(torch.randn(2, 30, 16), torch.randn(2, 70, 16), torch.randn(2, 70, 16), valid_lens=torch.tensor([70, 5]))
     for example in (0, 1):  # keys on both sides of their queries; keys past a row's 5 naming none
-        data = payload(attnkit.plot.view(rec, example=example, path=tmp_path / f"s{example}.html"))
+        data = payload(attnkit.tools.plot.view(rec, example=example, path=tmp_path / f"s{example}.html"))
         call = data["layers"][0]["calls"][0]
         k = data["k"]
         if budget is None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import attnkit
 import mathref
 from attnkit import dispatch, functional, mods
-from attnkit._checks import ranges
+from attnkit._validate import ranges
 from attnkit.backends import flash, tiles
 from attnkit.masks import Mask
 from mathref import max_err

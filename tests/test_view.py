@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import cli, d2l, viewer
-from attnkit.plot import view
-from attnkit.viewer import _data
+from attnkit import d2l
+from attnkit.tools import cli, viewer
+from attnkit.tools.plot import view
+from attnkit.tools.viewer import _data
 from pages import blob, payload
 
 

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import demo
-from attnkit.plot import view
-from attnkit.viewer import _data
+from attnkit.tools import demo
+from attnkit.tools.plot import view
+from attnkit.tools.viewer import _data
 
 CHROMIUM = shutil.which("chromium")
 LINE_MIN = 0.01  # viewer.js draws a line for a weight of at least this

@@ -1,5 +1,5 @@
 import sys
 
-from attnkit.cli import main
+from attnkit.tools.cli import main
 
 sys.exit(main())

@@ -35,8 +35,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attnkit._checked import checked, value_check
-from attnkit._checks import as_lengths, describe
+from attnkit._validate import as_lengths, describe
+from attnkit._value_checks import checked, value_check
 from attnkit.backends.decode import storage
 
 __all__ = ["Attended", "CrossKVCache", "KVCache", "Positions"]

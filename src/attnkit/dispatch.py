@@ -45,7 +45,7 @@ from types import ModuleType
 
 import torch
 
-from attnkit import _scopes, mods
+from attnkit import _scoped_state, mods
 from attnkit.backends import ALL, chunked, compiled, decode, flash, online, tiles
 from attnkit.backends.contract import Call
 
@@ -112,7 +112,7 @@ def watch() -> Iterator[list[str]]:
     entry = _Watch(seen)
     _WATCHERS.set((*_WATCHERS.get(), entry))
     try:
-        with _scopes.counted("watch"):
+        with _scoped_state.counted("watch"):
             yield seen
     finally:  # blocks may close in any order (contextlib.ExitStack): remove this one, keep the others
         entry.open = False  # an asyncio task made inside the block holds a copy of the tuple: it sees nothing more
@@ -256,7 +256,7 @@ def _ran(backend: ModuleType) -> ModuleType:
 def ran_elsewhere(name: str) -> None:
     """Tell the open :func:`watch` blocks that ``name`` runs a call the dispatcher did not choose for: ``"ring"``
     for every call inside :func:`attnkit.distributed.context_parallel`."""
-    for entry in _scopes.read(_WATCHERS, ()):
+    for entry in _scoped_state.read(_WATCHERS, ()):
         if entry.open:
             entry.seen.append(name)
 

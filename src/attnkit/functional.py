@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from attnkit import _scopes, _split, dispatch, mods, trace, varlen
-from attnkit._checked import checked, value_check
-from attnkit._checks import check_qkv, check_same_kind, check_scale, describe
+from attnkit import _compile, _context_parallel, dispatch, mods, trace, varlen
+from attnkit._validate import check_qkv, check_same_kind, check_scale, describe
+from attnkit._value_checks import checked, value_check
 from attnkit.backends import reference
 from attnkit.backends.contract import Call
 from attnkit.masks import Mask, compute_dtype
@@ -188,7 +188,7 @@ def attention_weights(
         tensor([[[0.5000, 0.5000, 0.0000],
                  [0.5000, 0.5000, 0.0000]]])
     """
-    if (runner := _split.active()) is not None:
+    if (runner := _context_parallel.active()) is not None:
         runner.refuse("attention_weights")
     masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
     if torch.compiler.is_compiling():  # the reference plans from values (which keys are dead): outside the graph
@@ -201,7 +201,7 @@ def attention_weights(
     return weights.squeeze(1) if three_d else weights
 
 
-_weights_outside_graph = _scopes.outside_graph(attention_weights)
+_weights_outside_graph = _compile.outside_graph(attention_weights)
 
 
 class Scoring(NamedTuple):
@@ -272,7 +272,7 @@ def attend(
     options: dict[str, Any] = {"w_v": w_v, "scale": scale, "sinks": sinks, "dropout_p": dropout_p}
     options["need_weights"] = need_weights
     options |= {"backend": backend, "zeros_past": zeros_past, "need_lse": need_lse, "lengths_made": lengths_made}
-    runner = _split.active()
+    runner = _context_parallel.active()
     if runner is not None:  # inside attnkit.distributed.context_parallel: q, k, v are this rank's shard
         ring = _outside_graph if torch.compiler.is_compiling() else runner.attend  # (collectives: outside the graph)
         return ring(q, k, v, masks, **options)  # type: ignore[no-any-return,unused-ignore]
@@ -298,8 +298,9 @@ def attend(
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L, D)
     if w_v is None and isinstance(scale, float) and scale <= 0:
         # PyTorch's CPU kernels fill a causal mask's -inf before they scale (-inf * 0 is NaN, -inf * -1 is +inf):
-        # a scale of 0 or below goes into the queries, and every backend gets the scale 1
-        q, scale = q * scale, 1.0  # (B, H, Lq, D)
+        # every backend gets a positive scale, the sign going into the queries, exactly in any dtype (a product
+        # q * scale rounds in bfloat16, and can overflow in float16)
+        q, scale = (-q, -scale) if scale < 0 else (q * 0.0, 1.0)  # (B, H, Lq, D)
     mask = _build_mask(q, k, masks, three_d, from_cache=lengths_made)
     score_mod, sinks = _check_mods(q, k, masks.score_mod, sinks)
     call = Call(
@@ -334,7 +335,7 @@ def attend(
     return AttendResult(out, weights, lse)
 
 
-_outside_graph = _scopes.outside_graph(attend)
+_outside_graph = _compile.outside_graph(attend)
 
 
 def _run_piece(backend: str, piece: varlen.Piece, need_lse: bool) -> tuple[str, varlen.Result]:

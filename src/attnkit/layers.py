@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import _projection, dispatch, mods, stats, trace
-from attnkit._checks import check_dropout, check_qkv, check_sizes
+from attnkit._validate import check_dropout, check_qkv, check_sizes
 from attnkit.cache import CrossKVCache, KVCache, Positions
 from attnkit.functional import Masks, attend, attention_weights
 from attnkit.recording import is_recording, report_weights, wants_stats

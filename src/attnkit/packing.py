@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit._checks import as_lengths, describe
+from attnkit._validate import as_lengths, describe
 
 __all__ = ["Packed", "pack", "unpack"]
 

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnkit import _scopes, stats
-from attnkit._checks import describe
+from attnkit import _scoped_state, stats
+from attnkit._validate import describe
 
 __all__ = [
     "StatsRecord",
@@ -130,7 +130,7 @@ class StatsRecord(_Record):
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the record to ``path`` (``torch.save`` of :meth:`as_dict`), atomically: ``attnkit view`` reads it."""
-        from attnkit._files import write_atomically
+        from attnkit._atomic import write_atomically
 
         return write_atomically(Path(path), lambda f: torch.save(self.as_dict(), f))
 
@@ -167,18 +167,18 @@ _RECORDINGS: ContextVar[tuple[_Recording, ...]] = ContextVar("attnkit_recordings
 
 def is_recording() -> bool:
     """Whether some recording is open in this thread or task (the cost of asking: one lookup)."""
-    return bool(_scopes.read(_RECORDINGS, ()))
+    return bool(_scoped_state.read(_RECORDINGS, ()))
 
 
 def wants_stats(module: nn.Module) -> bool:
     """Whether a recording open in this thread or task keeps ``module``'s statistics (then its rows' sums help)."""
-    return any(isinstance(r.record, StatsRecord) and id(module) in r.names for r in _scopes.read(_RECORDINGS, ()))
+    return any(isinstance(r.record, StatsRecord) and id(module) in r.names for r in _scoped_state.read(_RECORDINGS, ()))
 
 
 def recorder(module: nn.Module) -> tuple[_Record, str] | None:
     """``(record, name)`` of the first recording open in this thread or task that records ``module``, else
     ``None``. Nothing is stored on the module."""
-    for recording in _scopes.read(_RECORDINGS, ()):
+    for recording in _scoped_state.read(_RECORDINGS, ()):
         name = recording.names.get(id(module))
         if name is not None:
             return recording.record, name
@@ -208,7 +208,7 @@ def report_weights(
         positions: where the call's queries ``(B, Lq)`` and keys ``(B, Lk)`` stand, for statistics reduced from
             whole weights (a cache's rows; ``None`` for each default: :mod:`attnkit.stats`).
     """
-    recordings = _scopes.read(_RECORDINGS, ())
+    recordings = _scoped_state.read(_RECORDINGS, ())
     if not recordings or weights is None:  # the cost while nothing records: one lookup
         return
     wanted = [(r, r.names[id(module)]) for r in recordings if id(module) in r.names]
@@ -353,7 +353,7 @@ def _chosen(named: list[tuple[str, nn.Module]], layers: str | Sequence[str], wha
 def _open(recording: _Recording) -> Iterator[Any]:
     _RECORDINGS.set((*_RECORDINGS.get(), recording))
     try:
-        with _scopes.counted("recording"):
+        with _scoped_state.counted("recording"):
             yield recording.record
     finally:
         recording.close()

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnkit import _scopes
-from attnkit._checks import listed
+from attnkit import _scoped_state
+from attnkit._validate import listed
 from attnkit.mods.base import MaskMod, ScoreMod
 
 __all__ = ["Step", "Trace", "active", "paused", "trace_shapes"]
@@ -46,8 +46,8 @@ _ACTIVE: ContextVar[Trace | None] = ContextVar("attnkit_trace", default=None)
 def active() -> Trace | None:
     """The innermost trace open in this thread or task, or ``None``. Steps call it and do nothing on ``None``; a step
     added to it reaches every trace open around it. Code that ``torch.compile`` traces reads it only while some
-    block is open in the process (``attnkit._scopes``)."""
-    return _scopes.read(_ACTIVE, None)
+    block is open in the process (``attnkit._scoped_state``)."""
+    return _scoped_state.read(_ACTIVE, None)
 
 
 Shape = tuple[int, ...]
@@ -209,7 +209,7 @@ def trace_shapes(model: nn.Module | None = None) -> Iterator[Trace]:
     _HOOKS.acquire()
     _ACTIVE.set(trace)
     try:
-        with _scopes.counted("trace"):
+        with _scoped_state.counted("trace"):
             yield trace
     finally:
         trace._closed = True

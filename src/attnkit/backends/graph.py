@@ -136,8 +136,7 @@ def _fused(call: Call, allowed: Tensor | None, bias: Tensor | None) -> Tensor:
     H, Hkv = q.shape[1], k.shape[1]
     gqa: dict[str, Any] = {"enable_gqa": True} if H != Hkv else {}
     # (the kernel's op, called on no example or no query, crashes the process: torch 2.13)
-    guarded = call.needs_grad and not call.dropout_p and graph_ops.takes(q, k, v, mask.is_causal) and q.numel() > 0
-    guarded = guarded and k.numel() > 0
+    guarded = call.needs_grad and not call.dropout_p and graph_ops.fuses(q) and k.numel() > 0
     if bias is None and mask.is_plain_causal:
         if guarded:  # a backward that never meets 0 * inf where a row may not see
             return graph_ops.fused(q, k, v, None, True, call.scale)  # (B, H, Lq, Dv)

@@ -19,13 +19,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit.backends import sdpa
 from attnkit.backends.common import kernel_backward_safe, zero_dead
 from attnkit.masks import Mask
 
-__all__ = ["attention", "fused", "takes"]
+__all__ = ["attention", "fused", "fuses", "takes"]
 
 NAME = "attnkit::attention_by_length"
 
@@ -210,12 +211,10 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 def _fused(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~attn_mask, -torch.inf)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # (the kernel reads rows whole)
-    blhd, lse = _empty_results(q, v)  # (B, Lq, H, D), (B, H, Lq)
-    out, found_lse = _flash(q, k, v, 0.0, causal, attn_mask=attn_mask, scale=scale)[:2]
-    blhd.transpose(1, 2).copy_(out)
+    qp, kp, vp, kernel_mask = _padded(q, k, v, attn_mask)  # (B, H|Hkv, L, width) each
+    blhd, lse = _empty_results(q, v)  # (B, Lq, H, Dv), (B, H, Lq)
+    out, found_lse = _flash(qp, kp, vp, 0.0, causal, attn_mask=kernel_mask, scale=scale)[:2]
+    blhd.transpose(1, 2).copy_(out[..., : v.shape[-1]])
     lse.copy_(found_lse)
     return blhd, lse
 
@@ -223,6 +222,17 @@ def _fused(
 @_fused.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     return _empty_results(q, v)
+
+
+def _padded(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The kernel's operands: ``q``, ``k`` and ``v`` contiguous rows of one head size (zero features added: they
+    change no score), a boolean mask as the float one it takes."""
+    width = max(q.shape[-1], v.shape[-1])
+    q, k, v = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # (the kernel reads rows whole)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~attn_mask, -torch.inf)
+    return q, k, v, attn_mask
 
 
 @torch.library.custom_op("attnkit::fused_attention_backward", mutates_args=())
@@ -237,15 +247,16 @@ def _fused_backward(
     causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    q, k, v, grad = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, grad))
-    kernel_mask = attn_mask
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        kernel_mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~attn_mask, -torch.inf)
-    if kernel_backward_safe(q, v, grad):
-        found = _flash_backward(grad, q, k, v, out, lse, 0.0, causal, attn_mask=kernel_mask, scale=scale)[:3]
+    D, Dv = q.shape[-1], v.shape[-1]
+    qp, kp, vp, kernel_mask = _padded(q, k, v, attn_mask)  # (B, H|Hkv, L, width) each
+    width = qp.shape[-1]
+    grad, out = (F.pad(t, (0, width - Dv)) if width > Dv else t.contiguous() for t in (grad, out))  # (B, H, Lq, w)
+    if kernel_backward_safe(qp, vp, grad):
+        found = _flash_backward(grad, qp, kp, vp, out, lse, 0.0, causal, attn_mask=kernel_mask, scale=scale)[:3]
     else:  # the kernel's backward would meet 0 * inf at a pair a row may not see
-        found = sdpa.exact_backward(q, k, v, out, lse, grad, attn_mask, causal, scale)
-    return tuple(g.contiguous() for g in found)  # type: ignore[return-value]
+        found = sdpa.exact_backward(qp, kp, vp, out, lse, grad, attn_mask, causal, scale)
+    dq, dk, dv = found
+    return dq[..., :D].contiguous(), dk[..., :D].contiguous(), dv[..., :Dv].contiguous()
 
 
 @_fused_backward.register_fake
@@ -280,10 +291,16 @@ def _fused_grads(ctx: object, grad: Tensor, grad_lse: Tensor | None) -> tuple:
 torch.library.register_autograd("attnkit::fused_attention", _fused_grads, setup_context=_fused_setup)
 
 
+def fuses(q: Tensor) -> bool:
+    """Whether :func:`fused` runs these inputs: on the CPU, float32 or float64 (any head sizes, any lengths)."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and q.numel() > 0
+
+
 def fused(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool, scale: float) -> Tensor:
-    """PyTorch's CPU flash kernel on ``q (B, H, Lq, D)``, ``k``/``v (B, Hkv, Lk, D)`` with ``attn_mask`` (bool or
-    float, broadcastable to ``(B, H, Lq, Lk)``) and ``causal``, as the custom op ``attnkit::fused_attention``, whose
+    """PyTorch's CPU flash kernel on ``q (B, H, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)`` with
+    ``attn_mask`` (bool or float, broadcastable to ``(B, H, Lq, Lk)``) and ``causal`` (``Lq == Lk``), as the custom
+    op ``attnkit::fused_attention``, whose
     backward reads values (:func:`~attnkit.backends.common.kernel_backward_safe`) and hands over to
     :func:`attnkit.backends.sdpa.exact_backward` where the kernel's would meet ``0 * inf`` at a hidden pair: what
-    ``scaled_dot_product_attention`` cannot do inside a compiled graph. ``(B, H, Lq, D)``, a view."""
+    ``scaled_dot_product_attention`` cannot do inside a compiled graph. ``(B, H, Lq, Dv)``, a view."""
     return _fused(q, k, v, attn_mask, causal, scale)[0].transpose(1, 2)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit._checks import ranges
+from attnkit._validate import ranges
 from attnkit.backends.common import additive_scores, repeat_kv
 from attnkit.backends.contract import scores_bounded
 

@@ -221,6 +221,9 @@ def fused(
     if (
         hides
         and grad
+        # (torch.func's transforms, per-sample gradients among them, need PyTorch's own batching rules: the guarded
+        # backward reads values. A private name of torch 2.13's, tested in tests/test_backends.py)
+        and not torch._C._are_functorch_transforms_active()
         and not dropout_p
         and q.device.type == "cpu"
         and q.dtype in _KERNEL_DTYPES
@@ -262,6 +265,8 @@ class _Guarded(torch.autograd.Function):
         width = max(D, Dv)
         qp, kp = (F.pad(t, (0, width - D)) if width > D else t for t in (q, k))  # (B, H|Hkv, L, width)
         vp = F.pad(v, (0, width - Dv)) if width > Dv else v  # (B, Hkv, Lk, width)
+        # the kernel reads each row of q, k and v as contiguous (a transposed q gave outputs off by 1e36)
+        qp, kp, vp = (t if t.stride(-1) == 1 else t.contiguous() for t in (qp, kp, vp))
         kernel_mask = attn_mask
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             zero = torch.zeros((), dtype=q.dtype, device=q.device)

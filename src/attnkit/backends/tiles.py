@@ -36,8 +36,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attnkit import _scopes, mods
-from attnkit._checks import ranges
+from attnkit import _compile, mods
+from attnkit._validate import ranges
 from attnkit.backends.common import (
     Watched,
     bias_of,
@@ -119,7 +119,7 @@ _KEPT: collections.OrderedDict[tuple[object, ...], _Kept] = collections.OrderedD
 _KEPT_LOCK = threading.Lock()
 
 
-@_scopes.outside_graph  # (Python lists of ranges from the mask's values: under a caller's torch.compile, traced,
+@_compile.outside_graph  # (Python lists of ranges from the mask's values: under a caller's torch.compile, traced,
 # the causal tile's test met symbolic booleans and Inductor failed; run as it is, it costs a graph break)
 def plan(mask: Mask) -> list[Rows]:
     """The blocks of queries and the runs of keys each sees: kept on the mask (the backward pass reuses it), and for

@@ -10,7 +10,7 @@
   rebuild each other's, and a changed source is built anew.
 
 Where a kernel cannot be built, its caller runs torch ops or another backend and says so once
-(:mod:`attnkit.backends.flash`, :mod:`attnkit.stats.kernel`).
+(``attnkit.backends.flash``, ``attnkit.stats.kernel``).
 """
 
 from __future__ import annotations

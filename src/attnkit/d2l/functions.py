@@ -8,7 +8,7 @@ from typing import Any
 from torch import Tensor
 
 from attnkit import masks, trace
-from attnkit._checks import as_lengths, check_sizes
+from attnkit._validate import as_lengths, check_sizes
 
 __all__ = ["masked_softmax", "sequence_mask", "show_heatmaps", "transpose_output", "transpose_qkv"]
 
@@ -119,28 +119,28 @@ def show_heatmaps(
     path: Any = None,
 ) -> None:
     """The book's ``show_heatmaps(matrices, xlabel, ylabel, titles=None, figsize=(2.5, 2.5), cmap='Reds')``, with
-    ``path`` to save; see :func:`attnkit.plot.show_heatmaps` (needs matplotlib: ``pip install -e '.[plot]'`` in a
+    ``path`` to save; see :func:`attnkit.tools.plot.show_heatmaps` (needs matplotlib: ``pip install -e '.[plot]'`` in a
     checkout).
 
     ``figsize`` is the whole figure's size in inches, as in the book (``plt.subplots(rows, cols, figsize=figsize)``):
     the Transformer chapter's ``figsize=(7, 3.5)`` on a 4 x 4 grid gives a 7 x 3.5 inch figure. (It is divided
-    among the panels here, since :func:`attnkit.plot.show_heatmaps` reads ``figsize`` per panel.) ``titles``: one
+    among the panels here, since :func:`attnkit.tools.plot.show_heatmaps` reads ``figsize`` per panel.) ``titles``: one
     per column (more are ignored, as in the book).
 
     Returns nothing, as the book's does: a notebook shows the figure once (a returned figure, as the cell's value,
-    would be shown a second time). :func:`attnkit.plot.show_heatmaps` returns it; the figure stays open in pyplot
+    would be shown a second time). :func:`attnkit.tools.plot.show_heatmaps` returns it; the figure stays open in pyplot
     (``plt.gcf()``), as the book's does.
 
     Raises:
-        ValueError: fewer ``titles`` than columns, and what :func:`attnkit.plot.show_heatmaps` raises.
+        ValueError: fewer ``titles`` than columns, and what :func:`attnkit.tools.plot.show_heatmaps` raises.
     """
     import numpy as np  # with matplotlib, which needs it; attnkit itself does not
 
-    from attnkit.plot import show_heatmaps as draw
+    from attnkit.tools.plot import show_heatmaps as draw
 
     shape = tuple(np.shape(matrices))
     if len(shape) in (2, 3, 4):
-        rows, cols = ((1, 1) + shape[:-2])[-2:]  # 2-D and 3-D are one row, as in attnkit.plot.show_heatmaps
+        rows, cols = ((1, 1) + shape[:-2])[-2:]  # 2-D and 3-D are one row, as in attnkit.tools.plot.show_heatmaps
         if titles and len(titles) < cols:
             raise ValueError(
                 f"titles must have one per column, {cols} for matrices {shape}, got {len(titles)}: {list(titles)!r}"

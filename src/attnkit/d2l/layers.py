@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnkit import _projection, _scopes, _split, functional, trace
-from attnkit._checks import as_lengths, check_dropout, describe, listed
+from attnkit import _context_parallel, _projection, _scoped_state, functional, trace
+from attnkit._validate import as_lengths, check_dropout, describe, listed
 from attnkit.cache import CrossKVCache, KVCache, Positions
 from attnkit.d2l.functions import transpose_output, transpose_qkv
 from attnkit.d2l.signatures import bind, check_book_inputs, check_valid_lens, unbuilt
@@ -34,7 +34,7 @@ def _positions_of(module: nn.Module) -> Positions | None:
     """Where the call of ``module`` stands for the statistics recorded of it: a KVCache's positions, one row per
     folded head ``(B*H, L)``, while a :class:`MultiHeadAttention` calls it through one (a ring's slots hold positions
     out of order); ``None``, the default positions, otherwise or while nothing records."""
-    found = _scopes.read(_INNER_POSITIONS, None)
+    found = _scoped_state.read(_INNER_POSITIONS, None)
     if found is None or found[0] is not module or not is_recording():
         return None
     _, (queries, keys), heads = found
@@ -117,7 +117,7 @@ class DotProductAttention(nn.Module):
             values,
             functional.Masks(valid_lens, attn_mask, is_causal),
             dropout_p=self.dropout.p if self.training else 0.0,
-            need_weights=_split.active() is None,  # inside context_parallel no rank holds them: None
+            need_weights=_context_parallel.active() is None,  # inside context_parallel no rank holds them: None
             zeros_past=zeros_past,
         )
         q, k = queries.detach(), keys.detach()
@@ -127,7 +127,7 @@ class DotProductAttention(nn.Module):
         q_version, k_version = (-1 if traced or t.is_inference() else t._version for t in (q, k))
         # inside context_parallel q and k are one shard's: no rank holds the whole sequence's scores (None, as the
         # weights)
-        self._scored = (q, k, q_version, k_version) if _split.active() is None else None
+        self._scored = (q, k, q_version, k_version) if _context_parallel.active() is None else None
         self._scores = None
         # For looking at, as in the book; detached, so it holds no graph (copy.deepcopy works, memory is freed).
         self.attention_weights = weights.detach() if weights is not None else None

@@ -9,8 +9,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from attnkit import _split
-from attnkit._checks import as_lengths, check_dropout, check_qkv, check_sizes
+from attnkit import _context_parallel
+from attnkit._validate import as_lengths, check_dropout, check_qkv, check_sizes
 
 __all__ = ["bind", "check_book_inputs", "check_valid_lens", "unbuilt"]
 
@@ -74,4 +74,4 @@ def check_valid_lens(valid_lens: object, B: int, Lq: int, Lk: int, name: str = "
         )
     # whole numbers in [0, Lk], shown as given; inside context_parallel Lk is the whole sequence's, which the ring
     # checks on every rank at once
-    as_lengths(valid_lens, name, Lk if _split.active() is None else 2**62)
+    as_lengths(valid_lens, name, Lk if _context_parallel.active() is None else 2**62)

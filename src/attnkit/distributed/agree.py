@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit._checks import as_lengths, check_qkv, check_scale, short
+from attnkit._validate import as_lengths, check_qkv, check_scale, short
 from attnkit.backends import chunked
 from attnkit.backends.common import probe
 from attnkit.distributed import comm

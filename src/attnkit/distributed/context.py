@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from attnkit import _split, dispatch
-from attnkit._checks import describe
+from attnkit import _context_parallel, dispatch
+from attnkit._validate import describe
 from attnkit.distributed import comm
 from attnkit.distributed.agree import Request, agree
 from attnkit.distributed.ring import RingAttention
@@ -93,7 +93,7 @@ def context_parallel(
                 out = mha(embed(tokens), ..., is_causal=True)  # this rank's positions of the exact output
     """
     group = _group(mesh)
-    if _split.active() is not None:
+    if _context_parallel.active() is not None:
         raise ValueError("context_parallel: a context_parallel block is already open in this thread; they do not nest")
     buffers, dims, wait = _agree_on_entry(group, buffers, buffer_seq_dims, no_restore_buffers, timeout)
     keep = no_restore_buffers or set()
@@ -109,7 +109,7 @@ def context_parallel(
         with torch.no_grad():
             for b, shard in zip(buffers, shards, strict=True):
                 b.set_(shard.untyped_storage(), shard.storage_offset(), shard.size(), shard.stride())
-        with _split.opened(_Ring(group, wait)):
+        with _context_parallel.opened(_Ring(group, wait)):
             yield
     finally:
         with torch.no_grad():
@@ -119,7 +119,7 @@ def context_parallel(
 
 
 class _Ring:
-    """The runner of a ``context_parallel`` block (:class:`attnkit._split.Runner`): one ring, its timeout."""
+    """The runner of a ``context_parallel`` block (:class:`attnkit._context_parallel.Runner`): one ring, its timeout."""
 
     def __init__(self, group: object | None, timeout: timedelta) -> None:
         self.group, self.timeout = group, timeout

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit._checks import ranges
+from attnkit._validate import ranges
 from attnkit.distributed import comm
 from attnkit.distributed.sequence import length, positions
 from attnkit.masks import LIVENESS_BLOCK_ELEMENTS, LIVENESS_ROWS

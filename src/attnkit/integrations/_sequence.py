@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnkit import _split, mods
-from attnkit._checks import describe
+from attnkit import _context_parallel, mods
+from attnkit._validate import describe
 from attnkit.functional import Masks
 from attnkit.recording import wants_stats
 
@@ -136,7 +136,7 @@ def _window_of(fn: Any) -> int | None:
 
 
 def split_attention(
-    runner: _split.Runner,
+    runner: _context_parallel.Runner,
     module: nn.Module,
     query: Tensor,
     key: Tensor,

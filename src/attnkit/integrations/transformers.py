@@ -65,7 +65,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from attnkit import _split, mods, stats
+from attnkit import _context_parallel, mods, stats
 from attnkit.functional import Masks, attend, attention_weights
 from attnkit.recording import report_weights, wants_stats
 
@@ -164,7 +164,7 @@ def _mask(*args: Any, config: Any = None, **kwargs: Any) -> Tensor | None:
     """
     from transformers.masking_utils import sdpa_mask
 
-    if _split.active() is not None:
+    if _context_parallel.active() is not None:
         return _sequence.split_mask(config, kwargs)
     through = None if config is None else _goes_through_the_interface(type(config))
     if through is False:
@@ -229,7 +229,7 @@ def attention_forward(
     Lq, Lk = query.shape[2], key.shape[2]
     slots = Lk  # the weights come back over every key slot, as eager's
     model_causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    runner = _split.active()
+    runner = _context_parallel.active()
     if runner is not None:  # inside attnkit.distributed.context_parallel: this rank's shard of the sequence
         masks_given = (attention_mask, softcap, s_aux, position_bias, sliding_window, dropout, scaling)
         wanted = _weights_wanted(kwargs)

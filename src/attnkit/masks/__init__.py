@@ -40,7 +40,7 @@ import math
 import torch
 from torch import Tensor
 
-from attnkit._checks import as_lengths, check_whole, describe
+from attnkit._validate import as_lengths, check_whole, describe
 from attnkit.masks.combined import LIVENESS_BLOCK_ELEMENTS as LIVENESS_BLOCK_ELEMENTS
 from attnkit.masks.combined import LIVENESS_ROWS as LIVENESS_ROWS
 from attnkit.masks.combined import Mask
@@ -199,8 +199,8 @@ def softmax_with_mask(
         if weights.requires_grad:
             # the gradient of a weight a row may not see is dropped: were it not finite (dout . v overflowing for a
             # huge value some other row sees), the softmax's backward would make it 0 * inf, NaN, in that row
-            hidden = ~allowed
-            weights.register_hook(lambda g: g if g is None or all_finite(g) else g.masked_fill(hidden, 0.0))
+            seen = allowed  # (the hook holds the mask the forward made, and inverts it only where it must)
+            weights.register_hook(lambda g: g if g is None or all_finite(g) else g.masked_fill(~seen, 0.0))
         return weights
     return weights.masked_fill_(~allowed, 0.0) if inplace else weights.masked_fill(~allowed, 0.0)
 

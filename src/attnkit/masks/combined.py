@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import mods
-from attnkit._checks import as_lengths, check_device, ranges
+from attnkit._validate import as_lengths, check_device, ranges
 from attnkit.masks.parts import as_4d_mask, causal_block, checked_bias
 from attnkit.mods import MaskFn
 

@@ -10,8 +10,8 @@ import warnings
 import torch
 from torch import Tensor
 
-from attnkit._checked import checked, value_check
-from attnkit._checks import broadcasts, describe
+from attnkit._validate import broadcasts, describe
+from attnkit._value_checks import checked, value_check
 
 __all__ = ["FloatMaskWarning", "as_4d_mask", "causal_block", "check_bias"]
 

@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from attnkit._checked import checked, value_check
-from attnkit._checks import as_lengths, check_device, check_whole, describe, listed
+from attnkit._validate import as_lengths, check_device, check_whole, describe, listed
+from attnkit._value_checks import checked, value_check
 from attnkit.mods.base import MaskFn, MaskMod, ScoreFn, ScoreMod, Tiles, check_callable
 from attnkit.mods.evaluate import evaluate_mask
 

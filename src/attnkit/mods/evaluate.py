@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit._checks import broadcasts
+from attnkit._validate import broadcasts
 from attnkit.mods.base import MaskFn, MaskMod, ScoreFn, ScoreMod
 from attnkit.mods.closure import Uninspectable, read_tensors
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit._checks import broadcasts
+from attnkit._validate import broadcasts
 from attnkit.mods.base import ScoreFn, reads_positions
 from attnkit.mods.evaluate import indices
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit._checks import ranges
+from attnkit._validate import ranges
 from attnkit.backends.common import additive_scores, zero_dead
 from attnkit.backends.contract import scores_bounded
 from attnkit.masks import Mask, compute_dtype

@@ -1,8 +1,8 @@
 """What the viewer page holds: the weights read into layers and calls, each call's tokens, and the bytes the page
-decodes (see :mod:`attnkit.viewer` for what the page shows and what is reduced when).
+decodes (see :mod:`attnkit.tools.viewer` for what the page shows and what is reduced when).
 
 Nothing here knows about HTML: :func:`collect` and :func:`assign_tokens` check what the user gave and
-``attnkit.viewer._encode.encode`` turns it into one JSON-ready dictionary, the page's only input.
+``attnkit.tools.viewer._encode.encode`` turns it into one JSON-ready dictionary, the page's only input.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def assign_tokens(
     layer_tokens: Mapping[str, Any] | None,
 ) -> None:
     """Give every call of every layer its query and key tokens (``Layer.tokens``), by the rules of
-    :func:`attnkit.viewer.view`; a list that does not cover exactly the positions of the calls it labels is a
+    :func:`attnkit.tools.viewer.view`; a list that does not cover exactly the positions of the calls it labels is a
     ValueError naming it, the layer and the lengths."""
     if tokens is not None and (query_tokens is not None or key_tokens is not None):
         raise ValueError("give tokens (the same for queries and keys) or query_tokens/key_tokens, not both")

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from attnkit._checked import checked, value_check
+from attnkit._value_checks import checked, value_check
 
 # B batch, Lq query length, n number of blocks
 
@@ -196,7 +196,8 @@ def check_scale(scale: object, dtype: torch.dtype = torch.float64) -> float:
         raise TypeError(f"scale must be a number, got {scale!r}")
     # (arithmetic, not math.isfinite: under torch.compile with dynamic shapes a scale made from a shape is a
     # symbolic number, which math.isfinite cannot read; x - x is 0 for a finite x only)
-    value: float = scale if torch.compiler.is_compiling() else float(scale)  # type: ignore[assignment]
+    # (a number dynamo traces as a float stays as it is: it may be a symbolic one, and float() would fix it)
+    value: float = scale if torch.compiler.is_compiling() and isinstance(scale, float) else float(scale)
     if not value - value == 0:
         raise ValueError(f"scale must be finite, got {value}")
     largest = torch.finfo(dtype).max

@@ -11,7 +11,7 @@ Contenders, on the same shapes with the same weights:
 * ``attnkit+weights``: the same inside :func:`attnkit.record_weights` (weights kept for every call);
 * ``torch``: ``torch.nn.MultiheadAttention(batch_first=True)`` with ``need_weights=False``, and
   ``torch+weights`` with ``need_weights=True`` (``average_attn_weights=False``);
-* ``book``: the book's own classes (``attnkit._book``, its code as the book writes it): ``transpose_qkv``,
+* ``book``: the book's own classes (``attnkit.tools.book``, its code as the book writes it): ``transpose_qkv``,
   ``bmm`` scores, the ``-1e6`` masked softmax written into the scores (causal as the book's decoder does it: 2-D
   ``valid_lens`` ``1..L``); for additive attention, the book's ``AdditiveAttention`` on the projected queries
   and keys that :func:`attnkit.additive_attention` takes;
@@ -39,12 +39,13 @@ from torch import Tensor, nn
 from torch.utils import benchmark
 
 import attnkit
-from attnkit import _book, d2l
-from attnkit.bench.report import HEADS, HIDDENS, Report, Row
-from attnkit.bench.report import load_json as load_json
-from attnkit.bench.report import plot_report as plot_report
-from attnkit.bench.report import save_json as save_json
-from attnkit.bench.report import table as table
+from attnkit import d2l
+from attnkit.tools import book
+from attnkit.tools.bench.report import HEADS, HIDDENS, Report, Row
+from attnkit.tools.bench.report import load_json as load_json
+from attnkit.tools.bench.report import plot_report as plot_report
+from attnkit.tools.bench.report import save_json as save_json
+from attnkit.tools.bench.report import table as table
 
 # B batch, L sequence length, h num_hiddens, H heads, d head dim
 
@@ -88,7 +89,7 @@ def make_forward(kind: str, B: int, L: int, mask: str, contender: str, *, train:
         q, k = torch.randn(B, L, h, requires_grad=train), torch.randn(B, L, h, requires_grad=train)
         v, w_v = torch.randn(B, L, h, requires_grad=train), torch.randn(h, requires_grad=train)
         if contender == "book":  # the book's class, its W_q and W_k left out: q and k come projected
-            additive = _book.AdditiveAttention(h, h, h, 0.0)
+            additive = book.AdditiveAttention(h, h, h, 0.0)
             additive.W_q = additive.W_k = nn.Identity()
             additive.w_v.weight = nn.Parameter(w_v.detach()[None, :], requires_grad=train)  # (1, h)
             return lambda: additive(q, k, v, lens)
@@ -125,9 +126,9 @@ def make_forward(kind: str, B: int, L: int, mask: str, contender: str, *, train:
             drop_in = d2l.MultiHeadAttention(h, h, h, h, heads, 0.0)
             drop_in.load_state_dict(ours.state_dict())
             return lambda: drop_in(x, x, x, book_lens)
-        book = _book.MultiHeadAttention(h, h, h, h, heads, 0.0)
-        book.load_state_dict(ours.state_dict())
-        return lambda: book(x, x, x, book_lens)
+        books = book.MultiHeadAttention(h, h, h, h, heads, 0.0)
+        books.load_state_dict(ours.state_dict())
+        return lambda: books(x, x, x, book_lens)
     ours.backend = contender.partition(":")[2] or "auto"
     causal_flag = mask == "causal"
     if contender == "attnkit+weights":
@@ -182,7 +183,7 @@ def measure_memory(row: Row) -> int | None:
     """Peak memory of one call of ``row``'s configuration, in a fresh subprocess; None if it failed."""
     spec = json.dumps([row.kind, row.B, row.L, row.mode, row.mask, row.contender])
     child = subprocess.run(
-        [sys.executable, "-m", "attnkit.bench", "--memory-child", spec],
+        [sys.executable, "-m", "attnkit.tools.bench", "--memory-child", spec],
         capture_output=True,
         text=True,
         timeout=1200,

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from attnkit import _scopes
+from attnkit import _scoped_state
 
 __all__ = ["Runner", "active", "opened"]
 
@@ -38,7 +38,7 @@ _ACTIVE: ContextVar[Runner | None] = ContextVar("attnkit_split_sequence", defaul
 
 def active() -> Runner | None:
     """The runner of the innermost open scope in this thread or task, or ``None`` (the cost: one lookup)."""
-    return _scopes.read(_ACTIVE, None)
+    return _scoped_state.read(_ACTIVE, None)
 
 
 @contextlib.contextmanager
@@ -46,7 +46,7 @@ def opened(runner: Runner) -> Iterator[None]:
     """Let ``runner`` run this thread's attention calls until the block ends (restored even after an error)."""
     token = _ACTIVE.set(runner)
     try:
-        with _scopes.counted("context_parallel"):
+        with _scoped_state.counted("context_parallel"):
             yield
     finally:
         _ACTIVE.reset(token)

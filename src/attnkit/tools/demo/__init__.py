@@ -38,11 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit._checks import TORCH_SEEDS
-from attnkit._checks import TORCH_SEEDS as SEEDS  # the name it had here, kept for code that imports it
-from attnkit.demo.models import BOS, EOS, LABELS, PAD, AdditiveSeq2Seq, Seq2Seq, TransformerSeq2Seq, greedy
-from attnkit.demo.pictures import KINDS, PICTURES, draw, replay_book_examples
+from attnkit._validate import TORCH_SEEDS
+from attnkit._validate import TORCH_SEEDS as SEEDS  # the name it had here, kept for code that imports it
 from attnkit.recording import record_weights
+from attnkit.tools.demo.models import BOS, EOS, LABELS, PAD, AdditiveSeq2Seq, Seq2Seq, TransformerSeq2Seq, greedy
+from attnkit.tools.demo.pictures import KINDS, PICTURES, draw, replay_book_examples
 
 __all__ = ["KINDS", "PICTURES", "SEEDS", "DemoResult", "draw", "replay_book_examples", "train"]
 
@@ -69,7 +69,7 @@ class DemoResult:
             ``"record"``, every attention call of the model on that sequence, ``{module name: [(1, H, Lq, Lk) or
             (1, Lq, Lk) per call]}``: the encoder, the decoder reading its own greedy output whole, then (the
             Transformer) the same decoding one step at a time through its caches; ``"layer_tokens"``, the tokens
-            of each module's queries and keys for :func:`attnkit.viewer.view` (decoder positions are labelled with
+            of each module's queries and keys for :func:`attnkit.tools.viewer.view` (decoder positions are labelled with
             the token they read).
     """
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from attnkit.demo import DemoResult
+    from attnkit.tools.demo import DemoResult
 
 __all__ = ["PICTURES", "draw", "replay_book_examples"]
 
@@ -64,8 +64,8 @@ def replay_book_examples(echo: Callable[[str], None], seed: int = 0) -> None:
 
 def draw(results: dict[str, DemoResult], out_dir: Path) -> list[Path]:
     """Heatmaps of what each model attends to, the loss curves, and a viewer page of every attention call of each
-    model on its example (:func:`attnkit.viewer.view`), written into ``out_dir``. Returns the paths."""
-    from attnkit import plot, viewer
+    model on its example (:func:`attnkit.tools.viewer.view`), written into ``out_dir``. Returns the paths."""
+    from attnkit.tools import plot, viewer
 
     paths = []
     for kind, result in results.items():

@@ -1,5 +1,5 @@
 """The viewer's page of a statistics record (:func:`attnkit.record_stats`): per layer x head summaries, each
-query's strongest keys, and the series along the sequence (see :func:`attnkit.viewer.view`)."""
+query's strongest keys, and the series along the sequence (see :func:`attnkit.tools.viewer.view`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from attnkit.recording import StatsRecord
-from attnkit.viewer._data import labels
-from attnkit.viewer._encode import _Blobs
+from attnkit.tools.viewer._data import labels
+from attnkit.tools.viewer._encode import _Blobs
 
 __all__ = ["ENTRY_BYTES", "SERIES_BINS", "encode", "is_stats"]
 
@@ -107,23 +107,28 @@ def encode(record: Any, tokens: Sequence[Any] | None, example: int, title: str) 
 
 
 def _check_tokens(tokens: list[str], names: list[str], calls: dict[str, list[Any]], example: int) -> None:
-    """The tokens cover exactly the positions the record's calls label, as on a page of weights: as many as the
-    longest call's keys, or as a cache's calls' positions reach (the tokens at a cache's own positions).
+    """The tokens cover the positions the record's calls label, as on a page of weights: exactly as many as the
+    longest call's keys; or, for calls through a cache, which keep their positions, at least as many as those
+    positions reach (the text the cache was filled from may go on).
 
     Raises:
         ValueError: naming the layer and the lengths."""
     for n in names:
-        reach = 0
+        keys, reach, cached = 0, 0, False
         for s in calls[n]:
-            lk = int(s.column_sum.shape[-1])
-            positions = [p for p in (s.query_positions, s.key_positions) if p is not None]
-            reach = max(
-                [reach, lk, *(int(p[example if p.shape[0] > 1 else 0].max()) + 1 for p in positions if p.numel())]
-            )
-        if len(tokens) != reach:
+            keys = max(keys, int(s.column_sum.shape[-1]))
+            for p in (s.query_positions, s.key_positions):
+                if p is not None and p.numel():
+                    cached = True
+                    reach = max(reach, int(p[example if p.shape[0] > 1 else 0].max()) + 1)
+        if cached and len(tokens) < max(reach, keys if calls[n][-1].key_positions is None else 0):
             raise ValueError(
-                f"tokens has {len(tokens)} tokens but layer {n or '(model)'!r} labels {reach} positions (its longest "
-                "call's keys, or the positions a cache's calls reach)"
+                f"tokens has {len(tokens)} tokens but layer {n or '(model)'!r} labels positions up to "
+                f"{max(reach, keys) - 1} through its cache"
+            )
+        if not cached and len(tokens) != keys:
+            raise ValueError(
+                f"tokens has {len(tokens)} tokens but layer {n or '(model)'!r} has {keys} keys in its longest call"
             )
 
 

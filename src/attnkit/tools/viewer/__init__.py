@@ -1,4 +1,4 @@
-"""An interactive attention viewer: one self-contained HTML file (``attnkit view``, :func:`attnkit.plot.view`).
+"""An interactive attention viewer: one self-contained HTML file (``attnkit view``, :func:`attnkit.tools.plot.view`).
 
 The page holds everything it needs: its script and style are inline, the weights are embedded in it, and a
 Content-Security-Policy forbids it any request, so it opens from disk, offline, in any browser, and a notebook
@@ -69,9 +69,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from attnkit._files import write_atomically
-from attnkit.viewer import _data, _encode, _stats
-from attnkit.viewer._data import EXACT_CELLS, MAX_ENTRIES, THUMB
+from attnkit._atomic import write_atomically
+from attnkit.tools.viewer import _data, _encode, _stats
+from attnkit.tools.viewer._data import EXACT_CELLS, MAX_ENTRIES, THUMB
 
 __all__ = ["EXACT_CELLS", "MAX_ENTRIES", "THUMB", "AttentionView", "view"]
 
@@ -94,7 +94,7 @@ class AttentionView:
             OSError: when it cannot be written (nothing is left behind).
         """
         target = Path(path)
-        if target.suffix.lower() not in (".html", ".htm"):
+        if not target.is_dir() and target.suffix.lower() not in (".html", ".htm"):  # (a folder: write_atomically says)
             raise ValueError(f"path must end in .html or .htm (the page is one HTML file), got {str(path)!r}")
         return write_atomically(target, lambda f: f.write(self.html.encode("utf-8")))
 
@@ -203,7 +203,7 @@ def view(
 
 
 def _asset(name: str) -> str:
-    return resources.files("attnkit.viewer").joinpath(name).read_text(encoding="utf-8")
+    return resources.files("attnkit.tools.viewer").joinpath(name).read_text(encoding="utf-8")
 
 
 def _model_named(per_layer: Any) -> Any:

@@ -1,4 +1,4 @@
-"""The commands of ``attnkit`` (see :mod:`attnkit.cli`): each checks what it was given, then does its work."""
+"""The commands of ``attnkit`` (see :mod:`attnkit.tools.cli`): each checks what it was given, then does its work."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import torch
 
 import attnkit
 from attnkit import dispatch
-from attnkit._console import bench_progress, progress, table
-from attnkit._files import (
+from attnkit.tools.cli.parser import build_parser
+from attnkit.tools.console import bench_progress, progress, table
+from attnkit.tools.files import (
     UsageError,
     filling,
     input_file,
@@ -26,7 +27,6 @@ from attnkit._files import (
     require,
     taken_by_other_than_a_file,
 )
-from attnkit.cli.parser import build_parser
 
 __all__ = ["COMMANDS", "main"]
 
@@ -142,7 +142,7 @@ def _layer(args: argparse.Namespace, q_size: int, k_size: int) -> torch.nn.Modul
 
 def cmd_heatmap(args: argparse.Namespace) -> None:
     require("heatmap", "numpy", "matplotlib")
-    from attnkit import plot
+    from attnkit.tools import plot
 
     source = input_file(args.weights_file, "WEIGHTS_FILE")
     out = output_file(args.out, "--out", IMAGE_SUFFIXES)
@@ -174,7 +174,7 @@ def cmd_heatmap(args: argparse.Namespace) -> None:
 
 def cmd_view(args: argparse.Namespace) -> None:
     require("view", "numpy")
-    from attnkit import viewer
+    from attnkit.tools import viewer
 
     source = input_file(args.weights_file, "WEIGHTS_FILE")
     out = output_file(args.out, "--out", (".html", ".htm"))
@@ -210,7 +210,7 @@ def cmd_view(args: argparse.Namespace) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> None:
     require("demo", "numpy", "matplotlib")  # before training, not when the pictures are drawn
-    from attnkit import demo
+    from attnkit.tools import demo
 
     out_dir = output_folder(args.out, "--out")
     for name in demo.PICTURES:  # before training: a name taken by a folder would only fail at the end
@@ -240,7 +240,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from attnkit import bench
+    from attnkit.tools import bench
 
     compare = None
     if args.compare is not None:

@@ -1,4 +1,4 @@
-"""The demo's two encoder-decoder models, their vocabulary, and greedy decoding (see :mod:`attnkit.demo`)."""
+"""The demo's two encoder-decoder models, their vocabulary, and greedy decoding (see :mod:`attnkit.tools.demo`)."""
 
 from __future__ import annotations
 

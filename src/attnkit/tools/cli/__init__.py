@@ -17,8 +17,8 @@ and the demo's pictures are drawn into a temporary folder, renamed into place (:
 leaves nothing behind that was not there before.
 """
 
-from attnkit._files import UsageError
-from attnkit.cli.commands import COMMANDS, main
-from attnkit.cli.parser import build_parser
+from attnkit.tools.cli.commands import COMMANDS, main
+from attnkit.tools.cli.parser import build_parser
+from attnkit.tools.files import UsageError
 
 __all__ = ["COMMANDS", "UsageError", "build_parser", "main"]

@@ -1,4 +1,4 @@
-"""The bytes of the viewer page: :func:`encode` turns the layers :mod:`attnkit.viewer._data` read into one
+"""The bytes of the viewer page: :func:`encode` turns the layers :mod:`attnkit.tools.viewer._data` read into one
 JSON-ready dictionary, the page's only input (see viewer.js for how each field is read), keeping every weight up
 to ``EXACT_CELLS`` and each row's largest past that."""
 
@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnkit.viewer import _data
-from attnkit.viewer._data import Layer
+from attnkit.tools.viewer import _data
+from attnkit.tools.viewer._data import Layer
 
 # H heads, Lq/Lk query/key length, B batch, k weights kept per row, tq/tk thumbnail rows/columns
 

@@ -1,5 +1,5 @@
 """The command line's arguments: one parser, whose types check every number when it is parsed (a mistake is a
-:class:`~attnkit._files.UsageError`: one line, exit 2)."""
+:class:`~attnkit.tools.files.UsageError`: one line, exit 2)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import argparse
 from collections.abc import Callable
 
 import attnkit
-from attnkit._checks import TORCH_SEEDS
-from attnkit._files import UsageError, cut, shown
+from attnkit._validate import TORCH_SEEDS
+from attnkit.tools.files import UsageError, cut, shown
 
 __all__ = ["LARGEST", "build_parser"]
 
@@ -67,7 +67,7 @@ def _lengths(text: str) -> list[int]:
 
 def _heatmap_description() -> str:
     try:
-        from attnkit.plot import MAX_CELLS, MAX_PANELS
+        from attnkit.tools.plot import MAX_CELLS, MAX_PANELS
     except ImportError:  # no numpy: the command says what to install when it runs
         return "Draw attention weights (needs attnkit[plot])."
     return (

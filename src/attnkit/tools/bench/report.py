@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from attnkit._files import write_atomically
+from attnkit._atomic import write_atomically
 
 __all__ = ["HEADS", "HIDDENS", "Report", "Row", "load_json", "plot_report", "save_json", "table"]
 
@@ -185,7 +185,7 @@ def _json_excerpt(value: Any) -> str:
 def plot_report(report: Report, path: str) -> None:
     from collections import Counter
 
-    from attnkit import plot
+    from attnkit.tools import plot
 
     plt = plot._pyplot()
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")

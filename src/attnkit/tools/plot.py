@@ -22,7 +22,7 @@ weight), NaN and infinities are grey in both functions: a map's own lowest colou
 cannot be told from a small weight.
 
 For an interactive page instead of a picture (head view, model view and matrix view in one self-contained HTML
-file), see :func:`view`, from :mod:`attnkit.viewer`.
+file), see :func:`view`, from :mod:`attnkit.tools.viewer`.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnkit._files import write_atomically
-from attnkit._text_fit import SLACK as _SLACK
-from attnkit._text_fit import fill as _fill
-from attnkit._text_fit import inches as _inches
-from attnkit.viewer import AttentionView, view
+from attnkit._atomic import write_atomically
+from attnkit.tools.text_fit import SLACK as _SLACK
+from attnkit.tools.text_fit import fill as _fill
+from attnkit.tools.text_fit import inches as _inches
+from attnkit.tools.viewer import AttentionView, view
 
 __all__ = [
     "MAX_CELLS",

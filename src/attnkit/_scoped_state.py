@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
-import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextvars import ContextVar
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
-__all__ = ["counted", "outside_graph", "read"]
+__all__ = ["counted", "read"]
 
 T = TypeVar("T")
-F = TypeVar("F", bound=Callable[..., Any])
 
 # Blocks open in the process by kind, and the kinds with one open (what dynamo guards on: the kinds, not the counts,
 # so that a compiled model is compiled again once per set of kinds, not at each count; and per kind, since a trace
@@ -56,25 +53,3 @@ def counted(kind: str) -> Iterator[None]:
         with _LOCK:
             _COUNTS[kind] -= 1
             _ANY_OPEN[0] = tuple(sorted(+_COUNTS))
-
-
-def outside_graph(fn: F) -> F:
-    """``fn``, run as it is (a graph break) where ``torch.compile`` traces a call to it: what
-    ``torch.compiler.disable`` does, made only when first needed, since making it imports ``torch._dynamo`` (about
-    1 s here, and Triton where it is installed): ``import attnkit`` loads neither (``tests/test_imports.py``).
-
-    The first call under a trace makes the disabled form there, which costs that trace one more graph break; the
-    form is kept for every later trace, and an eager call made once dynamo is loaded makes it ahead."""
-    disabled: list[Callable[..., Any]] = []
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            if not disabled:
-                disabled.append(torch.compiler.disable(fn))
-            return disabled[0](*args, **kwargs)
-        if not disabled and "torch._dynamo" in sys.modules:
-            disabled.append(torch.compiler.disable(fn))
-        return fn(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]

@@ -1,5 +1,5 @@
 """Fitting text into a matplotlib figure: wrapping a title to a width in inches, measuring labels (for
-:mod:`attnkit.plot`; matplotlib is imported only when a text is measured)."""
+:mod:`attnkit.tools.plot`; matplotlib is imported only when a text is measured)."""
 
 from __future__ import annotations
 
