@@ -99,7 +99,7 @@ def decode(reps: int, context: int = 4096) -> dict[str, float]:
     token = torch.randn(1, 1, E)
     found = {}
     with torch.no_grad():
-        for name in ("eager", "compiled"):
+        for name in ("eager", "tiles:compiled"):
             cache = attnkit.KVCache(max_len=context + 4 * reps + 64)
             model(prompt, prompt, prompt, is_causal=True, cache=cache)
 

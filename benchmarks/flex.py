@@ -78,7 +78,7 @@ def window_contenders(length: int) -> dict[str, Callable[[], None]]:
 
     def chunked(**kw: Any) -> Callable[[], None]:
         def run() -> None:
-            attnkit.scaled_dot_product_attention(q, k, v, backend="chunked", **kw).output.backward(dout)
+            attnkit.scaled_dot_product_attention(q, k, v, backend="tiles:online", **kw).output.backward(dout)
 
         return run
 
@@ -113,7 +113,7 @@ def memory_child(length: int) -> dict[str, Any]:
     attnkit.scaled_dot_product_attention(
         *(torch.randn(B, H, 512, D, requires_grad=True) for _ in range(3)),
         mask_mod=mods.sliding_window(WINDOW),
-        backend="chunked",
+        backend="tiles:online",
     ).output.sum().backward()  # warm-up: thread pools, lazy imports
     q, k, v = (torch.randn(B, H, length, D, requires_grad=True) for _ in range(3))  # (B, H, L, D)
     dout = torch.randn(B, H, length, D)
@@ -121,7 +121,7 @@ def memory_child(length: int) -> dict[str, Any]:
     start = time.perf_counter()
     peak = peak_memory(
         lambda: attnkit.scaled_dot_product_attention(
-            q, k, v, mask_mod=mods.sliding_window(WINDOW), backend="chunked"
+            q, k, v, mask_mod=mods.sliding_window(WINDOW), backend="tiles:online"
         ).output.backward(dout)
     )
     return {"peak_bytes": peak, "inputs_bytes": inputs_bytes, "seconds": time.perf_counter() - start}
@@ -209,7 +209,7 @@ def accuracy_cases(Lq: int, Lk: int, H: int) -> dict[str, Callable[[dict[str, Te
 
 
 def measure_accuracy() -> dict[str, dict[str, float]]:
-    from attnkit.backends import chunked
+    from attnkit.backends.tiles import online
 
     B, H, Hkv, Lq, Lk, Dh = 2, 4, 2, 150, 203, 40  # lengths no multiple of the 64-key blocks used below
     g = torch.Generator().manual_seed(0)
@@ -225,9 +225,9 @@ def measure_accuracy() -> dict[str, dict[str, float]]:
     errors: dict[str, dict[str, float]] = {}
     for name, make in accuracy_cases(Lq, Lk, H).items():
         runs = []
-        for dtype, backend in ((torch.float64, "reference"), (torch.float32, "chunked")):
+        for dtype, backend in ((torch.float64, "reference"), (torch.float32, "tiles:online")):
             t = {n: x.to(dtype, copy=True).requires_grad_() for n, x in base.items()}
-            with chunked.settings(block_size=64):
+            with online.settings(block_size=64):
                 out = attnkit.scaled_dot_product_attention(t["q"], t["k"], t["v"], backend=backend, **make(t)).output
             out.backward(dout.to(dtype))
             runs.append({"output": out.detach(), **{n: x.grad for n, x in t.items() if x.grad is not None}})

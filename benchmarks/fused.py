@@ -171,14 +171,14 @@ def memory_child(name: str, length: int) -> dict[str, Any]:
     from attnkit.tools.bench import peak_memory
 
     if name == "additive":  # the compiled steps' graphs, the same at every length: compiled here, not counted
-        additive_contenders(256, "compiled")["additive"]()
+        additive_contenders(256, "tiles:compiled")["additive"]()
         inputs_bytes = 4 * 4 * ADDITIVE_B * length * ADDITIVE_H  # q, k, v and dout
         return {"peak_bytes": peak_memory(additive_contenders(length)["additive"]), "inputs_bytes": inputs_bytes}
     contenders(512)[name]()  # warm-up: thread pools, lazy imports
     if name == "softcap":  # the compiled steps' graphs, the same at every length (Inductor's compiling is not counted)
         q, k, v = (torch.randn(B, H, 512, D, requires_grad=True) for _ in range(3))
         out = attnkit.scaled_dot_product_attention(
-            q, k, v, score_mod=mods.softcap(30.0), is_causal=True, backend="compiled"
+            q, k, v, score_mod=mods.softcap(30.0), is_causal=True, backend="tiles:compiled"
         ).output
         out.sum().backward()
     run = contenders(length)[name]
@@ -223,7 +223,8 @@ def measure(lengths: list[int], repeats: int, flex: bool, rows: set[str] | None 
         packed = timed_rounds(packed_contenders(), repeats)
         results["packed"] = {"seconds": packed, "ratios": {"packed": packed["packed"] / packed["sdpa per document"]}}
     if rows is None or "additive" in rows:
-        additive_contenders(256, "compiled")["additive"]()  # its steps compiled first (the same graphs at every length)
+        # its steps compiled first (the same graphs at every length)
+        additive_contenders(256, "tiles:compiled")["additive"]()
         found = timed_rounds(additive_contenders(), repeats)
         results["additive"] = {"seconds": found, "ratios": {"additive": found["additive"] / found["book additive"]}}
     return results

@@ -8,8 +8,8 @@ Rows (each a ratio of contenders measured in turn in the same run, medians of ``
 
 * ``mha``: ``attnkit.MultiHeadAttention`` against the same four projections written by hand around
   ``F.scaled_dot_product_attention``, causal, forward and backward (target: within 5%);
-* ``flex``: the ``flex`` backend (a sliding-window ``mask_mod``) against PyTorch's compiled ``flex_attention`` with
-  the same block mask made once, forward and backward;
+* ``flex``: the tile engine on CUDA (``tiles:flex``, a sliding-window ``mask_mod``) against PyTorch's compiled
+  ``flex_attention`` with the same block mask made once, forward and backward;
 * ``decode``: one decode step of ``MultiHeadAttention`` over a static ``KVCache`` at context 32,768, against the
   time to read the cache and the layer's weights once at the bandwidth a device copy reaches in the same run;
 * ``stats``: ``record_stats(topk=16)`` beside the same forward without it (``MultiHeadAttention(512, 8)``, causal,
@@ -83,12 +83,12 @@ def flex_row(device: str, dtype: torch.dtype, smoke: bool) -> dict[str, Callable
     compiled = torch.compile(fa.flex_attention)
 
     def attnkit_flex() -> None:
-        attnkit.scaled_dot_product_attention(q, k, v, mask_mod=window, backend="flex").output.sum().backward()
+        attnkit.scaled_dot_product_attention(q, k, v, mask_mod=window, backend="tiles:flex").output.sum().backward()
 
     def torch_flex() -> None:
         compiled(q, k, v, block_mask=block_mask).sum().backward()
 
-    return {"attnkit backend='flex'": attnkit_flex, "compiled flex_attention": torch_flex}
+    return {"attnkit backend='tiles:flex'": attnkit_flex, "compiled flex_attention": torch_flex}
 
 
 def bandwidth(device: str, sync: Callable[[], None]) -> float:

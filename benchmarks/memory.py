@@ -37,7 +37,7 @@ B, H, D = 1, 8, 64
 DTYPE = "float32"
 BYTES_PER_ELEMENT = 4
 LENGTHS = (1024, 4096, 16384)
-BACKENDS = ("reference", "sdpa", "chunked")
+BACKENDS = ("reference", "sdpa", "tiles:online")
 BUDGET_GIB = 12.0
 # Copies of the (B, H, L, L) scores/weights that the reference backend holds at its peak (forward + backward).
 REFERENCE_COPIES = 3
@@ -67,7 +67,7 @@ def measure_one(backend: str, length: int, block_size: int | None) -> dict[str, 
     import torch
 
     import attnkit
-    from attnkit.backends import chunked
+    from attnkit.backends.tiles import online
     from attnkit.tools.bench import peak_memory
 
     def inputs(n: int) -> tuple[torch.Tensor, ...]:
@@ -80,7 +80,7 @@ def measure_one(backend: str, length: int, block_size: int | None) -> dict[str, 
         out.backward(dout)
 
     torch.manual_seed(0)
-    with chunked.settings(block_size=block_size):
+    with online.settings(block_size=block_size):
         call(*inputs(WARMUP_LENGTH))  # thread pools, kernels, lazy imports: not part of the measurement
         gc.collect()
         q, k, v, dout = inputs(length)

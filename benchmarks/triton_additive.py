@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     leaves = inputs(B, L, args.features, args.value_dim, dtype, device)
     lens = torch.full((B,), L, device=device)
     lens[1::2] = L * 3 // 4  # every other example padded: valid_lens as the book's models give it
-    contenders = {name: step(name, leaves, lens) for name in ("triton", "chunked")}
+    contenders = {name: step(name, leaves, lens) for name in ("triton", "tiles:online")}
     seconds = timed(contenders, args.repeats, torch.cuda.synchronize if device == "cuda" else lambda: None)
     memory = {name: peak_bytes(run, device) for name, run in contenders.items()}
     half = inputs(B, L // 2, args.features, args.value_dim, dtype, device)  # memory linear in L: half the length
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     del half
     error = error_against_float64(leaves, lens, rows=min(L, 64))
-    ratio = seconds["chunked"] / seconds["triton"]
+    ratio = seconds["tiles:online"] / seconds["triton"]
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
     results: dict[str, Any] = {
         "device": device_name,

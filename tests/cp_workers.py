@@ -81,10 +81,12 @@ def layers(rank: int, world_size: int) -> dict[str, float]:
             xs, ws = x.clone(), weights.clone()
             with context_parallel(mesh, buffers=[xs, ws], buffer_seq_dims=[1, 1]):
                 xr = xs.clone().requires_grad_()
-                with attnkit.dispatch.watch() as ran:
+                with attnkit.dispatch.watch(implementations=True) as ran:
                     out = run(xr, masks)  # (B, L_r, E)
                 if not ran or set(ran) != {"ring"}:  # every call inside the block runs as the ring, and says so
-                    raise AssertionError(f"{layer} {name}: dispatch.watch() saw {ran}, not only 'ring'")
+                    raise AssertionError(
+                        f"{layer} {name}: dispatch.watch(implementations=True) saw {ran}, not only 'ring'"
+                    )
                 if layer == "d2l" and (book.attention.attention_weights, book.attention.scores) != (None, None):
                     raise AssertionError("d2l inside context_parallel: a shard's weights or scores were kept")
                 mine = torch.autograd.grad((out * ws).sum(), [xr, *params])
@@ -183,7 +185,7 @@ def refusals(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         "record_weights on rank 0": lambda: _recorded(mha, x, first),
         "dropout": lambda: attnkit.scaled_dot_product_attention(x, x, x, dropout_p=0.5),
         "need_weights": lambda: attnkit.scaled_dot_product_attention(x, x, x, need_weights=True),
-        "backend": lambda: attnkit.scaled_dot_product_attention(x, x, x, backend="chunked"),
+        "backend": lambda: attnkit.scaled_dot_product_attention(x, x, x, backend="tiles:online"),
         "additive": lambda: attnkit.additive_attention(x, x, x, torch.ones(8)),
         "attention_weights": lambda: attnkit.functional.attention_weights(x, x),
         "keys not cut": lambda: mha(x, torch.randn(1, 6, 8), torch.randn(1, 6, 8), valid_lens=torch.tensor([5])),

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import attnkit
 from attnkit import mods
-from attnkit.backends import chunked
+from attnkit.backends.tiles import online
 from attnkit.distributed import (
     RingMultiHeadAttention,
     gather_sequence,
@@ -95,14 +95,14 @@ def in_a_subgroup(rank: int, world_size: int) -> list[tuple[str, str, float, boo
     group = dist.new_group(list(range(1, world_size)))  # every rank takes part in making it
     if rank == 0:
         return []
-    with chunked.settings(block_size=3):
+    with online.settings(block_size=3):
         return _check_case(Case(Lq=5 * world_size + 2, masking="causal+valid_lens", layout="zigzag"), 0, group)
 
 
 def check_against_single_process(rank: int, world_size: int, cases: list[Case]) -> list[tuple[str, str, float, bool]]:
     """For each case and each of output, dq, dk, dv: (case, name, max |ring - single|, within tolerance)."""
     rows = []
-    with chunked.settings(block_size=3):  # several key blocks inside each ring block, and a partial last one
+    with online.settings(block_size=3):  # several key blocks inside each ring block, and a partial last one
         for i, case in enumerate(cases):
             rows += _check_case(case, seed=i)
     return rows
@@ -223,7 +223,7 @@ def count_scored(rank: int, world_size: int, layout: str, mod: str) -> dict[str,
     mask_mod = {"causal": None, "window": mods.sliding_window(4), "document": mods.document(halves)}[mod]
     ring.accumulate = counting
     try:
-        with chunked.settings(block_size=16):
+        with online.settings(block_size=16):
             q, k, v = (shard_sequence(torch.randn(1, 1, L, 4), layout=layout) for _ in range(3))
             ring_attention(q, k, v, is_causal=True, layout=layout, timeout=30, mask_mod=mask_mod)
     finally:

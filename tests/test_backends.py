@@ -7,12 +7,12 @@ import torch
 
 import attnkit
 from attnkit import dispatch
-from attnkit.backends import chunked
+from attnkit.backends.tiles import online
 from cases import MASKINGS, SHAPES, make_inputs, make_masking
 from mathref import attention as math_attention
 from mathref import max_err
 
-BACKENDS = ("reference", "sdpa", "chunked")
+BACKENDS = ("reference", "sdpa", "tiles:online")
 
 # float32: the output within 1e-5 of float64. Gradients sum up to Lq * H/Hkv terms (904 here), so their
 # float32 error is measured against their size: 3e-5 * max(1, max|grad|). The chunked backward's dk, where the
@@ -23,7 +23,7 @@ GRAD_TOL = 3e-5
 
 def _run(backend, q, k, v, kw, grad_out=None, block_size=64):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    with chunked.settings(block_size=block_size):  # several blocks and a partial last one at Lk=203, 257
+    with online.settings(block_size=block_size):  # several blocks and a partial last one at Lk=203, 257
         out, _ = attnkit.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
     if grad_out is None:
         return out, None
@@ -97,10 +97,10 @@ def test_additive_matches_float64_math_for_reference_and_chunked(Lq):
         truth, true_w = math_attention(*leaves64[:3], w_v=leaves64[3], **kw)
         grad_out = torch.randn(truth.shape, generator=g, dtype=torch.float64)
         true_grads = torch.autograd.grad(truth, leaves64, grad_out)
-        for backend in ("reference", "chunked"):
+        for backend in ("reference", "tiles:online"):
             leaves = [t.clone().requires_grad_() for t in (q, k, v, w_v)]
             # a 64 KiB budget makes blocks of 4 keys here: many blocks, a partial last one
-            with chunked.settings(additive_block_bytes=2**16):
+            with online.settings(additive_block_bytes=2**16):
                 out, weights = attnkit.additive_attention(
                     *leaves, backend=backend, need_weights=backend == "reference", **kw
                 )
@@ -131,8 +131,8 @@ def test_gradcheck_reference_and_chunked_in_float64():
     v = torch.randn(2, 2, 6, 4, generator=g, dtype=torch.float64)
     bias = torch.randn(1, 4, 3, 6, generator=g, dtype=torch.float64)
     lens = torch.tensor([[2, 0, 6], [5, 4, 1]])  # a row with no key, and a row with all of them
-    for backend in ("reference", "chunked"):
-        with chunked.settings(block_size=4):
+    for backend in ("reference", "tiles:online"):
+        with online.settings(block_size=4):
 
             def dot(q, k, v, backend=backend):
                 return attnkit.scaled_dot_product_attention(
@@ -149,8 +149,8 @@ def test_gradcheck_additive_reference_and_chunked_in_float64():
     v = torch.randn(2, 6, 4, generator=g, dtype=torch.float64)
     w_v = torch.randn(5, generator=g, dtype=torch.float64)
     lens = torch.tensor([4, 0])
-    for backend in ("reference", "chunked"):
-        with chunked.settings(additive_block_bytes=8 * 2 * 3 * 5 * 4):  # blocks of 4 keys
+    for backend in ("reference", "tiles:online"):
+        with online.settings(additive_block_bytes=8 * 2 * 3 * 5 * 4):  # blocks of 4 keys
 
             def additive(q, k, v, w_v, backend=backend):
                 return attnkit.additive_attention(q, k, v, w_v, valid_lens=lens, backend=backend).output
@@ -223,7 +223,7 @@ def test_padding_never_leaks_into_additive_attention():
     dirty_k, dirty_v = k.clone(), v.clone()
     dirty_k[1, 37:] = float("nan")
     dirty_v[1, 37:] = float("inf")
-    for backend in ("reference", "chunked"):
+    for backend in ("reference", "tiles:online"):
         clean = attnkit.additive_attention(q, k, v, w_v, valid_lens=lens, backend=backend).output
         dirty = attnkit.additive_attention(q, dirty_k, dirty_v, w_v, valid_lens=lens, backend=backend).output
         torch.testing.assert_close(dirty, clean, rtol=0, atol=0)
@@ -264,13 +264,13 @@ def test_chunked_saves_nothing_of_size_lq_times_lk():
     q, k, v = (torch.randn(1, 2, L, D, requires_grad=True) for _ in range(3))
     saved = []
     hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t)
-    with hooks, chunked.settings(block_size=64):
-        out = attnkit.scaled_dot_product_attention(q, k, v, valid_lens=torch.tensor([400]), backend="chunked")
+    with hooks, online.settings(block_size=64):
+        out = attnkit.scaled_dot_product_attention(q, k, v, valid_lens=torch.tensor([400]), backend="tiles:online")
     out.output.sum().backward()
     assert saved and max(saved) <= 2 * L * D
     with hooks:
         w_v = torch.randn(D, requires_grad=True)
-        out = attnkit.additive_attention(q, k, v, w_v, backend="chunked")
+        out = attnkit.additive_attention(q, k, v, w_v, backend="tiles:online")
     out.output.sum().backward()
     assert max(saved) <= 2 * L * D
 
@@ -328,11 +328,11 @@ def test_a_decode_step_over_a_cache_runs_as_two_products_and_matches_the_math(mo
     kw = make_masking(masking, Lq, 203, g)
     k, v = positions_last(k), positions_last(v)
     truth, _ = math_attention(q.double(), k.double(), v.double(), **kw)
-    with torch.no_grad(), dispatch.watch() as ran:
+    with torch.no_grad(), dispatch.watch(implementations=True) as ran:
         out = attnkit.scaled_dot_product_attention(q, k, v, **kw).output
     assert calls == [] and ran == ["decode"], masking
     assert max_err(out, truth) <= OUT_TOL, masking
-    with dispatch.watch() as ran:
+    with dispatch.watch(implementations=True) as ran:
         out, _ = _run("auto", q, k, v, kw, torch.ones_like(truth))
     assert ran == ["sdpa"] and calls and all(t.stride(-1) == 1 for a in calls for t in a[1:3])
     assert max_err(out, truth) <= OUT_TOL, masking
@@ -358,14 +358,14 @@ def test_the_decode_step_leaves_to_the_fused_kernel_what_it_cannot_run(monkeypat
     kp, vp = positions_last(k), positions_last(v)
     assert 4 * 5 > decode.FEW_QUERIES
     with torch.no_grad():  # 20 queries per key/value head
-        with dispatch.watch() as ran:
+        with dispatch.watch(implementations=True) as ran:
             out = attnkit.scaled_dot_product_attention(q, kp, vp, is_causal=True).output
         assert ran == ["sdpa"] and len(calls) == 1 and all(t.stride(-1) == 1 for t in calls[0][1:3])
         assert max_err(out, math_attention(q.double(), k.double(), v.double(), is_causal=True)[0]) <= OUT_TOL
         with pytest.raises(ValueError, match=r"decode: .*at most 16 queries per key/value head \(this call has 20\)"):
             attnkit.scaled_dot_product_attention(q, kp, vp, is_causal=True, backend="decode")
         calls.clear()
-        with dispatch.watch() as ran:
+        with dispatch.watch(implementations=True) as ran:
             half = attnkit.scaled_dot_product_attention(q[:, :, :1].bfloat16(), kp.bfloat16(), vp.bfloat16())
         assert ran == ["sdpa"] and len(calls) == 1 and torch.isfinite(half.output).all()
         with pytest.raises(ValueError, match=r"decode: .*float32 or float64 only \(the inputs are bfloat16\)"):
@@ -375,14 +375,17 @@ def test_the_decode_step_leaves_to_the_fused_kernel_what_it_cannot_run(monkeypat
         bias = torch.randn(2, 8, 1, 40, generator=g, requires_grad=True)
         slopes = mods.alibi_slopes(8).requires_grad_()
         kw = {"attn_mask": bias} if grad_of == "bias" else {"score_mod": mods.alibi(slopes)}
-        with dispatch.watch() as ran:
+        with dispatch.watch(implementations=True) as ran:
             out = attnkit.scaled_dot_product_attention(q[:, :, :1], kp, vp, **kw).output
         out.sum().backward()
         assert ran == ["sdpa"] and len(calls) == 1, grad_of
         assert (bias.grad if grad_of == "bias" else slopes.grad) is not None
         with pytest.raises(ValueError, match=r"decode: .*no autograd"):
             attnkit.scaled_dot_product_attention(q[:, :, :1], kp, vp, backend="decode", **kw)
-        with torch.no_grad(), dispatch.watch() as ran:  # the same call without autograd: the decode step
+        with (
+            torch.no_grad(),
+            dispatch.watch(implementations=True) as ran,
+        ):  # the same call without autograd: the decode step
             calls.clear()
             again = attnkit.scaled_dot_product_attention(q[:, :, :1], kp, vp, **kw).output
         assert ran == ["decode"] and calls == [] and max_err(again, out) <= OUT_TOL
@@ -411,13 +414,13 @@ def test_a_decode_step_reads_the_keys_up_to_the_longest_live_row_only(monkeypatc
     assert max_err(out, math_attention(q.double(), k.double(), v.double(), valid_lens=lens)[0]) <= OUT_TOL
 
 
-@pytest.mark.parametrize("backend", ["chunked", "tiles"])
+@pytest.mark.parametrize("backend", ["tiles:online", "tiles:kernel", "tiles:compiled"])
 def test_a_second_derivative_through_a_recomputing_backward_is_refused_not_wrong(backend):
     """A gradient penalty (create_graph=True) through a backend whose backward recomputes outside autograd: an error
     naming the backend and the reference, never a second derivative silently missing the attention's share (the
     compiled, triton and ring backwards share the same check)."""
     q, k, v, _ = make_inputs(7, 20, 8, 2, seed=0)
-    q, v = q.requires_grad_(), v[..., :8]  # (tiles: values of the queries' head size)
+    q, v = q.requires_grad_(), v[..., :8]
     out = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True, backend=backend).output
     with pytest.raises(
         RuntimeError, match=rf"the {backend} backend's backward cannot be differentiated again.*'reference'"

@@ -22,7 +22,7 @@ TARGETS_SCRIPT = Path(__file__).parents[1] / "benchmarks" / "targets.py"
 def test_contenders_compute_the_same_attention(mask):
     """Same inputs, same weights: torch's module and the book's formulas give attnkit's output."""
     reference = bench.make_forward("mha", 2, 16, mask, "attnkit:reference", train=False)()
-    for contender in ("attnkit", "attnkit:sdpa", "attnkit:chunked", "attnkit+weights", "torch", "book"):
+    for contender in ("attnkit", "attnkit:sdpa", "attnkit:tiles:online", "attnkit+weights", "torch", "book"):
         out = bench.make_forward("mha", 2, 16, mask, contender, train=False)()
         torch.testing.assert_close(out, reference, rtol=0, atol=1e-5, msg=f"{contender}, {mask}")
 

@@ -60,7 +60,7 @@ def layout(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked", "auto"])  # auto: the decode backend's steps
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiles:online", "auto"])  # auto: the decode backend's steps
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
 @pytest.mark.parametrize("chunk", [1, 17, T])
@@ -200,7 +200,7 @@ def test_mistakes_are_value_errors_that_say_what_fits():
         KVCache(max_len=4, window=2)
     with pytest.raises(ValueError, match="max_len must be a positive whole number"):
         KVCache(max_len=0)
-    with pytest.raises(ValueError, match="attn_mask, mask_mod and score_mod are not supported"):
+    with pytest.raises(ValueError, match="attn_mask, mask_mod, score_mod and plan are not supported"):
         mha(x, x, x, is_causal=True, cache=KVCache(), mask_mod=mods.sliding_window(2))
     with pytest.raises(ValueError, match=r"valid_lens must have shape \(B,\) = \(2,\)"):
         mha(x, x, x, torch.ones(2, 3), is_causal=True, cache=KVCache())
@@ -214,7 +214,7 @@ def test_mistakes_are_value_errors_that_say_what_fits():
         mha(x, x, x, cache={})
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiles:online"])
 def test_nan_in_prompt_padding_never_reaches_a_decode_step(backend):
     """Padded prompt positions are projected and written past each row's length; whatever they hold (NaN here)
     never reaches an output, at the prefill or at any later step (dead keys that are not finite are zeroed)."""
@@ -307,13 +307,13 @@ def test_a_cpu_cache_stores_positions_last_and_its_decode_step_is_two_products(k
     with torch.no_grad():
         mha(prompt, prompt, prompt, LENS, is_causal=True, cache=cache)
         calls.clear()
-        with dispatch.watch() as ran:
+        with dispatch.watch(implementations=True) as ran:
             steps = [mha(x, x, x, is_causal=True, cache=cache) for x in gen.split(1, dim=1)]
         assert calls == [] and set(ran) == {"decode"}
         cross = CrossKVCache()
         mha(gen[:, :1], prompt, prompt, LENS, cache=cross)  # projects the memory (and attends over the projection)
         calls.clear()
-        with dispatch.watch() as ran:
+        with dispatch.watch(implementations=True) as ran:
             crossed = mha(gen[:, 1:2], prompt, prompt, LENS, cache=cross)  # a step over what it stored
         assert calls == [] and ran == ["decode"]
         want = _full_rows(mha, prompt, gen, KINDS[kind].get("window"))
@@ -368,7 +368,7 @@ def test_a_cache_step_tells_the_backends_its_keys_are_zeros_past_each_row(monkey
 
 
 @pytest.mark.parametrize("layout", ["positions_last", "heads_rows"], indirect=True)
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiles:online"])
 def test_a_row_with_no_new_token_over_a_past_holding_inf_gives_zeros(backend, layout):
     """The promise is about each row's length: a row whose new tokens are all padding sees no key, so all its
     keys are dead, including its real past ones, which hold inf here: they are zeroed, and its output is zero."""

@@ -30,7 +30,7 @@ def attnkit(*args, cwd=None, timeout=120):
 def test_info_names_versions_and_backends():
     result = attnkit("info")
     assert result.returncode == 0, result.stderr
-    for word in ("attnkit", "torch", "python", "threads", "backend reference", "backend sdpa", "backend chunked"):
+    for word in ("attnkit", "torch", "python", "threads", "backend reference", "backend sdpa", "backend tiles:online"):
         assert word in result.stdout
     ring = [line for line in result.stdout.splitlines() if line.startswith("ring attention")]
     assert len(ring) == 1 and "over gloo" in ring[0], result.stdout  # every CPU build of torch has gloo

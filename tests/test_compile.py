@@ -256,7 +256,7 @@ def test_record_weights_sees_compiled_calls() -> None:
     with attnkit.record_weights(model) as rec:
         compiled(x)
     torch.testing.assert_close(rec["attn"], _weights(model, x, lens))
-    with attnkit.dispatch.watch() as ran:
+    with attnkit.dispatch.watch(implementations=True) as ran:
         compiled(x)
     assert ran == ["graph"]
     frames = counter.frame_count
@@ -273,14 +273,14 @@ def _weights(model: nn.Module, x: torch.Tensor, lens: torch.Tensor) -> torch.Ten
 def test_named_backend_runs_outside_the_graph() -> None:
     """A backend named explicitly plans from values: it runs as eagerly, outside the graph (a graph break)."""
     torch.manual_seed(0)
-    model = attnkit.MultiHeadAttention(E, 4, backend="chunked")
+    model = attnkit.MultiHeadAttention(E, 4, backend="tiles:online")
     x = torch.randn(B, L, E)
     _fresh()
     explained = torch._dynamo.explain(lambda x: model(x, x, x, _lens()))(x)
     assert explained.graph_break_count >= 1
-    with attnkit.dispatch.watch() as ran:
+    with attnkit.dispatch.watch(implementations=True) as ran:
         out = torch.compile(lambda x: model(x, x, x, _lens()))(x)
-    assert "chunked" in ran
+    assert "tiles:online" in ran
     torch.testing.assert_close(out, model(x, x, x, _lens()))
 
 

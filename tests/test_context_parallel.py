@@ -104,7 +104,7 @@ REFUSALS = {
     "record_weights on rank 0": "weights cannot be returned or recorded inside context_parallel",
     "dropout": "dropout on the weights cannot run inside context_parallel, got dropout_p=0.5",
     "need_weights": "weights cannot be returned or recorded inside context_parallel",
-    "backend": "backend='chunked' cannot run inside context_parallel",
+    "backend": "backend='tiles:online' cannot run inside context_parallel",
     "additive": "additive attention cannot run inside context_parallel",
     "attention_weights": "attention_weights inside context_parallel",
     "keys not cut": "queries and keys must be the same cut sequence, got 4 query and 6 key positions on this rank",

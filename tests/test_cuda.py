@@ -10,7 +10,7 @@ import torch
 import attnkit
 import mathref
 from attnkit import dispatch, mods
-from attnkit.backends import chunked
+from attnkit.backends.tiles import online
 from cases import make_masking
 from mathref import max_err
 
@@ -22,7 +22,7 @@ DEVICES = [
     ),
 ]
 MASKINGS = ("none", "valid_lens_2d+causal", "bool_mask+float_mask", "window")
-SKIPPED_ON_CPU = {"compiled"}  # compiles seconds per shape; tests/test_compiled*.py cover it on CPU
+SKIPPED_ON_CPU = {"tiles:compiled"}  # compiles seconds per shape; tests/test_tiles_compiled*.py cover it on CPU
 OUT_TOL, GRAD_TOL = 1e-5, 3e-5  # float32 against float64, as tests/test_backends.py
 
 
@@ -39,7 +39,7 @@ def _run(backend: str, leaves: list[torch.Tensor], w_v: bool, kw: dict, grad_out
     fn = attnkit.additive_attention if w_v else attnkit.scaled_dot_product_attention
     inputs = [t.detach().clone().requires_grad_() for t in leaves]
     try:
-        with chunked.settings(block_size=8):
+        with online.settings(block_size=8):
             out = fn(*inputs, backend=backend, **kw).output
         return out, torch.autograd.grad(out, inputs, grad_out)
     except ValueError as e:
@@ -72,7 +72,7 @@ def test_every_backend_of_the_device_matches_the_float64_math(device, scoring):
             truth, _ = mathref.attention(*leaves64[:3], w_v=leaves64[3] if len(leaves) > 3 else None, **math_kw)
         grad_out = torch.randn(truth.shape, generator=g, dtype=torch.float64)
         true_grads = torch.autograd.grad(truth, leaves64, grad_out)
-        for backend in dispatch.available_backends(device):
+        for backend in dispatch.available_backends(device, implementations=True):
             if device == "cpu" and backend in SKIPPED_ON_CPU:
                 continue
             on_device = [t.to(device) for t in leaves]
@@ -85,9 +85,9 @@ def test_every_backend_of_the_device_matches_the_float64_math(device, scoring):
             assert out.device.type == device and max_err(out.cpu(), truth) <= OUT_TOL, where
             for name, grad, true in zip("qkvw", grads or (), true_grads, strict=False):
                 assert max_err(grad.cpu(), true) <= GRAD_TOL * max(1.0, true.abs().max().item()), f"d{name}: {where}"
-    expected = {"reference", "chunked", "graph"} | ({"sdpa"} if scoring == "dot" else set())
+    expected = {"reference", "tiles:online", "graph"} | ({"sdpa"} if scoring == "dot" else set())
     if device == "cuda":
-        expected |= {"flex"} if scoring == "dot" else {"triton"}
+        expected |= {"tiles:flex"} if scoring == "dot" else {"triton"}
     assert expected <= set(ran), ran
 
 

@@ -10,6 +10,13 @@ import torch
 import attnkit
 from attnkit import dispatch, mods
 
+# the tile engine's implementations that run on the CPU (its kernel where it builds)
+ENGINES_ON_CPU = [
+    name
+    for name, engine in dispatch.ENGINES.items()
+    if name.startswith("tiles:") and "cpu" in (engine.SUPPORTS.devices or {"cpu"})
+]
+
 
 def _qkv(B=2, H=4, Lq=5, Lk=6, D=8, heads=True):
     if heads:
@@ -27,7 +34,7 @@ def _qkv(B=2, H=4, Lq=5, Lk=6, D=8, heads=True):
     ],
 )
 def test_auto_for_dot_product(kwargs, expected):
-    with dispatch.watch() as ran:
+    with dispatch.watch(implementations=True) as ran:
         attnkit.scaled_dot_product_attention(*_qkv(Lq=17), **kwargs)
     assert ran == [expected]
 
@@ -38,38 +45,46 @@ def test_auto_gives_a_masked_call_of_a_few_queries_to_the_decode_step():
     (with autograd, or unmasked, sdpa)."""
     q, k, v = _qkv(Lq=5)
     lens = torch.tensor([2, 3])
-    with dispatch.watch() as ran:
+    with dispatch.watch(implementations=True) as ran:
         attnkit.scaled_dot_product_attention(q, k, v, valid_lens=lens)
         attnkit.scaled_dot_product_attention(q, k, v)
         attnkit.scaled_dot_product_attention(q.requires_grad_(), k, v, valid_lens=lens)
     assert ran == ["decode", "sdpa", "sdpa"]
 
 
-def test_auto_for_additive_small_is_reference_and_large_is_chunked():
+def test_auto_for_additive_small_is_reference_and_large_is_the_tile_engine():
     q, k, v = _qkv(heads=False)
-    with dispatch.watch() as ran:
+    with dispatch.watch(implementations=True) as ran:
         attnkit.additive_attention(q, k, v, torch.randn(8))
     assert ran == ["reference"]
     q, k, v = _qkv(B=2, Lq=256, Lk=256, D=64, heads=False)  # 2*256*256*64 = 2**23 feature elements
-    with dispatch.watch() as ran:
+    with dispatch.watch(implementations=True) as ran:
         attnkit.additive_attention(q, k, v, torch.randn(64))
-        attnkit.additive_attention(q, k, v, torch.randn(64), dropout_p=0.1)  # chunked has no dropout
-    assert ran == ["chunked", "reference"]
+        attnkit.additive_attention(q, k, v, torch.randn(64), dropout_p=0.1)  # the tile engine has no dropout
+    assert ran == ["tiles:online", "reference"]
 
 
 def test_explicit_backend_runs_as_named():
-    for name in attnkit.available_backends("cpu"):
-        with dispatch.watch() as ran:
+    """A backend named runs the call; the tile engine named runs it on one of its implementations; an
+    implementation named runs it."""
+    for name in [*attnkit.available_backends("cpu"), *ENGINES_ON_CPU]:
+        with dispatch.watch(implementations=True) as ran:
             attnkit.scaled_dot_product_attention(*_qkv(), backend=name)
-        assert ran == [name]
+        assert ran == [name] if name != "tiles" else len(ran) == 1 and ran[0].startswith("tiles:")
+
+
+def test_a_backend_the_tile_engine_took_in_says_what_replaced_it():
+    for old, new in dispatch.REPLACED.items():
+        with pytest.raises(ValueError, match=rf"backend='{old}' is now part of the tile engine: backend='{new}'"):
+            attnkit.scaled_dot_product_attention(*_qkv(), backend=old)
 
 
 def test_explicit_backend_never_falls_back_and_lists_every_reason():
-    with pytest.raises(ValueError) as info, dispatch.watch() as ran:
-        attnkit.scaled_dot_product_attention(*_qkv(), backend="chunked", need_weights=True, dropout_p=0.2)
+    with pytest.raises(ValueError) as info, dispatch.watch(implementations=True) as ran:
+        attnkit.scaled_dot_product_attention(*_qkv(), backend="tiles:online", need_weights=True, dropout_p=0.2)
     message = str(info.value)
-    assert "backend='chunked' cannot run this call" in message
-    assert "chunked: never returns weights (need_weights=True); no dropout (dropout_p=0.2)" in message
+    assert "backend='tiles:online' cannot run this call" in message
+    assert "tiles:online: never returns weights (need_weights=True); no dropout (dropout_p=0.2)" in message
     assert "sdpa: never returns weights (need_weights=True)" in message
     assert "reference: can run it" in message
     assert ran == []
@@ -81,28 +96,29 @@ def test_sdpa_refuses_additive():
         attnkit.additive_attention(q, k, v, torch.randn(8), backend="sdpa")
 
 
-def test_chunked_refuses_a_float_mask_that_requires_grad():
+def test_the_tile_engine_refuses_a_float_mask_that_requires_grad():
     bias = torch.zeros(5, 6, requires_grad=True)
-    with pytest.raises(ValueError, match="chunked: does not differentiate a float attn_mask"):
-        attnkit.scaled_dot_product_attention(*_qkv(), attn_mask=bias, backend="chunked")
-    with dispatch.watch() as ran:
+    with pytest.raises(ValueError, match="tiles:online: does not differentiate a float attn_mask"):
+        attnkit.scaled_dot_product_attention(*_qkv(), attn_mask=bias, backend="tiles:online")
+    with dispatch.watch(implementations=True) as ran:
         out = attnkit.scaled_dot_product_attention(*_qkv(), attn_mask=bias).output
     out.sum().backward()
     assert ran == ["sdpa"] and bias.grad is not None
 
 
 def test_watch_records_nothing_outside_its_block():
-    with dispatch.watch() as ran:
+    with dispatch.watch(implementations=True) as ran:
         pass
     attnkit.scaled_dot_product_attention(*_qkv())
     assert ran == []
 
 
-@pytest.mark.parametrize("name", attnkit.available_backends("cpu"))
+@pytest.mark.parametrize("name", [*attnkit.available_backends("cpu"), *ENGINES_ON_CPU])
 def test_each_backend_runs_what_it_declares_and_refuses_the_rest(name):
-    """SUPPORTS is data dispatch reads: it must match what the backend does. Each capability declared runs when
-    the backend is named; each one not declared is refused with a ValueError, never run or fallen back from."""
-    supports = dispatch.BACKENDS[name].SUPPORTS
+    """SUPPORTS is data dispatch reads: it must match what the engine does. Each capability declared runs when
+    the engine is named (the tile engine's on one of its implementations); each one not declared is refused with a
+    ValueError, never run or fallen back from."""
+    supports = dispatch.BACKENDS[name].SUPPORTS if name in dispatch.BACKENDS else dispatch.ENGINES[name].SUPPORTS
     q, k, v = _qkv(heads=False)
     bias = torch.zeros(5, 6, requires_grad=True)
     attend = attnkit.scaled_dot_product_attention
@@ -177,13 +193,16 @@ def test_each_backend_runs_what_it_declares_and_refuses_the_rest(name):
         "huge hidden scores": supports.huge_scores,
     }
     for what, run in calls.items():
-        with dispatch.watch() as ran:
+        with dispatch.watch(implementations=True) as ran:
             if declared[what]:
                 run()
             else:
                 with pytest.raises(ValueError, match=f"backend='{name}' cannot run this call"):
                     run()
-        assert ran == ([name] if declared[what] else []), what
+        if name == "tiles" and declared[what]:  # one of its implementations
+            assert len(ran) == 1 and ran[0].startswith("tiles:"), what
+        else:
+            assert ran == ([name] if declared[what] else []), what
     assert dispatch.describe_backends()[name] == supports.describe()
 
 
@@ -196,16 +215,17 @@ def test_the_call_names_every_backend_in_its_docstring():
 
 
 def test_a_kernel_is_not_built_to_explain_a_call_it_could_not_run_anyway(monkeypatch):
-    """A backend's ``missing`` (which builds its kernel the first time: seconds) is asked last, only for a call
-    nothing else refuses: explaining a float64 call sent to ``flash`` builds nothing."""
-    from attnkit.backends import flash
+    """An engine's ``missing`` (which looks into the call) is asked last, only for a call nothing else refuses:
+    explaining a float64 call sent to ``tiles:kernel`` asks nothing; and it builds nothing (the kernel is built when
+    it first runs a call)."""
+    from attnkit.backends.tiles import kernel
 
     asked = []
-    supports = dataclasses.replace(flash.SUPPORTS, missing=lambda: asked.append(1) or None)
-    monkeypatch.setattr(flash, "SUPPORTS", supports)
+    supports = dataclasses.replace(kernel.SUPPORTS, missing=lambda call: asked.append(1) or None)
+    monkeypatch.setattr(kernel, "SUPPORTS", supports)
     q = torch.randn(1, 2, 5, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"flash: float32 only"):
-        attnkit.scaled_dot_product_attention(q, q, q, backend="flash")
+    with pytest.raises(ValueError, match=r"tiles:kernel: float32 only"):
+        attnkit.scaled_dot_product_attention(q, q, q, backend="tiles:kernel")
     assert asked == []
-    attnkit.scaled_dot_product_attention(q.float(), q.float(), q.float(), backend="flash")
+    attnkit.scaled_dot_product_attention(q.float(), q.float(), q.float(), backend="tiles:kernel")
     assert asked  # a call it can run asks

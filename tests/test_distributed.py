@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 import ring_workers as w
 from attnkit import mods
-from attnkit.backends import online
 from attnkit.distributed import sequence
 from attnkit.distributed.plan import Plan, StepMask, step_span
+from attnkit.plan import key_blocks
 from ranks import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -451,9 +451,9 @@ def test_far_steps_are_skipped_without_evaluating_anything():
     whole = _plan(0, 1, one, one, offset=0, is_causal=True, key_limit=256, mask_mod=bound)
     (r0, r1), (c0, c1) = step_span(whole, 0)
     mask = StepMask(whole, one[0], one[0], (r0, r1), (c0, c1), torch.device("cpu"))
-    spans = online.key_blocks(mask, r1 - r0, (0, c1 - c0), 16)
+    spans = key_blocks(mask, r1 - r0, (0, c1 - c0), 16)
     causal = StepMask(replace(whole, mask_mod=None), one[0], one[0], (r0, r1), (c0, c1), torch.device("cpu"))
-    causal_spans = online.key_blocks(causal, r1 - r0, (0, c1 - c0), 16)
+    causal_spans = key_blocks(causal, r1 - r0, (0, c1 - c0), 16)
     assert all(r1 - r0 <= 128 for _, _, r0, r1, _ in spans), spans  # one row block of 64, or two at a boundary
     pairs = sum((r1 - r0) * (j1 - j0) for j0, j1, r0, r1, _ in spans)
     causal_pairs = sum((r1 - r0) * (j1 - j0) for j0, j1, r0, r1, _ in causal_spans)

@@ -111,7 +111,7 @@ def _dead_example():
     return q, k, v
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiles:online"])
 @pytest.mark.parametrize(
     "kw",
     [
@@ -147,7 +147,7 @@ def test_liveness_comes_from_the_combined_mask():
     assert keys is None and rows.tolist() == [[[False, False, True, True]]]
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiles:online"])
 @pytest.mark.parametrize(
     ("mask_dtype", "input_dtype", "fill"),
     [
@@ -181,7 +181,7 @@ def test_a_finite_bias_never_becomes_minus_infinity(backend, mask_dtype, input_d
     torch.testing.assert_close(out, attnkit.scaled_dot_product_attention(q, k, v, attn_mask=hidden).output, **tol)
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiles:online"])
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 def test_plus_infinity_or_nan_in_a_float_mask_is_a_value_error(backend, bad):
     q = k = v = torch.randn(1, 1, 2, 4)
@@ -210,7 +210,7 @@ def test_a_float_mask_of_zeros_and_ones_warns_once_naming_the_fix():
             attnkit.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # real biases: no warning
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiles:online"])
 @pytest.mark.parametrize(
     ("input_dtype", "offset", "tol"),
     [
@@ -248,7 +248,7 @@ def test_a_large_bias_never_swamps_the_scores_nor_the_gradients(backend, input_d
         torch.testing.assert_close(grad, want_grad, atol=4 * tol, rtol=4 * tol)
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiles:online"])
 def test_causal_rows_before_the_first_key_are_zero_whatever_their_queries_hold(backend):
     """Lq = 5 > Lk = 3 with is_causal: queries 0 and 1 see no key. NaN in them reaches no output, weight or gradient."""
     g = torch.Generator().manual_seed(3)

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 import attnkit
 import mathref
-from attnkit import dispatch, mods
-from attnkit.backends import chunked, flash, online
+from attnkit import csrc, dispatch, mods, plan
+from attnkit.backends.tiles import online
 from attnkit.functional import attention_weights
 from attnkit.masks import Mask
 from mathref import max_err
@@ -37,8 +37,9 @@ OUT_TOL64, GRAD_TOL64 = 1e-12, 1e-10
 
 # Each call runs on every backend that can run it (a backend that cannot says so: that combination is skipped).
 # compiled compiles a graph per score_mod, dtype and kind of mask (seconds each, many minutes over this file's
-# matrix): it runs the matrix in `make test-all` (the *_compiled tests); tests/test_compiled.py has cases of its own.
-BACKENDS = tuple(b for b in attnkit.available_backends() if b != "compiled")
+# matrix): it runs the matrix in `make test-all` (the *_compiled tests); tests/test_tiles_compiled.py has cases of
+# its own.
+BACKENDS = tuple(b for b in attnkit.available_backends(implementations=True) if b != "tiles:compiled")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -288,7 +289,7 @@ def run_ours(backend, qkv, data, spec, masking, *, dtype, block, grad_out, need_
     params = _parameters(data, dtype)
     kw = spec.ours(params, Lq, Lk)
     try:
-        with chunked.settings(block_size=block):
+        with online.settings(block_size=block):
             out, weights = (fn or attnkit.scaled_dot_product_attention)(
                 *leaves, backend=backend, need_weights=need_weights, **masking, **kw
             )
@@ -344,7 +345,7 @@ def test_modifiers_match_float64_math(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SPECS))
 def test_modifiers_match_float64_math_compiled(name):
-    _modifiers_match_float64_math(name, ("compiled",))
+    _modifiers_match_float64_math(name, ("tiles:compiled",))
 
 
 def _modifiers_match_float64_math(name, backends):
@@ -378,13 +379,13 @@ def _modifiers_match_float64_math(name, backends):
                 where = f"{backend}, {name}, {masking_name}, Lq={Lq} Lk={Lk} H/Hkv={group} block={block} {dtype}"
                 assert_close_to_math(ours, truth, dtype, where)
                 assert not ours.out.masked_select(dead_rows[..., None]).any(), f"rows with no key: {where}"
-    if "chunked" in backends:
-        assert ran["reference"] == ran["chunked"] == 2 * len(CASES)  # they run every modifier
+    if "tiles:online" in backends:
+        assert ran["reference"] == ran["tiles:online"] == 2 * len(CASES)  # they run every modifier
     else:
         assert all(count > 0 for count in ran.values()), ran
 
 
-@pytest.mark.parametrize("backend", ("reference", "chunked"))
+@pytest.mark.parametrize("backend", ("reference", "tiles:online"))
 @pytest.mark.parametrize("name", ["alibi+sliding_window+sinks", "user_mask+relative_table+sinks", "prefix_lm"])
 def test_three_dim_inputs_are_one_head(name, backend):
     """(B, L, D) inputs: h is 0, sinks are (1,)."""
@@ -401,7 +402,9 @@ def test_three_dim_inputs_are_one_head(name, backend):
     assert_close_to_math(ours, truth, torch.float64, f"{backend}, {name}, 3-dim")
 
 
-@pytest.mark.parametrize("backend", ("reference", "chunked", pytest.param("compiled", marks=pytest.mark.slow)))
+@pytest.mark.parametrize(
+    "backend", ("reference", "tiles:online", pytest.param("tiles:compiled", marks=pytest.mark.slow))
+)
 @pytest.mark.parametrize("name", ["alibi+sliding_window+sinks", "softcap+document+sinks", "relative_table_module"])
 def test_additive_scoring_takes_the_modifiers(name, backend):
     """score_mod on the additive scores w_v . tanh(q + k); gradients to w_v too."""
@@ -423,7 +426,7 @@ def test_additive_scoring_takes_the_modifiers(name, backend):
 
     truth = run_math(qkv, data, with_w_v, masking, grad_out=grad_out)
     ours = run_ours(backend, qkv, data, with_w_v, masking, dtype=torch.float64, block=5, grad_out=grad_out, fn=additive)
-    with chunked.settings(additive_block_bytes=4 * 5 * B * H * Lq * D):  # blocks of 5 keys
+    with online.settings(additive_block_bytes=4 * 5 * B * H * Lq * D):  # blocks of 5 keys
         blocked = run_ours(
             backend, qkv, data, with_w_v, masking, dtype=torch.float64, block=5, grad_out=grad_out, fn=additive
         )
@@ -442,7 +445,7 @@ def test_attention_weights_take_the_modifiers():
     assert max_err(w, true_w) <= OUT_TOL64
 
 
-@pytest.mark.parametrize("backend", ("reference", "chunked"))
+@pytest.mark.parametrize("backend", ("reference", "tiles:online"))
 @pytest.mark.parametrize("which", ["document", "prefix_lm"])
 @pytest.mark.parametrize("with_lens", [False, True])
 def test_one_row_of_ids_or_lengths_for_the_whole_batch(with_lens, which, backend):
@@ -465,7 +468,7 @@ def test_one_row_of_ids_or_lengths_for_the_whole_batch(with_lens, which, backend
     assert_close_to_math(ours, truth, torch.float64, f"{backend}, {which} with one row for the batch")
 
 
-@pytest.mark.parametrize("backend", ("reference", "chunked"))
+@pytest.mark.parametrize("backend", ("reference", "tiles:online"))
 def test_rows_with_no_key_give_zeros_and_zero_gradients_with_and_without_sinks(backend):
     """Rows hidden by a mask_mod alone (a window with Lq > Lk leaves the first rows before every key; a query in a
     document that has no key): output 0, weights 0, and their queries, the sinks and the parameters get zero
@@ -489,7 +492,7 @@ def test_rows_with_no_key_give_zeros_and_zero_gradients_with_and_without_sinks(b
         sinks = torch.randn(H, generator=g, dtype=torch.float64).requires_grad_() if with_sinks else None
         slopes = mods.alibi_slopes(H).double().requires_grad_()
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        with chunked.settings(block_size=4):
+        with online.settings(block_size=4):
             out = attnkit.scaled_dot_product_attention(
                 *leaves, mask_mod=mask, score_mod=mods.alibi(slopes), sinks=sinks, backend=backend
             ).output
@@ -537,7 +540,7 @@ def test_nan_where_no_query_may_see_never_leaks(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SPECS))
 def test_nan_where_no_query_may_see_never_leaks_compiled(name):
-    _nan_never_leaks(name, ("compiled",))
+    _nan_never_leaks(name, ("tiles:compiled",))
 
 
 def _nan_never_leaks(name, backends):
@@ -682,7 +685,7 @@ def test_chunked_agrees_with_the_math_on_random_modifiers(call):
         lambda d, Lq, Lk: _with_params(math_fixed, d, Lq, Lk, "math"),
     )
     truth = run_math(qkv, params, spec, masking, grad_out=grad_out)
-    for backend in ("chunked", "reference"):
+    for backend in ("tiles:online", "reference"):
         ours = run_ours(backend, qkv, params, spec, masking, dtype=torch.float64, block=block, grad_out=grad_out)
         assert_close_to_math(ours, truth, torch.float64, f"{backend}, block={block}")
 
@@ -709,15 +712,15 @@ def _visit(L_q, L_k, block, **kw):
     visits = Visits()
     q = torch.randn(1, 1, L_q, 4)
     k, v = torch.randn(1, 1, L_k, 4), torch.randn(1, 1, L_k, 4)
-    with torch.no_grad(), chunked.settings(block_size=block):
-        attnkit.scaled_dot_product_attention(q, k, v, backend="chunked", score_mod=visits, **kw)
+    with torch.no_grad(), online.settings(block_size=block):
+        attnkit.scaled_dot_product_attention(q, k, v, backend="tiles:online", score_mod=visits, **kw)
     return visits
 
 
 def _expected_spans(L_q, L_k, block, visible):
     """For each block of keys, the row span the plan should give: the blocks of ROW_STEP rows holding a row that
     may see one of its keys (``visible`` (Lq, Lk) bool, from the definition)."""
-    step, spans = online.ROW_STEP, []
+    step, spans = plan.ROW_STEP, []
     for j0 in range(0, L_k, block):
         j1 = min(j0 + block, L_k)
         rows = visible[:, j0:j1].any(dim=1).nonzero()[:, 0]
@@ -729,7 +732,7 @@ def _expected_spans(L_q, L_k, block, visible):
 
 def _plan(L_q, L_k, block, **kw):
     mask = Mask.build(batch=1, heads=1, num_queries=L_q, num_keys=L_k, **kw)
-    return [(s.j0, s.j1, s.r0, s.r1) for s in online.key_blocks(mask, L_q, (0, L_k), block)]
+    return [(s.j0, s.j1, s.r0, s.r1) for s in plan.key_blocks(mask, L_q, (0, L_k), block)]
 
 
 def test_sliding_window_visits_only_the_band():
@@ -770,7 +773,7 @@ def test_causal_skips_the_upper_triangle():
         for r0, r1, j0, j1 in visits.blocks:
             assert visible[r0 : r1 + 1, j0 : j1 + 1].any(), (L_q, L_k, r0, r1, j0, j1)
         # the visible triangle, and at most a block of keys by a block of rows more along the diagonal
-        assert visits.elements <= visible.sum() + L_k * (online.ROW_STEP + block), (L_q, L_k)
+        assert visits.elements <= visible.sum() + L_k * (plan.ROW_STEP + block), (L_q, L_k)
         assert visits.elements < 0.8 * L_q * L_k
 
 
@@ -899,7 +902,7 @@ ERRORS = {
 }
 
 
-@pytest.mark.parametrize("backend", ("reference", "chunked"))
+@pytest.mark.parametrize("backend", ("reference", "tiles:online"))
 @pytest.mark.parametrize("case", list(ERRORS))
 def test_mistakes_are_named(case, backend):
     make, error, fragments = ERRORS[case]
@@ -956,7 +959,7 @@ def _elementwise_score(table, Lk):
     return score_mod
 
 
-@pytest.mark.parametrize("backend", ("reference", "chunked"))
+@pytest.mark.parametrize("backend", ("reference", "tiles:online"))
 def test_functions_written_for_one_element_run_through_vmap(backend):
     Lq, Lk = 6, 9
     g = torch.Generator().manual_seed(13)
@@ -980,7 +983,7 @@ def test_functions_written_for_one_element_run_through_vmap(backend):
     assert_close_to_math(ours, truth, torch.float64, f"{backend}, element by element")
 
 
-@pytest.mark.parametrize("backend", ("reference", "chunked"))
+@pytest.mark.parametrize("backend", ("reference", "tiles:online"))
 def test_flex_style_minus_inf_score_mod_masks(backend):
     """FlexAttention's idiom: a score_mod that returns -inf where a query may not attend."""
     Lq, Lk = 7, 12
@@ -1003,12 +1006,12 @@ def test_a_row_the_score_mod_gives_only_minus_inf_is_zero_in_every_backend():
 
     outs = {
         backend: attnkit.scaled_dot_product_attention(q, k, v, backend=backend, score_mod=hide_first_rows).output
-        for backend in ("chunked", "reference")
+        for backend in ("tiles:online", "reference")
     }
     for backend, out in outs.items():
         assert torch.isfinite(out).all(), backend
         assert not out[:, :, :2].any(), backend
-    torch.testing.assert_close(outs["reference"], outs["chunked"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(outs["reference"], outs["tiles:online"], rtol=0, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------- the rest
@@ -1039,20 +1042,26 @@ def test_a_score_mod_reading_a_parameter_and_a_tensor_made_from_it():
     spec = Spec(lambda *_: data, kw, kw)
     grad_out = torch.randn(B, H, Lq, DV, generator=g, dtype=torch.float64)
     truth = run_math(qkv, data, spec, {}, grad_out=grad_out)
-    ours = run_ours("chunked", qkv, data, spec, {}, dtype=torch.float64, block=4, grad_out=grad_out)
-    assert_close_to_math(ours, truth, torch.float64, "chunked, table and 2 * table")
+    ours = run_ours("tiles:online", qkv, data, spec, {}, dtype=torch.float64, block=4, grad_out=grad_out)
+    assert_close_to_math(ours, truth, torch.float64, "tiles:online, table and 2 * table")
 
 
 @pytest.mark.parametrize(
     ("name", "expected"),
-    [("alibi", "flash"), ("softcap", "flash"), ("sinks", "chunked"), ("relative_table", "chunked")],
+    [
+        ("alibi", "tiles:kernel"),
+        ("softcap", "tiles:kernel"),
+        ("sinks", "tiles:kernel"),
+        ("relative_table", "tiles:online"),
+    ],
 )
 def test_the_default_backend_honours_the_modifiers(name, expected):
-    """backend='auto' picks one that runs the modifiers (softcap and ALiBi in float32 go to attnkit's flash kernel,
-    or where it cannot be built chunked and sdpa, which takes ALiBi as a bias; a table of the caller's at this size
-    (below DISTANCE_FROM: not traced) and sinks go to chunked), and the result is the math's."""
-    if expected == "flash" and flash.missing() is not None:
-        expected = {"alibi": "sdpa", "softcap": "chunked"}[name]
+    """backend='auto' picks one that runs the modifiers (softcap, ALiBi and sinks in float32 go to the tile engine's
+    C++ kernel, or where it cannot be built softcap and sinks to its eager steps and ALiBi to sdpa, which takes it as
+    a bias; a table of the caller's at this size (below DISTANCE_FROM: not traced) goes to the eager steps), and the
+    result is the math's."""
+    if expected == "tiles:kernel" and csrc.ensure("flash") is not None:
+        expected = {"alibi": "sdpa", "softcap": "tiles:online", "sinks": "tiles:online"}[name]
     spec = SPECS[name]
     Lq, Lk = 9, 9
     g = torch.Generator().manual_seed(4)
@@ -1060,7 +1069,7 @@ def test_the_default_backend_honours_the_modifiers(name, expected):
     data = spec.data(Lq, Lk, g)
     grad_out = torch.randn(B, H, Lq, DV, generator=g, dtype=torch.float64)
     truth = run_math(qkv, data, spec, {}, grad_out=grad_out)
-    with dispatch.watch() as ran:
+    with dispatch.watch(implementations=True) as ran:
         ours = run_ours("auto", qkv, data, spec, {}, dtype=torch.float32, block=4, grad_out=grad_out)
     assert ran == [expected]
     assert_close_to_math(ours, truth, torch.float32, f"auto, {name}")
@@ -1075,8 +1084,8 @@ def test_no_input_or_parameter_is_modified():
     lens = torch.tensor([Lk, 3])
     tensors = [q, k, v, lens, *data.values()]
     before = [(t.detach().clone(), t._version) for t in tensors]
-    for backend in ("reference", "chunked"):
-        with chunked.settings(block_size=4):
+    for backend in ("reference", "tiles:online"):
+        with online.settings(block_size=4):
             out = attnkit.scaled_dot_product_attention(
                 q, k, v, valid_lens=lens, backend=backend, **spec.ours(data, Lq, Lk)
             ).output
@@ -1091,12 +1100,12 @@ def test_a_subclass_of_mask_mod_that_is_no_dataclass_is_bound_and_aligned():
             return kv_idx <= q_idx + self.offset
 
     q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64) for n in (3, 7, 7))
-    ours = attnkit.scaled_dot_product_attention(q, k, v, mask_mod=Causal(), backend="chunked").output
+    ours = attnkit.scaled_dot_product_attention(q, k, v, mask_mod=Causal(), backend="tiles:online").output
     want = attnkit.scaled_dot_product_attention(q, k, v, is_causal=True, backend="reference").output
     assert max_err(ours, want) <= OUT_TOL64
 
 
-@pytest.mark.parametrize("backend", ("reference", "chunked"))
+@pytest.mark.parametrize("backend", ("reference", "tiles:online"))
 def test_nan_in_a_live_query_stays_nan_and_is_not_taken_for_an_empty_row(backend):
     """Zeros are for rows with no key; a NaN that a row may see is the caller's, and shows (as in the spec)."""
     q, k, v = (torch.randn(1, 1, n, 4) for n in (3, 5, 5))
@@ -1105,7 +1114,7 @@ def test_nan_in_a_live_query_stays_nan_and_is_not_taken_for_an_empty_row(backend
     assert torch.isnan(out[0, 0, 1]).all() and not torch.isnan(out[0, 0, [0, 2]]).any()
 
 
-@pytest.mark.parametrize("backend", ("reference", "chunked"))
+@pytest.mark.parametrize("backend", ("reference", "tiles:online"))
 def test_a_score_mod_singular_where_the_mask_hides_gives_finite_gradients(backend):
     """As FlexAttention: hidden pairs pass no gradient back through the score_mod (1 / (i - j) on the diagonal,
     which the mask hides, would give 0 * inf)."""
@@ -1120,13 +1129,13 @@ def test_a_score_mod_singular_where_the_mask_hides_gives_finite_gradients(backen
 def test_chunked_refuses_a_backward_after_what_the_mask_reads_changed_in_place():
     lens = torch.tensor([8])
     q = torch.randn(1, 2, 16, 4, requires_grad=True)
-    out = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=mods.prefix_lm(lens), backend="chunked").output
+    out = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=mods.prefix_lm(lens), backend="tiles:online").output
     lens[0] = 2  # a reused buffer, refilled before the backward pass
     with pytest.raises(RuntimeError, match="modified in place between the forward and the backward"):
         out.sum().backward()
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiles:online"])
 def test_document_ids_refilled_before_the_backward_change_nothing(backend):
     """Packed documents run as one call per document (attnkit.varlen), split where the forward pass found the
     boundaries: the backward pass never reads the ids again, so refilling them cannot change the gradient."""
@@ -1140,7 +1149,7 @@ def test_document_ids_refilled_before_the_backward_change_nothing(backend):
     assert max_err(grad, want) <= OUT_TOL64
 
 
-@pytest.mark.parametrize("backend", ("reference", "sdpa", "chunked"))
+@pytest.mark.parametrize("backend", ("reference", "sdpa", "tiles:online"))
 def test_modifier_results_that_only_broadcast_are_taken(backend):
     """PyTorch's noop_mask returns a 0-dim True; a bias may ignore the score: both broadcast to the block."""
     q = torch.randn(1, 2, 5, 4, dtype=torch.float64)
@@ -1185,7 +1194,7 @@ def test_sinks_cannot_be_dropped_silently():
         attnkit.DotProductAttention(sinks=True)
 
 
-@pytest.mark.parametrize("backend", ("reference", "sdpa", "chunked"))
+@pytest.mark.parametrize("backend", ("reference", "sdpa", "tiles:online"))
 @pytest.mark.parametrize(
     "make", [lambda: mods.document(torch.zeros(0, 3, dtype=torch.long)), lambda: mods.prefix_lm(torch.zeros(0))]
 )

@@ -12,7 +12,7 @@ import torch
 
 import attnkit
 from attnkit import dispatch, mods
-from attnkit.backends import chunked
+from attnkit.backends.tiles import online
 from mathref import max_err
 
 # B batch, H heads, L length, D head dim
@@ -31,7 +31,7 @@ def _grads(backend, q, k, v, grad_out):
     return (out, *torch.autograd.grad(out, leaves, grad_out))
 
 
-@pytest.mark.parametrize("backend", ["reference", "chunked", "auto"])
+@pytest.mark.parametrize("backend", ["reference", "tiles:online", "auto"])
 @pytest.mark.parametrize("where", ["key", "value", "both"])
 def test_a_key_a_score_mod_hides_from_every_query_never_leaks_its_nan(backend, where):
     """NaN in the key or value that a score_mod's -inf hides from every query: the output and every gradient are
@@ -44,7 +44,7 @@ def test_a_key_a_score_mod_hides_from_every_query_never_leaks_its_nan(backend, w
         dirty_k[:, :, HIDDEN] = float("nan")
     if where in ("value", "both"):
         dirty_v[:, :, HIDDEN] = float("nan")
-    with chunked.settings(block_size=3):
+    with online.settings(block_size=3):
         clean = _grads(backend, q, k, v, grad_out)
         dirty = _grads(backend, q, dirty_k, dirty_v, grad_out)
     for name, a, b in zip(("out", "dq", "dk", "dv"), clean, dirty, strict=True):
@@ -56,7 +56,7 @@ def test_a_key_a_score_mod_hides_from_every_query_never_leaks_its_nan(backend, w
     assert max_err(out, clean[0]) <= 1e-12
 
 
-@pytest.mark.parametrize("backend", ["reference", "chunked", "auto"])
+@pytest.mark.parametrize("backend", ["reference", "tiles:online", "auto"])
 @pytest.mark.parametrize("view", [False, True], ids=["the tensor", "a view of it"])
 def test_what_a_score_mod_returns_and_closes_over_is_never_written_to(backend, view):
     """A score_mod that returns a tensor it closes over (or a plain view of one) of exactly the block's shape: the
@@ -70,14 +70,14 @@ def test_what_a_score_mod_returns_and_closes_over_is_never_written_to(backend, v
         return table.view(B, H, L, L) if view else table
 
     want = torch.softmax(table.double(), dim=-1) @ v.double()  # the scores are the table
-    with torch.no_grad(), chunked.settings(block_size=L):  # one block: its shape is the table's
+    with torch.no_grad(), online.settings(block_size=L):  # one block: its shape is the table's
         for _ in range(2):
             out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=score_mod, backend=backend).output
             assert torch.equal(table, kept)
             assert max_err(out, want) <= 1e-5
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked", "auto"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiles:online", "auto"])
 def test_one_documents_huge_content_never_changes_anothers(backend):
     """Packed documents: finite but huge content (|x| near 1e38) in one document made the other documents' outputs
     NaN on sdpa/auto (a cross-document score overflows to inf inside the kernel and meets the mask's -inf; finding
@@ -94,7 +94,7 @@ def test_one_documents_huge_content_never_changes_anothers(backend):
 
 
 @pytest.mark.parametrize("how", ["lru_cache", "an attribute made at the first call"])
-@pytest.mark.parametrize("backend", ["reference", "chunked"])
+@pytest.mark.parametrize("backend", ["reference", "tiles:online"])
 def test_a_tensor_a_score_mod_keeps_where_it_cannot_be_found_is_never_written_to(how, backend):
     """The table a score_mod returns may be held where no walk finds it (an lru_cache, an attribute it makes at its
     first call): a result held anywhere else is copied before anything writes into it (finding b)."""
@@ -112,7 +112,7 @@ def test_a_tensor_a_score_mod_keeps_where_it_cannot_be_found_is_never_written_to
             return self.table
 
     score_mod = Lazy() if how != "lru_cache" else (lambda s, b, h, q_idx, kv_idx: table())
-    with torch.no_grad(), chunked.settings(block_size=L):
+    with torch.no_grad(), online.settings(block_size=L):
         first = attnkit.scaled_dot_product_attention(q, k, v, score_mod=score_mod, backend=backend).output
         held = table().clone() if how == "lru_cache" else score_mod.table.clone()
         second = attnkit.scaled_dot_product_attention(q, k, v, score_mod=score_mod, backend=backend).output
@@ -182,7 +182,7 @@ def test_the_chunked_backward_sees_a_tensor_a_mask_mod_reads_however_it_is_held(
     lens = torch.tensor([5, 3])
     q = torch.randn(B, H, L, D, requires_grad=True)
     mask_mod = _holders(lens)[how]
-    out = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=mask_mod, backend="chunked").output
+    out = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=mask_mod, backend="tiles:online").output
     lens[0] = 8  # a reused buffer, refilled before the backward pass
     with pytest.raises(RuntimeError, match="modified in place between the forward and the backward"):
         out.sum().backward()
@@ -196,14 +196,14 @@ def test_a_mask_mod_whose_state_cannot_be_inspected_is_refused_with_how_to_pass_
     lens = torch.tensor([5, 3])
     opaque = torch.jit.script(_ScriptedMask(lens))
     q = torch.randn(B, H, L, D, requires_grad=True)
-    with pytest.raises(ValueError, match="chunked: under autograd, it must see the tensors a mask_mod"):
-        attnkit.scaled_dot_product_attention(q, q, q, mask_mod=opaque, backend="chunked")
+    with pytest.raises(ValueError, match="tiles:online: under autograd, it must see the tensors a mask_mod"):
+        attnkit.scaled_dot_product_attention(q, q, q, mask_mod=opaque, backend="tiles:online")
     want = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=_ScriptedMask(lens), backend="reference").output
-    with dispatch.watch() as ran:
+    with dispatch.watch(implementations=True) as ran:
         out = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=opaque).output
-    assert ran and ran != ["chunked"] and max_err(out, want) <= 1e-6
+    assert ran and ran != ["tiles:online"] and max_err(out, want) <= 1e-6
     with torch.no_grad():
-        out = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=opaque, backend="chunked").output
+        out = attnkit.scaled_dot_product_attention(q, q, q, mask_mod=opaque, backend="tiles:online").output
     assert max_err(out, want) <= 1e-6
 
 
@@ -216,7 +216,7 @@ class _ScriptedMask(torch.nn.Module):
         return kv_idx < self.lens[b]
 
 
-@pytest.mark.parametrize("backend", ["reference", "chunked", "auto"])
+@pytest.mark.parametrize("backend", ["reference", "tiles:online", "auto"])
 def test_a_score_mod_whose_result_needs_no_gradient_trains(backend):
     """A score_mod that ignores the score and reads nothing requiring grad (a fixed bias table): the scores get no
     gradient through it; the chunked backward used to fail asking autograd for one."""
@@ -232,7 +232,7 @@ def test_a_score_mod_whose_result_needs_no_gradient_trains(backend):
     assert max_err(grads[backend], grads["reference"]) <= 1e-10
 
 
-@pytest.mark.parametrize("backend", ["chunked", "auto"])
+@pytest.mark.parametrize("backend", ["tiles:online", "auto"])
 def test_a_score_mod_that_writes_into_its_scores_trains_as_the_reference(backend):
     """``score.mul_(0.5)``: the reference runs it; the chunked backward gave it a leaf and failed ("a leaf Variable
     that requires grad is being used in an in-place operation"). It now works on a copy."""

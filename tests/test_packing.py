@@ -8,7 +8,7 @@ import torch
 
 import attnkit
 from attnkit import mods
-from attnkit.backends import chunked
+from attnkit.backends.tiles import online
 from attnkit.packing import pack, unpack
 
 # B batch, L padded length, N packed tokens, E features
@@ -41,20 +41,20 @@ def test_unpack_is_differentiable_and_pack_passes_gradients_to_real_tokens_only(
     assert torch.equal(x.grad[~keep], torch.zeros_like(x.grad[~keep]))
 
 
-@pytest.mark.parametrize("backend", ["reference", "chunked", "sdpa"])
+@pytest.mark.parametrize("backend", ["reference", "tiles:online", "sdpa"])
 def test_packed_attention_equals_each_example_alone(backend):
     torch.manual_seed(0)
     mha = attnkit.MultiHeadAttention(16, 4, num_kv_heads=2, backend=backend).double()
     x, lens = _batch(2, [5, 17, 1, 9], 17)
     p = pack(x, lens)
-    with chunked.settings(block_size=4):
+    with online.settings(block_size=4):
         y = unpack(mha(p.data, p.data, p.data, is_causal=True, mask_mod=p.document()), p)  # (B, L, E)
     for b, n in enumerate(lens.tolist()):
         alone = mha(x[b : b + 1, :n], x[b : b + 1, :n], x[b : b + 1, :n], is_causal=True)  # (1, n, E)
         torch.testing.assert_close(y[b, :n], alone[0], rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend", ["reference", "chunked", "sdpa"])
+@pytest.mark.parametrize("backend", ["reference", "tiles:online", "sdpa"])
 def test_changing_one_document_leaves_every_other_bit_for_bit(backend):
     """The packed row's other documents see nothing of the changed one: their outputs are the same bits, in float32
     (where rounding would show any leak), with documents spanning block boundaries."""
@@ -67,7 +67,7 @@ def test_changing_one_document_leaves_every_other_bit_for_bit(backend):
     outs = []
     for batch in (x, changed):
         p = pack(batch, lens)
-        with chunked.settings(block_size=16):
+        with online.settings(block_size=16):
             outs.append(unpack(mha(p.data, p.data, p.data, is_causal=True, mask_mod=p.document()), p))
     for b in (0, 2, 3):
         assert torch.equal(outs[0][b], outs[1][b]), f"document {b} changed"

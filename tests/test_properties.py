@@ -7,14 +7,16 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import attnkit
-from attnkit.backends import chunked, decode, flash
+from attnkit import csrc
+from attnkit.backends import decode
 from attnkit.backends.decode import positions_last
+from attnkit.backends.tiles import online
 from mathref import allowed_mask, max_err
 from mathref import attention as math_attention
 
-BACKENDS = ("reference", "sdpa", "chunked")
+BACKENDS = ("reference", "sdpa", "tiles:online")
 # and, in the tests of every backend, attnkit's own C++ kernel where it builds here (float32 calls)
-NATIVE = ("flash",) if flash.missing() is None else ()
+NATIVE = ("tiles:kernel",) if csrc.ensure("flash") is None else ()
 
 
 @st.composite
@@ -61,7 +63,7 @@ def test_all_backends_agree_with_the_math(call):
     q, k, v, kw, block, _ = call
     truth, _ = math_attention(q.double(), k.double(), v.double(), **kw)
     for backend in (*BACKENDS, *NATIVE, "decode") if _a_decode_step(q, k) else (*BACKENDS, *NATIVE):
-        with chunked.settings(block_size=block):
+        with online.settings(block_size=block):
             out, _ = attnkit.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
         assert max_err(out, truth) <= 1e-5, backend
 
@@ -107,14 +109,14 @@ def test_nan_where_no_query_may_see_never_leaks(call, additive):
     dirty = _poisoned(q, k, v, dead_keys, dead_rows, layout)
     grad_out = torch.randn(*q.shape[:3], v.shape[-1])
     w_v = torch.randn(q.shape[-1])
-    for backend in ("reference", "chunked") if additive else (*BACKENDS, *NATIVE):
+    for backend in ("reference", "tiles:online") if additive else (*BACKENDS, *NATIVE):
 
         def fn(q_, k_, v_, backend=backend):
             if additive:
                 return attnkit.additive_attention(q_, k_, v_, w_v, backend=backend, **kw).output
             return attnkit.scaled_dot_product_attention(q_, k_, v_, backend=backend, **kw).output
 
-        with chunked.settings(block_size=block, additive_block_bytes=4 * block * q.numel()):
+        with online.settings(block_size=block, additive_block_bytes=4 * block * q.numel()):
             clean_out, clean_grads = _forward_backward(fn, (q, k, v), grad_out)
             out, grads = _forward_backward(fn, dirty, grad_out)
         where = f"{backend}, additive={additive}"
@@ -188,14 +190,14 @@ def _every_backend_agrees(q, k, v, kw, block, truth, truth_w):
         if backend == "decode" and not _a_decode_step(q, k):
             continue
         try:
-            with chunked.settings(block_size=block), torch.no_grad():
+            with online.settings(block_size=block), torch.no_grad():
                 out, _ = attnkit.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
         except ValueError as refused:  # sdpa and graph add the mask as -inf: they refuse what may overflow
             assert "overflow" in str(refused), (backend, str(refused))
             continue
         assert max_err(out, truth) <= 1e-5, backend
         ran.append(backend)
-    assert {"reference", "chunked"} <= set(ran)
+    assert {"reference", "tiles:online"} <= set(ran)
     weights = attnkit.scaled_dot_product_attention(q, k, v, need_weights=True, **kw).weights
     assert max_err(weights, truth_w) <= 1e-5
 
@@ -219,7 +221,7 @@ def test_a_query_that_holds_nan_gives_its_row_nan_in_every_backend(call, seed):
     for backend in (*BACKENDS, "graph", "decode", *NATIVE):
         if backend == "decode" and not _a_decode_step(q, k):
             continue
-        with chunked.settings(block_size=block), torch.no_grad():
+        with online.settings(block_size=block), torch.no_grad():
             out, _ = attnkit.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
         assert out[b, h, i].isnan().all(), backend
         assert max_err(out[~bad], truth[~bad]) <= 1e-5, backend
@@ -246,7 +248,7 @@ def test_no_input_is_modified(call):
     w_v = torch.randn(q.shape[-1], requires_grad=True)
     snapshot = _snapshot([q, k, v, w_v, *kw.values()])
     for backend in BACKENDS:
-        with chunked.settings(block_size=block):
+        with online.settings(block_size=block):
             out = attnkit.scaled_dot_product_attention(q, k, v, backend=backend, **kw).output
             out.sum().backward()
             if backend != "sdpa":

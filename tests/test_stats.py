@@ -216,7 +216,7 @@ def test_three_dim_inputs_and_additive_scoring():
     assert_stats(small, w.unsqueeze(1))
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "chunked", "auto"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiles:online", "auto"])
 def test_layers_record_stats_beside_an_unchanged_output(backend):
     torch.manual_seed(0)
     mha = attnkit.MultiHeadAttention(16, 4, num_kv_heads=2, backend=backend).double().eval()

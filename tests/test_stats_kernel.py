@@ -114,7 +114,7 @@ def test_a_kernel_that_cannot_be_built_says_so_once_and_the_torch_ops_give_the_s
         raise RuntimeError("no compiler here\nmore lines")
 
     monkeypatch.delenv("ATTNKIT_STATS_KERNEL", raising=False)
-    monkeypatch.setattr(kernel, "_state", {})
+    monkeypatch.setattr(csrc, "_LOADED", {})
     monkeypatch.setattr(cpp_extension, "load", fail)
     monkeypatch.setattr(tiled, "MIN_KEYS", 1)  # the tiled path's torch ops, not the whole-row path
     used = []
@@ -128,12 +128,12 @@ def test_a_kernel_that_cannot_be_built_says_so_once_and_the_torch_ops_give_the_s
     assert len([w for w in caught if "could not be built" in str(w.message)]) == 1
     assert used and not kernel.available()
     assert_stats(found, weights64(q, k, True, 0.3))
-    monkeypatch.setattr(kernel, "_state", {})
+    monkeypatch.setattr(csrc, "_LOADED", {})
     monkeypatch.setenv("ATTNKIT_STATS_KERNEL", "0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not kernel.available()
-    assert kernel._state == {}
+    assert csrc._LOADED == {}
 
 
 def test_a_lock_left_by_a_build_that_died_is_removed_and_the_build_goes_on(tmp_path, monkeypatch):
@@ -145,7 +145,7 @@ def test_a_lock_left_by_a_build_that_died_is_removed_and_the_build_goes_on(tmp_p
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.delenv("ATTNKIT_STATS_KERNEL", raising=False)
-    monkeypatch.setattr(kernel, "_state", {})
+    monkeypatch.setattr(csrc, "_LOADED", {})
     monkeypatch.setattr(csrc, "prebuilt", lambda name: None)
     directory = csrc.build_directory("stats")
     assert tmp_path in directory.parents and directory.name.startswith("attnkit-stats-")
@@ -167,7 +167,7 @@ def test_a_lock_left_by_a_build_that_died_is_removed_and_the_build_goes_on(tmp_p
 def test_a_kernel_that_fails_as_it_runs_says_so_once_and_the_torch_ops_take_the_call(monkeypatch):
     """The kernel raising at its first tile (an OpenMP runtime unlike the one it was built for): one RuntimeWarning,
     the call's statistics from the torch ops, none of the kernel's partial sums left in them."""
-    monkeypatch.setattr(kernel, "_state", {"built": True})
+    monkeypatch.setattr(csrc, "_LOADED", {"stats": None})
     calls = []
 
     def tile(*args):

@@ -17,7 +17,7 @@ from torch.nn.modules import module as torch_module
 
 import attnkit
 from attnkit import dispatch, layers, trace
-from attnkit.backends import chunked
+from attnkit.backends.tiles import online
 
 X, Y = torch.ones((2, 4, 100)), torch.ones((2, 6, 100))
 LENS = torch.tensor([3, 2])
@@ -230,20 +230,20 @@ def test_chunked_settings_belong_to_the_thread_that_set_them():
     barrier = threading.Barrier(2, timeout=WAIT)
 
     def setting() -> int:
-        with chunked.settings(block_size=3) as s:
+        with online.settings(block_size=3) as s:
             barrier.wait()  # set here ...
             barrier.wait()  # ... while the other thread reads its own
         return s.block_size
 
     def reading() -> int:
         barrier.wait()
-        with chunked.settings() as s:
+        with online.settings() as s:
             pass
         barrier.wait()
         return s.block_size
 
-    assert _in_threads(setting, reading) == [3, chunked.Settings().block_size]
-    assert chunked.current_settings() == chunked.Settings()
+    assert _in_threads(setting, reading) == [3, online.Settings().block_size]
+    assert online.current_settings() == online.Settings()
 
 
 def test_traces_in_two_asyncio_tasks_each_see_only_their_own_steps():
@@ -271,34 +271,34 @@ def test_every_block_is_closed_after_an_exception():
         attnkit.trace_shapes(),
         attnkit.record_weights(mha) as rec,
         dispatch.watch() as ran,
-        chunked.settings(block_size=3),
+        online.settings(block_size=3),
     ):
         raise KeyError("inside")
     mha(X, Y, Y, LENS)
     assert trace.active() is None and _global_hooks() == hooks
-    assert rec == {} and ran == [] and chunked.current_settings() == chunked.Settings()
+    assert rec == {} and ran == [] and online.current_settings() == online.Settings()
 
 
 def test_chunked_settings_closed_out_of_order_leave_nothing_behind():
-    outer = chunked.settings(block_size=5)
-    inner = chunked.settings(block_size=7)
+    outer = online.settings(block_size=5)
+    inner = online.settings(block_size=7)
     outer.__enter__()
     inner.__enter__()
     outer.__exit__(None, None, None)  # closed first (as contextlib.ExitStack or a generator may)
-    assert chunked.current_settings().block_size == 7
+    assert online.current_settings().block_size == 7
     inner.__exit__(None, None, None)
-    assert chunked.current_settings() == chunked.Settings()
+    assert online.current_settings() == online.Settings()
 
     def suspended():
-        with chunked.settings(block_size=9):
+        with online.settings(block_size=9):
             yield
 
     g = suspended()
     next(g)
-    with chunked.settings(block_size=3):
+    with online.settings(block_size=3):
         g.close()  # the generator's block closes inside the caller's
-        assert chunked.current_settings().block_size == 3
-    assert chunked.current_settings() == chunked.Settings()
+        assert online.current_settings().block_size == 3
+    assert online.current_settings() == online.Settings()
 
 
 def test_a_task_made_inside_a_watch_or_settings_block_stops_at_its_close():
@@ -309,18 +309,18 @@ def test_a_task_made_inside_a_watch_or_settings_block_stops_at_its_close():
     async def later(gate):
         await gate.wait()
         attnkit.scaled_dot_product_attention(q, q, q)
-        return chunked.current_settings().block_size
+        return online.current_settings().block_size
 
     async def main():
         gate = asyncio.Event()
-        with dispatch.watch() as ran, chunked.settings(block_size=3):
+        with dispatch.watch() as ran, online.settings(block_size=3):
             task = asyncio.ensure_future(later(gate))
             await asyncio.sleep(0)
         gate.set()
         return ran, await task
 
     ran, block_size = asyncio.run(main())
-    assert ran == [] and block_size == chunked.Settings().block_size
+    assert ran == [] and block_size == online.Settings().block_size
 
 
 @pytest.mark.parametrize("book", [False, True], ids=["attnkit", "d2l"])

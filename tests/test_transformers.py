@@ -26,12 +26,17 @@ V, B, L = 96, 3, 11
 LOGIT_TOL = 5e-5
 GRAD_TOL = 5e-4  # relative to the largest gradient entry of the parameter
 WEIGHT_TOL = 1e-5
-BACKENDS = ("auto", "reference", "sdpa", "chunked")
+BACKENDS = ("auto", "reference", "sdpa", "tiles:online")
 
 
 def _register() -> dict[str, str]:
     # (no "sdpa" in a name: transformers would read it as its own SDPA, see the refusal tested below)
-    names = {"auto": "attnkit", "reference": "attnkit-reference", "sdpa": "attnkit-fused", "chunked": "attnkit-chunked"}
+    names = {
+        "auto": "attnkit",
+        "reference": "attnkit-reference",
+        "sdpa": "attnkit-fused",
+        "tiles:online": "attnkit-chunked",
+    }
     return {b: attnkit_hf.register(names[b], backend=b) for b in BACKENDS}
 
 
@@ -157,7 +162,7 @@ def test_outputs_and_hidden_states_equal_eager_and_sdpa(kind, padding):
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_gradients_of_every_parameter_equal_eager(kind):
     padding = "left" if kind in DECODER_ONLY else "right"
-    models = _models(kind, (NAMES["auto"], NAMES["chunked"]))
+    models = _models(kind, (NAMES["auto"], NAMES["tiles:online"]))
     batch = _batch(kind, padding)
     rows = _real_rows(kind, batch)
     g = torch.Generator().manual_seed(2)
@@ -216,7 +221,7 @@ def _attention_fields(kind: str, names: list[str], encoder_rows: torch.Tensor) -
 @pytest.mark.parametrize("kind", [*DECODER_ONLY, *SEQ2SEQ])
 def test_generate_gives_the_same_tokens_with_the_cache(kind):
     padding = "left" if kind in DECODER_ONLY else "right"
-    models = _models(kind, ("sdpa", NAMES["auto"], NAMES["chunked"]))
+    models = _models(kind, ("sdpa", NAMES["auto"], NAMES["tiles:online"]))
     batch = _batch(kind, padding)
     batch.pop("decoder_input_ids", None)
     tokens = {
@@ -337,9 +342,9 @@ def test_position_ids_of_one_document_change_nothing():
     class Module(torch.nn.Module):
         is_causal = True
 
-    with attnkit.dispatch.watch() as plain:
+    with attnkit.dispatch.watch(implementations=True) as plain:
         want, _ = attnkit_hf.attention_forward(Module(), q, k, v, None)
-    with attnkit.dispatch.watch() as ran:
+    with attnkit.dispatch.watch(implementations=True) as ran:
         out, _ = attnkit_hf.attention_forward(Module(), q, k, v, None, position_ids=torch.arange(3, 12)[None])
     assert ran == plain and torch.equal(out, want)
 

@@ -276,11 +276,12 @@ def test_what_it_refuses_each_by_name():
 
 
 def test_auto_does_not_choose_it_until_measured_on_a_gpu():
-    """Issue 28: its speed against chunked is measured on a GPU first; until then auto never picks it (additive
+    """Issue 28: its speed against the tile engine is measured on a GPU first; until then auto never picks it (additive
     calls small and large: the policy for additive scoring does not depend on the device)."""
+    assert all(rule.engine != "triton" for rule in dispatch.POLICY)
     for L, D_ in ((5, 4), (300, 64)):
         q, k, v = torch.randn(1, 2, L, D_), torch.randn(1, 2, L, D_), torch.randn(1, 2, L, D_)
-        assert "triton" not in dispatch._preferences(_call(q, k, v, torch.randn(D_))), L
+        assert dispatch.choose("auto", _call(q, k, v, torch.randn(D_))).NAME != "triton", L
 
 
 def _call(q, k, v, w_v):

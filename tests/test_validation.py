@@ -13,7 +13,7 @@ from attnkit import dispatch, mods
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim
 B, H, HKV, LQ, LK, D = 2, 4, 2, 3, 5, 8
-BACKENDS = ("reference", "sdpa", "chunked")
+BACKENDS = ("reference", "sdpa", "tiles:online")
 
 
 def has(*parts: str) -> str:
@@ -71,7 +71,10 @@ SHAPE_CASES = {
 def test_qkv_that_do_not_fit_name_the_problem_and_show_all_shapes(attend, case):
     q_shape, k_shape, v_shape, parts, *names = SHAPE_CASES[case]
     q, k, v = torch.randn(q_shape), torch.randn(k_shape), torch.randn(v_shape)
-    with dispatch.watch() as ran, pytest.raises(ValueError, match=has(*parts, *shapes(q, k, v, *names))):
+    with (
+        dispatch.watch(implementations=True) as ran,
+        pytest.raises(ValueError, match=has(*parts, *shapes(q, k, v, *names))),
+    ):
         attend(q, k, v)
     assert ran == []
 
@@ -85,7 +88,7 @@ def test_keys_and_values_of_different_lengths_are_refused_by_every_backend(atten
     if attend is additive and backend == "sdpa":
         backend = "auto"  # sdpa refuses additive scoring, tested below
     with (
-        dispatch.watch() as ran,
+        dispatch.watch(implementations=True) as ran,
         pytest.raises(ValueError, match=has("k has 6 positions but v has 5", *shapes(q, k, v, "kv"))),
     ):
         attend(q, k, v, backend=backend)
@@ -137,7 +140,10 @@ def test_non_tensor_inputs_are_a_type_error(attend, which):
 def test_inputs_on_different_devices_raise_before_any_computation(attend, which):
     q, k, v = qkv3()
     args = {"q": q, "k": k, "v": v, which: torch.empty((B, LK, D), device="meta")}
-    with dispatch.watch() as ran, pytest.raises(ValueError, match=has(f"q and {which}", "same device", "cpu", "meta")):
+    with (
+        dispatch.watch(implementations=True) as ran,
+        pytest.raises(ValueError, match=has(f"q and {which}", "same device", "cpu", "meta")),
+    ):
         attend(**args)
     assert ran == []
 
@@ -146,7 +152,7 @@ def test_inputs_on_different_devices_raise_before_any_computation(attend, which)
 def test_valid_lens_on_another_device_raises_naming_both_devices(attend):
     q, k, v = qkv3()
     valid_lens = torch.tensor([1, 2], device="meta")
-    with dispatch.watch() as ran, pytest.raises(ValueError, match=has("valid_lens", "meta", "cpu")):
+    with dispatch.watch(implementations=True) as ran, pytest.raises(ValueError, match=has("valid_lens", "meta", "cpu")):
         attend(q, k, v, valid_lens=valid_lens)
     assert ran == []
 
@@ -154,7 +160,7 @@ def test_valid_lens_on_another_device_raises_naming_both_devices(attend):
 @FUNCTIONS
 def test_inputs_on_another_device_than_valid_lens_raise_naming_both_devices(attend):
     q, k, v = (t.to("meta") for t in qkv3())
-    with dispatch.watch() as ran, pytest.raises(ValueError, match=has("valid_lens", "meta", "cpu")):
+    with dispatch.watch(implementations=True) as ran, pytest.raises(ValueError, match=has("valid_lens", "meta", "cpu")):
         attend(q, k, v, valid_lens=torch.tensor([1, 2]))
     assert ran == []
 
@@ -163,7 +169,7 @@ def test_inputs_on_another_device_than_valid_lens_raise_naming_both_devices(atte
 def test_attn_mask_on_another_device_raises_naming_both_devices(attend):
     q, k, v = qkv3()
     attn_mask = torch.ones(LQ, LK, dtype=torch.bool, device="meta")
-    with dispatch.watch() as ran, pytest.raises(ValueError, match=has("attn_mask", "meta", "cpu")):
+    with dispatch.watch(implementations=True) as ran, pytest.raises(ValueError, match=has("attn_mask", "meta", "cpu")):
         attend(q, k, v, attn_mask=attn_mask)
     assert ran == []
 
@@ -338,7 +344,10 @@ def test_additive_w_v_of_another_dtype_is_a_type_error():
 
 def test_additive_w_v_on_another_device_raises_before_any_computation():
     q, k, v = qkv3()
-    with dispatch.watch() as ran, pytest.raises(ValueError, match=has("q and w_v", "same device", "cpu", "meta")):
+    with (
+        dispatch.watch(implementations=True) as ran,
+        pytest.raises(ValueError, match=has("q and w_v", "same device", "cpu", "meta")),
+    ):
         attnkit.additive_attention(q, k, v, torch.ones(D, device="meta"))
     assert ran == []
 
@@ -365,7 +374,7 @@ def test_dropout_p_outside_zero_one(attend, dropout_p):
 def test_unknown_backend_lists_the_valid_names(attend, backend):
     q, k, v = qkv3()
     with (
-        dispatch.watch() as ran,
+        dispatch.watch(implementations=True) as ran,
         pytest.raises(ValueError, match=has("backend must be", "'auto'", *BACKENDS, repr(backend))),
     ):
         attend(q, k, v, backend=backend)
@@ -373,14 +382,14 @@ def test_unknown_backend_lists_the_valid_names(attend, backend):
 
 
 REFUSALS = {
-    "chunked_weights": (dot, "chunked", {"need_weights": True}, "never returns weights (need_weights=True)"),
+    "chunked_weights": (dot, "tiles:online", {"need_weights": True}, "never returns weights (need_weights=True)"),
     "sdpa_weights": (dot, "sdpa", {"need_weights": True}, "never returns weights (need_weights=True)"),
-    "chunked_dropout": (dot, "chunked", {"dropout_p": 0.5}, "no dropout (dropout_p=0.5)"),
+    "chunked_dropout": (dot, "tiles:online", {"dropout_p": 0.5}, "no dropout (dropout_p=0.5)"),
     "sdpa_additive": (additive, "sdpa", {}, "dot-product scoring only (this call is additive)"),
-    "chunked_additive_weights": (additive, "chunked", {"need_weights": True}, "never returns weights"),
+    "chunked_additive_weights": (additive, "tiles:online", {"need_weights": True}, "never returns weights"),
     "chunked_bias_grad": (
         dot,
-        "chunked",
+        "tiles:online",
         {"attn_mask": torch.zeros(LQ, LK, requires_grad=True)},
         "does not differentiate a float attn_mask that requires grad",
     ),
@@ -392,7 +401,7 @@ def test_named_backend_that_cannot_run_the_call_lists_every_backends_reason_and_
     attend, backend, kw, reason = REFUSALS[case]
     q, k, v = qkv3()
     parts = [f"backend={backend!r} cannot run this call", f"{backend}: {reason}", "reference: can run it", *BACKENDS]
-    with dispatch.watch() as ran, pytest.raises(ValueError, match=has(*parts)):
+    with dispatch.watch(implementations=True) as ran, pytest.raises(ValueError, match=has(*parts)):
         attend(q, k, v, backend=backend, **kw)
     assert ran == []
 
@@ -414,7 +423,10 @@ def test_options_of_the_wrong_type_name_the_argument(kwargs, match):
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])
 def test_a_scale_that_is_not_finite_is_a_value_error(scale):
     q, k, v = qkv3()
-    with dispatch.watch() as ran, pytest.raises(ValueError, match=re.escape(f"scale must be finite, got {scale}")):
+    with (
+        dispatch.watch(implementations=True) as ran,
+        pytest.raises(ValueError, match=re.escape(f"scale must be finite, got {scale}")),
+    ):
         attnkit.scaled_dot_product_attention(q, k, v, scale=scale)
     with pytest.raises(ValueError, match="scale must be finite"):
         attnkit.functional.attention_weights(q, k, scale=scale)
@@ -458,9 +470,9 @@ def test_empty_batches_and_query_lengths_give_the_empty_result(backend, batch, q
 
 def test_additive_chunked_with_an_empty_batch_gives_the_empty_result():
     q, k = torch.randn(0, 3, 4, requires_grad=True), torch.randn(0, 5, 4)
-    out = attnkit.additive_attention(q, k, k, torch.randn(4), backend="chunked").output
+    out = attnkit.additive_attention(q, k, k, torch.randn(4), backend="tiles:online").output
     assert out.shape == (0, 3, 4)
-    layer = attnkit.AdditiveAttention(4, query_size=4, key_size=4, backend="chunked")
+    layer = attnkit.AdditiveAttention(4, query_size=4, key_size=4, backend="tiles:online")
     assert layer(q, k, k).shape == (0, 3, 4)
 
 

@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 import attnkit
 import mathref
 from attnkit import dispatch, mods
-from attnkit.backends import chunked
+from attnkit.backends.tiles import online
 from mathref import max_err
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim
 
 H, HKV, D = 4, 2, 6
-BACKENDS = ("reference", "sdpa", "chunked", "tiles", "auto")
+BACKENDS = ("reference", "sdpa", "tiles:online", "tiles", "auto")
 # float64 against float64 math: only the order of the sums differs.
 OUT_TOL64, GRAD_TOL64 = 1e-12, 1e-10
 
@@ -106,7 +106,7 @@ def _arguments(case: dict) -> tuple[dict, dict, torch.Tensor, torch.Tensor, torc
 def _run(backend: str, q, k, v, ours: dict):
     """The output, or None where the backend named cannot run the call (it says why: tested elsewhere)."""
     try:
-        with chunked.settings(block_size=4):
+        with online.settings(block_size=4):
             return attnkit.scaled_dot_product_attention(q, k, v, backend=backend, **ours).output
     except ValueError as error:
         if "cannot run this call" in str(error):
@@ -199,7 +199,7 @@ def test_causal_packed_documents_run_as_plain_causal_calls_on_the_fused_kernel()
     """Each document is a plain causal call: auto sends every one to sdpa (PyTorch's fused kernel)."""
     ids = torch.tensor([[0] * 40 + [1] * 100 + [2] * 64])
     q = torch.randn(1, H, 204, D)
-    with dispatch.watch() as ran:
+    with dispatch.watch(implementations=True) as ran:
         attnkit.scaled_dot_product_attention(q, q, q, is_causal=True, mask_mod=mods.document(ids))
     assert ran == ["sdpa"] * 3
 
@@ -210,7 +210,7 @@ def test_a_document_without_keys_gives_zeros_and_zero_gradients():
     q = torch.randn(1, H, 5, D, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(1, H, 3, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
     sinks = torch.zeros(H, dtype=torch.float64, requires_grad=True)
-    for backend in ("reference", "chunked", "tiles", "auto"):  # (sdpa has no sinks)
+    for backend in ("reference", "tiles:online", "tiles", "auto"):  # (sdpa has no sinks)
         out = attnkit.scaled_dot_product_attention(
             q, k, v, mask_mod=mods.document(ids_q, ids_k), sinks=sinks, backend=backend
         ).output
@@ -260,7 +260,7 @@ def test_a_softcap_subclass_that_reads_positions_sees_the_calls_positions_in_pac
     ids = torch.repeat_interleave(torch.arange(2), torch.tensor([100, 200]))[None]  # (1, 300)
     q, k, v = (torch.randn(1, 2, 300, 8, dtype=torch.float64) for _ in range(3))
     same_document = lambda b, h, i, j: ids[0, i] == ids[0, j]  # noqa: E731  (the same mask, not split)
-    for backend in ("reference", "chunked"):
+    for backend in ("reference", "tiles:online"):
         split = attnkit.scaled_dot_product_attention(
             q, k, v, is_causal=True, mask_mod=mods.document(ids), score_mod=KeyBias(5.0), backend=backend
         ).output

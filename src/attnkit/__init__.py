@@ -11,6 +11,7 @@ from attnkit.functional import AttentionOutput, additive_attention, scaled_dot_p
 from attnkit.layers import AdditiveAttention, DotProductAttention, MultiHeadAttention
 from attnkit.masks import causal_mask, masked_softmax, sequence_mask
 from attnkit.packing import pack, unpack
+from attnkit.plan import Plan, make_plan
 from attnkit.recording import record_stats, record_weights
 from attnkit.stats import AttentionStats, attention_stats
 from attnkit.trace import trace_shapes
@@ -25,11 +26,13 @@ __all__ = [
     "DotProductAttention",
     "KVCache",
     "MultiHeadAttention",
+    "Plan",
     "__version__",
     "additive_attention",
     "attention_stats",
     "available_backends",
     "causal_mask",
+    "make_plan",
     "masked_softmax",
     "mods",
     "pack",

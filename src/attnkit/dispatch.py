@@ -1,101 +1,259 @@
-"""The only place that chooses a backend.
+"""The only place that chooses where a call runs: the engines, the policy as data, and its thresholds.
 
-Policy for ``backend="auto"``, first backend that can run the call wins:
+An engine is a backend (``BACKENDS``: ``reference``, ``sdpa``, ``decode``, ``tiles``, ``graph``, ``triton``) or one
+of the tile engine's implementations (``tiles:kernel``, ``tiles:flex``, ``tiles:compiled``, ``tiles:online``), each
+a module that declares what it can run (``SUPPORTS``). ``backend="auto"`` walks :data:`POLICY`, an ordered list of
+rules: the first whose condition holds and whose engine can run the call runs it. A condition reads the call and its
+plan (:class:`attnkit.plan.Plan`, made before dispatch for a call with a ``mask_mod``) and the thresholds below;
+choosing builds nothing and reaches into no engine (a kernel is built when it first runs: where that fails, the
+call is chosen for again, the kernel now known to be missing).
 
-* while ``torch.compile`` traces the call: ``graph``, the only backend that reads no value on the host (a backend
-  named explicitly runs outside the graph instead: :func:`attnkit.functional.attend`);
-* weights wanted: ``reference`` (the only backend that returns them);
-* on CUDA, a call with a ``mask_mod`` or ``score_mod``: ``flex`` (PyTorch's compiled FlexAttention) first,
-  then as below;
-* on CPU in float32, over more than a decode step's few queries: ``flash`` (attnkit's own C++ kernel, built on
-  first use; where it cannot be built, as below) for a ``mask_mod`` (but one that is causal self-attention
-  throughout, which ``tiles`` runs as one causal call), ``softcap``, and a ``score_mod`` that is a bias on the
-  distance ``q_idx - kv_idx`` (ALiBi, a learned table: proved from its graph, in calls of ``DISTANCE_FROM``
-  scores);
-* on CPU, a large call (``compiled.COMPILE_FROM`` scores, ``compiled.FEWEST_QUERIES`` queries) with a
-  ``score_mod`` that takes blocks of scores and is not a bias (``softcap``, a user's function), or a bias whose
-  tensors need a gradient: ``compiled`` (the online softmax's steps compiled by ``torch.compile``), then as below;
-* a ``mask_mod``, ``sinks`` or a ``score_mod`` that is a bias (ALiBi): ``tiles`` (PyTorch's fused CPU kernel on
-  the tiles the mask shows, skipping the hidden ones; the bias as the kernel's float mask), then as below;
-* a ``mask_mod`` that hides most of the scores (a sliding window: ``chunked`` visits at most ``SPARSE_BELOW`` of
-  them), a ``score_mod`` other than a bias, or ``sinks``: ``chunked``, which skips what is hidden and takes them
-  all, then ``sdpa`` (a mask_mod as one dense mask, when small), then ``reference``;
-* dot-product scoring: ``sdpa`` (PyTorch's fused kernels), then ``chunked``, then ``reference``; ``decode`` first
-  (a few queries without autograd: the decode step) over keys and values stored positions last (a
-  :class:`~attnkit.KVCache`'s long context), and for a masked call of a few queries on CPU, which sdpa could run only
-  after reading every key once more to bound the scores its kernels mask by adding ``-inf``;
-* additive scoring: on CPU, ``compiled`` for a large call (``compiled.ADDITIVE_FROM`` features, ``FEWEST_QUERIES``
-  queries; not once its steps failed to compile, which would run them eagerly, a tile of features at a time);
-  then ``chunked`` when the ``(B, H, Lq, Lk, D)`` features would be large (``>= ADDITIVE_CHUNK_ELEMENTS``), else
-  ``reference``, each falling back to the other.
+A backend named explicitly runs the call or raises a ``ValueError`` that gives every engine's reasons; it never
+falls back. ``backend="tiles"`` runs the call on the implementation the policy prefers among those that can run it,
+else on the first that can; ``backend="tiles:online"`` (or another's name) on that one. The names of the backends
+merged into the tile engine (``chunked``, ``compiled``, ``flash``, ``flex``) say what replaced them.
 
-``triton`` (additive attention as Triton kernels, CUDA) runs only when named: its speed against ``chunked`` is yet
-to be measured on a GPU (``benchmarks/triton_additive.py``).
-
-A backend named explicitly never falls back: if it cannot run the call, a ``ValueError`` lists every
-backend's reasons.
+While ``torch.compile`` traces a call, ``graph`` runs it (the only engine that reads no value on the host; a backend
+named explicitly runs outside the graph instead: :func:`attnkit.functional.attend`). ``triton`` runs only when named:
+its speed against the tile engine is yet to be measured on a GPU (``benchmarks/triton_additive.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
 from attnkit import _scoped_state, mods
-from attnkit.backends import ALL, chunked, compiled, decode, flash, online, tiles
+from attnkit.backends import ALL, decode, tiles
 from attnkit.backends.contract import Call
 
-__all__ = ["ADDITIVE_CHUNK_ELEMENTS", "BACKENDS", "SPARSE_BELOW", "available_backends", "choose", "watch"]
+__all__ = [
+    "ADDITIVE_CHUNK_ELEMENTS",
+    "ADDITIVE_FROM",
+    "BACKENDS",
+    "COMPILE_FROM",
+    "DISTANCE_FROM",
+    "ENGINES",
+    "FEWEST_QUERIES",
+    "POLICY",
+    "REPLACED",
+    "SPARSE_BELOW",
+    "Rule",
+    "available_backends",
+    "choose",
+    "watch",
+]
 
-#: Every backend module, by its name (``reference``, ``sdpa``, ``chunked``, ...).
+#: Every backend module, by its name.
 BACKENDS: dict[str, ModuleType] = {b.NAME: b for b in ALL}
 
-# 2**22 float32 elements = 16 MiB for one copy of the features; the reference keeps several.
+#: Every engine a call can run on, by name (the backends, and the tile engine's implementations).
+ENGINES: dict[str, ModuleType] = {
+    **{name: b for name, b in BACKENDS.items() if name != tiles.NAME},
+    **tiles.IMPLEMENTATIONS,
+}
+
+#: The names of the backends the tile engine took in, and what replaced each.
+REPLACED = {"chunked": "tiles:online", "compiled": "tiles:compiled", "flash": "tiles:kernel", "flex": "tiles:flex"}
+
+# ---------------------------------------------------------------------------------------------------- thresholds
+
+# Additive scoring's (B, H, Lq, Lk, D) features from which the reference's dense formula gives way to the tile
+# engine's blocks: 2**22 float32 elements = 16 MiB for one copy of them (the reference keeps several).
 ADDITIVE_CHUNK_ELEMENTS = 2**22
 
+# Additive scoring goes to compiled steps from this many features per call (B H Lq Lk D): compiling takes about
+# 11 s here, and the eager steps' time at B=4, L=1024, D=128 (2^29, 2.4 s a training step against 0.17 s) repays it
+# in five.
+ADDITIVE_FROM = 2**28
+
+# A score_mod the C++ kernel does not run goes to compiled steps from this many scores per call (B H Lq Lk):
+# compiling them takes about 4 s forward and 5 s backward here, which the eager steps' time at H=8, L=8192 (4.6 s a
+# call) repays at once.
+COMPILE_FROM = 2**27
+
+# ... and with at least this many queries: fewer are padded to a block of queries all the same (the eager steps ran
+# Lq=1 over 65536 keys 6.7x faster).
+FEWEST_QUERIES = 256
+
 # A function of the caller's as score_mod is looked into (its graph traced twice: 12-42 ms on this machine) for the
-# flash kernel's distance bias from this many scores (B H Lq Lk) on, where flash and the tracing took 2-5x less
-# time than chunked (tester's runs at L=1024); smaller calls run it on chunked. A function found not to be one is
-# not traced again (attnkit.mods.relative).
+# C++ kernel's bias on the distance from this many scores (B H Lq Lk) on, where the kernel and the tracing took 2-5x
+# less time than the eager steps (at L=1024); smaller calls run it eagerly.
 DISTANCE_FROM = 2**22
 
-# A mask_mod under which chunked scores at most this share of the Lq x Lk pairs goes to chunked first: SDPA's
+# A mask whose visible tiles hold at most this share of the Lq x Lk pairs goes to the tile engine before SDPA, whose
 # kernels score every pair of a dense mask (docs/benchmarks.md, "Flexible attention").
 SPARSE_BELOW = 0.5
+
+# ------------------------------------------------------------------------------------------------ the conditions
+
+
+def _traced(call: Call) -> bool:
+    """torch.compile traces the call."""
+    return call.mask.traced
+
+
+def _wants_weights(call: Call) -> bool:
+    """The weights are wanted."""
+    return call.need_weights
+
+
+def _additive(call: Call) -> bool:
+    """Additive scoring."""
+    return call.w_v is not None
+
+
+def _additive_features(call: Call) -> int:
+    B, H, Lq, D = call.q.shape
+    return B * H * Lq * call.k.shape[2] * D
+
+
+def _additive_large(call: Call) -> bool:
+    """Additive scoring whose features would be large held whole (``ADDITIVE_CHUNK_ELEMENTS``)."""
+    return call.w_v is not None and _additive_features(call) >= ADDITIVE_CHUNK_ELEMENTS
+
+
+def _additive_compiles(call: Call) -> bool:
+    """Additive scoring on the CPU, large enough to repay compiling its steps (``ADDITIVE_FROM`` features,
+    ``FEWEST_QUERIES`` queries)."""
+    return (
+        call.w_v is not None
+        and call.q.device.type == "cpu"
+        and call.q.shape[2] >= FEWEST_QUERIES
+        and _additive_features(call) >= ADDITIVE_FROM
+    )
+
+
+def _modifiers_on_cuda(call: Call) -> bool:
+    """A mask_mod or score_mod on CUDA."""
+    return call.q.device.type == "cuda" and (call.mask.mask_mod is not None or call.score_mod is not None)
+
+
+def _few_queries(call: Call) -> bool:
+    """A decode step's few queries per key/value head, as the decode engine declares (on the CPU)."""
+    return call.q.device.type == "cpu" and call.queries_per_kv_head <= (decode.SUPPORTS.max_queries or 0)
+
+
+def _sparse(call: Call) -> bool:
+    """A mask_mod whose plan's visible tiles hold at most ``SPARSE_BELOW`` of the pairs."""
+    plan = call.mask.plan
+    return call.mask.mask_mod is not None and plan is not None and plan.share <= SPARSE_BELOW  # type: ignore[attr-defined]
+
+
+def _decode_step(call: Call) -> bool:
+    """A decode step: few queries over a cache's keys stored positions last, or with a mask (where SDPA would read
+    the whole cache once more to bound the scores it masks by adding -inf); not a sparse mask (the tile engine
+    visits its band only), no sinks, no score_mod but a bias."""
+    if not _few_queries(call) or call.sinks is not None or not call.score_bias or _sparse(call):
+        return False
+    return decode.is_positions_last(call.k, call.v) or not call.mask.is_empty
+
+
+def _kernel_worth(call: Call) -> bool:
+    """On the CPU in float32, over more queries than a decode step's (planning tiles costs more there than a few
+    eager steps): a mask_mod (a window took 0.15x SDPA without a mask), sinks, ``softcap``, or a score_mod that is a
+    bias on the distance (ALiBi, a caller's table), looked for in calls of at least ``DISTANCE_FROM`` scores (it
+    traces the function) or in a built-in that declares itself one."""
+    if call.q.device.type != "cpu" or call.q.dtype != torch.float32 or call.w_v is not None or _few_queries(call):
+        return False
+    score_mod = call.score_mod
+    if score_mod is None:
+        return call.mask.mask_mod is not None or call.sinks is not None
+    if type(score_mod) is mods.softcap:
+        return True
+    B, H, Lq, _ = call.q.shape
+    if B * H * Lq * call.k.shape[2] < DISTANCE_FROM and not mods.declares_distance_bias(score_mod):
+        return False  # (a packed document's piece asks the call's function, traced once for all its pieces)
+    return call.distance_bias
+
+
+def _compile_worth(call: Call) -> bool:
+    """A score_mod the C++ kernel does not run (not a bias, or a bias whose tensors need a gradient), on the CPU, in
+    a call large enough to repay compiling its steps (``COMPILE_FROM`` scores, ``FEWEST_QUERIES`` queries)."""
+    if call.q.device.type != "cpu" or call.w_v is not None or call.score_mod is None:
+        return False
+    if call.score_bias and not call.differentiates_score_mod:
+        return False
+    B, H, Lq, _ = call.q.shape
+    return Lq >= FEWEST_QUERIES and B * H * Lq * call.k.shape[2] >= COMPILE_FROM
+
+
+def _needs_the_engine(call: Call) -> bool:
+    """Sinks, a score_mod that is not a bias, or a sparse mask: what SDPA cannot run, or runs dense."""
+    return call.sinks is not None or not call.score_bias or _sparse(call)
+
+
+def _dot_product(call: Call) -> bool:
+    """Dot-product scoring."""
+    return call.w_v is None
+
+
+def _always(call: Call) -> bool:
+    """Any call."""
+    return True
+
+
+class Rule(NamedTuple):
+    """One step of the policy: ``engine`` runs the call when ``when(call)`` holds and it can."""
+
+    engine: str
+    when: Callable[[Call], bool]
+
+
+#: The policy of ``backend="auto"`` (the first rule whose condition holds and whose engine can run the call runs it).
+POLICY: tuple[Rule, ...] = (
+    Rule("graph", _traced),
+    Rule("reference", _wants_weights),
+    Rule("tiles:compiled", _additive_compiles),
+    Rule("tiles:online", _additive_large),
+    Rule("reference", _additive),
+    Rule("tiles:flex", _modifiers_on_cuda),
+    Rule("decode", _decode_step),
+    Rule("tiles:kernel", _kernel_worth),
+    Rule("tiles:compiled", _compile_worth),
+    Rule("tiles:online", _needs_the_engine),
+    Rule("sdpa", _dot_product),
+    Rule("tiles:online", _always),
+    Rule("reference", _always),
+)
 
 # The watch() blocks open in this thread or task, outermost first.
 _WATCHERS: ContextVar[tuple[_Watch, ...]] = ContextVar("attnkit_watchers", default=())
 
 
-def available_backends(device: str | torch.device | None = None) -> list[str]:
+def available_backends(device: str | torch.device | None = None, *, implementations: bool = False) -> list[str]:
     """Names of attnkit's backends that run on ``device`` (a device type such as ``"cpu"`` or ``"cuda"``, or a
     device), or, when ``None``, on some device this machine has (and whose packages it has: ``Supports.needs``; a
-    kernel built on first use is listed before it is built, and a call it cannot run says why).
+    kernel built on first use is listed before it is built, and a call it cannot run says why); with
+    ``implementations``, the tile engine's implementations in its place (``"tiles:online"``, ...).
     What a backend cannot run is declared in its ``SUPPORTS`` and said per call, and a backend named explicitly
     lists every backend's reasons.
 
     Example:
         >>> available_backends("cpu")
-        ['reference', 'sdpa', 'chunked', 'tiles', 'flash', 'compiled', 'decode', 'graph']
+        ['reference', 'sdpa', 'decode', 'tiles', 'graph']
     """
     here = {"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"}
     types = here if device is None else {torch.device(device).type}
-    found = [(name, b.SUPPORTS) for name, b in BACKENDS.items()]
+    found = [(name, b.SUPPORTS) for name, b in (ENGINES if implementations else BACKENDS).items()]
     return [name for name, s in found if s.needs is None and (s.devices is None or types & s.devices)]
 
 
 def describe_backends() -> dict[str, str]:
-    """For each backend, what it can run, as it declares (``attnkit info`` shows them)."""
-    return {name: b.SUPPORTS.describe() for name, b in BACKENDS.items()}
+    """For each backend and each of the tile engine's implementations, what it can run, as it declares (``attnkit
+    info`` shows them)."""
+    return {name: engine.SUPPORTS.describe() for name, engine in {**BACKENDS, **ENGINES}.items()}
 
 
 @contextlib.contextmanager
-def watch() -> Iterator[list[str]]:
-    """Collect the names of the backends that run inside the ``with`` block, in order.
+def watch(*, implementations: bool = False) -> Iterator[list[str]]:
+    """Collect the names of the backends that run inside the ``with`` block, in order (with ``implementations``,
+    the tile engine's as ``"tiles:kernel"`` and the like).
 
     Only the calls of the thread or asyncio task that opened it are seen. Blocks nest: a call is seen by
     every block open around it. Inside :func:`attnkit.distributed.context_parallel` every call is ``"ring"``.
@@ -109,7 +267,7 @@ def watch() -> Iterator[list[str]]:
         ['reference']
     """
     seen: list[str] = []
-    entry = _Watch(seen)
+    entry = _Watch(seen, implementations)
     _WATCHERS.set((*_WATCHERS.get(), entry))
     try:
         with _scoped_state.counted("watch"):
@@ -120,137 +278,71 @@ def watch() -> Iterator[list[str]]:
 
 
 def choose(backend: str, call: Call) -> ModuleType:
-    """The backend module that will run ``call`` (see the module docstring for the policy).
+    """The engine that will run ``call`` (see the module docstring for the policy).
 
     Raises:
-        ValueError: ``backend`` is not a backend's name, or the backend named cannot run the call (the message
-            gives every backend's reasons, from what each declares in its ``SUPPORTS``).
+        ValueError: ``backend`` is not an engine's name (a replaced one says what replaced it), or the engine named
+            cannot run the call (the message gives every engine's reasons, from what each declares in its
+            ``SUPPORTS``).
     """
     if call.mask.traced:  # torch.compile traces this call: only the graph backend reads no value
-        return _ran(BACKENDS["graph"])
+        return ENGINES["graph"]
     if backend == "auto":
-        for name in _preferences(call):
-            if not BACKENDS[name].SUPPORTS.why_not(call):
-                return _ran(BACKENDS[name])
-        raise ValueError("no backend can run this call: " + _all_reasons(call))
+        found = _first(POLICY, call)
+        if found is None:
+            raise ValueError("no backend can run this call: " + _all_reasons(call))
+        return found
     check_name(backend)
-    chosen = BACKENDS[backend]
-    if chosen.SUPPORTS.why_not(call):
+    if backend == tiles.NAME:
+        preferred = tuple(rule for rule in POLICY if rule.engine in tiles.IMPLEMENTATIONS)
+        everyone = tuple(Rule(name, _always) for name in tiles.IMPLEMENTATIONS)
+        found = _first(preferred, call) or _first(everyone, call)
+    else:
+        found = None if ENGINES[backend].SUPPORTS.why_not(call) else ENGINES[backend]
+    if found is None:
         raise ValueError(f"backend={backend!r} cannot run this call: " + _all_reasons(call))
-    return _ran(chosen)
+    return found
+
+
+def _first(rules: tuple[Rule, ...], call: Call) -> ModuleType | None:
+    for rule in rules:
+        engine = ENGINES[rule.engine]
+        if rule.when(call) and not engine.SUPPORTS.why_not(call):
+            return engine
+    return None
 
 
 def check_name(backend: object) -> None:
-    """``backend`` is ``"auto"`` or a backend's name.
+    """``backend`` is ``"auto"``, a backend's name, or a tile engine implementation's (``"tiles:online"``).
 
     Raises:
-        TypeError: not a string. ValueError: not a name, listing the names.
+        TypeError: not a string. ValueError: not a name, listing the names (or saying what replaced it).
     """
+    names = sorted([*BACKENDS, *tiles.IMPLEMENTATIONS])
     if not isinstance(backend, str):
-        raise TypeError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
-
-
-def _preferences(call: Call) -> tuple[str, ...]:
-    if call.need_weights:
-        return ("reference",)
-    if call.w_v is None:
-        flex: tuple[str, ...] = ()
-        if call.q.device.type == "cuda" and (call.mask.mask_mod is not None or call.score_mod is not None):
-            flex = ("flex",)
-        bias_mod = call.score_mod is not None and call.score_bias
-        fused = ("tiles",) if call.mask.mask_mod is not None or call.sinks is not None or bias_mod else ()
-        if _compile_worth(call):
-            fused = ("compiled", *fused)
-        if _flash_worth(call):
-            fused = ("flash", *fused)
-        if call.sinks is not None or not call.score_bias or _sparse(call):
-            return (*flex, *fused, "chunked", "sdpa", "reference")
-        if decode.is_positions_last(call.k, call.v) or (_few_queries(call) and not call.mask.is_empty):
-            # a KVCache's long context, laid out for the decode step; or a masked decode step over the usual
-            # layout, where sdpa would first read the whole cache to bound its hidden scores (finding c)
-            return (*flex, "decode", *fused, "sdpa", "chunked", "reference")
-        if fused:
-            return (*flex, *fused, "sdpa", "chunked", "reference")
-        return (*flex, "sdpa", "chunked", "reference")
-    B, H, Lq, D = call.q.shape
-    features = B * H * Lq * call.k.shape[2] * D
-    if features >= ADDITIVE_CHUNK_ELEMENTS:
-        if _compile_worth(call):
-            return ("compiled", "chunked", "reference")
-        return ("chunked", "reference")
-    return ("reference", "chunked")
-
-
-def _flash_worth(call: Call) -> bool:
-    """On CPU in float32, over more queries than a decode step's (planning tiles would cost more there than
-    ``chunked``'s few steps), where the kernel is built (the first time, here): a ``mask_mod`` (a window
-    took 0.12x SDPA without a mask there, 0.20x on ``tiles``; docs/benchmarks.md), unless the mask is causal
-    self-attention throughout (``tiles`` runs that as one causal call of PyTorch's kernel); ``softcap``; or a
-    score_mod that is a bias on the distance ``q_idx - kv_idx`` (ALiBi, a caller's table), looked for in calls of
-    at least ``DISTANCE_FROM`` scores (proving it traces the function)."""
-    if call.q.device.type != "cpu" or call.q.dtype != torch.float32 or call.w_v is not None or _few_queries(call):
-        return False
-    score_mod = call.score_mod
-    if score_mod is None:
-        if call.mask.mask_mod is None or tiles.causal_throughout(call.mask):
-            return False
-        return flash.missing() is None
-    if type(score_mod) is mods.softcap:
-        return flash.missing() is None
-    B, H, Lq, _ = call.q.shape
-    if B * H * Lq * call.k.shape[2] < DISTANCE_FROM and not mods.declares_distance_bias(score_mod):
-        return False  # (a packed document's piece asks the call's function, traced once for all its pieces)
-    return flash.missing() is None and call.distance_bias
-
-
-def _compile_worth(call: Call) -> bool:
-    """Additive scoring, or a score_mod the fused kernel cannot take (not a bias, or a bias whose tensors need a
-    gradient), in a call large enough to repay compiling its steps (``compiled.ADDITIVE_FROM`` features,
-    ``compiled.COMPILE_FROM`` scores), with a block of queries to fill (a decode step's few queries would be padded
-    to a block: ``chunked`` ran Lq=1 over 65536 keys 6.7x faster)."""
-    if call.q.device.type != "cpu":
-        return False
-    B, H, Lq, D = call.q.shape
-    size, least = B * H * Lq * call.k.shape[2], compiled.COMPILE_FROM
-    if call.w_v is not None:
-        if compiled.failed(call):  # eagerly, its steps hold every tile's features: chunked
-            return False
-        size, least = size * D, compiled.ADDITIVE_FROM
-    elif call.score_mod is None or (call.score_bias and not call.differentiates_score_mod):
-        return False
-    if Lq < compiled.FEWEST_QUERIES or size < least:
-        return False
-    return compiled.takes_blocks(call)  # (a function of single scores only cannot be compiled as a block)
-
-
-def _few_queries(call: Call) -> bool:
-    """A decode step's size, on the device it runs on (the decode backend refuses the rest with its reasons)."""
-    return call.q.device.type == "cpu" and call.queries_per_kv_head <= decode.FEW_QUERIES
-
-
-def _sparse(call: Call) -> bool:
-    """A mask_mod under which chunked visits at most ``SPARSE_BELOW`` of the pairs (from index ranges alone)."""
-    mask = call.mask
-    if mask.mask_mod is None or not mask.num_queries or not mask.num_keys:
-        return False
-    spans = online.key_blocks(mask, mask.num_queries, (0, mask.num_keys), chunked.current_settings().block_size)
-    visited = sum((s.r1 - s.r0) * (s.j1 - s.j0) for s in spans)
-    return visited <= SPARSE_BELOW * mask.num_queries * mask.num_keys
+        raise TypeError(f"backend must be 'auto' or one of {names}, got {backend!r}")
+    if backend in REPLACED:
+        raise ValueError(
+            f"backend={backend!r} is now part of the tile engine: backend={REPLACED[backend]!r} runs what it ran "
+            "(or backend='tiles', which picks among the engine's implementations)"
+        )
+    if backend != "auto" and backend not in BACKENDS and backend not in tiles.IMPLEMENTATIONS:
+        raise ValueError(f"backend must be 'auto' or one of {names}, got {backend!r}")
 
 
 def _all_reasons(call: Call) -> str:
     parts = []
-    for name, b in BACKENDS.items():
-        reasons = b.SUPPORTS.why_not(call)
+    for name, engine in ENGINES.items():
+        reasons = engine.SUPPORTS.why_not(call)
         parts.append(f"{name}: {'; '.join(reasons) if reasons else 'can run it'}")
     return " | ".join(parts)
 
 
-def _ran(backend: ModuleType) -> ModuleType:
-    ran_elsewhere(backend.NAME)
-    return backend
+def ran(engine: ModuleType) -> None:
+    """Tell the open :func:`watch` blocks that ``engine`` ran a call."""
+    for entry in _scoped_state.read(_WATCHERS, ()):
+        if entry.open:
+            entry.seen.append(engine.NAME if entry.implementations else engine.NAME.split(":")[0])
 
 
 def ran_elsewhere(name: str) -> None:
@@ -262,7 +354,7 @@ def ran_elsewhere(name: str) -> None:
 
 
 class _Watch:
-    """One open watch() block: the list it fills, while it is open."""
+    """One open watch() block: the list it fills, while it is open, and whether it names implementations."""
 
-    def __init__(self, seen: list[str]) -> None:
-        self.seen, self.open = seen, True
+    def __init__(self, seen: list[str], implementations: bool) -> None:
+        self.seen, self.implementations, self.open = seen, implementations, True

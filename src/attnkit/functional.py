@@ -9,6 +9,7 @@ a row with nothing to attend to gives zeros. Inputs are never modified.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import numbers
 from typing import Any, NamedTuple
 
@@ -19,8 +20,9 @@ from attnkit import _compile, _context_parallel, dispatch, mods, trace, varlen
 from attnkit._validate import check_qkv, check_same_kind, check_scale, describe
 from attnkit._value_checks import checked, value_check
 from attnkit.backends import reference
-from attnkit.backends.contract import Call
+from attnkit.backends.contract import Call, Unavailable
 from attnkit.masks import Mask, compute_dtype
+from attnkit.plan import Plan, plan_of
 
 __all__ = ["AttentionOutput", "Masks", "additive_attention", "attention_weights", "scaled_dot_product_attention"]
 
@@ -54,6 +56,7 @@ class Masks(NamedTuple):
     is_causal: bool = False
     mask_mod: mods.MaskFn | None = None
     score_mod: mods.ScoreFn | None = None
+    plan: Plan | None = None
 
 
 def scaled_dot_product_attention(
@@ -71,6 +74,7 @@ def scaled_dot_product_attention(
     mask_mod: mods.MaskFn | None = None,
     score_mod: mods.ScoreFn | None = None,
     sinks: Tensor | None = None,
+    plan: Plan | None = None,
 ) -> AttentionOutput:
     """``softmax(score_mod(q k^T * scale) + bias, masked) v``.
 
@@ -85,21 +89,25 @@ def scaled_dot_product_attention(
         scale: multiplies the scores; ``1 / sqrt(D)`` when ``None``.
         dropout_p: dropout on the weights (always applied when > 0; layers pass 0 in eval mode).
         need_weights: also return the weights (runs the reference backend).
-        backend: ``"auto"`` or a backend's name: ``"reference"``, ``"sdpa"``, ``"chunked"``, ``"tiles"``,
-            ``"flash"``, ``"compiled"``, ``"decode"``, ``"flex"``, ``"triton"``, ``"graph"`` (:mod:`attnkit.dispatch`;
-            ``attnkit.available_backends()`` lists those that run here).
+        backend: ``"auto"`` or a backend's name: ``"reference"``, ``"sdpa"``, ``"decode"``, ``"tiles"``, ``"graph"``,
+            ``"triton"``, or one of the tile engine's implementations, ``"tiles:kernel"``, ``"tiles:flex"``,
+            ``"tiles:compiled"``, ``"tiles:online"`` (:mod:`attnkit.dispatch`; ``attnkit.available_backends()``
+            lists the backends that run here).
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``, True = may attend (FlexAttention's signature;
             built-ins in :mod:`attnkit.mods`); combines with the other masks (all must allow a pair).
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, on the scaled scores, before the float
             ``attn_mask`` is added; the tensors it closes over get gradients.
         sinks: ``(H,)`` (``(1,)`` for 3-dim inputs) attention-sink logits, one per query head:
             ``a[i, j] = exp(s_ij) / (exp(sinks[h]) + sum_j exp(s_ij))``; they get gradients.
+        plan: the call's whole mask, planned once (:func:`attnkit.make_plan`, as FlexAttention's block mask) for
+            every call that shares it: instead of ``mask_mod``, ``is_causal``, ``valid_lens`` and ``attn_mask``.
 
     Returns:
         :class:`AttentionOutput` ``(output, weights)``.
 
     Raises:
-        ValueError, TypeError: naming the argument, with the shapes, for inputs that do not fit together.
+        ValueError, TypeError: naming the argument, with the shapes, for inputs that do not fit together (a
+            ``plan`` made for other lengths, or given beside another mask).
 
     Example:
         >>> q, k, v = torch.ones(2, 1, 4), torch.ones(2, 3, 4), torch.arange(24.0).reshape(2, 3, 4)
@@ -113,7 +121,7 @@ def scaled_dot_product_attention(
         <BLANKLINE>
                 [[0.5000, 0.5000, 0.0000]]])
     """
-    masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
+    masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod, plan)
     out, weights, _ = attend(
         q, k, v, masks, scale=scale, sinks=sinks, dropout_p=dropout_p, need_weights=need_weights, backend=backend
     )
@@ -135,6 +143,7 @@ def additive_attention(
     mask_mod: mods.MaskFn | None = None,
     score_mod: mods.ScoreFn | None = None,
     sinks: Tensor | None = None,
+    plan: Plan | None = None,
 ) -> AttentionOutput:
     """Additive (Bahdanau) attention on already projected queries and keys: ``s[i, j] = w_v . tanh(q[i] + k[j])``.
 
@@ -143,8 +152,8 @@ def additive_attention(
         k: ``(B, Lk, h)`` or ``(B, Hkv, Lk, h)``, the projected keys ``W_k k``.
         v: ``(B, Lk, Dv)`` or ``(B, Hkv, Lk, Dv)``.
         w_v: ``(h,)``.
-        valid_lens, attn_mask, is_causal, dropout_p, need_weights, backend, mask_mod, score_mod, sinks: as in
-            :func:`scaled_dot_product_attention` (``score_mod`` gets the additive scores).
+        valid_lens, attn_mask, is_causal, dropout_p, need_weights, backend, mask_mod, score_mod, sinks, plan: as
+            in :func:`scaled_dot_product_attention` (``score_mod`` gets the additive scores).
 
     Returns:
         :class:`AttentionOutput` ``(output, weights)``.
@@ -154,7 +163,7 @@ def additive_attention(
         >>> additive_attention(q, k, v, torch.ones(8), valid_lens=torch.tensor([2])).output
         tensor([[[0.5000]]])
     """
-    masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
+    masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod, plan)
     out, weights, _ = attend(
         q, k, v, masks, w_v=w_v, sinks=sinks, dropout_p=dropout_p, need_weights=need_weights, backend=backend
     )
@@ -173,6 +182,7 @@ def attention_weights(
     mask_mod: mods.MaskFn | None = None,
     score_mod: mods.ScoreFn | None = None,
     sinks: Tensor | None = None,
+    plan: Plan | None = None,
 ) -> Tensor:
     """The attention weights alone, without the output: what :func:`attnkit.record_weights` keeps.
 
@@ -190,7 +200,7 @@ def attention_weights(
     """
     if (runner := _context_parallel.active()) is not None:
         runner.refuse("attention_weights")
-    masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
+    masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod, plan)
     if torch.compiler.is_compiling():  # the reference plans from values (which keys are dead): outside the graph
         return _weights_outside_graph(q, k, w_v=w_v, scale=scale, sinks=sinks, **masks._asdict())
     q, k, mask, w_v, scale, score_mod, sinks, three_d = scoring(q, k, masks, w_v=w_v, scale=scale, sinks=sinks)
@@ -352,15 +362,46 @@ def _run_piece(backend: str, piece: varlen.Piece, need_lse: bool) -> tuple[str, 
 
 
 def _run(backend: str, call: Call, need_lse: bool) -> tuple[str, varlen.Result]:
-    """The backend's name and what it gave: output ``(B, H, Lq, Dv)``, weights ``(B, H, Lq, Lk)`` or ``None``, and
-    each row's log-sum-exp ``(B, H, Lq)`` where asked for and the backend has it at no cost."""
-    chosen = dispatch.choose(backend, call)
-    with_lse = getattr(chosen, "attention_with_lse", None) if need_lse else None
-    found = None if with_lse is None else with_lse(call)  # ((B, H, Lq, Dv), (B, H, Lq)) or None
-    if found is not None:
-        return chosen.NAME, varlen.Result(found[0], None, found[1])
-    out, weights = chosen.attention(call)
-    return chosen.NAME, varlen.Result(out, weights, None)
+    """The engine's name and what it gave: output ``(B, H, Lq, Dv)``, weights ``(B, H, Lq, Lk)`` or ``None``, and
+    each row's log-sum-exp ``(B, H, Lq)`` where asked for and the engine has it at no cost."""
+    call = _planned(call)
+    while True:
+        chosen = dispatch.choose(backend, call)
+        try:
+            with_lse = getattr(chosen, "attention_with_lse", None) if need_lse else None
+            found = None if with_lse is None else with_lse(call)  # ((B, H, Lq, Dv), (B, H, Lq)) or None
+            if found is not None:
+                result = varlen.Result(found[0], None, found[1])
+            else:
+                out, weights = chosen.attention(call)  # (B, H, Lq, Dv), (B, H, Lq, Lk) or None
+                result = varlen.Result(out, weights, None)
+        except Unavailable as missing:  # (a kernel whose build failed just now: choose again, it is known missing)
+            if backend not in ("auto", "tiles"):
+                raise ValueError(f"backend={backend!r} cannot run this call: {missing}") from None
+            continue
+        dispatch.ran(chosen)
+        return chosen.NAME, result
+
+
+def _planned(call: Call) -> Call:
+    """The call with its plan made (:func:`attnkit.plan.plan_of`: the tiles every engine of a mask_mod runs on, and
+    the liveness every engine asks for): once, before it is dispatched. A mask the plan finds to be causal
+    self-attention and nothing else, whatever its parts (a user's ``q_idx >= kv_idx``), becomes ``is_causal``,
+    which PyTorch's fused kernels run (a plan of many blocks merges their results: 1.15-1.2x that call)."""
+    mask = call.mask
+    if mask.mask_mod is None or mask.traced:
+        return call
+    if not plan_of(mask).causal_throughout:
+        return call
+    causal = Mask.build(
+        batch=mask.batch,
+        heads=mask.heads,
+        num_queries=mask.num_queries,
+        num_keys=mask.num_keys,
+        is_causal=True,
+        device=mask.device,
+    )
+    return dataclasses.replace(call, mask=causal)
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
@@ -429,6 +470,8 @@ def _finite(x: Tensor, name: str, bound: int, what: str) -> None:
 
 def _build_mask(q: Tensor, k: Tensor, masks: Masks, three_d: bool, from_cache: bool = False) -> Mask:
     B, H, Lq, _ = q.shape
+    if masks.plan is not None:
+        return _planned_mask(masks, B, H, Lq, k.shape[2], q.device)
     return Mask.build(
         lengths_made=from_cache,
         batch=B,
@@ -442,3 +485,45 @@ def _build_mask(q: Tensor, k: Tensor, masks: Masks, three_d: bool, from_cache: b
         device=q.device,
         mask_mod=masks.mask_mod,
     )
+
+
+def _planned_mask(masks: Masks, B: int, H: int, Lq: int, Lk: int, device: torch.device) -> Mask:
+    """The call's mask from the plan it was given (``plan=``): the plan's mask, with the plan as its tiles.
+
+    Raises:
+        TypeError: ``plan`` not a :class:`~attnkit.plan.Plan`. ValueError: given beside another mask, or made for
+            other lengths, another device, or (a mask_mod that may read them) other examples or heads.
+    """
+    plan = masks.plan
+    if not isinstance(plan, Plan) or plan.mask is None:
+        raise TypeError(f"plan must be what attnkit.make_plan makes, got {describe(plan)}")
+    given = [name for name in ("valid_lens", "attn_mask", "mask_mod") if getattr(masks, name) is not None]
+    given += ["is_causal"] if masks.is_causal else []
+    if given:
+        raise ValueError(
+            f"plan is the call's whole mask: give {', '.join(given)} to make_plan instead, or no plan (got both)"
+        )
+    made = plan.mask
+    mask = Mask.build(
+        batch=B,
+        heads=H,
+        num_queries=Lq,
+        num_keys=Lk,
+        is_causal=made.is_causal,
+        mask_mod=made.mask_mod,
+        device=device,
+    )
+    index_key = mask.index_key
+    fits = (plan.num_queries, plan.num_keys) == (Lq, Lk) and (
+        plan.key is not None and index_key is not None and plan.key[: len(index_key)] == index_key
+        if plan.key is not None
+        else (made.batch, made.heads, made.device) == (B, H, device)
+    )
+    if not fits:
+        raise ValueError(
+            f"plan was made for {made.num_queries} queries and {made.num_keys} keys, batch {made.batch}, heads "
+            f"{made.heads}, on {made.device or 'cpu'}; this call has {Lq} and {Lk}, batch {B}, heads {H}, on {device}"
+        )
+    mask.plan = plan
+    mask.__dict__.setdefault("liveness", plan.liveness)  # (functools.cached_property keeps its value there)
+    return mask

@@ -17,6 +17,7 @@ from attnkit import _projection, dispatch, mods, stats, trace
 from attnkit._validate import check_dropout, check_qkv, check_sizes
 from attnkit.cache import CrossKVCache, KVCache, Positions
 from attnkit.functional import Masks, attend, attention_weights
+from attnkit.plan import Plan
 from attnkit.recording import is_recording, report_weights, wants_stats
 
 __all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention"]
@@ -59,12 +60,13 @@ class _Attention(nn.Module):
         is_causal: bool = False,
         mask_mod: mods.MaskFn | None = None,
         score_mod: mods.ScoreFn | None = None,
+        plan: Plan | None = None,
     ) -> Tensor:
         """Args: queries ``(B, [H,] Lq, d)`` (``(B, Lq, query_size)`` for additive attention), keys
         ``(B, [Hkv,] Lk, d)`` (``(B, Lk, key_size)``), values ``(B, [Hkv,] Lk, dv)``; valid_lens ``(B,)`` or
-        ``(B, Lq)``; attn_mask, is_causal, mask_mod, score_mod as in :func:`attnkit.scaled_dot_product_attention`.
-        Returns ``(B, [H,] Lq, dv)``."""
-        masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
+        ``(B, Lq)``; attn_mask, is_causal, mask_mod, score_mod, plan as in
+        :func:`attnkit.scaled_dot_product_attention`. Returns ``(B, [H,] Lq, dv)``."""
+        masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod, plan)
         q, k, w_v = self._scoring(queries, keys, values)
         out, _, lse = attend(
             q,
@@ -255,10 +257,12 @@ class MultiHeadAttention(_Attention):
         mask_mod: mods.MaskFn | None = None,
         score_mod: mods.ScoreFn | None = None,
         cache: KVCache | CrossKVCache | None = None,
+        plan: Plan | None = None,
     ) -> Tensor:
         """Args: queries ``(B, Lq, query_size)``, keys ``(B, Lk, key_size)``, values ``(B, Lk, value_size)``;
         valid_lens ``(B,)`` or ``(B, Lq)``; attn_mask ``(Lq, Lk)``, ``(B, Lq, Lk)`` or ``(B, H, Lq, Lk)``;
-        mask_mod, score_mod as in :func:`attnkit.scaled_dot_product_attention` (``h`` is the query head);
+        mask_mod, score_mod, plan as in :func:`attnkit.scaled_dot_product_attention` (``h`` is the query head; one
+        plan serves every layer and call of its lengths, :func:`attnkit.make_plan`);
         cache: a :class:`~attnkit.KVCache` (self-attention: this call's keys and values are appended to it and the
         queries attend over all it holds; ``valid_lens (B,)`` then counts each row's real new tokens, and
         ``is_causal`` places query ``i`` at its row's position ``length_b + i``; no other mask) or a
@@ -305,17 +309,18 @@ class MultiHeadAttention(_Attention):
             if cache.keys is None:
                 cache.fill(k, v, valid_lens)
         elif isinstance(cache, KVCache):
-            if attn_mask is not None or mask_mod is not None or score_mod is not None:
+            if attn_mask is not None or mask_mod is not None or score_mod is not None or plan is not None:
                 raise ValueError(
                     "with a KVCache, the masks are valid_lens (B,) (each row's real new tokens) and is_causal; "
-                    "attn_mask, mask_mod and score_mod are not supported (their positions would not be the rows' own)"
+                    "attn_mask, mask_mod, score_mod and plan are not supported (their positions would not be the rows' "
+                    "own)"
                 )
             k, v, valid_lens, attn_mask, zeros_past, positions = cache.update(k, v, valid_lens, is_causal)
             if valid_lens is not None or attn_mask is not None:
                 is_causal = False  # now in valid_lens or attn_mask, by each row's own positions
         elif cache is not None:
             raise TypeError(f"cache must be an attnkit.KVCache or attnkit.CrossKVCache, got {type(cache).__name__}")
-        masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
+        masks = Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod, plan)
         made = isinstance(cache, KVCache)  # its lengths, as update() made them
         out, lse = self._attend(q, k, v, masks, zeros_past, wants_stats(self), made)  # (B, H, Lq, d), (B, H, Lq)
         self._record(q, k, masks, positions=positions, lse=lse)

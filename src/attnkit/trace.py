@@ -248,7 +248,7 @@ def describe_masks(valid_lens: Tensor | None, attn_mask: Tensor | None, is_causa
     return "; ".join(parts) or "none"
 
 
-_HOW = {"sdpa": "fused kernel, scores never materialised", "chunked": "blocks of keys, online softmax"}
+_HOW = {"sdpa": "fused kernel, scores never materialised", "tiles": "tiles of the plan, online softmax"}
 
 
 def attention_steps(

@@ -105,7 +105,7 @@ def kernel_backward_safe(q: Tensor, v: Tensor, dout: Tensor) -> bool:
     ``dout . v - delta``. So every query must be finite (``-inf + NaN`` is NaN, and a query that holds NaN would put
     it into the values' gradients of keys it may not see), and every ``dout . v`` bounded below the largest number
     (so is each row's delta, ``|out| <= max |v|``): one read of each. False sends the backward to
-    :func:`attnkit.backends.online.exact_grads`."""
+    :func:`attnkit.backends.tiles.softmax.exact_grads`."""
     return all_finite(q) and scores_bounded(dout, v, 1.0, compute_dtype(q.dtype))
 
 

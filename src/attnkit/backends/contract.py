@@ -1,14 +1,14 @@
 """The backend contract: one object describing a call, and what a backend supports, as data.
 
-Every backend module defines::
+Every backend module (and each implementation of the tile engine, :mod:`attnkit.backends.tiles`) defines::
 
-    NAME: str
+    NAME: str                                           # "sdpa", or "tiles:kernel" for an implementation
     SUPPORTS: Supports                                  # what it can run, declared
     def attention(call: Call) -> tuple[Tensor, Tensor | None]
     def attention_with_lse(call: Call) -> tuple[Tensor, Tensor] | None   # optional: also each row's log-sum-exp
 
 :func:`attnkit.dispatch.choose` is the only place that chooses: it asks ``SUPPORTS.why_not(call)`` of each
-backend, which says, one reason per line of the declaration, why that backend cannot run the call.
+engine, which says, one reason per line of the declaration, why that engine cannot run the call.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import Tensor
 from attnkit import mods
 from attnkit.masks import Mask, compute_dtype
 
-__all__ = ["Call", "Supports"]
+__all__ = ["Call", "Supports", "Unavailable"]
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim, Dv value head dim
 
@@ -161,6 +161,12 @@ class Call:
         return self.q.shape[1] // self.k.shape[1] * self.q.shape[2]
 
 
+class Unavailable(RuntimeError):
+    """An engine found, as it began a call, that it cannot run here after all (a kernel whose build failed just
+    then): :func:`attnkit.functional.attend` asks the dispatcher again, whose ``missing`` now knows; a backend named
+    explicitly says why instead."""
+
+
 def largest_score(q: Tensor, k: Tensor, scale: float) -> float:
     """A bound on ``|scale * q[i] . k[j]|`` and on the product before the scale, ``|q[i] . k[j]|``, over
     ``q (..., Lq, D)`` and ``k (..., Lk, D)`` (both not empty): ``max(1, |scale|) * D * max|q| * max|k|``, from one
@@ -196,8 +202,9 @@ class Supports:
     ``opaque_modifiers``: modifiers whose tensors cannot be found, under autograd (False: its backward reads them
     again and must check they did not change); ``value_dim``: values of another head size than the queries';
     ``score_mod_grad``: gradients to the tensors a built-in score_mod reads (ALiBi's slopes); ``needs``: what this
-    machine lacks for it (a package, with how to install it), or ``None``; ``missing``: the same, found only when a
-    call it could run asks (a kernel built on first use: asked last, where nothing else refuses), or ``None``.
+    machine lacks for it (a package, with how to install it), or ``None``; ``missing(call)``: the same, or what this
+    call lacks for it, found only when a call it could run asks (asked last, where nothing else refuses; it builds
+    nothing: a kernel that fails to build as it runs raises :class:`Unavailable`), or ``None``.
     ``score_mod="kernel"``: the score_mods a kernel computes itself: attnkit's own :class:`~attnkit.mods.softcap`,
     or a bias on the distance, ``score + f(b, h, q_idx - kv_idx)`` (``attnkit.mods.relative.is_distance_bias``)."""
 
@@ -219,7 +226,7 @@ class Supports:
     value_dim: bool = True
     score_mod_grad: bool = True
     needs: str | None = None
-    missing: Callable[[], str | None] | None = None
+    missing: Callable[[Call], str | None] | None = None
 
     def why_not(self, call: Call) -> list[str]:
         """Each reason this declaration refuses ``call``; ``[]`` when it can run it."""
@@ -293,8 +300,8 @@ class Supports:
                 "adds the mask as -inf, and a hidden score could overflow here (|scale| * D * max|q| * max|k| beyond "
                 "the largest float): inf - inf would be NaN in rows that may not see that key"
             )
-        # last, and only where nothing else refuses: it may build a kernel (seconds, the first time)
-        if self.needs is None and self.missing is not None and not reasons and (lacking := self.missing()):
+        # last, and only where nothing else refuses (it may look into the call's score_mod); it builds nothing
+        if self.needs is None and self.missing is not None and not reasons and (lacking := self.missing(call)):
             reasons.append(f"needs {lacking}")
         return reasons
 

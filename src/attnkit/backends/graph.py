@@ -31,7 +31,6 @@ from attnkit.backends import decode, graph_ops
 from attnkit.backends.common import additive_scores, repeat_kv
 from attnkit.backends.contract import Call, Supports
 from attnkit.masks import Mask, compute_dtype
-from attnkit.masks.parts import causal_block
 
 NAME = "graph"
 
@@ -49,7 +48,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     dtype = compute_dtype(q.dtype)
-    allowed = _allowed(mask, q.device)  # (B|1, H|1, Lq|1, Lk) bool, or None: every pair
+    allowed = _allowed(mask)  # (B|1, H|1, Lq|1, Lk) bool, or None: every pair
     bias, shift = (None, None) if mask.bias is None else _shifted_bias(mask.bias, allowed, dtype)
     fused = call.w_v is None and call.score_mod is None and call.sinks is None and not call.need_weights
     if fused and call.queries_per_kv_head > decode.FEW_QUERIES:
@@ -145,7 +144,8 @@ def _fused(call: Call, allowed: Tensor | None, bias: Tensor | None) -> Tensor:
         )  # (B, H, Lq, Dv)
     if allowed is None and bias is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=call.dropout_p, scale=call.scale, **gqa)
-    assert allowed is not None  # (a float mask's -inf is part of it)
+    if allowed is None:  # a float mask that hides nothing
+        allowed = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=q.device)
     q, k, v = _zero_dead(q, k, v, allowed)
     live_rows = allowed.any(dim=-1, keepdim=True)  # (B|1, H|1, Lq|1, 1)
     if bias is None:
@@ -163,29 +163,13 @@ def _fused(call: Call, allowed: Tensor | None, bias: Tensor | None) -> Tensor:
     return out.masked_fill(~live_rows, 0.0)
 
 
-def _allowed(mask: Mask, device: torch.device) -> Tensor | None:
-    """The combined mask, ``(B|1, H|1, Lq|1, Lk)`` bool (True = may attend), from its parts; ``None`` when every
-    pair is allowed. A float mask's ``-inf`` hides the pair."""
-    Lq, Lk = mask.num_queries, mask.num_keys
-    allowed: Tensor | None = None
-
-    def both(part: Tensor) -> Tensor:
-        return part if allowed is None else allowed & part
-
-    if mask.valid_lens is not None:
-        allowed = torch.arange(Lk, device=device) < mask.valid_lens  # (B, 1, 1 | Lq, Lk)
-    if mask.is_causal:
-        allowed = both(causal_block(Lq, Lk, 0, Lk, device, 0, Lq))  # (Lq, Lk)
-    if mask.bool_mask is not None:
-        allowed = both(mask.bool_mask)  # (B|1, H|1, Lq, Lk)
-    if mask.bias is not None:
-        allowed = both(~torch.isneginf(mask.bias))  # (B|1, H|1, Lq, Lk)
-    if mask.mask_mod is not None:
-        idx = mods.indices(mask.batch, mask.heads, (0, Lq), (0, Lk), device)
-        allowed = both(mods.evaluate_mask(mask.mask_mod, *idx))  # broadcastable to (B, H, Lq, Lk)
-    if allowed is not None:
-        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))  # 4 dims
-    return allowed
+def _allowed(mask: Mask) -> Tensor | None:
+    """The combined mask (:meth:`~attnkit.masks.Mask.allowed_tile` over the whole call), ``(B|1, H|1, Lq|1, Lk)``
+    bool (True = may attend), or ``None`` when every pair is allowed. A float mask's ``-inf`` hides the pair."""
+    allowed = mask.allowed_tile(0, mask.num_queries, 0, mask.num_keys)
+    if allowed is None:
+        return None
+    return allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))  # 4 dims
 
 
 def _shifted_bias(bias: Tensor, allowed: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -25,7 +25,7 @@ from attnkit.backends.common import (
     zero_dead,
 )
 from attnkit.backends.contract import DOT, Call, Supports
-from attnkit.backends.online import Scorer, exact_grads
+from attnkit.backends.tiles.softmax import Scorer, exact_grads
 from attnkit.masks import Mask, compute_dtype
 from attnkit.mods import ScoreFn
 
@@ -312,7 +312,7 @@ def exact_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` of a call of PyTorch's flash kernel (``q (B, H, Lq, D)``, ``k, v (B, Hkv, Lk, D)``, its output
     and row log-sum-exp ``out``, ``lse``, the output's gradient ``dout``) through
-    :func:`attnkit.backends.online.exact_grads`, which never multiplies a pair a row may not see: where
+    :func:`attnkit.backends.tiles.softmax.exact_grads`, which never multiplies a pair a row may not see: where
     :func:`~attnkit.backends.common.kernel_backward_safe` says the kernel's own backward would. In the compute dtype,
     returned in the inputs'. ``mask`` and ``score_mod``: what ``attn_mask`` and ``is_causal`` mean (``None``: a mask
     made from them)."""

@@ -9,8 +9,10 @@
   sources, the flags, Python's and PyTorch's versions and the instruction set: checkouts whose sources differ do not
   rebuild each other's, and a changed source is built anew.
 
-Where a kernel cannot be built, its caller runs torch ops or another backend and says so once
-(``attnkit.backends.flash``, ``attnkit.stats.kernel``).
+:func:`ensure` loads a kernel once a process and remembers what happened: the one place that knows whether a kernel
+runs here (a loaded library is the process's). Where one cannot be built, it says so once, and its caller runs torch
+ops or another implementation (``attnkit.backends.tiles.kernel``, ``attnkit.stats.kernel``). An environment variable
+keeps each off: ``ATTNKIT_FLASH_KERNEL=0``, ``ATTNKIT_STATS_KERNEL=0``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ try:
 except ImportError:  # Windows: no flock; PyTorch's loader's own lock file alone
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["KERNELS", "build_directory", "compile_flags", "extension_name", "load", "source_hash"]
+__all__ = ["KERNELS", "build_directory", "compile_flags", "ensure", "extension_name", "known", "load", "source_hash"]
 
 HERE = Path(__file__).parent
 
@@ -49,6 +51,61 @@ _FLAGS = {
 
 # One build at a time in this process: each puts ninja on PATH and restores it after (os.environ is the process's).
 _IN_PROCESS = threading.Lock()
+
+# Each kernel's variable that keeps it off ("0"), and what it offers where it runs (for the warning of a failed build).
+SWITCHES = {"flash": "ATTNKIT_FLASH_KERNEL", "stats": "ATTNKIT_STATS_KERNEL"}
+_INSTEAD = {
+    "flash": "the tile engine runs its calls in torch ops instead (the same results, slower)",
+    "stats": "record_stats runs its torch ops instead (the same results, slower)",
+}
+
+# What each kernel's load gave in this process: None, loaded; a reason, it cannot be (a process's state: a library
+# is loaded into the process). Read and written under _LOADING.
+_LOADED: dict[str, str | None] = {}
+_LOADING = threading.Lock()
+
+
+def known(name: str) -> str | None:
+    """Why kernel ``name`` does not run here, as far as is known without building it: turned off, or its build
+    failed before; ``None`` otherwise (loaded, or not tried yet). Builds nothing."""
+    if os.environ.get(SWITCHES[name], "1") == "0":
+        return f"{SWITCHES[name]} unset or 1 (it is 0 here)"
+    with _LOADING:
+        return _LOADED.get(name)
+
+
+def ensure(name: str) -> str | None:
+    """Load kernel ``name`` the first time it is asked (building it the first time on this machine: :func:`load`);
+    ``None`` where it runs, else why it does not (said once, as a RuntimeWarning)."""
+    off = known(name)
+    if off is not None:
+        return off
+    with _LOADING:
+        if name not in _LOADED:
+            try:
+                load(name)
+                _LOADED[name] = None
+            except Exception as error:  # no compiler, no ninja, a build error
+                reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                _LOADED[name] = f"its C++ kernel built (the build failed: {type(error).__name__}: {reason})"
+                warnings.warn(
+                    f"attnkit: the {name} kernel could not be built ({type(error).__name__}: {reason}); "
+                    f"{_INSTEAD[name]} (`make compiler` installs a C++ compiler)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        return _LOADED[name]
+
+
+def failed(name: str, error: Exception) -> None:
+    """Kernel ``name`` raised as it ran (a runtime unlike the one it was built for): said once; it runs no more."""
+    with _LOADING:
+        _LOADED[name] = f"its C++ kernel ran (it raised {type(error).__name__}: {error})"
+    warnings.warn(
+        f"attnkit: the {name} kernel failed ({type(error).__name__}: {error}); {_INSTEAD[name]}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def compile_flags() -> list[str]:

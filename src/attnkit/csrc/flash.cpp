@@ -2,14 +2,14 @@
 // score_mod: soft-capping (cap * tanh(score / cap), as FlashAttention's own `softcap`) or a bias on the distance
 // q_idx - kv_idx (score + f(b, h, q_idx - kv_idx): a learned table of relative-position biases, read as one vector
 // per (example, head), its gradient given back as one), the mask of each tile given as a bool tile and a float bias
-// tile. attnkit/backends/flash.py plans the tiles (attnkit/backends/tiles.py's plan) and builds the masks of the
+// tile. attnkit/backends/tiles/kernel.py plans the tiles (attnkit/plan.py) and builds the masks of the
 // partly visible ones; this file runs each (example, head) of each block of queries over its tiles, reading and
 // writing the call's tensors in place, the scores of a tile kept in cache from the product that makes them to the
-// products that read them (where the compiled steps of attnkit/backends/compiled.py write each step's (B, H, n, c)
+// products that read them (where the compiled steps of attnkit/backends/tiles/compiled.py write each step's (B, H, n, c)
 // tile to memory and read it back).
 //
 // Shapes: B batch, H heads, Lq queries, n a block's queries, Lk keys, D head dim, Dv value head dim, c a tile's keys.
-// The semantics are those of attnkit/backends/compiled_steps.py: a score of -inf hides its key, a row that sees no
+// The semantics are those of attnkit/backends/tiles/compiled_steps.py: a score of -inf hides its key, a row that sees no
 // key gets zeros and a log-sum-exp of 0, and where `guard` says some key or value is not finite, the products that
 // read keys and values into rows skip the pairs a row may not see (0 * inf would be NaN there).
 
@@ -65,7 +65,7 @@ inline float fast_tanh(float x) {
 // C (M x N, row-major, ldc) = alpha op(A) op(B) + beta C, op(A) M x K, op(B) K x N, each row-major (lda, ldb),
 // transposed where ta / tb: through the BLAS PyTorch links (MKL's sgemm_, which PyTorch's CPU library exports;
 // column-major, so it computes C^T = op(B)^T op(A)^T). Where it is not there, the kernel does not load and
-// attnkit/backends/flash.py runs the compiled steps instead.
+// attnkit/backends/tiles/kernel.py runs the compiled steps instead.
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
                        const float* beta, float* c, const int* ldc);

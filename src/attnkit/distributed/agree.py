@@ -15,8 +15,8 @@ from torch import Tensor
 
 from attnkit import mods
 from attnkit._validate import as_lengths, check_qkv, check_scale, short
-from attnkit.backends import chunked
 from attnkit.backends.common import probe
+from attnkit.backends.tiles import online
 from attnkit.distributed import comm
 from attnkit.distributed.plan import Plan
 from attnkit.distributed.sequence import LAYOUTS, check_layout, length, segments
@@ -153,7 +153,7 @@ def agree(ring: comm.Ring, request: Request, timeout: float | timedelta | None, 
         valid_lens=lens,
         key_limit=key_limit,
         scale=_from_bits(mine["scale"]),
-        block=chunked.current_settings().block_size,
+        block=online.current_settings().block_size,
         mask_mod=bound_mask,
         score_mod=bound_score,
         score_protected=None if score_mod is None else mods.protected_storages(score_mod),

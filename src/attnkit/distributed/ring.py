@@ -3,7 +3,7 @@
 Each rank holds a shard of the queries, keys and values along the sequence (:mod:`attnkit.distributed.sequence`
 says which positions). The key/value block of every rank travels once around the ring: at step ``s`` rank ``r``
 holds the block of rank ``r - s``, folds it into its queries' online softmax (the running max, normaliser and
-output of :mod:`attnkit.backends.chunked`, in float32 or float64), and meanwhile sends that block on to rank
+output of :mod:`attnkit.backends.tiles.online`, in float32 or float64), and meanwhile sends that block on to rank
 ``r + 1`` and receives the next from rank ``r - 1``. ``W`` ranks, ``W - 1`` sends per forward::
 
     step 0      step 1      step 2          rank r holds block (r - step) mod W
@@ -52,12 +52,13 @@ from torch import Tensor
 
 from attnkit import mods
 from attnkit.backends.common import first_order_only, repeat_kv
-from attnkit.backends.online import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads, key_blocks
+from attnkit.backends.tiles.softmax import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads
 from attnkit.distributed import comm
 from attnkit.distributed.agree import Request, agree
 from attnkit.distributed.plan import Plan, StepMask, seen_keys, step_span
 from attnkit.distributed.sequence import length, positions
 from attnkit.masks import compute_dtype
+from attnkit.plan import key_blocks
 
 __all__ = ["RingAttention", "ring_attention"]
 

@@ -244,8 +244,8 @@ def attention_forward(
         Lk = Lq
     mask_mod: mods.MaskFn | None = mods.sliding_window(sliding_window) if sliding_window and causal else None
     score_mod: mods.ScoreFn | None = mods.softcap(softcap) if softcap else None
-    if position_bias is not None and position_bias.requires_grad and backend == "chunked":
-        # chunked differentiates what a score_mod closes over, not a dense float mask: the bias as a table
+    if position_bias is not None and position_bias.requires_grad and backend == "tiles:online":
+        # tiles:online differentiates what a score_mod closes over, not a dense float mask: the bias as a table
         score_mod, position_bias = _bias_table(position_bias, score_mod), None
     attn_mask = _as_attnkit_mask(attention_mask, position_bias, Lk)  # (B|1, H|1, Lq, Lk) or None
     if Lq == Lk > 1:  # the keys are the queries' own positions: packed documents as position_ids say

@@ -66,7 +66,7 @@ class Mask:
         self.bias_shift = bias_shift  # (B|1, H|1, Lq, 1) subtracted from the bias, or None
         self.mask_mod = mask_mod  # mask_mod(b, h, q_idx, kv_idx) -> bool, built-ins bound to Lq, Lk; or None
         self.device = device
-        self.plans: dict[tuple[object, ...], object] = {}  # the backends' block plans, made once a call
+        self.plan: object = None  # its tiles (attnkit.plan.Plan), made once a call, or given (plan=)
         self.traced = False  # built while torch.compile traced: values unknown, only the graph backend runs it
 
     @classmethod
@@ -190,7 +190,8 @@ class Mask:
         ):
             return None
         device = torch.device("cpu" if self.device is None else self.device)  # (None: made on the CPU)
-        return (self.batch, self.heads, self.num_queries, self.num_keys, self.is_causal, mod, device)
+        batch, heads = (1, 1) if mod is None else mod.depends_on(self.batch, self.heads)  # (B|1, H|1)
+        return (batch, heads, self.num_queries, self.num_keys, self.is_causal, mod, device)
 
     @property
     def opaque(self) -> bool:
@@ -281,6 +282,34 @@ class Mask:
             by_mod = self.mask_mod.tiles(rows, cols) if isinstance(self.mask_mod, mods.MaskMod) else None
             known = known & (by_mod if by_mod is not None else mods.Tiles.unknown(nq, nk))
         return known
+
+    def as_mask_mod(self) -> MaskFn | None:
+        """The whole mask as one ``mask_mod(b, h, q_idx, kv_idx)``, element by element (all parts must allow a
+        pair: FlexAttention's form, from which it builds its block mask), or ``None`` when every pair is allowed.
+        A float mask's ``-inf`` hides its pair; its values are not part of it."""
+        B, H, Lq, Lk = self.batch, self.heads, self.num_queries, self.num_keys
+        parts: list[MaskFn] = []
+        if self.valid_lens is not None:
+            lens = self.valid_lens.reshape(B, -1)  # (B, Lq|1)
+            if lens.shape[1] == 1:
+                parts.append(lambda b, h, q_idx, kv_idx: kv_idx < lens[b, 0])
+            else:
+                parts.append(lambda b, h, q_idx, kv_idx: kv_idx < lens[b, q_idx])
+        if self.is_causal:
+            offset = Lk - Lq
+            parts.append(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + offset)
+        if self.bool_mask is not None:
+            full = self.bool_mask.expand(B, H, Lq, Lk)  # (B, H, Lq, Lk), a view
+            parts.append(lambda b, h, q_idx, kv_idx: full[b, h, q_idx, kv_idx])
+        if self.bias_has_neg_inf:
+            assert self.bias is not None
+            bias = self.bias.expand(B, H, Lq, Lk)  # (B, H, Lq, Lk), a view
+            parts.append(lambda b, h, q_idx, kv_idx: ~torch.isneginf(bias[b, h, q_idx, kv_idx]))
+        if self.mask_mod is not None:
+            parts.append(self.mask_mod)
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else functools.partial(_all_of, tuple(parts))
 
     def classify(self, rows: Tensor, cols: Tensor) -> mods.Tiles:
         """Exactly which blocks (query ranges ``rows`` ``(nq, 2)``, key ranges ``cols`` ``(nk, 2)``) are hidden
@@ -444,6 +473,13 @@ class Mask:
             past = (torch.arange(Lq, device=self.device) + (Lk - Lq + 1)).clamp(0, Lk)  # (Lq,): keys j <= i + Lk - Lq
             n = past.view(1, 1, Lq) if n is None else torch.minimum(n, past)  # (B|1, 1, Lq)
         return n
+
+
+def _all_of(parts: tuple[MaskFn, ...], b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    allowed = parts[0](b, h, q_idx, kv_idx)
+    for part in parts[1:]:
+        allowed = allowed & part(b, h, q_idx, kv_idx)
+    return allowed
 
 
 def _none_if_all(live: Tensor) -> Tensor | None:

@@ -116,7 +116,7 @@ class ScoreMod:
         return ()
 
     def compiled(self) -> ScoreFn:
-        """The same function, written for compiled code (:mod:`attnkit.backends.compiled` calls it in its steps):
+        """The same function, written for compiled code (:mod:`attnkit.backends.tiles.compiled` calls it in its steps):
         itself, unless a form that Inductor's code runs faster exists (:class:`~attnkit.mods.softcap`'s)."""
         return self
 
@@ -182,9 +182,13 @@ _SIGNATURES = {
 
 
 def _aligned(mod: Any, offset: int) -> Any:
-    """A copy of a built-in (or of a subclass of one, a dataclass or not) with its ``offset`` set."""
+    """A copy of a built-in (or of a subclass of one, a dataclass or not) with its ``offset`` set, which points back
+    to the object it was copied from (``attnkit_origin``: where :mod:`attnkit.plan` keeps the plans made for it)."""
+    origin = getattr(mod, "attnkit_origin", mod)
     if dataclasses.is_dataclass(mod) and not isinstance(mod, type):
-        return dataclasses.replace(mod, offset=offset)
-    aligned = copy.copy(mod)
-    aligned.offset = offset
+        aligned = dataclasses.replace(mod, offset=offset)
+    else:
+        aligned = copy.copy(mod)
+        aligned.offset = offset
+    object.__setattr__(aligned, "attnkit_origin", origin)  # (object's: a frozen dataclass refuses its own)
     return aligned

@@ -48,6 +48,7 @@ from torch import Tensor
 
 from attnkit import mods
 from attnkit.masks import compute_dtype
+from attnkit.plan import Plan
 from attnkit.stats import tiled
 from attnkit.stats.blocks import CHUNK, Block, Parts, blocks
 from attnkit.stats.reduce import Sums, Where, reduce
@@ -261,12 +262,13 @@ def parts(
     sinks: Tensor | None = None,
     query_positions: Tensor | None = None,
     key_positions: Tensor | None = None,
+    plan: Plan | None = None,
 ) -> tuple[Parts, bool]:
     """A call's :class:`Parts`, validated as :func:`attnkit.functional.attention_weights` validates them (the
     arguments and shapes are its), and whether the inputs were 3-dim (one head, no head axis)."""
     from attnkit import functional as F
 
-    masks = F.Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod)
+    masks = F.Masks(valid_lens, attn_mask, is_causal, mask_mod, score_mod, plan)
     q, k, mask, w_v, scale, score_mod, sinks, three_d = F.scoring(q, k, masks, w_v=w_v, scale=scale, sinks=sinks)
     return Parts(q, k, mask, w_v, scale, score_mod, sinks, query_positions, key_positions, three_d), three_d
 

@@ -9,9 +9,6 @@ cached); where it cannot be built, the pass runs its torch ops (the same results
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
-import warnings
 from collections.abc import Iterator
 from contextvars import ContextVar
 
@@ -22,8 +19,6 @@ from attnkit import csrc
 
 __all__ = ["available", "disabled", "failed", "tile"]
 
-_LOCK = threading.Lock()
-_state: dict[str, bool] = {}  # "built": the op is registered; "failed": the build failed (said once)
 _OFF: ContextVar[bool] = ContextVar("attnkit_stats_kernel_off", default=False)
 
 
@@ -38,41 +33,15 @@ def disabled() -> Iterator[None]:
 
 
 def available() -> bool:
-    """Whether the kernel runs here: built (now, the first time) and not turned off."""
-    if _OFF.get() or os.environ.get("ATTNKIT_STATS_KERNEL", "1") == "0":
-        return False
-    with _LOCK:
-        if not _state:
-            _state.update(_build())
-    return _state.get("built", False)
-
-
-def _build() -> dict[str, bool]:
-    try:
-        csrc.load("stats")
-        return {"built": True}
-    except Exception as error:  # no compiler, no ninja, a build error: the torch ops instead
-        _warn("could not be built", error)
-        return {"failed": True}
+    """Whether the kernel runs here: loaded (built now, the first time: :func:`attnkit.csrc.ensure`) and not turned
+    off."""
+    return not _OFF.get() and csrc.ensure("stats") is None
 
 
 def failed(error: Exception) -> None:
     """The kernel raised while it ran (a runtime unlike the one it was built for): say so, and use the torch ops
     from now on."""
-    with _LOCK:
-        _state.clear()
-        _state["failed"] = True
-    _warn("failed", error)
-
-
-def _warn(what: str, error: Exception) -> None:
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    warnings.warn(
-        f"attnkit: the statistics' tile kernel {what} ({type(error).__name__}: {first_line}); record_stats runs "
-        "its torch ops instead (the same results, slower; ATTNKIT_STATS_KERNEL=0 skips the kernel)",
-        RuntimeWarning,
-        stacklevel=5,
-    )
+    csrc.failed("stats", error)
 
 
 def tile(

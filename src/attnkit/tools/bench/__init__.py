@@ -54,7 +54,7 @@ QUICK_GRID = [(2, 128)]
 MASKS = ("none", "valid_lens", "causal")
 QUICK_MASKS = ("none", "valid_lens")
 MODES = ("infer", "train")
-BACKENDS = ("sdpa", "chunked", "reference")
+BACKENDS = ("sdpa", "tiles:online", "reference")
 ADDITIVE_FULL = {"B": 8, "L": 1024, "h": 128}
 ADDITIVE_QUICK = {"B": 2, "L": 128, "h": 32}
 
@@ -229,14 +229,14 @@ def _memory_child(spec: str) -> None:
 
 def contenders(kind: str, L: int, quick: bool = False) -> list[str]:
     if kind == "additive":
-        return ["attnkit", "book"] if quick else ["attnkit", "attnkit:chunked", "book"]
+        return ["attnkit", "book"] if quick else ["attnkit", "attnkit:tiles:online", "book"]
     if kind == "overhead":
         return ["attnkit", "book"]
     if quick:
         return ["attnkit", "torch", "book"]
     names = ["attnkit", *(f"attnkit:{b}" for b in BACKENDS), "attnkit+weights", "torch", "torch+weights", "book", "d2l"]
     if L > 2048:  # one long sequence: the linear-memory contenders and the peer
-        names = ["attnkit", "attnkit:chunked", "torch"]
+        names = ["attnkit", "attnkit:tiles:online", "torch"]
     return names
 
 

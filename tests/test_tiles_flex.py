@@ -13,8 +13,8 @@ from tests.mathref import max_err
 
 import attnkit
 from attnkit import dispatch, mods
-from attnkit.backends import flex
 from attnkit.backends.contract import Call
+from attnkit.backends.tiles import flex
 from attnkit.masks import Mask
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim
@@ -102,12 +102,12 @@ def test_the_mapping_to_flex_attention_matches_the_reference_on_cpu(name):
 
 def test_flex_is_declared_cuda_only_and_named_on_cpu_lists_the_reason():
     q, k, v = _inputs()
-    assert "on cuda only" in dispatch.describe_backends()["flex"]
+    assert "on cuda only" in dispatch.describe_backends()["tiles:flex"]
     with pytest.raises(ValueError, match=r"flex: runs on cuda only \(the inputs are on cpu\)"):
-        attnkit.scaled_dot_product_attention(q, k, v, mask_mod=mods.sliding_window(4), backend="flex")
-    with dispatch.watch() as ran:
+        attnkit.scaled_dot_product_attention(q, k, v, mask_mod=mods.sliding_window(4), backend="tiles:flex")
+    with dispatch.watch(implementations=True) as ran:
         attnkit.scaled_dot_product_attention(q, k, v, mask_mod=mods.sliding_window(4))
-    assert ran != ["flex"]
+    assert ran != ["tiles:flex"]
 
 
 CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -117,9 +117,9 @@ CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reaso
 def test_flex_on_cuda_forward_and_backward_match_the_reference(name):
     kw = _moved(CASES[name], "cuda")
     q, k, v = (t.requires_grad_() for t in _inputs("cuda"))
-    with dispatch.watch() as ran:
+    with dispatch.watch(implementations=True) as ran:
         out = attnkit.scaled_dot_product_attention(q, k, v, **kw).output
-    assert ran == ["flex"]
+    assert ran == ["tiles:flex"]
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))

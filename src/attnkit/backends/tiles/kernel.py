@@ -1,44 +1,39 @@
-"""attnkit's own flash-attention kernel (``attnkit/csrc/flash.cpp``, C++ on the CPU, float32), forward and backward,
-with every mask and two score_mods built in: soft-capping (:class:`attnkit.mods.softcap`, as FlashAttention's own
-``softcap``) and a bias on the distance, ``score + f(b, h, q_idx - kv_idx)`` (ALiBi, a learned table of relative-
-position biases, T5-like buckets: proved from the function's graph by :mod:`attnkit.mods.relative`). The bias is
-evaluated once per call at each distance the plan's tiles hold, where autograd records, and read by the kernel as one
-vector per (example, head); its gradient comes back as one, summed in float64, and autograd takes it to what the
-function reads.
+"""The tile engine's C++ kernel (``tiles:kernel``, ``attnkit/csrc/flash.cpp``): flash attention on the CPU in float32,
+forward and backward, with every mask, sinks, and two score_mods built in: soft-capping (:class:`attnkit.mods.softcap`,
+as FlashAttention's own ``softcap``) and a bias on the distance, ``score + f(b, h, q_idx - kv_idx)`` (ALiBi, a learned
+table of relative-position biases, T5-like buckets: proved from the function's graph by ``attnkit.mods.relative``).
+The bias is evaluated once per call at each distance the plan's tiles hold, where autograd records, and read by the
+kernel as one vector per (example, head); its gradient comes back as one, summed in float64, and autograd takes it to
+what the function reads.
 
-Where :mod:`attnkit.backends.compiled` runs a ``score_mod`` as compiled steps over ``(B, H, 256, 256)`` tiles, each step
-writing its scores to memory for the next to read, this kernel takes one ``(example, head)`` of a block of queries at a
-time, and a tile's scores stay in cache from the product that makes them to the products that read them: the steps'
-pointwise code cost about half of SDPA's whole call, the kernel's a fifth (``docs/benchmarks.md``).
+The tiles are those of the call's plan (:class:`attnkit.plan.Plan`): hidden tiles are never touched, runs of visible
+keys go in spans of up to ``SPAN`` keys without a mask, and partly visible ones with the mask's ``allowed`` and
+``bias`` tiles (:meth:`attnkit.masks.Mask.tile`). A row's output and log-sum-exp come from one pass over its spans,
+each tile's scores kept in cache from the product that makes them to the products that read them (where compiled steps
+write each step's tile to memory: :mod:`attnkit.backends.tiles.compiled`); the backward pass recomputes each span's
+weights from the log-sum-exp, as FlashAttention's does.
 
-The tiles are those of :mod:`attnkit.backends.tiles`' plan: hidden tiles are never touched, runs of visible keys go in
-spans of up to ``SPAN`` keys without a mask, and partly visible ones with the mask's ``allowed`` and ``bias`` tiles
-(:meth:`attnkit.masks.Mask.tile`). A row's output and log-sum-exp come from one pass over its spans; the backward pass
-recomputes each span's weights from the log-sum-exp, as FlashAttention's does.
-
-Built ahead of time by ``pip install``, or on first use (:func:`attnkit.csrc.load`, said once; then cached); where it
-cannot be built, ``auto`` runs these calls on ``tiles``, ``compiled`` or ``chunked``, and the warning says so once.
-``ATTNKIT_FLASH_KERNEL=0`` in the environment keeps it off.
+Built ahead of time by ``pip install``, or on first use (:func:`attnkit.csrc.ensure`: said once, then cached); where it
+cannot be built, the tile engine runs these calls in torch ops and the warning says so once (choosing an
+implementation builds nothing: ``SUPPORTS`` asks :func:`attnkit.csrc.known`). ``ATTNKIT_FLASH_KERNEL=0`` in the
+environment keeps it off.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import threading
-import warnings
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 from attnkit import csrc, mods
-from attnkit.backends import tiles
 from attnkit.backends.common import Watched, first_order_only, repeat_kv, row_sinks, sinks_grad, zero_dead
-from attnkit.backends.contract import DOT, Call, Supports
+from attnkit.backends.contract import DOT, Call, Supports, Unavailable
 from attnkit.masks import Mask, all_finite
+from attnkit.plan import FULL, Rows, plan_of
 
-NAME = "flash"
+NAME = "tiles:kernel"
 
 # Keys of a span: one product and one pass of the kernel (512 measured 5-10% faster than 256 at L=8192, as PyTorch's
 # own CPU kernel's 512 keys a block).
@@ -50,31 +45,10 @@ SPAN = 512
 # positions) runs in several, made again in the backward, a group at a time, so that memory stays linear in L.
 KEEP_BYTES = 32 * 2**20
 
-_LOCK = threading.Lock()
-_state: dict[str, str | None] = {}  # "missing": None once built, else why it is not
 
-
-def missing() -> str | None:
-    """What the kernel lacks here (``None``: it runs): turned off, or its build failed (said once, as a warning).
-    Builds it the first time it is asked."""
-    if os.environ.get("ATTNKIT_FLASH_KERNEL", "1") == "0":
-        return "ATTNKIT_FLASH_KERNEL unset or 1 (it is 0 here)"
-    with _LOCK:
-        if not _state:
-            try:
-                csrc.load("flash")
-                _state["missing"] = None
-            except Exception as error:  # no compiler, no ninja, a build error
-                reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                _state["missing"] = f"its C++ kernel built (the build failed: {type(error).__name__}: {reason})"
-                warnings.warn(
-                    f"attnkit: the flash kernel could not be built ({type(error).__name__}: {reason}); masks, softcap "
-                    "and biases on the distance run on the 'tiles', 'compiled' or 'chunked' backend instead (the "
-                    "same results, slower; `make compiler` installs a C++ compiler)",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-    return _state["missing"]
+def missing(call: Call) -> str | None:
+    """What the kernel lacks here, as far as is known without building it (:func:`attnkit.csrc.known`)."""
+    return csrc.known("flash")
 
 
 SUPPORTS = Supports(
@@ -93,9 +67,12 @@ SUPPORTS = Supports(
 
 
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
+    reason = csrc.ensure("flash")  # (built the first time here: said once)
+    if reason is not None:
+        raise Unavailable(reason)
     q, k, v, mask = call.q, call.k, call.v, call.mask
     H = q.shape[1]
-    tiles.plan(mask)  # first: looking at the tiles, it learns which keys and rows are live (zero_dead's question)
+    plan = plan_of(mask)  # first: looking at the tiles, it learns which keys and rows are live (zero_dead's question)
     q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
     # Some key or value may not be finite (one read of each key/value head, before repeat_kv): the kernel's products
     # then skip the pairs a row may not see, so that none reaches a row that may not see it (0 * inf is NaN)
@@ -106,7 +83,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     if isinstance(call.score_mod, mods.softcap):
         cap = call.score_mod.cap
     elif call.score_mod is not None:
-        d0, d1 = _distances(mask)
+        d0, d1 = plan.distances()
         # (B|1, H|1, R), evaluated here where autograd records: its gradient reaches what the function reads
         rel = mods.distance_bias(call.score_mod, batch=q.shape[0], heads=H, distances=(d0, d1), device=q.device)
     watched = Watched.of(call) if call.needs_grad else None
@@ -114,17 +91,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     return out, None
 
 
-def _distances(mask: Mask) -> tuple[int, int]:
-    """The distances ``q_idx - kv_idx`` of the pairs in the plan's tiles, ``[d0, d1)`` (what a distance bias is
-    evaluated on: the pairs a tiled backend evaluates a score_mod on)."""
-    d0, d1 = 0, 1
-    for rows in tiles.plan(mask):
-        for run in rows.runs:
-            d0, d1 = min(d0, rows.r0 - (run.j1 - 1)), max(d1, rows.r1 - run.j0)
-    return d0, d1
-
-
-def _spans(mask: Mask, rows: tiles.Rows) -> tuple[list[tuple[int, int]], list[Tensor | None], list[Tensor | None]]:
+def _spans(mask: Mask, rows: Rows) -> tuple[list[tuple[int, int]], list[Tensor | None], list[Tensor | None]]:
     """The spans of keys a block of queries sees, ``(first key, end)``, and each one's ``allowed`` (bool) and
     ``bias`` (float32) tiles as ``(B|1, H|1, n, c)`` views, or ``None`` (every pair visible, no bias)."""
     r0, r1, n = rows.r0, rows.r1, rows.r1 - rows.r0
@@ -134,7 +101,7 @@ def _spans(mask: Mask, rows: tiles.Rows) -> tuple[list[tuple[int, int]], list[Te
     for run in rows.runs:
         for j0 in range(run.j0, run.j1, SPAN):
             j1 = min(j0 + SPAN, run.j1)
-            a, b = tiles.tile(mask, r0, r1, j0, j1, torch.float32, every=run.kind == tiles.FULL)  # (B|1, H|1, n|1, c)
+            a, b = plan_of(mask).tile(mask, r0, r1, j0, j1, torch.float32, every=run.kind == FULL)  # (B|1, H|1, n|1, c)
             found.append((j0, j1))
             allowed.append(None if a is None else _four(a, n, j1 - j0))
             bias.append(None if b is None else _four(b, n, j1 - j0))
@@ -148,7 +115,7 @@ def _four(t: Tensor, n: int, c: int) -> Tensor:
 
 
 # a block of queries, its spans of keys (first, end), and each span's allowed and bias (:func:`_spans`)
-_Block = tuple[tiles.Rows, list[tuple[int, int]], list[Tensor | None], list[Tensor | None]]
+_Block = tuple[Rows, list[tuple[int, int]], list[Tensor | None], list[Tensor | None]]
 
 
 @dataclasses.dataclass
@@ -169,11 +136,11 @@ class _Group:
 
 
 def _groups(mask: Mask) -> Iterator[_Group]:
-    """The plan's blocks (:func:`attnkit.backends.tiles.plan`) in groups whose masks hold at most ``KEEP_BYTES``
+    """The plan's blocks (:attr:`attnkit.plan.Plan.rows`) in groups whose masks hold at most ``KEEP_BYTES``
     (a block whose masks are larger is a group of its own), made a group at a time."""
     blocks: list[_Block] = []
     size = 0
-    for block in tiles.plan(mask):
+    for block in plan_of(mask).rows:
         found, allowed, bias = _spans(mask, block)
         nbytes = sum(t.numel() * t.element_size() for t in (*allowed, *bias) if t is not None)
         if blocks and size + nbytes > KEEP_BYTES:

@@ -1,4 +1,4 @@
-"""The flash backend (attnkit's own C++ kernel, float32) against the float64 math of tests/mathref.py: outputs and
+"""The kernel backend (attnkit's own C++ kernel, float32) against the float64 math of tests/mathref.py: outputs and
 every gradient (q, k, v, sinks), at sizes that make several blocks of queries (256) and spans of keys (512) with
 ragged ends; NaN where no query may see; infinite keys and values; empty shapes; a kernel that cannot be built;
 what ``auto`` picks.
@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 import attnkit
 import mathref
-from attnkit import dispatch, mods
-from attnkit.backends import flash
+from attnkit import csrc, dispatch, mods
+from attnkit.backends.tiles import kernel
 from attnkit.masks import Mask
 from mathref import max_err
 
@@ -31,7 +31,7 @@ B, H, HKV, D, DV = 2, 4, 2, 8, 5
 OUT_TOL, GRAD_TOL = 1e-5, 3e-5
 CAP = 2.0  # a small cap, so that the cap bends most scores
 
-pytestmark = pytest.mark.skipif(flash.missing() is not None, reason="the flash kernel cannot be built here")
+pytestmark = pytest.mark.skipif(csrc.ensure("flash") is not None, reason="the kernel kernel cannot be built here")
 
 
 def _inputs(seed: int, Lq: int, Lk: int, b: int = B) -> list[torch.Tensor]:
@@ -42,7 +42,7 @@ def _inputs(seed: int, Lq: int, Lk: int, b: int = B) -> list[torch.Tensor]:
     return [t.double().requires_grad_() for t in (q, k, v)]
 
 
-def _flash(leaves: list[torch.Tensor], backend: str = "flash", **kw) -> torch.Tensor:
+def _flash(leaves: list[torch.Tensor], backend: str = "tiles:kernel", **kw) -> torch.Tensor:
     """attnkit's call on float32 copies of the leaves (and float32 sinks), its output as float64: autograd carries
     the gradients back to the float64 leaves through the casts, which are exact."""
     q, k, v = (t.float() for t in leaves[:3])
@@ -65,7 +65,7 @@ def _agree(ours: dict, math: dict, leaves: list[torch.Tensor], names: list[str],
     got, expected = torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout)
     out_tol, grad_tols = OUT_TOL, [GRAD_TOL * max(1.0, b.abs().max().item()) for b in expected]
     if peer:
-        theirs = _flash(leaves, backend="chunked", **ours)
+        theirs = _flash(leaves, backend="tiles:online", **ours)
         out_tol += 2 * max_err(theirs, want)
         peer = torch.autograd.grad(theirs, leaves, dout)
         grad_tols = [t + 2 * max_err(a, b) for t, a, b in zip(grad_tols, peer, expected, strict=True)]
@@ -148,7 +148,7 @@ def test_nan_where_no_query_may_see_reaches_nothing():
     def run(k, v):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = attnkit.scaled_dot_product_attention(
-            *leaves, valid_lens=lens, is_causal=True, score_mod=mods.softcap(CAP), backend="flash"
+            *leaves, valid_lens=lens, is_causal=True, score_mod=mods.softcap(CAP), backend="tiles:kernel"
         ).output
         out.backward(torch.ones_like(out))
         return [out.detach()] + [t.grad for t in leaves]
@@ -165,7 +165,7 @@ def test_an_infinite_key_or_value_reaches_only_the_rows_that_may_see_it():
     v[:, :, 280] = float("inf")
     k[:, :, 290] = float("inf")
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = attnkit.scaled_dot_product_attention(*leaves, is_causal=True, backend="flash").output
+    out = attnkit.scaled_dot_product_attention(*leaves, is_causal=True, backend="tiles:kernel").output
     clean = [t.clone().double().requires_grad_() for t in (q, k, v)]
     clean[2].detach()[:, :, 280] = 0.0  # the math of the rows before 280, which never see key 280 nor 290
     clean[1].detach()[:, :, 290] = 0.0
@@ -188,7 +188,7 @@ def test_empty_shapes_give_empty_or_zero_results(b, Lq, Lk):
     for kw in ({}, {"sinks": sinks}):
         lens = torch.zeros(b, dtype=torch.long)
         out = attnkit.scaled_dot_product_attention(
-            q, k, v, valid_lens=lens, score_mod=mods.softcap(CAP), backend="flash", **kw
+            q, k, v, valid_lens=lens, score_mod=mods.softcap(CAP), backend="tiles:kernel", **kw
         )
         assert out.output.shape == (b, H, Lq, DV) and not out.output.any()
         out.output.sum().backward()
@@ -199,51 +199,51 @@ def test_auto_picks_flash_for_softcap_in_float32_only():
     """softcap in float32 over a block of queries: flash; in float64, or a decode step's few queries: not."""
     q, k, v = (t.detach() for t in _inputs(2, 64, 64))
     for dtype, Lq, expected in ((torch.float32, 64, True), (torch.float64, 64, False), (torch.float32, 1, False)):
-        with dispatch.watch() as ran, torch.no_grad():
+        with dispatch.watch(implementations=True) as ran, torch.no_grad():
             attnkit.scaled_dot_product_attention(
                 q[:, :, :Lq].to(dtype), k.to(dtype), v.to(dtype), score_mod=mods.softcap(CAP)
             )
-        assert (ran == ["flash"]) == expected, (dtype, Lq, ran)
+        assert (ran == ["tiles:kernel"]) == expected, (dtype, Lq, ran)
 
 
 def test_a_second_derivative_is_refused():
     leaves = [t.detach().float().requires_grad_() for t in _inputs(4, 20, 20)]
-    out = attnkit.scaled_dot_product_attention(*leaves, score_mod=mods.softcap(CAP), backend="flash").output
-    with pytest.raises(RuntimeError, match="flash backend's backward cannot be differentiated again"):
+    out = attnkit.scaled_dot_product_attention(*leaves, score_mod=mods.softcap(CAP), backend="tiles:kernel").output
+    with pytest.raises(RuntimeError, match="kernel backend's backward cannot be differentiated again"):
         torch.autograd.grad(out.sum(), leaves[0], create_graph=True)
 
 
 def test_a_kernel_that_cannot_be_built_says_so_once_and_auto_goes_elsewhere(monkeypatch):
     """The loader raising (no compiler): one RuntimeWarning naming the error; ``auto`` runs softcap on another
-    backend with the math's result, and ``backend='flash'`` is refused saying why. ATTNKIT_FLASH_KERNEL=0: no build
-    tried, no warning."""
+    engine with the math's result, and ``backend='tiles:kernel'`` is refused saying why. ATTNKIT_FLASH_KERNEL=0: no
+    build tried, no warning."""
     from torch.utils import cpp_extension
 
     def fail(*args, **kwargs):
         raise RuntimeError("no compiler here\nmore lines")
 
     monkeypatch.delenv("ATTNKIT_FLASH_KERNEL", raising=False)
-    monkeypatch.setattr(flash, "_state", {})
+    monkeypatch.setattr(csrc, "_LOADED", {})
     monkeypatch.setattr(cpp_extension, "load", fail)
     leaves = _inputs(6, 40, 40)
     q, k, v = (t.detach().float() for t in leaves)
     want, _ = mathref.attention_mods(*(t.detach() for t in leaves), score_mod=mathref.softcap(CAP))
     with pytest.warns(RuntimeWarning, match="could not be built .RuntimeError: no compiler here.") as caught:
-        with dispatch.watch() as ran:
+        with dispatch.watch(implementations=True) as ran:
             out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=mods.softcap(CAP)).output
         attnkit.scaled_dot_product_attention(q, k, v, score_mod=mods.softcap(CAP))
     assert len([w for w in caught if "could not be built" in str(w.message)]) == 1
-    assert ran and ran != ["flash"] and max_err(out.double(), want) <= OUT_TOL
+    assert ran and ran != ["tiles:kernel"] and max_err(out.double(), want) <= OUT_TOL
     with pytest.raises(ValueError, match="build failed: RuntimeError: no compiler here"):
-        attnkit.scaled_dot_product_attention(q, k, v, score_mod=mods.softcap(CAP), backend="flash")
-    monkeypatch.setattr(flash, "_state", {})
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=mods.softcap(CAP), backend="tiles:kernel")
+    monkeypatch.setattr(csrc, "_LOADED", {})
     monkeypatch.setenv("ATTNKIT_FLASH_KERNEL", "0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert "ATTNKIT_FLASH_KERNEL" in (flash.missing() or "")
-        with dispatch.watch() as ran:
+        assert "ATTNKIT_FLASH_KERNEL" in (csrc.ensure("flash") or "")
+        with dispatch.watch(implementations=True) as ran:
             attnkit.scaled_dot_product_attention(q, k, v, score_mod=mods.softcap(CAP))
-    assert ran != ["flash"] and flash._state == {}
+    assert ran != ["tiles:kernel"] and csrc._LOADED == {}
 
 
 def test_a_subclass_of_softcap_or_a_cap_float32_cannot_hold_is_not_run_as_softcap():
@@ -258,11 +258,11 @@ def test_a_subclass_of_softcap_or_a_cap_float32_cannot_hold_is_not_run_as_softca
     q, k, v = (t.detach().float() for t in leaves)
     for score_mod in (Halved(CAP), mods.softcap(1e-46)):
         with pytest.raises(ValueError, match="attnkit.mods.softcap itself"):
-            attnkit.scaled_dot_product_attention(q, k, v, score_mod=score_mod, backend="flash")
-        with dispatch.watch() as ran:
+            attnkit.scaled_dot_product_attention(q, k, v, score_mod=score_mod, backend="tiles:kernel")
+        with dispatch.watch(implementations=True) as ran:
             out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=score_mod).output
         want = attnkit.scaled_dot_product_attention(q, k, v, score_mod=score_mod, backend="reference").output
-        assert ran != ["flash"] and max_err(out, want) <= OUT_TOL
+        assert ran != ["tiles:kernel"] and max_err(out, want) <= OUT_TOL
 
 
 def test_a_query_that_holds_nan_puts_nan_only_in_the_gradients_of_keys_it_may_see():
@@ -271,7 +271,7 @@ def test_a_query_that_holds_nan_puts_nan_only_in_the_gradients_of_keys_it_may_se
     q, k, v = (t.detach().float() for t in _inputs(9, 300, 300, b=1))
     q[:, 0, 5, 0] = float("nan")
     grads = {}
-    for backend in ("flash", "reference"):
+    for backend in ("tiles:kernel", "reference"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = attnkit.scaled_dot_product_attention(*leaves, is_causal=True, backend=backend).output
         dout = torch.ones_like(out)
@@ -295,16 +295,16 @@ def test_auto_picks_flash_for_a_bias_on_the_distance_from_its_size(monkeypatch):
         "not on the distance": (lambda s, b, h, q_idx, kv_idx: s + table[kv_idx], False),
     }
     for name, (score_mod, expected) in cases.items():
-        with dispatch.watch() as ran, torch.no_grad():
+        with dispatch.watch(implementations=True) as ran, torch.no_grad():
             attnkit.scaled_dot_product_attention(q, k, v, score_mod=score_mod, is_causal=True)
-        assert (ran == ["flash"]) == expected, (name, ran)
+        assert (ran == ["tiles:kernel"]) == expected, (name, ran)
     traced = []
     monkeypatch.setattr(mods, "is_distance_bias", lambda fn: traced.append(fn) or True)
-    with dispatch.watch() as ran, torch.no_grad():
+    with dispatch.watch(implementations=True) as ran, torch.no_grad():
         attnkit.scaled_dot_product_attention(
             q[..., :64, :], k[..., :64, :], v[..., :64, :], score_mod=cases["table"][0]
         )
-    assert ran != ["flash"] and traced == []
+    assert ran != ["tiles:kernel"] and traced == []
 
 
 def test_nan_in_a_distance_bias_no_query_may_see_reaches_nothing():
@@ -323,7 +323,7 @@ def test_nan_in_a_distance_bias_no_query_may_see_reaches_nothing():
             *leaves[:3],
             is_causal=True,
             score_mod=lambda s, b, h, q_idx, kv_idx: s + table[q_idx - kv_idx + L - 1],
-            backend="flash",
+            backend="tiles:kernel",
         ).output
         out.backward(torch.ones_like(out))
         return [out.detach()] + [t.grad for t in leaves]
@@ -337,7 +337,7 @@ def test_nan_in_a_distance_bias_no_query_may_see_reaches_nothing():
 @pytest.mark.parametrize("name", ["softcap", "table"])
 def test_packed_documents_keep_softcap_and_a_distance_bias_on_flash(name):
     """Packed documents (mods.document, causal) with softcap, or with a caller's table on q_idx - kv_idx, run on
-    flash (the pieces' score_mod: softcap unchanged, the table moved to each piece's positions), equal the float64
+    kernel (the pieces' score_mod: softcap unchanged, the table moved to each piece's positions), equal the float64
     reference; NaN in one document changes nothing in the others, bit for bit."""
     lengths = [300, 5, 420, 299]
     L = sum(lengths)
@@ -355,9 +355,11 @@ def test_packed_documents_keep_softcap_and_a_distance_bias_on_flash(name):
         out.backward(torch.ones_like(out))
         return [out.detach()] + [t.grad for t in leaves]
 
-    with dispatch.watch() as ran:
+    with dispatch.watch(implementations=True) as ran:
         got = run(q, k, v)
-    assert ran == ["flash", "chunked", "flash", "flash"], ran  # (5 queries: a decode step's few)
+    assert ran == ["tiles:kernel", "tiles:online", "tiles:kernel", "tiles:kernel"], (
+        ran
+    )  # (5 queries: a decode step's few)
     want = run(q.double(), k.double(), v.double(), backend="reference")
     names = ["out", "dq", "dk", "dv", "dtable"][: 5 if name == "table" else 4]
     for what, a, b in zip(names, got, want, strict=False):
@@ -387,7 +389,9 @@ def test_tiny_values_keep_float32_precision():
     leaves = _inputs(14, 300, 300)
     q, k, v = (t.detach() for t in leaves)
     v = v * 1e-34
-    out = attnkit.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, backend="flash").output
+    out = attnkit.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), is_causal=True, backend="tiles:kernel"
+    ).output
     want, _ = mathref.attention_mods(q, k, v.float().double(), is_causal=True)
     assert max_err(out.double() / 1e-34, want / 1e-34) <= OUT_TOL
 
@@ -402,17 +406,17 @@ def test_the_masks_kept_for_the_backward_stay_within_their_budget(monkeypatch):
 
     def run():
         xs = [t.clone().requires_grad_() for t in leaves]
-        out = attnkit.scaled_dot_product_attention(*xs, mask_mod=mask_mod, backend="flash").output
+        out = attnkit.scaled_dot_product_attention(*xs, mask_mod=mask_mod, backend="tiles:kernel").output
         out.backward(torch.ones_like(out))
         return [out.detach()] + [t.grad for t in xs]
 
     made = []
-    spans = flash._spans
-    monkeypatch.setattr(flash, "_spans", lambda mask, rows: made.append(rows.r0) or spans(mask, rows))
+    spans = kernel._spans
+    monkeypatch.setattr(kernel, "_spans", lambda mask, rows: made.append(rows.r0) or spans(mask, rows))
     kept = run()
     assert made == [0, 256, 512]  # the forward's only
     made.clear()
-    monkeypatch.setattr(flash, "KEEP_BYTES", 1024)
+    monkeypatch.setattr(kernel, "KEEP_BYTES", 1024)
     again = run()
     assert made == [0, 256, 512] * 2  # the backward's too
     for a, b in zip(kept, again, strict=True):
@@ -420,26 +424,30 @@ def test_the_masks_kept_for_the_backward_stay_within_their_budget(monkeypatch):
 
 
 def test_a_kept_plans_masks_are_made_once_for_the_calls_after(monkeypatch):
-    """A mask that is a function of the indices alone (a built-in window) keeps its tiles' masks with its plan:
-    the next call (the next layer, the next step) makes none, and gives the same results, bit for bit."""
+    """A mask that is a function of the indices alone (a built-in window) keeps its tiles' masks with its plan, on
+    the mask_mod the caller holds: the next call with it (the next layer, the next step) makes none, and gives the
+    same results, bit for bit. A new mask_mod object plans anew: nothing is kept anywhere else."""
     leaves = [t.detach().float() for t in _inputs(16, 700, 700)]
     made = []
     tile = Mask.tile
     monkeypatch.setattr(Mask, "tile", lambda self, *a, **kw: made.append(a[:4]) or tile(self, *a, **kw))
+    window = mods.sliding_window(77, offset=3)
 
-    def run():
+    def run(mask_mod):
         xs = [t.clone().requires_grad_() for t in leaves]
-        out = attnkit.scaled_dot_product_attention(*xs, mask_mod=mods.sliding_window(77, offset=3), backend="flash")
+        out = attnkit.scaled_dot_product_attention(*xs, mask_mod=mask_mod, backend="tiles:kernel")
         out.output.backward(torch.ones_like(out.output))
         return [out.output.detach()] + [t.grad for t in xs]
 
-    first = run()
+    first = run(window)
     assert made  # the window's edges
     made.clear()
-    again = run()
+    again = run(window)
     assert not [m for m in made if m[3] - m[2] < 700]  # no masked tile made again (a full one returns None at once)
     for a, b in zip(first, again, strict=True):
         assert torch.equal(a, b)
+    run(mods.sliding_window(77, offset=3))
+    assert [m for m in made if m[3] - m[2] < 700]
 
 
 def _stripes(b, h, i, j):  # new tiles per block: reads h and both positions
@@ -449,9 +457,9 @@ def _stripes(b, h, i, j):  # new tiles per block: reads h and both positions
 def test_the_forward_holds_at_most_two_groups_of_masks_at_once(monkeypatch):
     """A mask of new tensors run in several groups: the forward lets each group's masks go once the next one runs
     (reviewer's finding: every group was held to the end, the H L^2 bytes the groups exist to avoid)."""
-    monkeypatch.setattr(flash, "KEEP_BYTES", 4 * 300 * 256)  # one block of 256 rows a group
+    monkeypatch.setattr(kernel, "KEEP_BYTES", 4 * 300 * 256)  # one block of 256 rows a group
     alive, most = [], [0]
-    spans = flash._spans
+    spans = kernel._spans
 
     def spy(mask, rows):
         gc.collect()
@@ -460,9 +468,9 @@ def test_the_forward_holds_at_most_two_groups_of_masks_at_once(monkeypatch):
         alive.extend(weakref.ref(a) for a in allowed if a is not None)
         return found, allowed, bias
 
-    monkeypatch.setattr(flash, "_spans", spy)
+    monkeypatch.setattr(kernel, "_spans", spy)
     q, k, v = (torch.randn(1, 4, 2000, 8).requires_grad_() for _ in range(3))
-    attnkit.scaled_dot_product_attention(q, k, v, mask_mod=_stripes, backend="flash")
+    attnkit.scaled_dot_product_attention(q, k, v, mask_mod=_stripes, backend="tiles:kernel")
     per_block = len(alive) // 8  # 8 blocks of queries
     assert 0 < most[0] <= 2 * per_block, (most[0], len(alive))
 
@@ -470,18 +478,18 @@ def test_the_forward_holds_at_most_two_groups_of_masks_at_once(monkeypatch):
 def test_the_masks_kept_for_the_backward_never_pass_keep_bytes(monkeypatch):
     """One group whose masks pass KEEP_BYTES (a single block larger than it, or its last block over it) is made
     again in the backward (reviewer's finding: one group was kept whatever its size)."""
-    monkeypatch.setattr(flash, "KEEP_BYTES", 700_000)  # block 0: 614,400 bytes; both: 720,000
+    monkeypatch.setattr(kernel, "KEEP_BYTES", 700_000)  # block 0: 614,400 bytes; both: 720,000
     made = []
-    spans = flash._spans
-    monkeypatch.setattr(flash, "_spans", lambda mask, rows: made.append(rows.r0) or spans(mask, rows))
+    spans = kernel._spans
+    monkeypatch.setattr(kernel, "_spans", lambda mask, rows: made.append(rows.r0) or spans(mask, rows))
     for Lq, expected in ((300, [0, 256] * 2), (200, [0])):
         made.clear()
         q, k, v = (torch.randn(1, 4, L, 8).requires_grad_() for L in (Lq, 600, 600))
-        out = attnkit.scaled_dot_product_attention(q, k, v, mask_mod=_stripes, backend="flash").output
+        out = attnkit.scaled_dot_product_attention(q, k, v, mask_mod=_stripes, backend="tiles:kernel").output
         out.sum().backward()
         assert made == expected, Lq
-    monkeypatch.setattr(flash, "KEEP_BYTES", 400_000)  # one block of 200 x 600 x 4 heads: over
+    monkeypatch.setattr(kernel, "KEEP_BYTES", 400_000)  # one block of 200 x 600 x 4 heads: over
     made.clear()
     q, k, v = (torch.randn(1, 4, L, 8).requires_grad_() for L in (200, 600, 600))
-    attnkit.scaled_dot_product_attention(q, k, v, mask_mod=_stripes, backend="flash").output.sum().backward()
+    attnkit.scaled_dot_product_attention(q, k, v, mask_mod=_stripes, backend="tiles:kernel").output.sum().backward()
     assert made == [0, 0]

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 import attnkit
 import mathref
-from attnkit import dispatch, mods
-from attnkit.backends import compiled, compiled_steps, tiles
+from attnkit import dispatch, mods, plan
+from attnkit.backends.tiles import compiled, compiled_steps
 from mathref import max_err
-from test_compiled import HKV, B, D, H, masking
+from test_tiles_compiled import HKV, B, D, H, masking
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D features (h): test_compiled's sizes, whose
 # masking() these tests share
@@ -25,8 +25,8 @@ OUT_TOL64, GRAD_TOL64 = 1e-12, 1e-10
 
 @pytest.fixture(autouse=True)
 def _small_tiles(monkeypatch):
-    monkeypatch.setattr(tiles, "BLOCK", 8)
-    tiles._KEPT.clear()
+    monkeypatch.setattr(plan, "BLOCK", 8)
+    monkeypatch.setattr(compiled, "BLOCK", 8)
 
 
 def _inputs(seed: int, Lq: int, Lk: int, spread: str = "narrow", dtype=torch.float64) -> list[torch.Tensor]:
@@ -70,7 +70,7 @@ def test_additive_on_compiled_equals_the_math_outputs_and_gradients(case):
         ours["score_mod"], math["score_mod"] = mods.softcap(2.0), mathref.softcap(2.0)
     masking(case, Lq, Lk, g, ours, math, leaves, names)
     q, k, v, w_v = leaves[:4]
-    out = attnkit.additive_attention(q, k, v, w_v, backend="compiled", **ours).output
+    out = attnkit.additive_attention(q, k, v, w_v, backend="tiles:compiled", **ours).output
     want, _ = mathref.attention_mods(q, k, v, w_v=w_v, **math)
     mathref.assert_agrees(out, want, leaves, names, OUT_TOL64, GRAD_TOL64)
 
@@ -99,13 +99,15 @@ def test_float32_is_as_accurate_as_chunked(spread):
     dout = torch.randn_like(want)
     expected = torch.autograd.grad(want, leaves64, dout)
     errors = {}
-    for backend in ("compiled", "chunked"):
+    for backend in ("tiles:compiled", "tiles:online"):
         leaves = [t.detach().float().requires_grad_() for t in leaves64]
         out = attnkit.additive_attention(*leaves, is_causal=True, backend=backend).output
         got = torch.autograd.grad(out, leaves, dout.float())
         errors[backend] = [max_err(out, want)] + [max_err(a, b) for a, b in zip(got, expected, strict=True)]
     floor = 16 * torch.finfo(torch.float32).eps
-    for name, ours, theirs in zip(["out", "q", "k", "v", "w_v"], errors["compiled"], errors["chunked"], strict=True):
+    for name, ours, theirs in zip(
+        ["out", "q", "k", "v", "w_v"], errors["tiles:compiled"], errors["tiles:online"], strict=True
+    ):
         assert ours <= 4 * theirs + floor, (name, ours, theirs)
 
 
@@ -114,7 +116,7 @@ def test_an_infinite_query_is_the_tanh_forms_and_equals_the_math():
     with torch.no_grad():
         q[0, 1, 4, 2] = float("inf")
         q[1, 0, 7, 5] = float("-inf")
-    out = attnkit.additive_attention(q, k, v, w_v, is_causal=True, backend="compiled").output
+    out = attnkit.additive_attention(q, k, v, w_v, is_causal=True, backend="tiles:compiled").output
     want, _ = mathref.attention_mods(q, k, v, w_v=w_v, is_causal=True)
     assert torch.isfinite(out).all()
     assert max_err(out, want) <= OUT_TOL64
@@ -138,7 +140,7 @@ def test_nan_where_no_query_may_see_and_in_keys_the_score_mod_hides_reaches_noth
 
     def run(k, v):
         leaves = [t.clone().requires_grad_() for t in (q, k, v, w_v)]
-        out = attnkit.additive_attention(*leaves, valid_lens=lens, score_mod=hide, backend="compiled").output
+        out = attnkit.additive_attention(*leaves, valid_lens=lens, score_mod=hide, backend="tiles:compiled").output
         out.backward(torch.ones_like(out))
         return [out.detach()] + [t.grad for t in leaves]
 
@@ -148,20 +150,20 @@ def test_nan_where_no_query_may_see_and_in_keys_the_score_mod_hides_reaches_noth
 
 def test_auto_compiles_a_large_additive_call_with_a_block_of_queries(monkeypatch):
     q, k, v, w_v = (t.float() for t in _inputs(4, 20, 20))
-    with dispatch.watch() as chosen:
+    with dispatch.watch(implementations=True) as chosen:
         attnkit.additive_attention(q, k, v, w_v)
     assert chosen == ["reference"]  # small: compiling would not pay
     monkeypatch.setattr(dispatch, "ADDITIVE_CHUNK_ELEMENTS", 1)
-    monkeypatch.setattr(compiled, "ADDITIVE_FROM", B * H * 20 * 20 * D)
-    monkeypatch.setattr(compiled, "FEWEST_QUERIES", 8)
-    with dispatch.watch() as chosen:
+    monkeypatch.setattr(dispatch, "ADDITIVE_FROM", B * H * 20 * 20 * D)
+    monkeypatch.setattr(dispatch, "FEWEST_QUERIES", 8)
+    with dispatch.watch(implementations=True) as chosen:
         out = attnkit.additive_attention(q, k, v, w_v, is_causal=True).output
-    assert chosen == ["compiled"]
+    assert chosen == ["tiles:compiled"]
     want, _ = mathref.attention_mods(q, k, v, w_v=w_v, is_causal=True)
     assert max_err(out, want) <= 1e-5
-    with dispatch.watch() as chosen:  # a decode step's few queries: chunked
+    with dispatch.watch(implementations=True) as chosen:  # a decode step's few queries: chunked
         attnkit.additive_attention(q[:, :, :7], k.repeat(1, 1, 3, 1), v.repeat(1, 1, 3, 1), w_v)
-    assert chosen == ["chunked"]
+    assert chosen == ["tiles:online"]
 
 
 def test_the_exp_form_runs_where_the_queries_range_allows(monkeypatch):
@@ -177,7 +179,7 @@ def test_the_exp_form_runs_where_the_queries_range_allows(monkeypatch):
     monkeypatch.setattr(compiled_steps, "exp_form", spy)
     for spread in ("narrow", "far keys", "wide"):
         q, k, v, w_v = _inputs(2, 12, 9, spread)
-        attnkit.additive_attention(q, k, v, w_v, is_causal=True, backend="compiled")
+        attnkit.additive_attention(q, k, v, w_v, is_causal=True, backend="tiles:compiled")
     assert taken == [True, True, False]
 
 
@@ -190,14 +192,14 @@ def test_queries_near_the_largest_number_are_not_overflowed(dtype):
     q[..., 0] = big  # (a range of 0: the exp form; the dtype's spacing there is ~1e31 and more)
     k[..., 0] = torch.where(torch.arange(10) % 2 == 0, torch.tensor(-big, dtype=torch.float64), 0.0)
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, w_v)]
-    out = attnkit.additive_attention(*leaves, backend="compiled").output
+    out = attnkit.additive_attention(*leaves, backend="tiles:compiled").output
     want, _ = mathref.attention_mods(*(t.double() for t in leaves[:3]), w_v=leaves[3].double())
     assert max_err(out, want) <= (1e-5 if dtype == torch.float32 else OUT_TOL64)
 
 
 def test_no_queries():
     q, k, v, w_v = _inputs(5, 0, 12)
-    out = attnkit.additive_attention(q, k, v, w_v, backend="compiled").output
+    out = attnkit.additive_attention(q, k, v, w_v, backend="tiles:compiled").output
     assert out.shape == (B, H, 0, D)
     out.sum().backward()
     assert (k.grad == 0).all() and (w_v.grad == 0).all()
@@ -206,7 +208,7 @@ def test_no_queries():
 @pytest.mark.parametrize("Lq, Lk", [(1, 1), (1, 12), (12, 1)])
 def test_one_query_or_one_key(Lq, Lk):
     leaves = _inputs(5, Lq, Lk)
-    out = attnkit.additive_attention(*leaves, backend="compiled").output
+    out = attnkit.additive_attention(*leaves, backend="tiles:compiled").output
     want, _ = mathref.attention_mods(*leaves[:3], w_v=leaves[3])
     mathref.assert_agrees(out, want, leaves, ["q", "k", "v", "w_v"], OUT_TOL64, GRAD_TOL64)
 
@@ -215,9 +217,9 @@ def test_auto_sends_additive_calls_to_chunked_once_the_steps_failed_to_compile(m
     """Eagerly, the steps would hold every tile's features at once: chunked's blocks are the better fallback."""
     q, k, v, w_v = (t.float() for t in _inputs(4, 20, 20))
     monkeypatch.setattr(dispatch, "ADDITIVE_CHUNK_ELEMENTS", 1)
-    monkeypatch.setattr(compiled, "ADDITIVE_FROM", 1)
-    monkeypatch.setattr(compiled, "FEWEST_QUERIES", 8)
+    monkeypatch.setattr(dispatch, "ADDITIVE_FROM", 1)
+    monkeypatch.setattr(dispatch, "FEWEST_QUERIES", 8)
     monkeypatch.setattr(compiled_steps, "_FAILED", {compiled_steps._key(None)})
-    with dispatch.watch() as chosen:
+    with dispatch.watch(implementations=True) as chosen:
         attnkit.additive_attention(q, k, v, w_v)
-    assert chosen == ["chunked"]
+    assert chosen == ["tiles:online"]

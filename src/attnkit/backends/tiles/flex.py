@@ -1,14 +1,15 @@
-"""PyTorch's FlexAttention (``torch.nn.attention.flex_attention``), on CUDA: compiled block-sparse kernels.
+"""The tile engine on CUDA (``tiles:flex``): PyTorch's FlexAttention (``torch.nn.attention.flex_attention``), compiled
+block-sparse kernels.
 
-The parts of the :class:`~attnkit.masks.Mask` (``valid_lens``, ``is_causal`` aligned to the bottom right, a
-boolean ``attn_mask``, the ``mask_mod``) become one mask function, from which FlexAttention builds its block mask;
+The mask's parts (``valid_lens``, ``is_causal`` aligned to the bottom right, a boolean ``attn_mask``, the ``mask_mod``)
+come as one mask function (:meth:`attnkit.masks.Mask.as_mask_mod`), from which FlexAttention builds its block mask;
 the ``score_mod`` is handed over as it is, and a float ``attn_mask`` is added to the scores inside it. Rows with
-nothing to attend to give zeros (FlexAttention's own rule), and dead keys, values and queries are zeroed first as
-in every backend.
+nothing to attend to give zeros (FlexAttention's own rule), and dead keys, values and queries are zeroed first as in
+every backend.
 
-CUDA only: on CPU, PyTorch 2.13's FlexAttention has no backward pass and is slow unless compiled, where
-``chunked`` runs the same calls in linear memory (``SUPPORTS``). No weights, dropout, additive scoring, sinks,
-or gradients to a float ``attn_mask``.
+CUDA only: on CPU, PyTorch 2.13's FlexAttention has no backward pass and is slow unless compiled, where the engine's
+other implementations run the same calls (``SUPPORTS``). No weights, dropout, additive scoring, sinks, or gradients
+to a float ``attn_mask``.
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ from torch import Tensor
 
 from attnkit.backends.common import zero_dead
 from attnkit.backends.contract import DOT, Call, Supports
-from attnkit.masks import Mask
 
-NAME = "flex"
+NAME = "tiles:flex"
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim, Dv value head dim
 
@@ -57,7 +57,7 @@ def run(call: Call, *, compiled: bool) -> Tensor:
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
-    mask_fn = _mask_function(mask, B, H)
+    mask_fn = mask.as_mask_mod()
     block_mask = None
     if mask_fn is not None:
         block_mask = _flex.create_block_mask(mask_fn, B, H, Lq, Lk, device=q.device)
@@ -74,41 +74,6 @@ def run(call: Call, *, compiled: bool) -> Tensor:
 def _compiled() -> Callable[..., Tensor]:
     assert _flex is not None
     return torch.compile(_flex.flex_attention)
-
-
-def _mask_function(mask: Mask, B: int, H: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None:
-    """One ``mask_mod(b, h, q_idx, kv_idx)`` for every part of the mask (all must allow a pair), or ``None``."""
-    parts: list[Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]] = []
-    if mask.valid_lens is not None:
-        lens = mask.valid_lens.reshape(B, -1)  # (B, Lq|1)
-        if lens.shape[1] == 1:
-            parts.append(lambda b, h, q_idx, kv_idx: kv_idx < lens[b, 0])
-        else:
-            parts.append(lambda b, h, q_idx, kv_idx: kv_idx < lens[b, q_idx])
-    if mask.is_causal:
-        offset = mask.num_keys - mask.num_queries
-        parts.append(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + offset)
-    if mask.bool_mask is not None:
-        full = mask.bool_mask.expand(B, H, mask.num_queries, mask.num_keys)  # (B, H, Lq, Lk), a view
-        parts.append(lambda b, h, q_idx, kv_idx: full[b, h, q_idx, kv_idx])
-    if mask.bias_has_neg_inf:
-        assert mask.bias is not None
-        bias = mask.bias.expand(B, H, mask.num_queries, mask.num_keys)  # (B, H, Lq, Lk), a view
-        parts.append(lambda b, h, q_idx, kv_idx: ~torch.isneginf(bias[b, h, q_idx, kv_idx]))
-    if mask.mask_mod is not None:
-        parts.append(mask.mask_mod)
-    if not parts:
-        return None
-    if len(parts) == 1:
-        return parts[0]
-    return functools.partial(_all_of, tuple(parts))
-
-
-def _all_of(parts: tuple[Callable[..., Tensor], ...], b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    allowed = parts[0](b, h, q_idx, kv_idx)
-    for part in parts[1:]:
-        allowed = allowed & part(b, h, q_idx, kv_idx)
-    return allowed
 
 
 def _score_function(score_mod: Any, bias: Tensor | None) -> Callable[..., Tensor] | None:

@@ -1,26 +1,29 @@
-"""Score modifiers through compiled blocks: the online softmax of :mod:`attnkit.backends.chunked`, one tile at a
-time, each tile's step compiled by ``torch.compile`` (Inductor's C++ code on CPU), forward and backward.
+"""The tile engine in torch ops, compiled (``tiles:compiled``): the online softmax of
+:mod:`attnkit.backends.tiles.online`, one tile at a time, each tile's step compiled by ``torch.compile`` (Inductor's
+C++ code on CPU), forward and backward: for score_mods the C++ kernel does not run (a function of the caller's that
+is no bias on the distance) and additive scoring, in calls large enough to repay compiling.
 
-The tiles are those of :mod:`attnkit.backends.tiles`' plan (``BLOCK`` queries x ``BLOCK`` keys, hidden tiles never
-touched, the mask built only on partly visible ones). A step scores its tile, applies the ``score_mod`` and the
-mask, and folds the tile into the running softmax of its queries; the backward step recomputes the tile's weights
-from each row's log-sum-exp and takes the score_mod's derivative with ``torch.func.vjp``, all in one compiled
-function, so that a ``score_mod`` such as ``softcap`` costs one fused pass over the tile, not one per operation.
-The tensors a score_mod closes over that require grad (a learned table of biases) get their gradients from one more
-compiled function per tile, ``sum(score_mod(scores) * dscores)``, differentiated by autograd.
+The tiles are those of the call's plan (:class:`attnkit.plan.Plan`: ``BLOCK`` queries x ``BLOCK`` keys, hidden tiles
+never touched, the mask built only on partly visible ones). A step scores its tile, applies the ``score_mod`` and the
+mask, and folds the tile into the running softmax of its queries; the backward step recomputes the tile's weights from
+each row's log-sum-exp and takes the score_mod's derivative with ``torch.func.vjp``, all in one compiled function, so
+that a ``score_mod`` such as ``softcap`` costs one fused pass over the tile, not one per operation. The tensors a
+score_mod closes over that require grad (a learned table of biases) get their gradients from one more compiled function
+per tile, ``sum(score_mod(scores) * dscores)``, differentiated by autograd.
 
-Additive scoring runs on the same tiles, its ``(B, H, n, c, D)`` features fused into the sums that read them and
-never stored; where the queries' range allows (:func:`~attnkit.backends.compiled_steps.exp_form`), ``tanh(q + k)``
-is worked out from ``exp(2 q)`` and ``exp(2 k)``, made once per call, as ``1 - 2 / (exp(2 q) exp(2 k) + 1)``: a
-product and a reciprocal per feature instead of a ``tanh``, forward and backward.
+Additive scoring runs on the same tiles, its ``(B, H, n, c, D)`` features fused into the sums that read them and never
+stored; where the queries' range allows (:func:`~attnkit.backends.tiles.compiled_steps.exp_form`), ``tanh(q + k)`` is
+worked out from ``exp(2 q)`` and ``exp(2 k)``, made once per call, as ``1 - 2 / (exp(2 q) exp(2 k) + 1)``: a product and
+a reciprocal per feature instead of a ``tanh``, forward and backward.
 
-Compiling a step takes seconds, once per score_mod and shape; :mod:`attnkit.dispatch` sends a call here only when
-it is large enough to repay that (``COMPILE_FROM``, ``ADDITIVE_FROM``). A score_mod is first run once,
+Compiling a step takes seconds, once per score_mod and shape; :mod:`attnkit.dispatch` sends a call here only when it is
+large enough to repay that (``dispatch.COMPILE_FROM``, ``dispatch.ADDITIVE_FROM``), and never one whose steps failed to
+compile before (they would run eagerly, every tile's features held: :func:`missing`). A score_mod is first run once,
 eagerly, on a real tile, where a function that raises or returns the wrong shape or dtype gets the errors of
 :func:`attnkit.mods.evaluate.evaluate_score`. If compiling then fails, the same steps run eagerly, with one warning.
 
-Cannot: weights, dropout, gradients to a float ``attn_mask``, modifiers whose tensors it cannot
-find under autograd: ``SUPPORTS``.
+Cannot: weights, dropout, gradients to a float ``attn_mask``, modifiers whose tensors it cannot find under autograd:
+``SUPPORTS``.
 """
 
 from __future__ import annotations
@@ -29,36 +32,17 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit.backends import compiled_steps as steps
-from attnkit.backends import tiles
 from attnkit.backends.common import Watched, first_order_only, probe, repeat_kv, row_sinks, sinks_grad, zero_dead
 from attnkit.backends.contract import ADDITIVE, DOT, Call, Supports
-from attnkit.backends.online import RunningSoftmax
+from attnkit.backends.tiles import compiled_steps as steps
+from attnkit.backends.tiles.softmax import RunningSoftmax
 from attnkit.masks import Mask, all_finite, compute_dtype
+from attnkit.plan import BLOCK, FULL, plan_of
 
-NAME = "compiled"
+NAME = "tiles:compiled"
 
 # B batch, H heads, Lq/Lk query/key length, D head dim, Dv value head dim, n a tile's queries, m a tile's keys
 
-# A score_mod that is not a bias goes here from this many scores per call (B * H * Lq * Lk): compiling the steps
-# takes about 4 s forward and 5 s backward here, which chunked's time at H=8, L=8192 (4.6 s a call) repays at once;
-# smaller calls stay on chunked unless this backend is named.
-COMPILE_FROM = 2**27
-# ... and with at least this many queries: fewer are padded to a block of queries all the same.
-FEWEST_QUERIES = tiles.BLOCK
-# Additive scoring goes here from this many features per call (B * H * Lq * Lk * D): compiling takes about 11 s
-# here, and chunked's time at B=4, L=1024, D=128 (2^29, 2.4 s a training step against 0.17 s) repays it in five.
-ADDITIVE_FROM = 2**28
-
-SUPPORTS = Supports(
-    scoring=frozenset({DOT, ADDITIVE}),
-    weights=False,
-    dropout=False,
-    bias_grad=False,
-    devices=frozenset({"cpu"}),
-    dtypes=frozenset({torch.float32, torch.float64}),
-    opaque_modifiers=False,
-)
 
 ScoreFn = steps.ScoreFn  # score_mod(score, b, h, q_idx, kv_idx)
 
@@ -67,7 +51,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v, mask = call.q, call.k, call.v, call.mask
     B, H, Lq, D = q.shape
     dtype = compute_dtype(q.dtype)
-    tiles.plan(mask)  # first: looking at the tiles, it learns which keys and rows are live (zero_dead's question)
+    plan_of(mask)  # first: looking at the tiles, it learns which keys and rows are live (zero_dead's question)
     q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
     qf = q.to(dtype)  # (B, H, Lq, D)
     kf = repeat_kv(k, H).to(dtype)  # (B, H, Lk, D): repeated outside the Function, autograd sums the groups back
@@ -82,7 +66,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
             raise TypeError(
                 f"backend='compiled' runs a score_mod on blocks of scores, and {steps.name(score_mod)} takes single "
                 "scores only (it fails on a block, or returns a tensor that does not broadcast to it): use "
-                "backend='chunked', which runs it element by element"
+                "backend='tiles:online', which runs it element by element"
             )
         if torch.is_grad_enabled():
             read = call.tensors_read(score_mod)
@@ -92,9 +76,15 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     return out.to(q.dtype), None
 
 
-def failed(call: Call) -> bool:
-    """Whether the steps of this call's score_mod failed to compile before (they run eagerly now)."""
-    return steps.failed(_step_form(call.score_mod))
+def missing(call: Call) -> str | None:
+    """Why these steps would not pay here: its score_mod's steps failed to compile before (eagerly, a step holds a
+    whole tile's features and temporaries), or its score_mod takes single scores only (:func:`takes_blocks`)."""
+    if steps.failed(_step_form(call.score_mod)):
+        return "its steps compiled (they failed to, for this score_mod, and would run eagerly: 'tiles:online' runs it)"
+    if not takes_blocks(call):
+        name = steps.name(call.score_mod)
+        return f"a score_mod that takes blocks of scores ({name} takes single scores only: 'tiles:online' runs it)"
+    return None
 
 
 def _step_form(score_mod: ScoreFn | None) -> ScoreFn | None:
@@ -102,9 +92,21 @@ def _step_form(score_mod: ScoreFn | None) -> ScoreFn | None:
     return score_mod.compiled() if isinstance(score_mod, mods.ScoreMod) else score_mod
 
 
+SUPPORTS = Supports(
+    scoring=frozenset({DOT, ADDITIVE}),
+    weights=False,
+    dropout=False,
+    bias_grad=False,
+    devices=frozenset({"cpu"}),
+    dtypes=frozenset({torch.float32, torch.float64}),
+    opaque_modifiers=False,
+    missing=missing,
+)
+
+
 def takes_blocks(call: Call) -> bool:
     """Whether the call's score_mod takes blocks of scores, as the compiled steps call it (False: it runs element by
-    element only, as ``chunked`` runs it). It is run once, eagerly, on the first visible tile, so that a function
+    element only, as ``tiles:online`` runs it). It is run once, eagerly, on the first visible tile, so that a function
     that raises or returns the wrong shape or dtype is told in attnkit's words, not from inside the compiler; the
     answer is kept on the call.
 
@@ -122,9 +124,9 @@ def _takes_blocks(call: Call) -> bool:
         return True
     B, H = call.q.shape[:2]
     q, k = call.q.detach(), repeat_kv(call.k.detach(), H)  # (B, H, Lq, D), (B, H, Lk, D)
-    for rows in tiles.plan(mask):
+    for rows in plan_of(mask).rows:
         for run in rows.runs:
-            r0, r1, j0, j1 = rows.r0, rows.r1, run.j0, min(run.j1, run.j0 + tiles.BLOCK)
+            r0, r1, j0, j1 = rows.r0, rows.r1, run.j0, min(run.j1, run.j0 + BLOCK)
             if call.w_v is None:
                 scores = (q[:, :, r0:r1] @ k[:, :, j0:j1].transpose(-2, -1)) * call.scale  # (B, H, n, c)
             else:
@@ -167,7 +169,7 @@ def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
 
 
 class _Grid:
-    """The tiles of a call, from the plan of :mod:`~attnkit.backends.tiles`, each made ``BLOCK x BLOCK``: tensors are
+    """The tiles of a call, from its plan (:class:`attnkit.plan.Plan`), each made ``BLOCK x BLOCK``: tensors are
     laid out a block of positions at a time (:func:`_blocked`), so that every tile is a contiguous block of the same
     shape and strides whatever the lengths (a shape or stride is one more compile); a tile at the end of the queries
     or keys is padded with zeros, hidden by its mask, and its indices repeat the last one."""
@@ -175,24 +177,24 @@ class _Grid:
     def __init__(self, mask: Mask, B: int, H: int, device: torch.device) -> None:
         self.mask = mask
         self.b, self.h, _, _ = mods.indices(B, H, (0, 1), (0, 1), device)  # (B, 1, 1, 1), (1, H, 1, 1)
-        self.q_idx = _padded_range(mask.num_queries, device).view(-1, 1, 1, tiles.BLOCK, 1)  # (nq, 1, 1, BLOCK, 1)
-        self.kv_idx = _padded_range(mask.num_keys, device).view(-1, 1, 1, 1, tiles.BLOCK)  # (nk, 1, 1, 1, BLOCK)
+        self.q_idx = _padded_range(mask.num_queries, device).view(-1, 1, 1, BLOCK, 1)  # (nq, 1, 1, BLOCK, 1)
+        self.kv_idx = _padded_range(mask.num_keys, device).view(-1, 1, 1, 1, BLOCK)  # (nk, 1, 1, 1, BLOCK)
 
     def blocks(self) -> list[tuple[int, int, list[tuple[int, int, bool]]]]:
         """Each block of queries ``(r0, r1)`` and its tiles of keys ``(j0, j1, every)`` (``every``: every pair is
         visible, no mask to build); all start at multiples of ``BLOCK``."""
         out = []
-        for rows in tiles.plan(self.mask):
+        for rows in plan_of(self.mask).rows:
             row_tiles = []
             for run in rows.runs:
-                for j0 in range(run.j0, run.j1, tiles.BLOCK):
-                    row_tiles.append((j0, min(j0 + tiles.BLOCK, run.j1), run.kind == tiles.FULL))
+                for j0 in range(run.j0, run.j1, BLOCK):
+                    row_tiles.append((j0, min(j0 + BLOCK, run.j1), run.kind == FULL))
             out.append((rows.r0, rows.r1, row_tiles))
         return out
 
     def indices(self, r0: int, j0: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``b, h, q_idx (1, 1, BLOCK, 1), kv_idx (1, 1, 1, BLOCK)`` of the tile at ``(r0, j0)``."""
-        return self.b, self.h, self.q_idx[r0 // tiles.BLOCK], self.kv_idx[j0 // tiles.BLOCK]
+        return self.b, self.h, self.q_idx[r0 // BLOCK], self.kv_idx[j0 // BLOCK]
 
     def masks(
         self, r0: int, r1: int, j0: int, j1: int, every: bool, dtype: torch.dtype
@@ -200,7 +202,7 @@ class _Grid:
         """``allowed`` and ``bias`` of a tile, each a new ``(B|1, H|1, BLOCK, BLOCK)`` tensor or ``None``."""
         allowed, bias = self.mask.tile(r0, r1, j0, j1, dtype, every=every)  # (B|1, H|1, n|1, c) each, or None
         n, c = r1 - r0, j1 - j0
-        if allowed is None and (n < tiles.BLOCK or c < tiles.BLOCK):
+        if allowed is None and (n < BLOCK or c < BLOCK):
             allowed = torch.ones((), dtype=torch.bool, device=self.q_idx.device)
         return (
             None if allowed is None else _fitted(allowed, n, c, False),
@@ -210,7 +212,7 @@ class _Grid:
 
 def _padded_range(length: int, device: torch.device) -> Tensor:
     """``0 .. length - 1``, then ``length - 1`` up to a multiple of ``BLOCK`` (0 for no length)."""
-    padded = -(-length // tiles.BLOCK) * tiles.BLOCK
+    padded = -(-length // BLOCK) * BLOCK
     return torch.arange(padded, device=device).clamp_max(max(length - 1, 0))  # (padded,)
 
 
@@ -218,7 +220,7 @@ def _fitted(t: Tensor, n: int, c: int, fill: float | bool) -> Tensor:
     """A tile's ``allowed`` or ``bias`` (broadcastable to ``(B, H, n, c)``) as a new ``(B|1, H|1, BLOCK, BLOCK)``
     tensor, ``fill`` past ``n`` rows and ``c`` keys."""
     t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # (B|1, H|1, n|1, c|1)
-    out = t.new_full((*t.shape[:2], tiles.BLOCK, tiles.BLOCK), fill)  # (B|1, H|1, BLOCK, BLOCK)
+    out = t.new_full((*t.shape[:2], BLOCK, BLOCK), fill)  # (B|1, H|1, BLOCK, BLOCK)
     out[..., :n, :c] = t
     return out
 
@@ -227,16 +229,16 @@ def _blocked(t: Tensor) -> Tensor:
     """``t (B, H, L, ...)`` as ``(nb, B, H, BLOCK, ...)``, zeros past ``L``: block ``i`` holds positions
     ``[i * BLOCK, (i + 1) * BLOCK)``, contiguous."""
     B, H, L = t.shape[:3]
-    nb = -(-L // tiles.BLOCK)
-    pad = t.new_zeros((B, H, nb * tiles.BLOCK - L, *t.shape[3:]))
+    nb = -(-L // BLOCK)
+    pad = t.new_zeros((B, H, nb * BLOCK - L, *t.shape[3:]))
     t = torch.cat([t, pad], dim=2)  # (B, H, nb * BLOCK, ...)
-    return t.view(B, H, nb, tiles.BLOCK, *t.shape[3:]).movedim(2, 0).contiguous()  # (nb, B, H, BLOCK, ...)
+    return t.view(B, H, nb, BLOCK, *t.shape[3:]).movedim(2, 0).contiguous()  # (nb, B, H, BLOCK, ...)
 
 
 def _unblocked(t: Tensor, length: int) -> Tensor:
     """The inverse of :func:`_blocked`: ``(nb, B, H, BLOCK, ...)`` as ``(B, H, length, ...)``."""
     nb, B, H = t.shape[:3]
-    t = t.movedim(0, 2).reshape(B, H, nb * tiles.BLOCK, *t.shape[4:])  # (B, H, nb * BLOCK, ...)
+    t = t.movedim(0, 2).reshape(B, H, nb * BLOCK, *t.shape[4:])  # (B, H, nb * BLOCK, ...)
     return t[:, :, :length]
 
 
@@ -254,9 +256,9 @@ def _forward(
 ) -> tuple[Tensor, Tensor]:
     """The output ``(B, H, Lq, Dv)`` and each row's log-sum-exp ``(B, H, Lq)`` of ``q (B, H, Lq, D)`` over
     ``k (B, H, Lk, D)`` and ``v (B, H, Lk, Dv)``, tile by tile; ``w (D,)`` for additive scoring, ``exp`` its form,
-    ``guard``: some key or value is not finite (:func:`~attnkit.backends.compiled_steps._forward_step`)."""
+    ``guard``: some key or value is not finite (:func:`~attnkit.backends.tiles.compiled_steps._forward_step`)."""
     B, H, Lq, _ = q.shape
-    Dv, T = v.shape[-1], tiles.BLOCK
+    Dv, T = v.shape[-1], BLOCK
     out = q.new_zeros((B, H, Lq, Dv))  # (B, H, Lq, Dv)
     sink = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype)  # (B, H, Lq)
     # 0 in rows that see no key; the sink's logit where there is one (no keys at all: no block of queries below)
@@ -320,7 +322,7 @@ class _Compiled(torch.autograd.Function):
         closed_grads = [torch.zeros_like(t) for t in closed_over]
         keep = bool(closed_over)
         grid, guard = _Grid(mask, B, H, q.device), ctx.guard
-        T = tiles.BLOCK
+        T = BLOCK
         qs, ks, vs, douts = _blocked(q), _blocked(k), _blocked(v), _blocked(dout)  # (nq|nk, B, H, T, D|Dv)
         lses, deltas = _blocked(lse), _blocked(delta)  # (nq, B, H, T)
         dqs, dks, dvs = torch.zeros_like(qs), torch.zeros_like(ks), torch.zeros_like(vs)  # as qs, ks, vs

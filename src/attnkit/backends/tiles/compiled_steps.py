@@ -1,4 +1,4 @@
-"""The steps of :mod:`attnkit.backends.compiled`, plain PyTorch on one ``BLOCK x BLOCK`` tile: compiled by
+"""The steps of :mod:`attnkit.backends.tiles.compiled`, plain PyTorch on one ``BLOCK x BLOCK`` tile: compiled by
 ``torch.compile`` (Inductor's C++ code on CPU), one graph each, and run as they are where compiling fails.
 
 A forward step folds a tile into the running softmax of its queries; a backward step recomputes the tile's weights

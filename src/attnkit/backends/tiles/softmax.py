@@ -1,11 +1,13 @@
-"""The online softmax over blocks of keys (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022): the engine
-the ``chunked`` backend and ring attention (:mod:`attnkit.distributed`) share.
+"""The online softmax over blocks of keys (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022), in torch ops:
+what the tile engine's pure-torch implementation runs (:mod:`attnkit.backends.tiles.online`), what ring attention
+runs on each rank's blocks (:mod:`attnkit.distributed`), and the exact backward a fused kernel hands over to where its
+own would meet ``0 * inf`` (:func:`exact_grads`).
 
-A block plan (:func:`key_blocks`) lists the blocks of keys some query may see, each with the rows that may see it,
-from index ranges alone (:meth:`attnkit.masks.Mask.tiles`). :func:`accumulate` folds each block into a
-:class:`RunningSoftmax` (a running row maximum ``m``, normaliser ``l`` and unnormalised output ``acc``), and
-:func:`accumulate_grads` adds each block's gradients, recomputing its weights from the row log-sum-exp. Only one
-``rows x block`` slice of scores (``rows x block x D`` features for additive scoring) is alive at a time.
+Blocks of keys come with the rows that may see them (:func:`attnkit.plan.key_blocks`, from index ranges alone).
+:func:`accumulate` folds each block into a :class:`RunningSoftmax` (a running row maximum ``m``, normaliser ``l``
+and unnormalised output ``acc``), and :func:`accumulate_grads` adds each block's gradients, recomputing its weights
+from the row log-sum-exp. Only one ``rows x block`` slice of scores (``rows x block x D`` features for additive
+scoring) is alive at a time.
 """
 
 from __future__ import annotations
@@ -18,28 +20,22 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit._validate import ranges
 from attnkit.backends.common import additive_scores, repeat_kv
 from attnkit.backends.contract import scores_bounded
+from attnkit.plan import Span, key_blocks
 
 __all__ = [
     "EXP_FLOOR",
-    "ROW_STEP",
     "BlockMask",
     "Grads",
     "RunningSoftmax",
     "Scorer",
-    "Span",
     "accumulate",
     "accumulate_grads",
     "exact_grads",
-    "key_blocks",
 ]
 
 # B batch, H heads, Lq/Lk query/key length, D head dim, Dv value head dim, blk keys in one block, n rows of a span
-
-# Which query rows each block of keys needs is worked out for blocks of this many rows (from index ranges only).
-ROW_STEP = 64
 
 # Keys of a block in :func:`exact_grads`.
 EXACT_BLOCK = 128
@@ -96,48 +92,6 @@ class BlockMask(Protocol):
     def opaque(self) -> bool: ...
 
 
-class Span(NamedTuple):
-    """One block of keys ``[j0, j1)`` and the rows ``[r0, r1)`` that may see some of it; ``every``: every one of
-    these rows sees every one of these keys (no mask to build)."""
-
-    j0: int
-    j1: int
-    r0: int
-    r1: int
-    every: bool
-
-
-def key_blocks(mask: BlockMask, num_queries: int, cols: tuple[int, int], block: int) -> list[Span]:
-    """The blocks of ``block`` keys in ``cols`` that some query may see, each with the span of rows that may see it
-    (worked out for blocks of ``ROW_STEP`` rows, from index ranges: nothing is evaluated). Causal attention
-    skips the rows above the diagonal, a sliding window all but a band, packed documents all but one document."""
-    plans = getattr(mask, "plans", None)  # a Mask keeps its plans: dispatch and the backend share one
-    key = (num_queries, *cols, block)
-    if plans is not None and key in plans:
-        return plans[key]  # type: ignore[no-any-return]
-    spans = _plan(mask, num_queries, cols, block)
-    if plans is not None:
-        plans[key] = spans
-    return spans
-
-
-def _plan(mask: BlockMask, num_queries: int, cols: tuple[int, int], block: int) -> list[Span]:
-    rows = ranges(0, num_queries, ROW_STEP)  # (nq, 2)
-    col_ranges = ranges(*cols, block)  # (nk, 2)
-    if not len(rows) or not len(col_ranges):
-        return []
-    known = mask.tiles(rows, col_ranges)  # (nq, nk) each
-    spans = []
-    for c, (j0, j1) in enumerate(col_ranges.tolist()):
-        seen = known.some[:, c].nonzero()[:, 0]  # the row blocks that may see some of these keys
-        if not len(seen):
-            continue
-        first, last = int(seen[0]), int(seen[-1])
-        every = bool(known.every[first : last + 1, c].all())
-        spans.append(Span(j0, j1, int(rows[first, 0]), int(rows[last, 1]), every))
-    return spans
-
-
 class RunningSoftmax(NamedTuple):
     """The state of an online softmax over the rows of ``q``, updated in place block after block."""
 
@@ -187,7 +141,7 @@ def accumulate(
         state: the running softmax of the rows of ``q``, updated in place.
         q: ``(B, H, Lq, D)``; k: ``(B, H, Lk, D)``; v: ``(B, H, Lk, Dv)``, in the compute dtype.
         mask: ``mask.tile(r0, r1, j0, j1)`` says which rows may see which keys of ``k``.
-        scorer: makes a block's scores; spans: from :func:`key_blocks`.
+        scorer: makes a block's scores; spans: from :func:`attnkit.plan.key_blocks`.
     """
     for span in spans:
         seen = _block_mask(mask, span, q.dtype)

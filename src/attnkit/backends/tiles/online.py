@@ -1,18 +1,19 @@
-"""Online softmax over blocks of keys (:mod:`attnkit.backends.online`): memory linear in sequence length, forward
-and backward.
+"""The tile engine in torch ops, eagerly (``tiles:online``): the online softmax over blocks of keys
+(:mod:`attnkit.backends.tiles.softmax`), memory linear in the sequence length, forward and backward, on any device and
+dtype, with every modifier and additive scoring.
 
-The output is accumulated one block of keys at a time, with a running row maximum ``m``, a running normaliser
-``l`` and a running unnormalised output ``acc`` (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022).
-The backward pass is a custom :class:`torch.autograd.Function` that keeps only ``q, k, v``, the output and the
-row log-sum-exp, and recomputes each block's scores. At most one ``Lq x block`` slice of scores (one
-``Lq x block x D`` slice of features for additive scoring) is alive at a time, with its few same-sized
-temporaries. Each block of keys is scored against the rows that may see it only, as the mask says from index
-ranges alone (:meth:`attnkit.masks.Mask.tiles`): keys past the longest ``valid_lens``, the rows above a causal
-diagonal, all but the band of a sliding window and all but one document of a packed row are never visited.
+The output is accumulated one block of keys at a time, with a running row maximum ``m``, a running normaliser ``l`` and
+a running unnormalised output ``acc`` (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022). The backward pass is
+a custom :class:`torch.autograd.Function` that keeps only ``q, k, v``, the output and the row log-sum-exp, and
+recomputes each block's scores. At most one ``Lq x block`` slice of scores (one ``Lq x block x D`` slice of features for
+additive scoring) is alive at a time, with its few same-sized temporaries. Each block of keys is scored against the rows
+that may see it only, as the plan's spans say from index ranges alone (:meth:`attnkit.plan.Plan.spans`): keys past the
+longest ``valid_lens``, the rows above a causal diagonal, all but the band of a sliding window and all but one document
+of a packed row are never visited.
 
-Modifiers: a ``mask_mod`` is evaluated on each block it does not know in full; a ``score_mod`` on each block's
-scores, and again in the backward pass, through which the tensors it closes over get their gradients; ``sinks``
-start each row's running sum.
+Modifiers: a ``mask_mod`` is evaluated on each block it does not know in full; a ``score_mod`` on each block's scores,
+and again in the backward pass, through which the tensors it closes over get their gradients; ``sinks`` start each row's
+running sum.
 
 Cannot: return weights, apply dropout, or differentiate a float ``attn_mask`` (``SUPPORTS``).
 """
@@ -32,10 +33,11 @@ from torch import Tensor
 from attnkit import mods
 from attnkit.backends.common import Watched, first_order_only, probe, repeat_kv, row_sinks, sinks_grad, zero_dead
 from attnkit.backends.contract import Call, Supports, scores_bounded
-from attnkit.backends.online import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads, key_blocks
+from attnkit.backends.tiles.softmax import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads
 from attnkit.masks import Mask, compute_dtype
+from attnkit.plan import Span, plan_of
 
-NAME = "chunked"
+NAME = "tiles:online"
 
 # B batch, H heads, Lq/Lk query/key length, D head dim, Dv value head dim, blk keys in one block
 
@@ -53,7 +55,7 @@ class Settings:
 # close in any order (contextlib.ExitStack, generators): each removes its own, the others stay in force.
 # A block's overrides are cleared when it closes, so an asyncio task made inside it, which holds a copy of the
 # tuple, falls back to the settings outside it.
-_OVERRIDES: ContextVar[tuple[dict[str, int], ...]] = ContextVar("attnkit_chunked_settings", default=())
+_OVERRIDES: ContextVar[tuple[dict[str, int], ...]] = ContextVar("attnkit_online_settings", default=())
 
 
 def current_settings() -> Settings:
@@ -63,13 +65,6 @@ def current_settings() -> Settings:
         if overrides:
             current = dataclasses.replace(current, **overrides)
     return current
-
-
-def __getattr__(name: str) -> Settings:
-    # ``chunked.SETTINGS`` reads current_settings(): it used to be a module global, and callers may still read it.
-    if name == "SETTINGS":
-        return current_settings()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @contextlib.contextmanager
@@ -105,6 +100,24 @@ SUPPORTS = Supports(weights=False, dropout=False, bias_grad=False, opaque_modifi
 
 
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
+    args, closed_over = _prepared(call)
+    out = _OnlineSoftmax.apply(*args, *closed_over)  # (B, H, Lq, Dv)
+    return out.to(call.q.dtype), None
+
+
+def attention_with_lse(call: Call) -> tuple[Tensor, Tensor] | None:
+    """The output and each row's log-sum-exp of its (modified) scores, ``(B, H, Lq)`` in the compute dtype, which
+    the forward computes anyway: for a call that needs no gradient (``None`` otherwise)."""
+    if call.needs_grad:
+        return None
+    (q, k, v, _, sinks, mask, scorer, block, _), _ = _prepared(call)
+    out, lse = _forward(q, k, v, sinks, mask, scorer, block)[:2]  # (B, H, Lq, Dv), (B, H, Lq)
+    return out.to(call.q.dtype), lse
+
+
+def _prepared(call: Call) -> tuple[tuple, tuple[Tensor, ...]]:
+    """The Function's arguments ``(q, k, v, w_v, sinks, mask, scorer, block, watched)`` in the compute dtype, and
+    the tensors the score_mod reads that need gradients."""
     q, k, v, mask, w_v, scale = call.q, call.k, call.v, call.mask, call.w_v, call.scale
     B, H, Lq, D = q.shape
     dtype = compute_dtype(q.dtype)
@@ -133,8 +146,19 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     inputs = (qf, kf, vf, wf, sinks, *closed_over)
     backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     watched = Watched.of(call) if backward else None
-    out = _OnlineSoftmax.apply(qf, kf, vf, wf, sinks, mask, scorer, block, watched, *closed_over)  # (B, H, Lq, Dv)
-    return out.to(q.dtype), None
+    return (qf, kf, vf, wf, sinks, mask, scorer, block, watched), closed_over
+
+
+def _forward(
+    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, mask: Mask, scorer: Scorer, block: int
+) -> tuple[Tensor, Tensor, list[Span]]:
+    """The output ``(B, H, Lq, Dv)``, each row's log-sum-exp ``(B, H, Lq)``, and the spans of keys visited."""
+    sink_logits = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype)  # (B, H, Lq)
+    state = RunningSoftmax.start(q, v.shape[-1], sink_logits)
+    spans = plan_of(mask).spans(mask, (0, mask.num_keys), block)
+    accumulate(state, q, k, v, mask, scorer, spans)
+    out, lse = state.result()  # (B, H, Lq, Dv), (B, H, Lq)
+    return out, lse, spans
 
 
 class _OnlineSoftmax(torch.autograd.Function):
@@ -152,11 +176,7 @@ class _OnlineSoftmax(torch.autograd.Function):
         watched: Watched | None,
         *closed_over: Tensor,
     ) -> Tensor:
-        sink_logits = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype)  # (B, H, Lq)
-        state = RunningSoftmax.start(q, v.shape[-1], sink_logits)
-        spans = key_blocks(mask, q.shape[2], (0, mask.num_keys), block)
-        accumulate(state, q, k, v, mask, scorer, spans)
-        out, lse = state.result()  # (B, H, Lq, Dv), (B, H, Lq)
+        out, lse, spans = _forward(q, k, v, sinks, mask, scorer, block)  # (B, H, Lq, Dv), (B, H, Lq), ...
         ctx.save_for_backward(q, k, v, w_v, sinks, out, lse, *closed_over)
         ctx.mask, ctx.scorer, ctx.spans, ctx.watched = mask, scorer, spans, watched
         return out

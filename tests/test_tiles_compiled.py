@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import attnkit
 import mathref
-from attnkit import dispatch, mods
-from attnkit.backends import compiled, compiled_steps, flash, tiles
+from attnkit import csrc, dispatch, mods, plan
+from attnkit.backends.tiles import compiled, compiled_steps
 from mathref import max_err
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim
@@ -30,8 +30,8 @@ SOFTCAP = mods.softcap(2.0)  # a small cap, so that the cap bends most scores
 
 @pytest.fixture(autouse=True)
 def _small_tiles(monkeypatch):
-    monkeypatch.setattr(tiles, "BLOCK", 8)
-    tiles._KEPT.clear()
+    monkeypatch.setattr(plan, "BLOCK", 8)
+    monkeypatch.setattr(compiled, "BLOCK", 8)
 
 
 def _table(length: int) -> tuple[torch.Tensor, object, object]:
@@ -54,7 +54,7 @@ def _inputs(seed: int, Lq: int, Lk: int) -> list[torch.Tensor]:
 
 def _agree(ours: dict, math: dict, leaves: list[torch.Tensor], names: list[str]) -> None:
     q, k, v = leaves[:3]
-    out = attnkit.scaled_dot_product_attention(q, k, v, backend="compiled", **ours).output
+    out = attnkit.scaled_dot_product_attention(q, k, v, backend="tiles:compiled", **ours).output
     want, _ = mathref.attention_mods(q, k, v, **math)
     mathref.assert_agrees(out, want, leaves, names, OUT_TOL64, GRAD_TOL64)
 
@@ -125,7 +125,7 @@ def test_nan_where_no_query_may_see_and_in_keys_the_score_mod_hides_reaches_noth
     def run(q, k, v):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = attnkit.scaled_dot_product_attention(
-            *leaves, valid_lens=lens, is_causal=True, score_mod=hide, backend="compiled"
+            *leaves, valid_lens=lens, is_causal=True, score_mod=hide, backend="tiles:compiled"
         ).output
         out.backward(torch.ones_like(out))
         return [out.detach()] + [t.grad for t in leaves]
@@ -147,25 +147,29 @@ def test_a_score_mod_that_raises_or_returns_the_wrong_shape_is_one_error_naming_
         return score > 0
 
     with pytest.raises(ValueError, match=r"score_mod .*broken.* raised KeyError"):
-        attnkit.scaled_dot_product_attention(q, k, v, score_mod=broken, backend="compiled")
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=broken, backend="tiles:compiled")
     with pytest.raises(ValueError, match=r"score_mod .*wrong_shape.*broadcasts"):
-        attnkit.scaled_dot_product_attention(q, k, v, score_mod=wrong_shape, backend="compiled")
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=wrong_shape, backend="tiles:compiled")
     with pytest.raises(TypeError, match=r"score_mod .*wrong_dtype.*floating point"):
-        attnkit.scaled_dot_product_attention(q, k, v, score_mod=wrong_dtype, backend="compiled")
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=wrong_dtype, backend="tiles:compiled")
 
 
-def test_a_score_mod_of_single_scores_is_refused_by_name_and_auto_sends_it_to_chunked(monkeypatch):
+def test_a_score_mod_of_single_scores_is_refused_by_name_and_auto_sends_it_to_the_eager_steps(monkeypatch):
     q, k, v = _inputs(1, 12, 12)
 
     def scalar_only(score, b, h, q_idx, kv_idx):
         return score.reshape(()) * 2  # one score at a time only (as FlexAttention's functions may be written)
 
-    with pytest.raises(TypeError, match="scalar_only takes single scores only.*backend='chunked'"):
-        attnkit.scaled_dot_product_attention(q, k, v, score_mod=scalar_only, backend="compiled")
-    monkeypatch.setattr(compiled, "COMPILE_FROM", 1)
-    with dispatch.watch() as chosen:
+    with pytest.raises(
+        ValueError,
+        match="tiles:compiled: needs a score_mod that takes blocks of scores .*scalar_only "
+        "takes single scores only: 'tiles:online' runs it",
+    ):
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=scalar_only, backend="tiles:compiled")
+    monkeypatch.setattr(dispatch, "COMPILE_FROM", 1)
+    with dispatch.watch(implementations=True) as chosen:
         out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=scalar_only).output
-    assert chosen == ["chunked"]
+    assert chosen == ["tiles:online"]
     want, _ = mathref.attention_mods(q, k, v, score_mod=lambda s, b, h, i, j: s * 2)
     assert max_err(out, want) <= OUT_TOL64
 
@@ -178,7 +182,7 @@ def test_an_error_in_a_later_tile_names_the_score_mod():
         return score + table[(q_idx - kv_idx).abs()]
 
     with pytest.raises(ValueError, match="score_mod .*short_table raised IndexError"):
-        attnkit.scaled_dot_product_attention(q, k, v, score_mod=short_table, backend="compiled")
+        attnkit.scaled_dot_product_attention(q, k, v, score_mod=short_table, backend="tiles:compiled")
 
 
 def test_a_query_that_holds_nan_puts_nan_only_in_the_gradients_of_keys_it_may_see():
@@ -187,7 +191,7 @@ def test_a_query_that_holds_nan_puts_nan_only_in_the_gradients_of_keys_it_may_se
     Lq = Lk = 20
     q, k, v = (t.detach() for t in _inputs(7, Lq, Lk))
     q[:, 0, 5, 0] = float("nan")
-    for backend in ("compiled", "reference"):
+    for backend in ("tiles:compiled", "reference"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = attnkit.scaled_dot_product_attention(
             *leaves, is_causal=True, score_mod=lambda s, b, h, i, j: torch.tanh(s), backend=backend
@@ -215,7 +219,7 @@ def test_one_graph_a_variant_whatever_the_lengths_and_layouts():
         q, k, v = _inputs(L, L, L)
         if transposed:
             q = q.detach().transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_()  # other strides
-        out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=halved, is_causal=True, backend="compiled")
+        out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=halved, is_causal=True, backend="tiles:compiled")
         out.output.sum().backward()  # an expanded output gradient
 
     start = graphs()
@@ -264,7 +268,7 @@ def test_a_failing_compiler_falls_back_to_the_same_steps_eagerly_with_one_warnin
     compiled_steps._FAILED.discard(compiled_steps._key(doubled))
     with pytest.warns(RuntimeWarning, match="doubled cannot be compiled.*C\\+\\+ compile error") as caught:
         out = attnkit.scaled_dot_product_attention(
-            q, k, v, score_mod=doubled, is_causal=True, backend="compiled"
+            q, k, v, score_mod=doubled, is_causal=True, backend="tiles:compiled"
         ).output
         out.sum().backward()
     assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
@@ -298,7 +302,7 @@ def test_a_failure_compiling_the_closure_steps_backward_falls_back_with_one_warn
     table, relative, math_relative = _table(13)
     compiled_steps._FAILED.discard(compiled_steps._key(relative))
     with pytest.warns(RuntimeWarning, match="relative cannot be compiled.*C\\+\\+ compile error in the backward"):
-        out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=relative, backend="compiled").output
+        out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=relative, backend="tiles:compiled").output
         (got,) = torch.autograd.grad(out.sum(), [table])
     want, _ = mathref.attention_mods(q, k, v, score_mod=math_relative)
     (expected,) = torch.autograd.grad(want.sum(), [table])
@@ -309,34 +313,38 @@ def test_auto_compiles_a_large_call_with_a_score_mod_that_is_not_a_bias(monkeypa
     q, k, v = (t.float() for t in _inputs(4, 20, 20))
     cases = {"softcap": mods.softcap(30.0), "alibi": mods.alibi(mods.alibi_slopes(H))}
     for name, score_mod in cases.items():
-        with dispatch.watch() as chosen:
+        with dispatch.watch(implementations=True) as chosen:
             attnkit.scaled_dot_product_attention(q, k, v, score_mod=score_mod, is_causal=True)
-        assert chosen[0] != "compiled", name  # small: compiling would not pay
-    monkeypatch.setattr(compiled, "COMPILE_FROM", B * H * 20 * 20)
-    monkeypatch.setattr(compiled, "FEWEST_QUERIES", 8)
-    with dispatch.watch() as chosen:  # float64: softcap's float32 calls go to the flash kernel, where it builds
+        assert chosen[0] != "tiles:compiled", name  # small: compiling would not pay
+    monkeypatch.setattr(dispatch, "COMPILE_FROM", B * H * 20 * 20)
+    monkeypatch.setattr(dispatch, "FEWEST_QUERIES", 8)
+    with dispatch.watch(
+        implementations=True
+    ) as chosen:  # float64: softcap's float32 calls go to the flash kernel, where it builds
         attnkit.scaled_dot_product_attention(q.double(), k.double(), v.double(), score_mod=cases["softcap"])
-    assert chosen == ["compiled"]
-    with dispatch.watch() as chosen:
+    assert chosen == ["tiles:compiled"]
+    with dispatch.watch(implementations=True) as chosen:
         attnkit.scaled_dot_product_attention(q, k, v, score_mod=cases["softcap"], is_causal=True)
-    assert chosen == ["flash" if flash.missing() is None else "compiled"]
+    assert chosen == ["tiles:kernel" if csrc.ensure("flash") is None else "tiles:compiled"]
     few = q[:, :, :7]  # a decode step's few queries would be padded to a block of queries: not worth it
-    with dispatch.watch() as chosen:
+    with dispatch.watch(implementations=True) as chosen:
         attnkit.scaled_dot_product_attention(
             few, k.repeat(1, 1, 3, 1), v.repeat(1, 1, 3, 1), score_mod=cases["softcap"]
         )
-    assert chosen != ["compiled"]
+    assert chosen != ["tiles:compiled"]
     slopes = mods.alibi_slopes(H).requires_grad_()
-    kernel = flash.missing() is None  # float32 ALiBi goes to the flash kernel (with its slopes' gradient), where built
+    kernel = (
+        csrc.ensure("flash") is None
+    )  # float32 ALiBi goes to the flash kernel (with its slopes' gradient), where built
     for dtype in (torch.float64, torch.float32):
         x = (t.to(dtype) for t in (q, k, v))
-        with dispatch.watch() as chosen:  # a bias PyTorch's fused kernel takes
+        with dispatch.watch(implementations=True) as chosen:  # a bias PyTorch's fused kernel takes (dense, small)
             attnkit.scaled_dot_product_attention(*x, score_mod=cases["alibi"], is_causal=True)
-        assert chosen == ["flash" if kernel and dtype == torch.float32 else "tiles"], dtype
+        assert chosen == ["tiles:kernel" if kernel and dtype == torch.float32 else "sdpa"], dtype
         x = (t.to(dtype) for t in (q, k, v))
-        with dispatch.watch() as chosen:  # ... unless its slopes need a gradient
+        with dispatch.watch(implementations=True) as chosen:  # ... unless its slopes need a gradient
             attnkit.scaled_dot_product_attention(*x, score_mod=mods.alibi(slopes.to(dtype)), is_causal=True)
-        assert chosen == ["flash" if kernel and dtype == torch.float32 else "compiled"], dtype
+        assert chosen == ["tiles:kernel" if kernel and dtype == torch.float32 else "tiles:compiled"], dtype
 
 
 def test_inside_a_callers_torch_compile_with_a_causal_mask():
@@ -346,7 +354,7 @@ def test_inside_a_callers_torch_compile_with_a_causal_mask():
 
     def model(q, k, v):
         return attnkit.scaled_dot_product_attention(
-            q, k, v, is_causal=True, score_mod=SOFTCAP, backend="compiled"
+            q, k, v, is_causal=True, score_mod=SOFTCAP, backend="tiles:compiled"
         ).output
 
     out = torch.compile(model)(q, k, v)
@@ -357,7 +365,7 @@ def test_inside_a_callers_torch_compile_with_a_causal_mask():
 def test_softcap_runs_in_its_compiled_form():
     """The steps run softcap's form for compiled code (expm1, faster there), not tanh: its graphs are the ones kept."""
     q, k, v = _inputs(12, 13, 13)
-    attnkit.scaled_dot_product_attention(q, k, v, score_mod=SOFTCAP, backend="compiled").output.sum().backward()
+    attnkit.scaled_dot_product_attention(q, k, v, score_mod=SOFTCAP, backend="tiles:compiled").output.sum().backward()
     keys = {key[1] for key in compiled_steps._KEPT}
     assert compiled_steps._key(SOFTCAP.compiled()) in keys
     assert compiled_steps._key(SOFTCAP) not in keys
