@@ -1,8 +1,8 @@
 """Scoped state that compiled code must still see.
 
-attnkit keeps what a ``with`` block switches on (a recording, a trace, a backend watch, ring attention, chunked
-settings) in :class:`contextvars.ContextVar`\\ s, and ``torch.compile`` cannot trace ``ContextVar.get`` (a graph
-break, "Dynamo does not know how to trace method `get` of class `ContextVar`", torch 2.13: tested in
+attnkit keeps what a ``with`` block switches on (a recording, a trace, a backend watch, ring attention, the tile
+engine's settings) in :class:`contextvars.ContextVar`\\ s, and ``torch.compile`` cannot trace ``ContextVar.get`` (a
+graph break, "Dynamo does not know how to trace method `get` of class `ContextVar`", torch 2.13: tested in
 ``tests/test_compile.py``). So every such block is also counted here, process-wide, and compiled code reads the
 variables only while some block is open somewhere: dynamo guards on ``_ANY_OPEN``, so a compiled model runs
 its one graph while no block is open, and is compiled again, reading the variables (a graph break), while one is.

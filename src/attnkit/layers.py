@@ -143,7 +143,7 @@ class AdditiveAttention(_Attention):
         num_hiddens: ``h``, the size of the projected queries and keys.
         dropout: on the weights, in training mode only.
         query_size, key_size: input feature sizes; inferred at the first call when ``None``.
-        backend: ``"auto"`` (chunked when the ``(B, Lq, Lk, h)`` features would be large) or a name.
+        backend: ``"auto"`` (the tile engine when the ``(B, Lq, Lk, h)`` features would be large) or a name.
 
     Example:
         >>> attn = AdditiveAttention(8, query_size=20, key_size=2).eval()

@@ -2,7 +2,7 @@
 
 Padding a batch to its longest example wastes the work of every padded position; packing puts the real tokens of
 all examples one after the other in a single row, and a document mask (:func:`attnkit.mods.document`) keeps each
-example from seeing the others. The chunked backend skips the blocks of other documents, so attention costs the sum
+example from seeing the others. The tile engine skips the blocks of other documents, so attention costs the sum
 of each document's own, and no position is padding::
 
     x (B=3, L=4), valid_lens [2, 4, 1]      packed.data (1, 7)         document_ids (1, 7)

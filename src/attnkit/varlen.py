@@ -341,7 +341,7 @@ class _Proof:
 def _moved_score(score_mod: mods.ScoreFn, b0: int, r0: int, keys: Keys, proof: _Proof) -> mods.ScoreFn:
     """A score_mod inside a piece, called with the call's own indices; a built-in stays a built-in (a bias such as
     ALiBi stays a bias), a function of the caller's stays one (its tensors found through it); one that reads no
-    position (softcap) stays itself, so that a kernel that computes it itself (flash) still takes it."""
+    position (softcap) stays itself, so that a kernel that computes it itself (``tiles:kernel``) still takes it."""
     if not mods.reads_positions(score_mod):
         return score_mod
     if not isinstance(score_mod, mods.ScoreMod):

@@ -12,7 +12,7 @@ inputs the products of weights and values take float32 operands in TF32, whose 1
 the inputs'; FlashAttention's 16-bit products would be faster, to try on a GPU), on CUDA with the ``triton``
 package. Not twice differentiable (a second backward raises). No ``attn_mask``,
 ``mask_mod``, ``score_mod``, sinks, dropout or weights. ``backend="auto"`` does not choose it yet: its speed
-against ``chunked`` is to be measured on a GPU (``benchmarks/triton_additive.py``, issue 28), and its CUDA results
+against the tile engine's is to be measured on a GPU (``benchmarks/triton_additive.py``, issue 28), and its CUDA results
 are checked by the ``gpu`` tests in ``tests/test_triton.py``. On a machine without a GPU the same kernels run in
 Triton's interpreter (``TRITON_INTERPRET=1``: numpy on the host, slow), which is how they are tested there.
 """

@@ -180,7 +180,7 @@ class StepMask:
         self.host_queries = positions(queries)[r0:r1]  # (Lq',)
         self.host_keys = positions(keys)[c0:c1]  # (Lb',)
         # a caller's mask_mod (alone, or inside and_masks/or_masks) says nothing of a block until it is evaluated:
-        # the chunked backend then narrows the block to the rows that see a key, and skips it when none does
+        # the online softmax then narrows the block to the rows that see a key, and skips it when none does
         mod = plan.mask_mod
         self.opaque = mod is not None and (not isinstance(mod, mods.MaskMod) or mod.opaque)
         if plan.mask_mod is not None:

@@ -14,7 +14,7 @@ output of :mod:`attnkit.backends.tiles.online`, in float32 or float64), and mean
 The backward pass goes round the same ring: blocks travel again, each rank adds its queries' share of the
 block's gradient to a gradient buffer that travels with the block and arrives home after the last step. No
 rank ever holds more than two key/value blocks and three gradient blocks, and within a block scores are computed
-``chunked.current_settings().block_size`` keys at a time, so memory per rank is linear in ``L / W``.
+``tiles.online.current_settings().block_size`` keys at a time, so memory per rank is linear in ``L / W``.
 
 Masks: ``valid_lens``, ``is_causal`` and a ``mask_mod`` (:mod:`attnkit.mods`: ``sliding_window``, ``document``,
 ``prefix_lm``, their combinations, or a function of the caller's), all in *whole-sequence* positions: a mask_mod
@@ -27,8 +27,8 @@ A ``score_mod`` (``softcap``, ``alibi``, a function of the caller's) also sees w
 
 Only (query, key) pairs that the masks may allow are scored. A step whose queries and keys the masks keep apart
 (a causal block above the diagonal, a sliding window's far blocks, another document) is skipped whole: a built-in
-says so from position ranges alone (:meth:`attnkit.mods.MaskMod.tiles`). Inside a step, the chunked backend's
-block plan skips the blocks the masks hide and evaluates a mask_mod only on blocks it does not know in full. A
+says so from position ranges alone (:meth:`attnkit.mods.MaskMod.tiles`). Inside a step, the online softmax's block
+plan skips the blocks the masks hide and evaluates a mask_mod only on blocks it does not know in full. A
 caller's own mask_mod says nothing from ranges: every step is visited and its blocks evaluated (those it hides
 entirely are not scored). With ``is_causal`` and the zig-zag layout every rank scores about the same number of
 pairs (see :mod:`attnkit.distributed.sequence`).

@@ -29,7 +29,7 @@ queries see some key, come from the one combined mask (:meth:`attnkit.masks.Mask
 the other keys, values and queries before it computes, so whatever they hold, NaN included, reaches neither the output
 nor any gradient.
 
-The :class:`Mask` keeps these parts apart and builds any block of columns on demand, so the chunked backend
+The :class:`Mask` keeps these parts apart and builds any block of columns on demand, so the tile engine
 never holds the whole ``Lq x Lk`` mask.
 """
 

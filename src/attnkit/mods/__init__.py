@@ -20,7 +20,7 @@ The built-ins below are aligned to the bottom right, like ``is_causal``: with ``
 query ``i`` stands at key position ``p = i + Lk - Lq`` (with ``Lq == Lk``, ``p = i``; one query decoded against a
 cache stands at the last key). attnkit binds them to each call's lengths; called directly (say, handed to
 ``flex_attention``), they take ``p = q_idx``. Each knows, from a block's index ranges alone, whether the block
-is hidden entirely or visible entirely (:meth:`MaskMod.tiles`): the chunked backend skips hidden blocks without
+is hidden entirely or visible entirely (:meth:`MaskMod.tiles`): the tile engine skips hidden blocks without
 evaluating anything, and skips the mask of visible ones.
 
 Example:

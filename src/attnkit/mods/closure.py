@@ -1,5 +1,5 @@
 """What a modifier reads from outside: the tensors a function closes over, for the gradients of a score_mod and
-for the chunked backend's check that nothing it reads again in the backward pass was changed in place."""
+for the tile engine's check that nothing it reads again in the backward pass was changed in place."""
 
 from __future__ import annotations
 

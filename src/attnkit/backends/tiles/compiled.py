@@ -62,12 +62,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     step_mod = _step_form(score_mod)
     closed_over: tuple[Tensor, ...] = ()
     if score_mod is not None:
-        if not takes_blocks(call):
-            raise TypeError(
-                f"backend='compiled' runs a score_mod on blocks of scores, and {steps.name(score_mod)} takes single "
-                "scores only (it fails on a block, or returns a tensor that does not broadcast to it): use "
-                "backend='tiles:online', which runs it element by element"
-            )
+        assert takes_blocks(call)  # (SUPPORTS refuses the others: missing)
         if torch.is_grad_enabled():
             read = call.tensors_read(score_mod)
             closed_over = mods.grad_inputs(score_mod, probe(dtype, q.device), read or ())

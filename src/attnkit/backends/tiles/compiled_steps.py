@@ -117,7 +117,7 @@ def _forward_step(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One tile folded into the running softmax ``m, l (B, H, n)``, ``acc (B, H, n, Dv)`` of its queries (scored as
     ``_scores`` says); ``guard``: the keys or values hold a value that is not finite, which must not reach a row
-    through a weight of 0 (the values of keys no row of the tile sees are zeroed, as in ``chunked``)."""
+    through a weight of 0 (the values of keys no row of the tile sees are zeroed, as in ``tiles:online``)."""
     s = _scores(q, k, w, scale, exp)  # (B, H, n, c)
     if score_mod is not None:
         s = score_mod(s, *idx).to(s.dtype).expand_as(s)  # (B, H, n, c)
