@@ -4,7 +4,9 @@ graph, never guessed), and the values and gradients of that bias (the flash back
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -75,7 +77,7 @@ def test_a_function_found_not_to_be_one_is_not_traced_again(monkeypatch):
     traced = []
     real = relative._traced_form
     monkeypatch.setattr(relative, "_traced_form", lambda fn: traced.append(fn) or real(fn))
-    monkeypatch.setattr(relative, "_NOT_DISTANCE", {})
+    monkeypatch.setattr(relative, "_NOT_DISTANCE", weakref.WeakKeyDictionary())
 
     def make(table):
         return lambda s, b, h, q, kv: s + table[kv]
@@ -86,6 +88,29 @@ def test_a_function_found_not_to_be_one_is_not_traced_again(monkeypatch):
     assert len(traced) == 2
     assert mods.is_distance_bias(DISTANCE["a table"]) and mods.is_distance_bias(DISTANCE["a table"])
     assert len(traced) == 4  # one that is: traced at each call
+
+
+def test_what_is_remembered_holds_no_tensor_and_goes_with_it(monkeypatch):
+    """The memory of a function found not to be one keeps neither its tensors nor its code alive: a table freed
+    is freed, and a function made over a new table is traced again."""
+    traced = []
+    real = relative._traced_form
+    monkeypatch.setattr(relative, "_traced_form", lambda fn: traced.append(None) or real(fn))
+    monkeypatch.setattr(relative, "_NOT_DISTANCE", weakref.WeakKeyDictionary())
+
+    def make(table):
+        return lambda s, b, h, q, kv: s + table[kv]
+
+    table = KEYS.clone()
+    alive = weakref.ref(table)
+    assert not mods.is_distance_bias(make(table))
+    del table
+    gc.collect()
+    assert alive() is None
+    assert not mods.is_distance_bias(make(KEYS.clone())) and len(traced) == 2
+    code = make(KEYS).__code__
+    assert code in relative._NOT_DISTANCE
+    assert len(relative._NOT_DISTANCE[code]) <= relative._REMEMBERED
 
 
 def test_threads_asking_at_once_get_the_same_answers_and_leave_the_logger_alone():

@@ -13,10 +13,10 @@ engine, which says, one reason per line of the declaration, why that engine cann
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -25,6 +25,16 @@ from attnkit import mods
 from attnkit.masks import Mask, compute_dtype
 
 __all__ = ["Call", "Supports", "Unavailable"]
+
+
+def _read(fn: object) -> tuple[Tensor, ...] | None:
+    if fn is None:
+        return ()
+    try:
+        return tuple(mods.read_tensors(fn))
+    except mods.Uninspectable:
+        return None
+
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim, Dv value head dim
 
@@ -56,31 +66,34 @@ class Call:
     score_mod: mods.ScoreFn | None = None
     sinks: Tensor | None = None
     zeros_past: Tensor | None = None
-    _memo: dict[object, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def tensors_read(self, fn: object) -> tuple[Tensor, ...] | None:
-        """The tensors a modifier of this call reads from outside (:func:`attnkit.mods.closure.read_tensors`),
-        looked for once a call; ``None`` when the function cannot be looked into."""
-        key = ("read", id(fn))
-        if key not in self._memo:
-            try:
-                self._memo[key] = tuple(mods.read_tensors(fn))
-            except mods.Uninspectable:
-                self._memo[key] = None
-        return self._memo[key]  # type: ignore[no-any-return]
+        """The tensors this call's ``mask_mod`` or ``score_mod`` (``fn``) reads from outside
+        (:func:`attnkit.mods.closure.read_tensors`), looked for once a call; ``None`` when the function cannot be
+        looked into."""
+        if fn is self.mask.mask_mod:
+            return self._mask_mod_reads
+        assert fn is self.score_mod, "tensors_read answers for this call's own modifiers"
+        return self._score_mod_reads
+
+    @functools.cached_property
+    def _mask_mod_reads(self) -> tuple[Tensor, ...] | None:
+        return _read(self.mask.mask_mod)
+
+    @functools.cached_property
+    def _score_mod_reads(self) -> tuple[Tensor, ...] | None:
+        return _read(self.score_mod)
 
     @property
     def modifiers_inspectable(self) -> bool:
         """Whether the tensors its mask_mod and score_mod read can all be found (True without modifiers)."""
         return all(self.tensors_read(f) is not None for f in (self.mask.mask_mod, self.score_mod) if f is not None)
 
-    @property
+    @functools.cached_property
     def distance_bias(self) -> bool:
         """The score_mod is a function of the caller's that is ``score + f(b, h, q_idx - kv_idx)`` element by element,
         as its graph shows (``attnkit.mods.relative.is_distance_bias``, traced once a call)."""
-        if "distance" not in self._memo:
-            self._memo["distance"] = self.score_mod is not None and mods.is_distance_bias(self.score_mod)
-        return self._memo["distance"]  # type: ignore[no-any-return]
+        return self.score_mod is not None and mods.is_distance_bias(self.score_mod)
 
     @property
     def scoring(self) -> str:
@@ -126,18 +139,13 @@ class Call:
             tensors += self.score_mod.tensors()
         return any(t is not None and t.requires_grad for t in tensors)
 
-    @property
+    @functools.cached_property
     def hidden_scores_may_overflow(self) -> bool:
         """Whether a score a mask other than a plain causal one (``Lq == Lk``) hides could overflow the compute
         dtype, by the bound ``|scale| * D * max|q| * max|k|`` over the keys some query may see (dot-product scoring,
         NaN aside): a kernel that adds that mask as ``-inf`` would meet ``+inf - inf``, NaN, in a row that may not
         see that key. Worked out once a call (two reductions and one read of the result), and only where needed:
         nothing hidden, causal alone, or inputs whose dtype cannot reach the bound (float16) need none."""
-        if "overflow" not in self._memo:
-            self._memo["overflow"] = self._may_overflow()
-        return self._memo["overflow"]  # type: ignore[no-any-return]
-
-    def _may_overflow(self) -> bool:
         mask, q, k = self.mask, self.q.detach(), self.k.detach()
         if mask.is_empty or mask.is_plain_causal or self.w_v is not None or not q.numel() or not k.numel():
             return False

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import threading
 import types
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,8 +57,9 @@ def is_distance_bias(score_mod: ScoreFn) -> bool:
     The function is traced once on small blocks of fake tensors (so it runs once more than the call itself, on
     tensors without values). A built-in that reads no position (softcap) is not one; ALiBi and attnkit's own
     wrappers (a score_mod moved into a packed document's piece) say it themselves (:func:`declares_distance_bias`).
-    A Python function found not to be one is remembered (its code and what its closure holds): asked again, it is
-    not traced again. One found to be one is traced at every call, since what it reads may change its graph.
+    A Python function found not to be one is remembered while its code and what its closure holds live (weakly,
+    compared by identity): asked again, it is not traced again. One found to be one is traced at every call, since
+    what it reads may change its graph.
 
     Args:
         score_mod: a function of the caller's, or a built-in bound to a call.
@@ -70,14 +72,13 @@ def is_distance_bias(score_mod: ScoreFn) -> bool:
         return bool(score_mod.attnkit_distance_bias())  # type: ignore[attr-defined]
     if not reads_positions(score_mod):
         return False
-    key = _key(score_mod)
-    if key is not None and key in _NOT_DISTANCE:
+    closure = _closure(score_mod)
+    if _known_not(score_mod, closure):
         return False
     found = _traced_form(score_mod)
-    if not found and key is not None:
-        if len(_NOT_DISTANCE) >= _REMEMBERED:
-            _NOT_DISTANCE.pop(next(iter(_NOT_DISTANCE)))
-        _NOT_DISTANCE[key] = None
+    if not found:
+        with _TRACING:
+            _remember_not(score_mod, closure)
     return found
 
 
@@ -120,23 +121,60 @@ def distance_bias(score_mod: ScoreFn, *, batch: int, heads: int, distances: tupl
 
 # make_fx patches module state while it traces (two threads at once: "CURRENT_PATCHER is None"): one at a time
 _TRACING = threading.Lock()
-# Python functions found not to be a bias on the distance, by code and closure (a stale entry only sends a call to a
-# backend that runs any function): the most recent _REMEMBERED
-_NOT_DISTANCE: dict[tuple[object, ...], None] = {}
-_REMEMBERED = 256
+# Python functions found not to be a bias on the distance: by code object (weakly: an entry goes with the code), the
+# last _REMEMBERED closures of each, held weakly and compared by identity (a stale entry cannot arise: a dead
+# referent matches nothing), so that a lambda made again at each call over the same table is traced once.
+_NOT_DISTANCE: weakref.WeakKeyDictionary[types.CodeType, list[tuple[object, ...]]] = weakref.WeakKeyDictionary()
+_REMEMBERED = 8
 
 
-def _key(score_mod: ScoreFn) -> tuple[object, ...] | None:
-    """A Python function's code and the objects its closure holds (a lambda made again at each call has the same),
-    or ``None`` for anything else."""
+def _closure(score_mod: ScoreFn) -> tuple[object, ...] | None:
+    """What a Python function's closure and defaults hold, each as a weak reference (a number or string as
+    itself), or ``None`` for anything else, or for a function that holds what can be neither (a list)."""
     if not isinstance(score_mod, types.FunctionType):
         return None
     try:
-        cells = tuple(id(c.cell_contents) for c in score_mod.__closure__ or ())
+        held = [c.cell_contents for c in score_mod.__closure__ or ()] + list(score_mod.__defaults__ or ())
     except ValueError:  # a cell not filled yet
         return None
-    defaults = tuple(id(x) for x in score_mod.__defaults__ or ())
-    return (score_mod.__code__, id(score_mod.__globals__), defaults, cells)
+    out: list[object] = []
+    for x in held:
+        if x is None or isinstance(x, (bool, int, float, str)):
+            out.append(x)
+        else:
+            try:
+                out.append(weakref.ref(x))
+            except TypeError:  # not weakly referable
+                return None
+    return tuple(out)
+
+
+def _same_closure(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    """Two closures of :func:`_closure` hold the same objects (alive, and identical) and equal numbers."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, weakref.ref) and isinstance(y, weakref.ref):
+            if x() is None or x() is not y():
+                return False
+        elif isinstance(x, weakref.ref) or isinstance(y, weakref.ref) or type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
+def _known_not(score_mod: ScoreFn, closure: tuple[object, ...] | None) -> bool:
+    if closure is None:
+        return False
+    seen = _NOT_DISTANCE.get(score_mod.__code__, ())  # type: ignore[union-attr]
+    return any(_same_closure(closure, c) for c in seen)
+
+
+def _remember_not(score_mod: ScoreFn, closure: tuple[object, ...] | None) -> None:
+    if closure is None:
+        return
+    seen = _NOT_DISTANCE.setdefault(score_mod.__code__, [])  # type: ignore[union-attr]
+    seen[:] = [c for c in seen if all(x() is not None for x in c if isinstance(x, weakref.ref))][-_REMEMBERED + 1 :]
+    seen.append(closure)
 
 
 def _traced_form(score_mod: ScoreFn) -> bool:

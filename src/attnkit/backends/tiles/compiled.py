@@ -61,11 +61,9 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     score_mod = call.score_mod
     step_mod = _step_form(score_mod)
     closed_over: tuple[Tensor, ...] = ()
-    if score_mod is not None:
-        assert takes_blocks(call)  # (SUPPORTS refuses the others: missing)
-        if torch.is_grad_enabled():
-            read = call.tensors_read(score_mod)
-            closed_over = mods.grad_inputs(score_mod, probe(dtype, q.device), read or ())
+    if score_mod is not None and torch.is_grad_enabled():  # (one that takes single scores only: missing refused it)
+        read = call.tensors_read(score_mod)
+        closed_over = mods.grad_inputs(score_mod, probe(dtype, q.device), read or ())
     watched = Watched.of(call) if call.needs_grad else None
     out = _Compiled.apply(qf, kf, vf, w, sinks, mask, step_mod, call.scale, watched, *closed_over)  # (B, H, Lq, Dv)
     return out.to(q.dtype), None
@@ -102,18 +100,12 @@ SUPPORTS = Supports(
 def takes_blocks(call: Call) -> bool:
     """Whether the call's score_mod takes blocks of scores, as the compiled steps call it (False: it runs element by
     element only, as ``tiles:online`` runs it). It is run once, eagerly, on the first visible tile, so that a function
-    that raises or returns the wrong shape or dtype is told in attnkit's words, not from inside the compiler; the
-    answer is kept on the call.
+    that raises or returns the wrong shape or dtype is told in attnkit's words, not from inside the compiler
+    (:func:`missing` asks, once a call).
 
     Raises:
         TypeError, ValueError: naming the function and what it raised or returned.
     """
-    if "takes blocks" not in call._memo:
-        call._memo["takes blocks"] = _takes_blocks(call)
-    return call._memo["takes blocks"]  # type: ignore[no-any-return]
-
-
-def _takes_blocks(call: Call) -> bool:
     score_mod, mask = call.score_mod, call.mask
     if score_mod is None:
         return True
