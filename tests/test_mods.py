@@ -21,19 +21,19 @@ from hypothesis import strategies as st
 
 import attnkit
 import mathref
+from agreement import Run, assert_agrees, bounds
 from attnkit import csrc, dispatch, mods, plan
 from attnkit.backends.tiles import online
 from attnkit.functional import attention_weights
 from attnkit.masks import Mask
 from mathref import max_err
-from test_backends import GRAD_TOL, OUT_TOL
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim, Dv value head dim
 
 B, H, D, DV = 2, 4, 7, 5
 
-# float64 against float64 math: only the order of the sums differs.
-OUT_TOL64, GRAD_TOL64 = 1e-12, 1e-10
+# float64 against float64 math: only the order of the sums differs (the bounds every engine declares)
+OUT_TOL64, GRAD_TOL64 = bounds("reference", torch.float64)
 
 # Each call runs on every backend that can run it (a backend that cannot says so: that combination is skipped).
 # compiled compiles a graph per score_mod, dtype and kind of mask (seconds each, many minutes over this file's
@@ -275,13 +275,6 @@ def _parameters(data, dtype):
     return {n: torch.nn.Parameter(t.detach().to(dtype)) if t.is_floating_point() else t for n, t in data.items()}
 
 
-class Run(NamedTuple):
-    out: torch.Tensor
-    weights: torch.Tensor | None
-    grads: tuple[torch.Tensor, ...]  # q, k, v, then the floating data in order
-    names: tuple[str, ...]
-
-
 def run_ours(backend, qkv, data, spec, masking, *, dtype, block, grad_out, need_weights=False, fn=None):
     """attnkit's output and gradients, or None when ``backend`` says it cannot run the call."""
     Lq, Lk = qkv[0].shape[-2], qkv[1].shape[-2]
@@ -312,18 +305,9 @@ def run_math(qkv, data, spec, masking, *, grad_out, dtype=torch.float64, **extra
     return Run(out, weights, grads, ("q", "k", "v", *floating))
 
 
-def assert_close_to_math(ours, truth, dtype, where):
-    """Output (and weights) within OUT_TOL, gradients within GRAD_TOL * max(1, max|grad|) (test_backends' float32
-    rule); float64 much tighter."""
-    out_tol, grad_tol = (OUT_TOL64, GRAD_TOL64) if dtype == torch.float64 else (OUT_TOL, GRAD_TOL)
-    assert ours.out.dtype == dtype, where
-    assert max_err(ours.out, truth.out) <= out_tol, f"out: {where}: {max_err(ours.out, truth.out)}"
-    if ours.weights is not None:
-        assert max_err(ours.weights, truth.weights) <= out_tol, f"weights: {where}"
-    for name, grad, true in zip(truth.names, ours.grads, truth.grads, strict=True):
-        assert torch.isfinite(grad).all(), f"d{name}: {where}"
-        tol = grad_tol * max(1.0, true.abs().max().item())
-        assert max_err(grad, true) <= tol, f"d{name}: {where}: {max_err(grad, true)} > {tol}"
+def assert_close_to_math(ours, truth, dtype, where, engine):
+    """``engine``'s run within the accuracy it declares of the math's (tests/agreement.py)."""
+    assert_agrees(engine, ours, truth, dtype, where)
 
 
 def _allowed(spec, data, masking, B_, H_, Lq, Lk):
@@ -377,7 +361,7 @@ def _modifiers_match_float64_math(name, backends):
                     continue
                 ran[backend] += 1
                 where = f"{backend}, {name}, {masking_name}, Lq={Lq} Lk={Lk} H/Hkv={group} block={block} {dtype}"
-                assert_close_to_math(ours, truth, dtype, where)
+                assert_close_to_math(ours, truth, dtype, where, backend)
                 assert not ours.out.masked_select(dead_rows[..., None]).any(), f"rows with no key: {where}"
     if "tiles:online" in backends:
         assert ran["reference"] == ran["tiles:online"] == 2 * len(CASES)  # they run every modifier
@@ -399,7 +383,7 @@ def test_three_dim_inputs_are_one_head(name, backend):
     truth = run_math((q, k, v), data, spec, masking, grad_out=grad_out)
     ours = run_ours(backend, (q, k, v), data, spec, masking, dtype=torch.float64, block=8, grad_out=grad_out)
     assert ours.out.shape == (B, Lq, DV)
-    assert_close_to_math(ours, truth, torch.float64, f"{backend}, {name}, 3-dim")
+    assert_close_to_math(ours, truth, torch.float64, f"{backend}, {name}, 3-dim", backend)
 
 
 @pytest.mark.parametrize(
@@ -430,8 +414,8 @@ def test_additive_scoring_takes_the_modifiers(name, backend):
         blocked = run_ours(
             backend, qkv, data, with_w_v, masking, dtype=torch.float64, block=5, grad_out=grad_out, fn=additive
         )
-    assert_close_to_math(ours, truth, torch.float64, f"{backend}, {name}, additive")
-    assert_close_to_math(blocked, truth, torch.float64, f"{backend}, {name}, additive, blocks of 5")
+    assert_close_to_math(ours, truth, torch.float64, f"{backend}, {name}, additive", backend)
+    assert_close_to_math(blocked, truth, torch.float64, f"{backend}, {name}, additive, blocks of 5", backend)
 
 
 def test_attention_weights_take_the_modifiers():
@@ -465,7 +449,7 @@ def test_one_row_of_ids_or_lengths_for_the_whole_batch(with_lens, which, backend
     masking = {"is_causal": True, **({"valid_lens": torch.tensor([L, 20])} if with_lens else {})}
     truth = run_math((q, k, v), {}, spec, masking, grad_out=grad_out)
     ours = run_ours(backend, (q, k, v), {}, spec, masking, dtype=torch.float64, block=4, grad_out=grad_out)
-    assert_close_to_math(ours, truth, torch.float64, f"{backend}, {which} with one row for the batch")
+    assert_close_to_math(ours, truth, torch.float64, f"{backend}, {which} with one row for the batch", backend)
 
 
 @pytest.mark.parametrize("backend", ("reference", "tiles:online"))
@@ -687,7 +671,7 @@ def test_chunked_agrees_with_the_math_on_random_modifiers(call):
     truth = run_math(qkv, params, spec, masking, grad_out=grad_out)
     for backend in ("tiles:online", "reference"):
         ours = run_ours(backend, qkv, params, spec, masking, dtype=torch.float64, block=block, grad_out=grad_out)
-        assert_close_to_math(ours, truth, torch.float64, f"{backend}, block={block}")
+        assert_close_to_math(ours, truth, torch.float64, f"{backend}, block={block}", backend)
 
 
 # ------------------------------------------------------------------------------------------ block skipping
@@ -980,7 +964,7 @@ def test_functions_written_for_one_element_run_through_vmap(backend):
     grad_out = torch.randn(B, H, Lq, DV, generator=g, dtype=torch.float64)
     truth = run_math(qkv, data, spec, masking, grad_out=grad_out, elementwise=True)
     ours = run_ours(backend, qkv, data, spec, masking, dtype=torch.float64, block=4, grad_out=grad_out)
-    assert_close_to_math(ours, truth, torch.float64, f"{backend}, element by element")
+    assert_close_to_math(ours, truth, torch.float64, f"{backend}, element by element", backend)
 
 
 @pytest.mark.parametrize("backend", ("reference", "tiles:online"))
@@ -1043,7 +1027,7 @@ def test_a_score_mod_reading_a_parameter_and_a_tensor_made_from_it():
     grad_out = torch.randn(B, H, Lq, DV, generator=g, dtype=torch.float64)
     truth = run_math(qkv, data, spec, {}, grad_out=grad_out)
     ours = run_ours("tiles:online", qkv, data, spec, {}, dtype=torch.float64, block=4, grad_out=grad_out)
-    assert_close_to_math(ours, truth, torch.float64, "tiles:online, table and 2 * table")
+    assert_close_to_math(ours, truth, torch.float64, "tiles:online, table and 2 * table", "tiles:online")
 
 
 @pytest.mark.parametrize(
@@ -1072,7 +1056,7 @@ def test_the_default_backend_honours_the_modifiers(name, expected):
     with dispatch.watch(implementations=True) as ran:
         ours = run_ours("auto", qkv, data, spec, {}, dtype=torch.float32, block=4, grad_out=grad_out)
     assert ran == [expected]
-    assert_close_to_math(ours, truth, torch.float32, f"auto, {name}")
+    assert_close_to_math(ours, truth, torch.float32, f"auto, {name}", expected)
 
 
 def test_no_input_or_parameter_is_modified():

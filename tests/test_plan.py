@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import attnkit
 import mathref
+from agreement import bounds
 from attnkit import csrc, dispatch, functional, mods, plan
 from attnkit._validate import ranges
 from attnkit.backends.tiles import compiled
@@ -24,7 +25,7 @@ from mathref import max_err
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim
 
 H, HKV, D = 4, 2, 8
-OUT_TOL64, GRAD_TOL64 = 1e-12, 1e-10
+OUT_TOL64, GRAD_TOL64 = bounds("tiles:online", torch.float64)
 
 
 @pytest.fixture(autouse=True)
@@ -173,9 +174,6 @@ def test_alibi_slopes_that_require_grad_get_their_gradient_from_the_engine():
         assert chosen == ["tiles:kernel" if kernel else "sdpa"], dtype
         want, _ = mathref.attention_mods(q, k, v, score_mod=mathref.alibi(slopes, 20, 20), is_causal=True)
         tol = (OUT_TOL64, GRAD_TOL64) if dtype == torch.float64 else (1e-5, 1e-4)
-        mathref.assert_agrees(
-            out.double(), want, [*leaves[:3], leaves[3]], ["q", "k", "v", "slopes"], *tol, want_leaves=[q, k, v, slopes]
-        ) if False else None
         (found,) = torch.autograd.grad(out.sum(), leaves[3])
         (expected,) = torch.autograd.grad(want.sum(), slopes)
         assert max_err(found, expected) <= tol[1] * max(1.0, expected.abs().max().item()), dtype

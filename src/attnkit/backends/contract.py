@@ -24,7 +24,7 @@ from torch import Tensor
 from attnkit import mods
 from attnkit.masks import Mask, compute_dtype
 
-__all__ = ["Call", "Supports", "Unavailable"]
+__all__ = ["Accuracy", "Call", "Supports", "Unavailable"]
 
 
 def _read(fn: object) -> tuple[Tensor, ...] | None:
@@ -198,6 +198,25 @@ def scores_bounded(q: Tensor, k: Tensor, scale: float, dtype: torch.dtype) -> bo
 
 
 @dataclass(frozen=True)
+class Accuracy:
+    """How close a backend promises to be to the attention math computed in float64 from the same inputs (the
+    agreement tests, ``tests/agreement.py``, hold every backend to its own): ``output`` the largest difference in an
+    output, ``grads`` in a gradient, as a multiple of ``max(1, max |true gradient|)`` (a gradient sums up to
+    ``Lq * H / Hkv`` terms), for float32 and for float64 inputs; for float16 and bfloat16 inputs, at most
+    ``low_precision`` times the error of that math computed in the input's own precision, plus the float32 bounds
+    (flash-attention's rule: backends compute in float32)."""
+
+    output: tuple[float, float] = (1e-5, 1e-12)  # (float32, float64)
+    grads: tuple[float, float] = (3e-5, 1e-10)
+    low_precision: float = 2.0
+
+    def bounds(self, dtype: torch.dtype) -> tuple[float, float]:
+        """``(output, grads)`` for inputs of ``dtype`` (float16 and bfloat16: float32's floor)."""
+        i = 1 if dtype == torch.float64 else 0
+        return self.output[i], self.grads[i]
+
+
+@dataclass(frozen=True)
 class Supports:
     """What a backend can run: the scoring kinds, returning weights, dropout, gradients to a float ``attn_mask``,
     an ``attn_mask`` at all (boolean or float), the modifiers: a ``mask_mod`` (``dense_mask_limit``: only by
@@ -212,7 +231,8 @@ class Supports:
     ``score_mod_grad``: gradients to the tensors a built-in score_mod reads (ALiBi's slopes); ``needs``: what this
     machine lacks for it (a package, with how to install it), or ``None``; ``missing(call)``: the same, or what this
     call lacks for it, found only when a call it could run asks (asked last, where nothing else refuses; it builds
-    nothing: a kernel that fails to build as it runs raises :class:`Unavailable`), or ``None``.
+    nothing: a kernel that fails to build as it runs raises :class:`Unavailable`), or ``None``; ``accuracy``: how
+    close to float64 math it promises to be (:class:`Accuracy`).
     ``score_mod="kernel"``: the score_mods a kernel computes itself: attnkit's own :class:`~attnkit.mods.softcap`,
     or a bias on the distance, ``score + f(b, h, q_idx - kv_idx)`` (``attnkit.mods.relative.is_distance_bias``)."""
 
@@ -235,6 +255,7 @@ class Supports:
     score_mod_grad: bool = True
     needs: str | None = None
     missing: Callable[[Call], str | None] | None = None
+    accuracy: Accuracy = Accuracy()
 
     def why_not(self, call: Call) -> list[str]:
         """Each reason this declaration refuses ``call``; ``[]`` when it can run it."""

@@ -222,7 +222,7 @@ def fused(
         hides
         and grad
         # (torch.func's transforms, per-sample gradients among them, need PyTorch's own batching rules: the guarded
-        # backward reads values. A private name of torch 2.13's, tested in tests/test_backends.py)
+        # backward reads values. A private name of torch 2.13's, tested in tests/test_sdpa.py)
         and not torch._C._are_functorch_transforms_active()
         and not dropout_p
         and q.device.type == "cpu"
@@ -239,7 +239,7 @@ def fused(
 
 
 # The dtypes :class:`_Guarded` runs: PyTorch's flash kernel takes 16-bit inputs too, but a float mask in 16 bits
-# there doubled the low-precision math's error (tests/test_backends.py); those stay on scaled_dot_product_attention,
+# there doubled the low-precision math's error (tests/test_agreement.py); those stay on scaled_dot_product_attention,
 # whose backward can still meet 0 * inf where a 16-bit value near its largest makes dout . v overflow.
 _KERNEL_DTYPES = frozenset({torch.float32, torch.float64})
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from attnkit.backends.common import first_order_only, zero_dead
-from attnkit.backends.contract import ADDITIVE, Call, Supports
+from attnkit.backends.contract import ADDITIVE, Accuracy, Call, Supports
 
 NAME = "triton"
 
@@ -49,6 +49,7 @@ SUPPORTS = Supports(
     devices=frozenset({"cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
     needs=None if AVAILABLE else "the triton package (pip install -e '.[triton]')",
+    accuracy=Accuracy(grads=(3e-5, 1e-11)),  # float64 gradients: tighter than the default (tests/test_triton.py)
 )
 
 #: A tile: ``BM`` query rows x ``BN`` keys, features reduced ``BD`` at a time (powers of two; ``BM`` and ``BN`` at
