@@ -186,6 +186,7 @@ def refusals(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         "dropout": lambda: attnkit.scaled_dot_product_attention(x, x, x, dropout_p=0.5),
         "need_weights": lambda: attnkit.scaled_dot_product_attention(x, x, x, need_weights=True),
         "backend": lambda: attnkit.scaled_dot_product_attention(x, x, x, backend="tiles:online"),
+        "plan": lambda: mha(x, x, x, plan=attnkit.make_plan(4, 4, mask_mod=mods.sliding_window(2))),
         "additive": lambda: attnkit.additive_attention(x, x, x, torch.ones(8)),
         "attention_weights": lambda: attnkit.functional.attention_weights(x, x),
         "keys not cut": lambda: mha(x, torch.randn(1, 6, 8), torch.randn(1, 6, 8), valid_lens=torch.tensor([5])),

@@ -105,6 +105,8 @@ REFUSALS = {
     "dropout": "dropout on the weights cannot run inside context_parallel, got dropout_p=0.5",
     "need_weights": "weights cannot be returned or recorded inside context_parallel",
     "backend": "backend='tiles:online' cannot run inside context_parallel",
+    # (reviewer's finding: the plan was dropped, the call ran without a mask)
+    "plan": "plan cannot be given inside context_parallel: ring attention plans its own steps",
     "additive": "additive attention cannot run inside context_parallel",
     "attention_weights": "attention_weights inside context_parallel",
     "keys not cut": "queries and keys must be the same cut sequence, got 4 query and 6 key positions on this rank",

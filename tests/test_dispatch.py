@@ -64,6 +64,31 @@ def test_auto_for_additive_small_is_reference_and_large_is_the_tile_engine():
     assert ran == ["tiles:online", "reference"]
 
 
+def test_auto_gives_alibi_to_the_tile_engine_where_sdpa_would_hold_a_large_dense_bias():
+    """ALiBi as SDPA's ``(H, Lq, Lk)`` bias below DENSE_BIAS_FROM elements, on the tile engine from it (float64 here,
+    where the C++ kernel does not run; reviewer's finding: every size went to the dense bias, 1.2x the time and 3x
+    the memory at L=1024)."""
+    slopes = mods.alibi_slopes(8).double()
+    with dispatch.watch(implementations=True) as ran:
+        for L in (64, 512):  # 8 * 64 * 64 = 2**15 elements; 8 * 512 * 512 = 2**21
+            q, k, v = (torch.randn(1, 8, L, 16, dtype=torch.float64) for _ in range(3))
+            attnkit.scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=mods.alibi(slopes))
+    assert 8 * 64 * 64 < dispatch.DENSE_BIAS_FROM <= 8 * 512 * 512
+    assert ran == ["sdpa", "tiles:online"]
+
+
+def test_the_tile_engine_named_runs_its_kernel_where_it_can():
+    """backend='tiles': the policy's reasons among its implementations, then the first that can run the call (the
+    C++ kernel in float32 on the CPU where it builds; reviewer's finding: the eager steps always ran)."""
+    from attnkit import csrc
+
+    expected = "tiles:kernel" if csrc.ensure("flash") is None else "tiles:online"
+    with dispatch.watch(implementations=True) as ran:
+        attnkit.scaled_dot_product_attention(*_qkv(Lq=40, Lk=40), is_causal=True, backend="tiles")
+        attnkit.scaled_dot_product_attention(*(t.double() for t in _qkv(Lq=40, Lk=40)), backend="tiles")
+    assert ran == [expected, "tiles:online"]
+
+
 def test_explicit_backend_runs_as_named():
     """A backend named runs the call; the tile engine named runs it on one of its implementations; an
     implementation named runs it."""
@@ -229,3 +254,20 @@ def test_a_kernel_is_not_built_to_explain_a_call_it_could_not_run_anyway(monkeyp
     assert asked == []
     attnkit.scaled_dot_product_attention(q.float(), q.float(), q.float(), backend="tiles:kernel")
     assert asked  # a call it can run asks
+
+
+def test_a_refusal_names_the_engine_asked_for_first_and_survives_a_score_mod_that_raises():
+    """backend='sdpa' with a score_mod that takes single scores only: the message starts with sdpa's own reason, and
+    an engine whose question runs the function (tiles:compiled) reports what it raised as its reason (reviewer's
+    finding: the function's error came out instead of the refusal)."""
+
+    def single(score, b, h, q_idx, kv_idx):
+        return score * float(h)  # a Python number of an index: one element at a time only
+
+    with pytest.raises(ValueError) as refused:
+        attnkit.scaled_dot_product_attention(*_qkv(Lq=300, Lk=300), score_mod=single, backend="sdpa")
+    message = str(refused.value)
+    assert message.startswith("backend='sdpa' cannot run this call: sdpa: a score_mod only when it is a bias")
+    assert "tiles:online: can run it" in message
+    with pytest.raises(ValueError, match="decode: .*under torch.no_grad"):
+        attnkit.scaled_dot_product_attention(*_qkv(Lq=1, Lk=300), score_mod=single, backend="decode")

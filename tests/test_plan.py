@@ -418,7 +418,7 @@ def test_a_plan_made_once_serves_every_call_that_shares_its_mask():
     assert max_err(out, want) <= 1e-5
     with pytest.raises(ValueError, match="plan was made for 40 queries and 40 keys.*this call has 20 and 20"):
         attnkit.scaled_dot_product_attention(q[:, :, :20], k[:, :, :20], v[:, :, :20], plan=made)
-    with pytest.raises(ValueError, match="plan is the call's whole mask: give valid_lens to make_plan instead"):
+    with pytest.raises(ValueError, match="plan is the call's whole mask, and valid_lens was given beside it"):
         attnkit.scaled_dot_product_attention(q, k, v, plan=made, valid_lens=torch.tensor([3, 4]))
     with pytest.raises(TypeError, match="plan must be what attnkit.make_plan makes"):
         attnkit.scaled_dot_product_attention(q, k, v, plan="window")
@@ -444,8 +444,8 @@ def test_a_call_under_inference_mode_keeps_nothing_a_training_call_cannot_save(b
 
 @pytest.mark.parametrize("slope", [1.0, 2.0])
 def test_alibi_in_float32_is_as_accurate_as_the_eager_steps(monkeypatch, slope):
-    """Tiles of 256: the tile engine's ALiBi in float32 (its C++ kernel's bias on the distance, where built) loses no
-    more than the eager steps' (split at the middle query, a kernel's bias lost up to 18x as much)."""
+    """Tiles of 256: the tile engine's ALiBi in float32 on its C++ kernel (a bias on the distance) loses no more than
+    the eager steps' (split at the middle query, a kernel's bias lost up to 18x as much)."""
     monkeypatch.setattr(plan, "BLOCK", 256)
     g = torch.Generator().manual_seed(0)
     L = 1024
@@ -454,13 +454,15 @@ def test_alibi_in_float32_is_as_accurate_as_the_eager_steps(monkeypatch, slope):
     want, _ = mathref.attention_mods(
         q.double(), k.double(), v.double(), is_causal=True, score_mod=mathref.alibi(slopes.double(), L, L)
     )
+    if csrc.ensure("flash") is not None:
+        pytest.skip("the C++ kernel cannot be built here")
     errors = {}
-    for backend in ("tiles", "tiles:online"):
+    for backend in ("tiles:kernel", "tiles:online"):
         out = attnkit.scaled_dot_product_attention(
             q, k, v, is_causal=True, score_mod=mods.alibi(slopes), backend=backend
         ).output
         errors[backend] = max_err(out.double(), want)
-    assert errors["tiles"] <= 2 * errors["tiles:online"], errors
+    assert errors["tiles:kernel"] <= 2 * errors["tiles:online"], errors
 
 
 def test_a_last_tile_of_one_query_keeps_the_call_causal_but_never_drops_a_bias():
@@ -485,3 +487,75 @@ def test_alibi_in_packed_documents_equals_the_math():
     ours = {"score_mod": mods.alibi(slopes), "mask_mod": mods.document(ids), "is_causal": True}
     math = {"score_mod": mathref.alibi(slopes, L, L), "mask_mod": mathref.document(ids), "is_causal": True}
     _agree_with_the_math(ours, math, [q, k, v])
+
+
+def test_a_plan_of_a_function_of_yours_serves_any_batch_and_heads_on_the_default_device():
+    """make_plan with the defaults (batch and heads 1: the mask depends on neither; device None: PyTorch's default)
+    serves calls of any B and H there, a layer's too, and keeps its partly visible tiles: the calls after look at
+    none (reviewer's and tester's findings: refused as 'on cpu ... on cpu', and each call evaluated them again)."""
+    L = 600
+    near = lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() < 40  # noqa: E731
+    made = attnkit.make_plan(L, L, mask_mod=near)
+    g = torch.Generator().manual_seed(3)
+    for B_, H_ in ((1, 1), (2, H), (3, 2)):
+        q, k, v = (torch.randn(B_, H_, L, D, generator=g) for _ in range(3))
+        attnkit.scaled_dot_product_attention(q, k, v, plan=made)  # (the first call of a B, H finds its tiles)
+        looks = []
+        original = Mask.allowed_tile
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Mask, "allowed_tile", lambda self, *a, seen=looks, f=original: seen.append(a) or f(self, *a))
+            out = attnkit.scaled_dot_product_attention(q, k, v, plan=made).output
+        assert not looks, (B_, H_)
+        want, _ = mathref.attention_mods(q.double(), k.double(), v.double(), mask_mod=near)
+        assert max_err(out, want) <= bounds("reference", torch.float32)[0], (B_, H_)
+    ids = torch.tensor([[0] * 300 + [1] * 300, [0] * 100 + [1] * 500])  # (2, L): a mask that reads the example
+    with pytest.raises(ValueError, match=r"make_plan's batch and heads are the calls' B and H"):
+        attnkit.make_plan(L, L, mask_mod=mods.document(ids))
+    per_example = attnkit.make_plan(L, L, mask_mod=mods.document(ids), batch=2)
+    q, k, v = (torch.randn(2, H, L, D, generator=g) for _ in range(3))
+    out = attnkit.scaled_dot_product_attention(q, k, v, plan=per_example).output
+    want, _ = mathref.attention_mods(q.double(), k.double(), v.double(), mask_mod=mathref.document(ids))
+    assert max_err(out, want) <= bounds("reference", torch.float32)[0]
+    with pytest.raises(ValueError, match=r"ids_q must have shape \(B, Lq\) = \(3, 600\) or \(1, 600\), got \(2, 600\)"):
+        attnkit.scaled_dot_product_attention(*(torch.randn(3, H, L, D) for _ in range(3)), plan=per_example)
+
+
+def test_a_plan_made_under_inference_mode_serves_a_training_call():
+    """Its tensors (which keys and rows are live) are made outside inference mode (tester's finding: a training
+    call could not save them)."""
+    with torch.inference_mode():
+        made = attnkit.make_plan(100, 500, mask_mod=mods.sliding_window(64))  # keys no query sees: dead
+    xs = [torch.randn(1, 2, n, D, requires_grad=True) for n in (100, 500, 500)]
+    attnkit.scaled_dot_product_attention(*xs, plan=made).output.sum().backward()
+    assert all(x.grad is not None for x in xs)
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"num_queries": -1}, ValueError, "num_queries must be at least 0, got -1"),
+        ({"num_queries": 3.5}, TypeError, "num_queries must be a whole number, got 3.5"),
+        ({"num_keys": "10"}, TypeError, "num_keys must be a whole number, got '10'"),
+        ({"batch": 0}, ValueError, "batch must be positive, got 0"),
+        ({"is_causal": 1}, TypeError, "is_causal must be True or False, got 1"),
+        ({"device": "meta"}, ValueError, "device must hold values to plan from"),
+        ({"device": "nowhere"}, ValueError, "device must name a device"),
+    ],
+)
+def test_make_plan_names_an_argument_that_is_not_what_it_says(kw, error, match):
+    with pytest.raises(error, match=match):
+        attnkit.make_plan(**{"num_queries": 10, "num_keys": 12, **kw})
+
+
+def test_the_kept_plans_of_a_mask_mod_go_least_recently_used_first(monkeypatch):
+    """A mask_mod keeps KEPT_PLANS plans; one used again moves to the back, so a model's lengths in turn keep
+    theirs (reviewer's finding: the first made went first, however often used)."""
+    monkeypatch.setattr(plan, "KEPT_PLANS", 2)
+    window = mods.sliding_window(4)
+    made = []
+    original = plan.Plan.build
+    monkeypatch.setattr(plan.Plan, "build", classmethod(lambda cls, *a, **kw: made.append(1) or original(*a, **kw)))
+    for L in (40, 50, 40, 60, 40):
+        q = torch.randn(1, 1, L, D)
+        attnkit.scaled_dot_product_attention(q, q, q, mask_mod=window)
+    assert len(made) == 3  # 40, 50, 60; 40 kept throughout

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import attnkit
-from attnkit import d2l, trace
+from attnkit import d2l, mods, trace
 
 X, Y = torch.ones((2, 4, 100)), torch.ones((2, 6, 100))
 LENS = torch.tensor([3, 2])
@@ -143,3 +143,13 @@ def test_traces_closed_out_of_order_stop_seeing_steps_when_they_close():
     mha(X, Y, Y, LENS)
     assert len(first.steps) == per_call and len(second.steps) == 2 * per_call
     assert trace.active() is None
+
+
+def test_a_call_given_a_plan_says_so_and_what_it_holds():
+    """(reviewer's finding: a plan= call's mask was traced as 'none')."""
+    q = torch.randn(1, 2, 16, 8)
+    made = attnkit.make_plan(16, 16, mask_mod=mods.sliding_window(4), is_causal=True)
+    with trace.trace_shapes() as t:
+        attnkit.scaled_dot_product_attention(q, q, q, plan=made)
+    notes = [s.note for s in t.steps if s.step == "mask"]
+    assert notes == ["plan (causal; mask_mod sliding_window)"], notes

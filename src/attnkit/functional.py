@@ -377,7 +377,10 @@ def _run(backend: str, call: Call, need_lse: bool) -> tuple[str, varlen.Result]:
                 result = varlen.Result(out, weights, None)
         except Unavailable as missing:  # (a kernel whose build failed just now: choose again, it is known missing)
             if backend not in ("auto", "tiles"):
-                raise ValueError(f"backend={backend!r} cannot run this call: {missing}") from None
+                raise ValueError(
+                    f"backend={backend!r} cannot run this call: {chosen.NAME}: needs {missing} | "
+                    + dispatch.all_reasons(call)
+                ) from None
             continue
         dispatch.ran(chosen)
         return chosen.NAME, result
@@ -501,7 +504,9 @@ def _planned_mask(masks: Masks, B: int, H: int, Lq: int, Lk: int, device: torch.
     given += ["is_causal"] if masks.is_causal else []
     if given:
         raise ValueError(
-            f"plan is the call's whole mask: give {', '.join(given)} to make_plan instead, or no plan (got both)"
+            f"plan is the call's whole mask, and {', '.join(given)} was given beside it: make the plan with that "
+            "mask (make_plan takes is_causal and a mask_mod, into which padding folds with mods.and_masks), or pass "
+            "no plan"
         )
     made = plan.mask
     mask = Mask.build(
@@ -516,13 +521,13 @@ def _planned_mask(masks: Masks, B: int, H: int, Lq: int, Lk: int, device: torch.
     index_key = mask.index_key
     fits = (plan.num_queries, plan.num_keys) == (Lq, Lk) and (
         plan.key is not None and index_key is not None and plan.key[: len(index_key)] == index_key
-        if plan.key is not None
-        else (made.batch, made.heads, made.device) == (B, H, device)
+        if plan.key is not None  # (made with batch and heads of 1, it promised the mask depends on neither)
+        else made.batch in (1, B) and made.heads in (1, H) and made.device == device
     )
     if not fits:
         raise ValueError(
             f"plan was made for {made.num_queries} queries and {made.num_keys} keys, batch {made.batch}, heads "
-            f"{made.heads}, on {made.device or 'cpu'}; this call has {Lq} and {Lk}, batch {B}, heads {H}, on {device}"
+            f"{made.heads}, on {made.device}; this call has {Lq} and {Lk}, batch {B}, heads {H}, on {device}"
         )
     mask.plan = plan
     mask.__dict__.setdefault("liveness", plan.liveness)  # (functools.cached_property keeps its value there)

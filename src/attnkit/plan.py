@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit._validate import ranges
+from attnkit._validate import check_whole, ranges
 from attnkit.masks import Mask
 
 __all__ = [
@@ -115,7 +115,7 @@ class Plan:
     causal_throughout: bool
     key: tuple[object, ...] | None = None
     mask: Mask | None = dataclasses.field(default=None, repr=False)  # what make_plan made it from (plan=)
-    _masks: dict[tuple[int, int, int], Tensor] = dataclasses.field(default_factory=dict, repr=False)
+    _masks: dict[tuple[int, ...], Tensor] = dataclasses.field(default_factory=dict, repr=False)
     _elements: int = dataclasses.field(default=0, repr=False)
     _spans: dict[tuple[int, int, int], list[Span]] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -129,19 +129,22 @@ class Plan:
         self, mask: Mask, r0: int, r1: int, j0: int, j1: int, dtype: torch.dtype, *, every: bool
     ) -> tuple[Tensor | None, Tensor | None]:
         """``mask.tile(...)`` (:meth:`~attnkit.masks.Mask.tile`): the ``allowed`` and ``bias`` of queries
-        ``[r0, r1)`` and keys ``[j0, j1)``, each ``(B|1, H|1, n|1, m)`` or ``None``; a kept plan keeps ``allowed``
-        for the calls after, within its budget (the same function of the indices in every layer and step)."""
-        if self.key is not None and not every and (r0, j0, j1) in self._masks:
-            return self._masks[(r0, j0, j1)], None  # (B|1, H|1, n|1, m); a kept plan's mask has no bias
+        ``[r0, r1)`` and keys ``[j0, j1)``, each ``(B|1, H|1, n|1, m)`` or ``None``; a kept plan, or one the caller
+        holds (:func:`make_plan`), keeps ``allowed`` for the calls after, within its budget (the same function of
+        the indices in every layer and step), by the call's examples and heads."""
+        keeps = self.key is not None or self.mask is not None
+        where = (r0, j0, j1, mask.batch, mask.heads)
+        if keeps and not every and where in self._masks:
+            return self._masks[where], None  # (B|1, H|1, n|1, m); a kept plan's mask has no bias
         allowed, bias = mask.tile(r0, r1, j0, j1, dtype, every=every)  # (B|1, H|1, n|1, m) | None each
         if (
-            self.key is not None
+            keeps
             and allowed is not None
             and bias is None
             and not torch.is_inference_mode_enabled()  # (inference tensors: a training call could not save them)
             and self._elements + allowed.numel() <= KEPT_MASK_ELEMENTS
         ):
-            self._masks[(r0, j0, j1)] = allowed
+            self._masks[where] = allowed
             self._elements += allowed.numel()
         return allowed, bias
 
@@ -190,7 +193,9 @@ def plan_of(mask: Mask) -> Plan:
     found = None
     if holder is not None:
         with _KEEPING:
-            found = holder.get(key)
+            found = holder.pop(key, None)
+            if found is not None:
+                holder[key] = found  # (the most recently used last: the least recently used goes first)
     if found is None:
         found = Plan.build(mask, key if holder is not None else None)
         if holder is not None:
@@ -223,20 +228,28 @@ def make_plan(
     heads: int = 1,
     device: torch.device | str | None = None,
 ) -> Plan:
-    """A plan to pass to every call that shares its mask (``plan=``), as FlexAttention's ``create_block_mask``: the
-    mask's tiles looked at once, for every layer and decoding step after.
+    """A plan to pass to every call of these lengths that shares its mask (``plan=``), as FlexAttention's
+    ``create_block_mask``: the mask's tiles looked at once, and the booleans of its partly visible tiles kept on the
+    plan (within 16 MiB) for the calls after; a model's layers share it. (A decoding step's lengths change with each
+    token: a built-in mask_mod such as ``sliding_window`` keeps each length's plan on itself, with no ``plan=``.)
 
     Args:
         num_queries, num_keys: ``Lq``, ``Lk`` of the calls it serves.
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (:mod:`attnkit.mods`); it is read when the plan is
             made, and the calls use it as it was then: a function of tensors that change between calls needs a
-            plan of its own each time.
+            plan of its own each time. Padding (``valid_lens``) goes into it too (``mods.and_masks``), as the
+            call takes no other mask beside a plan.
         is_causal: causal, aligned to the bottom right.
-        batch, heads: ``B`` and ``H`` of the calls, where the mask_mod depends on them (``1``: it does not).
-        device: where the calls run.
+        batch, heads: ``B`` and ``H`` of the calls, where the mask_mod depends on them (``mods.document`` of ids
+            for each example: their ``B``); ``1``, the default, promises that it does not: the plan then serves
+            calls of any ``B`` and ``H``.
+        device: where the calls run (``None``: PyTorch's default device).
 
     Returns:
         A :class:`Plan`; ``scaled_dot_product_attention(q, k, v, plan=plan)`` takes its mask from it.
+
+    Raises:
+        TypeError, ValueError: an argument that is not what it says, naming it.
 
     Example:
         >>> from attnkit import mods
@@ -244,17 +257,26 @@ def make_plan(
         >>> [(r.runs[0].j0, r.runs[-1].j1) for r in plan.rows], round(plan.share, 3), plan.causal_throughout
         ([(0, 256), (0, 512), (256, 768), (512, 1024)], 0.438, False)
     """
-    device = None if device is None else torch.device(device)
-    mask = Mask.build(
-        batch=batch,
-        heads=heads,
-        num_queries=num_queries,
-        num_keys=num_keys,
-        is_causal=is_causal,
-        mask_mod=mask_mod,
-        device=device,
-    )
-    found = Plan.build(mask, None if mask.index_key is None else (*mask.index_key, BLOCK))
+    sizes = {"num_queries": num_queries, "num_keys": num_keys}
+    Lq, Lk = (check_whole(name, value, minimum=0) for name, value in sizes.items())
+    B, H = check_whole("batch", batch), check_whole("heads", heads)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be True or False, got {is_causal!r}")
+    try:
+        where = torch.empty(0).device if device is None else torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device must name a device (such as 'cpu' or 'cuda:0'), got {device!r}") from error
+    if where.type == "meta":
+        raise ValueError("device must hold values to plan from (the mask is evaluated), got 'meta'")
+    # (made outside inference mode, so that a training call can save what the plan holds)
+    with torch.inference_mode(False):
+        try:
+            mask = Mask.build(
+                batch=B, heads=H, num_queries=Lq, num_keys=Lk, is_causal=is_causal, mask_mod=mask_mod, device=where
+            )
+        except ValueError as error:
+            raise ValueError(f"{error} (make_plan's batch and heads are the calls' B and H)") from None
+        found = Plan.build(mask, None if mask.index_key is None else (*mask.index_key, BLOCK))
     found.mask = mask  # (the mask it was made from, which the calls take)
     return found
 

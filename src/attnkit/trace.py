@@ -248,7 +248,14 @@ def describe_masks(valid_lens: Tensor | None, attn_mask: Tensor | None, is_causa
     return "; ".join(parts) or "none"
 
 
-_HOW = {"sdpa": "fused kernel, scores never materialised", "tiles": "tiles of the plan, online softmax"}
+_HOW = {
+    "sdpa": "fused kernel, scores never materialised",
+    "decode": "a decode step: two batched products over the cache",
+    "tiles:kernel": "tiles of the plan, attnkit's C++ kernel",
+    "tiles:online": "tiles of the plan, online softmax",
+    "tiles:compiled": "tiles of the plan, each step compiled",
+    "tiles:flex": "FlexAttention, compiled",
+}
 
 
 def attention_steps(
@@ -277,6 +284,12 @@ def attention_steps(
     described = describe_masks(masks.valid_lens, masks.attn_mask, masks.is_causal)
     if masks.mask_mod is not None:
         described += f"; mask_mod {_name(masks.mask_mod)}"
+    if masks.plan is not None:  # (the call's whole mask: the others are None)
+        made = getattr(masks.plan, "mask", None)
+        parts = ["causal"] if made is not None and made.is_causal else []
+        if made is not None and made.mask_mod is not None:
+            parts.append(f"mask_mod {_name(made.mask_mod)}")
+        described = f"plan ({'; '.join(parts) or 'no mask'})"
     tracer.add("mask", [scores], scores, described)
     sink = ", with a sink logit per head" if sinks else ""
     tracer.add("softmax", [scores], scores, f"over keys{sink}; rows with no key -> 0")

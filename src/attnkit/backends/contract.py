@@ -274,7 +274,14 @@ class Supports:
         if not self.value_dim and call.v.shape[-1] != call.q.shape[-1]:
             reasons.append(f"values of the queries' head size only (D={call.q.shape[-1]}, Dv={call.v.shape[-1]})")
         if not self.grad and call.needs_grad:
-            reasons.append("no autograd (the output of this call needs a gradient)")
+            tensors = (call.q, call.k, call.v, call.w_v, call.mask.bias, call.sinks)
+            if any(t is not None and t.requires_grad for t in tensors) or isinstance(call.score_mod, mods.ScoreMod):
+                reasons.append("no autograd (the output of this call needs a gradient)")
+            else:
+                reasons.append(
+                    "no autograd (a score_mod of yours may read a tensor that requires grad: under torch.no_grad() "
+                    "it runs)"
+                )
         if call.scoring not in self.scoring:
             reasons.append(f"{' or '.join(sorted(self.scoring))} scoring only (this call is {call.scoring})")
         if call.need_weights and not self.weights:

@@ -135,9 +135,9 @@ def _fused(call: Call, allowed: Tensor | None, bias: Tensor | None) -> Tensor:
     H, Hkv = q.shape[1], k.shape[1]
     gqa: dict[str, Any] = {"enable_gqa": True} if H != Hkv else {}
     # (the kernel's op, called on no example or no query, crashes the process: torch 2.13)
-    guarded = call.needs_grad and not call.dropout_p and graph_ops.fuses(q) and k.numel() > 0
+    guarded = call.needs_grad and not call.dropout_p and k.numel() > 0
     if bias is None and mask.is_plain_causal:
-        if guarded:  # a backward that never meets 0 * inf where a row may not see
+        if guarded and graph_ops.fuses(q):  # a backward that never meets 0 * inf where a row may not see
             return graph_ops.fused(q, k, v, None, True, call.scale)  # (B, H, Lq, Dv)
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=call.dropout_p, is_causal=True, scale=call.scale, **gqa
@@ -154,7 +154,7 @@ def _fused(call: Call, allowed: Tensor | None, bias: Tensor | None) -> Tensor:
         attn_mask = bias.masked_fill(~allowed, float("-inf")).masked_fill(~live_rows, 0.0)  # (B|1, H|1, Lq, Lk)
     if attn_mask.dtype != torch.bool:
         attn_mask = attn_mask.to(q.dtype)
-    if guarded and not attn_mask.requires_grad:
+    if guarded and graph_ops.fuses(q) and not attn_mask.requires_grad:
         out = graph_ops.fused(q, k, v, attn_mask, False, call.scale)  # (B, H, Lq, Dv)
     else:
         out = F.scaled_dot_product_attention(

@@ -291,9 +291,13 @@ def _fused_grads(ctx: object, grad: Tensor, grad_lse: Tensor | None) -> tuple:
 torch.library.register_autograd("attnkit::fused_attention", _fused_grads, setup_context=_fused_setup)
 
 
+_LOW = (torch.bfloat16, torch.float16)
+
+
 def fuses(q: Tensor) -> bool:
-    """Whether :func:`fused` runs these inputs: on the CPU, float32 or float64 (any head sizes, any lengths)."""
-    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and q.numel() > 0
+    """Whether :func:`fused` runs these inputs: on the CPU, float32 or float64, or 16 bits computed in float32 (any
+    head sizes, any lengths)."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, *_LOW) and q.numel() > 0
 
 
 def fused(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: bool, scale: float) -> Tensor:
@@ -302,5 +306,10 @@ def fused(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, causal: boo
     op ``attnkit::fused_attention``, whose
     backward reads values (:func:`~attnkit.backends.common.kernel_backward_safe`) and hands over to
     :func:`attnkit.backends.sdpa.exact_backward` where the kernel's would meet ``0 * inf`` at a hidden pair: what
-    ``scaled_dot_product_attention`` cannot do inside a compiled graph. ``(B, H, Lq, Dv)``, a view."""
+    ``scaled_dot_product_attention`` cannot do inside a compiled graph. ``(B, H, Lq, Dv)``, a view. 16-bit inputs
+    run in float32, the result rounded once (the kernel's own 16-bit sums lost twice the 16-bit math's error)."""
+    if q.dtype in _LOW:
+        low = q.dtype
+        bias = attn_mask.float() if attn_mask is not None and attn_mask.is_floating_point() else attn_mask
+        return fused(q.float(), k.float(), v.float(), bias, causal, scale).to(low)  # (B, H, Lq, Dv)
     return _fused(q, k, v, attn_mask, causal, scale)[0].transpose(1, 2)

@@ -226,21 +226,27 @@ def fused(
         and not torch._C._are_functorch_transforms_active()
         and not dropout_p
         and q.device.type == "cpu"
-        and q.dtype in _KERNEL_DTYPES
         and (attn_mask is None or not attn_mask.requires_grad)
         and q.numel()  # (the kernel's op, called on no example or no query, crashes the process: torch 2.13)
         and k.numel()
     ):
-        return _Guarded.apply(q, k, v, attn_mask, is_causal, scale, mask, score_mod)  # type: ignore[no-any-return]
+        if q.dtype in _KERNEL_DTYPES:
+            return _Guarded.apply(q, k, v, attn_mask, is_causal, scale, mask, score_mod)  # type: ignore[no-any-return]
+        # 16 bits: in float32, as every engine computes (the kernel's own 16-bit sums lost up to twice the 16-bit
+        # math's error, in dv), the result rounded once
+        up = [t.float() for t in (q, k, v)]  # (B, H|Hkv, L, D|Dv) each
+        bias = attn_mask.float() if attn_mask is not None and attn_mask.is_floating_point() else attn_mask
+        out = _Guarded.apply(*up, bias, is_causal, scale, mask, score_mod)  # (B, H, Lq, Dv)
+        return out.to(q.dtype)  # type: ignore[no-any-return]
     gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa
     )  # (B, H, Lq, Dv)
 
 
-# The dtypes :class:`_Guarded` runs: PyTorch's flash kernel takes 16-bit inputs too, but a float mask in 16 bits
-# there doubled the low-precision math's error (tests/test_agreement.py); those stay on scaled_dot_product_attention,
-# whose backward can still meet 0 * inf where a 16-bit value near its largest makes dout . v overflow.
+# The dtypes :class:`_Guarded` runs as they are: PyTorch's flash kernel takes 16-bit inputs too, but its sums in 16
+# bits doubled the low-precision math's error (a float mask's scores; dv, tests/test_agreement.py): 16-bit calls run
+# it in float32.
 _KERNEL_DTYPES = frozenset({torch.float32, torch.float64})
 
 

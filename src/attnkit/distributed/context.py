@@ -194,6 +194,11 @@ def _refusal(
             "one shard's positions cannot say which whole-sequence positions meet; use is_causal, valid_lens (B,) "
             "and a mask_mod, in whole-sequence positions"
         )
+    if masks.plan is not None:
+        return (
+            f"plan cannot be given {where}: ring attention plans its own steps; pass the plan's mask_mod and "
+            "is_causal, in whole-sequence positions, instead"
+        )
     if sinks is not None:
         return f"attention sinks cannot run {where}"
     if dropout_p > 0:
