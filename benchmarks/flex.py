@@ -3,13 +3,13 @@ attention").
 
 Three measurements, forward and backward, float32, on this machine's threads:
 
-* ``window``: ``sliding_window(256)`` at ``L=8192``, B=1, H=8, D=64, on the ``chunked`` backend, against full causal
+* ``window``: ``sliding_window(256)`` at ``L=8192``, B=1, H=8, D=64, on ``tiles:online``, against full causal
   attention on the same backend and against ``torch.nn.functional.scaled_dot_product_attention`` given the same
   window as a dense boolean mask. Targets: at most 0.15x the causal time, at least 3x faster than the dense mask.
-* ``memory``: the peak resident-set increase of the ``window`` call on ``chunked`` at each ``--lengths``, each in a
+* ``memory``: the peak resident-set increase of the ``window`` call on ``tiles:online`` at each ``--lengths``, each in a
   fresh process (:func:`attnkit.tools.bench.peak_memory`): it must grow linearly with ``L``.
 * ``accuracy``: every built-in and a user's score_mod (a learned table of relative-position biases), on awkward sizes
-  (``Lq != Lk``, lengths not multiples of the block, grouped-query heads), ``chunked`` in float32 against the
+  (``Lq != Lk``, lengths not multiples of the block, grouped-query heads), ``tiles:online`` in float32 against the
   ``reference`` backend in float64: the largest error of the output and of every gradient (q, k, v, and the
   slopes, the table or the sinks where they are learned). The suite's float32 tolerances are 2e-5 (outputs) and
   1e-4 (gradients).
@@ -76,7 +76,7 @@ def window_contenders(length: int) -> dict[str, Callable[[], None]]:
     dout = torch.randn(B, H, length, D)  # (B, H, L, D)
     window = mods.sliding_window(WINDOW)
 
-    def chunked(**kw: Any) -> Callable[[], None]:
+    def online(**kw: Any) -> Callable[[], None]:
         def run() -> None:
             attnkit.scaled_dot_product_attention(q, k, v, backend="tiles:online", **kw).output.backward(dout)
 
@@ -90,8 +90,8 @@ def window_contenders(length: int) -> dict[str, Callable[[], None]]:
         F.scaled_dot_product_attention(q, k, v, attn_mask=dense).backward(dout)
 
     return {
-        "chunked sliding_window(256)": chunked(mask_mod=window),
-        "chunked causal": chunked(is_causal=True),
+        "tiles:online sliding_window(256)": online(mask_mod=window),
+        "tiles:online causal": online(is_causal=True),
         "F.sdpa dense window mask": sdpa_dense,
     }
 
@@ -100,13 +100,13 @@ def measure_window(repeats: int) -> dict[str, Any]:
     times = timed_rounds(window_contenders(WINDOW_LENGTH), repeats)
     return {
         "seconds": times,
-        "window_vs_causal": times["chunked sliding_window(256)"] / times["chunked causal"],
-        "dense_mask_vs_window": times["F.sdpa dense window mask"] / times["chunked sliding_window(256)"],
+        "window_vs_causal": times["tiles:online sliding_window(256)"] / times["tiles:online causal"],
+        "dense_mask_vs_window": times["F.sdpa dense window mask"] / times["tiles:online sliding_window(256)"],
     }
 
 
 def memory_child(length: int) -> dict[str, Any]:
-    """In a fresh process: the peak RSS increase of one forward and backward of the window on chunked."""
+    """In a fresh process: the peak RSS increase of one forward and backward of the window on tiles:online."""
     from attnkit.tools.bench import peak_memory
 
     torch.manual_seed(0)
@@ -247,7 +247,7 @@ def report(results: dict[str, Any]) -> str:
         lines += [f"| {name} | {s:.3f} |" for name, s in w["seconds"].items()]
         lines += [
             "",
-            f"window / causal on chunked: {w['window_vs_causal']:.3f} (target <= {TARGETS['window_vs_causal']})",
+            f"window / causal on tiles:online: {w['window_vs_causal']:.3f} (target <= {TARGETS['window_vs_causal']})",
             f"dense-mask SDPA / window: {w['dense_mask_vs_window']:.2f}x (target >= {TARGETS['dense_mask_vs_window']})",
             "",
         ]
@@ -261,7 +261,8 @@ def report(results: dict[str, Any]) -> str:
         lines.append("")
     if "accuracy" in results:
         lines += [
-            "chunked in float32 against reference in float64 (B=2, H=4, Hkv=2, Lq=150, Lk=203, D=40, 64-key blocks):",
+            "tiles:online in float32 against reference in float64 "
+            "(B=2, H=4, Hkv=2, Lq=150, Lk=203, D=40, 64-key blocks):",
             "",
             "| modifier | output | dq | dk | dv | gradient of the learned tensor |",
             "|---|---:|---:|---:|---:|---:|",

@@ -18,8 +18,8 @@ this bounds it from above). A child that fails, times out or is killed is report
 Usage::
 
     python benchmarks/memory.py                          # all backends, L in 1024, 4096, 16384
-    python benchmarks/memory.py --lengths 1024,4096 --backends sdpa,chunked --json memory.json
-    python benchmarks/memory.py --block-size 128         # attnkit.backends.chunked.settings(block_size=128)
+    python benchmarks/memory.py --lengths 1024,4096 --backends sdpa,tiles:online --json memory.json
+    python benchmarks/memory.py --block-size 128         # attnkit.backends.tiles.online.settings(block_size=128)
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated L (= Lq = Lk)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated backend names")
-    parser.add_argument("--block-size", type=int, default=None, help="keys per block of the chunked backend")
+    parser.add_argument("--block-size", type=int, default=None, help="keys per block of tiles:online")
     parser.add_argument("--budget-gib", type=float, default=BUDGET_GIB, help="skip what is estimated above this")
     parser.add_argument("--json", metavar="FILE", help="also write the results to FILE")
     parser.add_argument("--one", nargs=2, metavar=("BACKEND", "L"), help=argparse.SUPPRESS)  # the child
@@ -212,9 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     results = measure_all(backends, lengths, args.block_size, int(args.budget_gib * 2**30))
     total = time.perf_counter() - start
 
-    chunked_block = "default" if args.block_size is None else str(args.block_size)
+    online_block = "default" if args.block_size is None else str(args.block_size)
     print(f"Peak memory, forward + backward: B={B}, H={H}, D={D}, {DTYPE}, Lq = Lk = L,")
-    print(f"chunked block size {chunked_block}; peak RSS increase in a fresh process, one run.\n")
+    print(f"tiles:online block size {online_block}; peak RSS increase in a fresh process, one run.\n")
     print(table(results))
     print(f"\ntotal {total:.0f} s")
     if args.json:

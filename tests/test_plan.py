@@ -17,7 +17,6 @@ import mathref
 from agreement import bounds
 from attnkit import csrc, dispatch, functional, mods, plan
 from attnkit._validate import ranges
-from attnkit.backends.tiles import compiled
 from attnkit.masks import Mask
 from attnkit.plan import CAUSAL, FULL, MASKED, Rows, Run, plan_of
 from mathref import max_err
@@ -32,7 +31,6 @@ OUT_TOL64, GRAD_TOL64 = bounds("tiles:online", torch.float64)
 def _small_tiles(monkeypatch):
     """Tiles of 8 x 8, and one thread (tiny tensors: threads only add synchronisation on a busy 2-core machine)."""
     monkeypatch.setattr(plan, "BLOCK", 8)
-    monkeypatch.setattr(compiled, "BLOCK", 8)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

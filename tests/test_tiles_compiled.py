@@ -19,7 +19,7 @@ import attnkit
 import mathref
 from agreement import bounds
 from attnkit import csrc, dispatch, mods, plan
-from attnkit.backends.tiles import compiled, compiled_steps
+from attnkit.backends.tiles import compiled_steps
 from mathref import max_err
 
 # B batch, H heads, Hkv key/value heads, Lq/Lk query/key length, D head dim
@@ -32,7 +32,6 @@ SOFTCAP = mods.softcap(2.0)  # a small cap, so that the cap bends most scores
 @pytest.fixture(autouse=True)
 def _small_tiles(monkeypatch):
     monkeypatch.setattr(plan, "BLOCK", 8)
-    monkeypatch.setattr(compiled, "BLOCK", 8)
 
 
 def _table(length: int) -> tuple[torch.Tensor, object, object]:

@@ -15,7 +15,7 @@ import attnkit
 import mathref
 from agreement import bounds
 from attnkit import dispatch, mods, plan
-from attnkit.backends.tiles import compiled, compiled_steps
+from attnkit.backends.tiles import compiled_steps
 from mathref import max_err
 from test_tiles_compiled import HKV, B, D, H, masking
 
@@ -27,7 +27,6 @@ OUT_TOL64, GRAD_TOL64 = bounds("tiles:compiled", torch.float64)
 @pytest.fixture(autouse=True)
 def _small_tiles(monkeypatch):
     monkeypatch.setattr(plan, "BLOCK", 8)
-    monkeypatch.setattr(compiled, "BLOCK", 8)
 
 
 def _inputs(seed: int, Lq: int, Lk: int, spread: str = "narrow", dtype=torch.float64) -> list[torch.Tensor]:

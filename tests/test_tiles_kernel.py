@@ -32,7 +32,7 @@ B, H, HKV, D, DV = 2, 4, 2, 8, 5
 OUT_TOL, GRAD_TOL = bounds("tiles:kernel", torch.float32)
 CAP = 2.0  # a small cap, so that the cap bends most scores
 
-pytestmark = pytest.mark.skipif(csrc.ensure("flash") is not None, reason="the kernel kernel cannot be built here")
+pytestmark = pytest.mark.skipif(csrc.ensure("flash") is not None, reason="the C++ kernel cannot be built here")
 
 
 def _inputs(seed: int, Lq: int, Lk: int, b: int = B) -> list[torch.Tensor]:

@@ -289,6 +289,32 @@ def test_softcap_sinks_and_sliding_window_map_to_attnkit():
     assert (weights[..., 5, :2] == 0).all()  # outside the window
 
 
+def test_a_layers_sliding_window_is_planned_once_for_all_its_calls(monkeypatch):
+    """The window a model passes is one object per attention module, whose plans serve its next calls (reviewer's
+    finding: a new window each call planned every layer's every forward again)."""
+    from attnkit import plan
+
+    built = []
+    original = plan.Plan.build
+    monkeypatch.setattr(plan.Plan, "build", classmethod(lambda cls, *a, **kw: built.append(1) or original(*a, **kw)))
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    layer = Module()
+    q = torch.randn(1, 2, 600, 8)
+    first = attnkit_hf.attention_forward(layer, q, q, q, None, sliding_window=64)[0]
+    again = attnkit_hf.attention_forward(layer, q, q, q, None, sliding_window=64)[0]
+    assert len(built) == 1 and torch.equal(first, again)
+    attnkit_hf.attention_forward(layer, q, q, q, None, sliding_window=32)  # another window: planned for itself
+    assert len(built) == 2
+    import copy
+    import pickle
+
+    assert "attnkit_plans" not in pickle.loads(pickle.dumps(layer._attnkit_window)).__dict__
+    assert "attnkit_plans" not in copy.deepcopy(layer).__dict__["_attnkit_window"].__dict__
+
+
 def test_packed_position_ids_without_a_mask_keep_each_document_to_itself():
     """A call with no mask and packed ``position_ids`` (DeepSpeed Ulysses drops every mask; transformers builds
     none for packed rows when a cache is passed): attention stays within each document, read as transformers reads

@@ -394,17 +394,6 @@ class _MovedBias(_MovedScore):
     def bias(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor | None:
         return self.inner.bias(b + self.b0, h, q_idx + self.r0, _key_positions(kv_idx, self.keys))
 
-    def split_bias(
-        self, heads: int, rows: tuple[int, int], cols: tuple[int, int], device: torch.device | None
-    ) -> tuple[Tensor, Tensor] | None:
-        """The inner bias's split at the call's positions (keys of one range: a document's; else not split)."""
-        if not isinstance(self.keys, tuple):
-            return None
-        k0 = self.keys[0]
-        return self.inner.split_bias(
-            heads, (rows[0] + self.r0, rows[1] + self.r0), (cols[0] + k0, cols[1] + k0), device
-        )
-
 
 def _widen(weights: Tensor, keys: Keys, Lk: int) -> Tensor:
     """A piece's weights ``(B', H, n, m)`` in the call's key positions ``(B', H, n, Lk)``, zeros elsewhere."""

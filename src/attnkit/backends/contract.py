@@ -367,7 +367,7 @@ class Supports:
         if not self.huge_scores:
             can.append("masks only scores that cannot overflow")
         if not self.opaque_modifiers:
-            can.append("under autograd, modifiers it can look into")
+            can.append("under autograd, modifiers whose tensors it can find (its backward reads them again)")
         if not self.value_dim:
             can.append("values of the queries' head size")
         if self.score_mod != "none" and not self.score_mod_grad:

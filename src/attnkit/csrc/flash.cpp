@@ -64,8 +64,8 @@ inline float fast_tanh(float x) {
 
 // C (M x N, row-major, ldc) = alpha op(A) op(B) + beta C, op(A) M x K, op(B) K x N, each row-major (lda, ldb),
 // transposed where ta / tb: through the BLAS PyTorch links (MKL's sgemm_, which PyTorch's CPU library exports;
-// column-major, so it computes C^T = op(B)^T op(A)^T). Where it is not there, the kernel does not load and
-// attnkit/backends/tiles/kernel.py runs the compiled steps instead.
+// column-major, so it computes C^T = op(B)^T op(A)^T). Where it is not there, the kernel does not load, and the
+// dispatcher runs its calls on another of the tile engine's implementations (attnkit/dispatch.py).
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
                        const float* beta, float* c, const int* ldc);

@@ -242,7 +242,7 @@ def attention_forward(
         key, value = key[:, :, :Lq], value[:, :, :Lq]  # (B, Hkv, Lq, D|Dv)
         position_bias = None if position_bias is None else position_bias[..., :Lq]  # (B|1, H, Lq, Lq)
         Lk = Lq
-    mask_mod: mods.MaskFn | None = mods.sliding_window(sliding_window) if sliding_window and causal else None
+    mask_mod: mods.MaskFn | None = _window(module, sliding_window) if sliding_window and causal else None
     score_mod: mods.ScoreFn | None = mods.softcap(softcap) if softcap else None
     if position_bias is not None and position_bias.requires_grad and backend == "tiles:online":
         # tiles:online differentiates what a score_mod closes over, not a dense float mask: the bias as a table
@@ -345,3 +345,15 @@ def _as_attnkit_mask(mask: Tensor | None, position_bias: Tensor | None, Lk: int)
     if position_bias is None or mask is None:
         return position_bias if mask is None else mask
     return position_bias.masked_fill(~mask, float("-inf"))  # (B|1, H, Lq, Lk)
+
+
+def _window(module: object, window: int) -> mods.sliding_window:
+    """The layer's sliding window, one object for all its calls (kept on the attention module, which the model
+    holds): its plans, kept on it by length (:mod:`attnkit.plan`), serve the layer's next forward and decoding
+    step, where a new object a call would plan each of them again (32 ms at L=4096, 0.3 s at 32k)."""
+    kept = getattr(module, "__dict__", {}).get("_attnkit_window")
+    if not isinstance(kept, mods.sliding_window) or kept.window != window:
+        kept = mods.sliding_window(window)
+        if hasattr(module, "__dict__"):
+            module.__dict__["_attnkit_window"] = kept  # (beside nn.Module's registries: not a parameter or buffer)
+    return kept

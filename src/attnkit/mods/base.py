@@ -52,6 +52,13 @@ class MaskMod:
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         raise NotImplementedError
 
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled and copied without the plans its calls kept on it (:func:`attnkit.plan.plan_of`: remade at the
+        first call after; they could weigh megabytes)."""
+        state = dict(self.__dict__)
+        state.pop("attnkit_plans", None)
+        return state
+
     def bind(self, *, batch: int, heads: int, num_queries: int, num_keys: int, device: torch.device | None) -> MaskMod:
         """A copy for one call: aligned to its lengths, its tensors checked against its sizes and device.
 
@@ -101,15 +108,6 @@ class ScoreMod:
     def bias(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor | None:
         """The score_mod as a bias added to the score, when it is one (so that a fused kernel can take it as a
         float mask); ``None`` when it is not."""
-        return None
-
-    def split_bias(
-        self, heads: int, rows: tuple[int, int], cols: tuple[int, int], device: torch.device | None
-    ) -> tuple[Tensor, Tensor] | None:
-        """The bias over queries ``[r0, r1)`` and keys ``[j0, j1)`` as a part for each key and a part for each
-        query, ``(H, m)`` and ``(H, n)``, whose sums are the bias (one head per query head); ``None`` when it is not
-        so there. The part for each query changes no weight, so a kernel that takes a float mask need read one row
-        of it, not a whole tile."""
         return None
 
     def tensors(self) -> tuple[Tensor, ...]:

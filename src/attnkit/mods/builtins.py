@@ -254,27 +254,6 @@ class alibi(ScoreMod):  # noqa: N801
         it); a subclass that computes something else is not taken for one."""
         return type(self).__call__ is alibi.__call__ and type(self).bias is alibi.bias
 
-    def split_bias(
-        self, heads: int, rows: tuple[int, int], cols: tuple[int, int], device: torch.device | None
-    ) -> tuple[Tensor, Tensor] | None:
-        """On one side of the diagonal, ``-s |p - j| = sign s (j - c) + sign s (c - p)`` (``sign`` 1 below the
-        diagonal, -1 above) for any ``c``: here the key nearest the diagonal, so that the part for each key is
-        near 0 on the keys that weigh most and the kernel adds their scores to small numbers (centred on the middle
-        query, float32 lost up to 18x the accuracy of the other backends)."""
-        (r0, r1), (j0, j1) = rows, cols
-        nearest, farthest = r0 + self.offset - (j1 - 1), r1 - 1 + self.offset - j0  # the least and most p - j
-        if nearest >= 0:
-            sign = 1.0
-        elif farthest <= 0:
-            sign = -1.0
-        else:
-            return None
-        centre = j1 - 1 if sign > 0 else j0
-        slopes = sign * self.slopes.to(device, torch.float64)[:, None]  # (H, 1); exact products, rounded once
-        by_key = slopes * (torch.arange(j0, j1, device=device) - centre)  # (H, m)
-        by_row = slopes * (centre - self.offset - torch.arange(r0, r1, device=device))  # (H, n)
-        return by_key, by_row
-
     def bind(self, *, batch: int, heads: int, num_queries: int, num_keys: int, device: torch.device | None) -> ScoreMod:
         if self.slopes.shape != (heads,):
             raise ValueError(f"alibi: slopes must have shape (H,) = ({heads},), got {tuple(self.slopes.shape)}")

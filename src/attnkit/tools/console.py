@@ -3,6 +3,7 @@ otherwise)."""
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -71,7 +72,10 @@ def table(rows: Sequence[Sequence[str]], header: Sequence[str], title: str | Non
         table.add_column(name, overflow="fold")
     for r in rows:
         table.add_row(*r)
-    Console(width=max(100, _terminal_width())).print(table)
+    recorder = Console(width=max(100, _terminal_width()), file=io.StringIO(), record=True)
+    recorder.print(table)
+    for line in recorder.export_text().splitlines():  # (rich pads every cell of the last column to the width)
+        print(line.rstrip())
 
 
 def _terminal_width() -> int:

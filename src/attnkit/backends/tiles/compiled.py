@@ -32,12 +32,12 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
+from attnkit import plan as plans
 from attnkit.backends.common import Watched, first_order_only, probe, repeat_kv, row_sinks, sinks_grad, zero_dead
 from attnkit.backends.contract import ADDITIVE, DOT, Call, Supports
 from attnkit.backends.tiles import compiled_steps as steps
 from attnkit.backends.tiles.softmax import RunningSoftmax
 from attnkit.masks import Mask, all_finite, compute_dtype
-from attnkit.plan import BLOCK, FULL, plan_of
 
 NAME = "tiles:compiled"
 
@@ -51,7 +51,7 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v, mask = call.q, call.k, call.v, call.mask
     B, H, Lq, D = q.shape
     dtype = compute_dtype(q.dtype)
-    plan_of(mask)  # first: looking at the tiles, it learns which keys and rows are live (zero_dead's question)
+    plans.plan_of(mask)  # first: looking at the tiles, it learns which keys and rows are live (zero_dead's question)
     q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
     qf = q.to(dtype)  # (B, H, Lq, D)
     kf = repeat_kv(k, H).to(dtype)  # (B, H, Lk, D): repeated outside the Function, autograd sums the groups back
@@ -111,9 +111,9 @@ def takes_blocks(call: Call) -> bool:
         return True
     B, H = call.q.shape[:2]
     q, k = call.q.detach(), repeat_kv(call.k.detach(), H)  # (B, H, Lq, D), (B, H, Lk, D)
-    for rows in plan_of(mask).rows:
+    for rows in plans.plan_of(mask).rows:
         for run in rows.runs:
-            r0, r1, j0, j1 = rows.r0, rows.r1, run.j0, min(run.j1, run.j0 + BLOCK)
+            r0, r1, j0, j1 = rows.r0, rows.r1, run.j0, min(run.j1, run.j0 + plans.BLOCK)
             if call.w_v is None:
                 scores = (q[:, :, r0:r1] @ k[:, :, j0:j1].transpose(-2, -1)) * call.scale  # (B, H, n, c)
             else:
@@ -164,24 +164,24 @@ class _Grid:
     def __init__(self, mask: Mask, B: int, H: int, device: torch.device) -> None:
         self.mask = mask
         self.b, self.h, _, _ = mods.indices(B, H, (0, 1), (0, 1), device)  # (B, 1, 1, 1), (1, H, 1, 1)
-        self.q_idx = _padded_range(mask.num_queries, device).view(-1, 1, 1, BLOCK, 1)  # (nq, 1, 1, BLOCK, 1)
-        self.kv_idx = _padded_range(mask.num_keys, device).view(-1, 1, 1, 1, BLOCK)  # (nk, 1, 1, 1, BLOCK)
+        self.q_idx = _padded_range(mask.num_queries, device).view(-1, 1, 1, plans.BLOCK, 1)  # (nq, 1, 1, BLOCK, 1)
+        self.kv_idx = _padded_range(mask.num_keys, device).view(-1, 1, 1, 1, plans.BLOCK)  # (nk, 1, 1, 1, BLOCK)
 
     def blocks(self) -> list[tuple[int, int, list[tuple[int, int, bool]]]]:
         """Each block of queries ``(r0, r1)`` and its tiles of keys ``(j0, j1, every)`` (``every``: every pair is
         visible, no mask to build); all start at multiples of ``BLOCK``."""
         out = []
-        for rows in plan_of(self.mask).rows:
+        for rows in plans.plan_of(self.mask).rows:
             row_tiles = []
             for run in rows.runs:
-                for j0 in range(run.j0, run.j1, BLOCK):
-                    row_tiles.append((j0, min(j0 + BLOCK, run.j1), run.kind == FULL))
+                for j0 in range(run.j0, run.j1, plans.BLOCK):
+                    row_tiles.append((j0, min(j0 + plans.BLOCK, run.j1), run.kind == plans.FULL))
             out.append((rows.r0, rows.r1, row_tiles))
         return out
 
     def indices(self, r0: int, j0: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``b, h, q_idx (1, 1, BLOCK, 1), kv_idx (1, 1, 1, BLOCK)`` of the tile at ``(r0, j0)``."""
-        return self.b, self.h, self.q_idx[r0 // BLOCK], self.kv_idx[j0 // BLOCK]
+        return self.b, self.h, self.q_idx[r0 // plans.BLOCK], self.kv_idx[j0 // plans.BLOCK]
 
     def masks(
         self, r0: int, r1: int, j0: int, j1: int, every: bool, dtype: torch.dtype
@@ -189,7 +189,7 @@ class _Grid:
         """``allowed`` and ``bias`` of a tile, each a new ``(B|1, H|1, BLOCK, BLOCK)`` tensor or ``None``."""
         allowed, bias = self.mask.tile(r0, r1, j0, j1, dtype, every=every)  # (B|1, H|1, n|1, c) each, or None
         n, c = r1 - r0, j1 - j0
-        if allowed is None and (n < BLOCK or c < BLOCK):
+        if allowed is None and (n < plans.BLOCK or c < plans.BLOCK):
             allowed = torch.ones((), dtype=torch.bool, device=self.q_idx.device)
         return (
             None if allowed is None else _fitted(allowed, n, c, False),
@@ -199,7 +199,7 @@ class _Grid:
 
 def _padded_range(length: int, device: torch.device) -> Tensor:
     """``0 .. length - 1``, then ``length - 1`` up to a multiple of ``BLOCK`` (0 for no length)."""
-    padded = -(-length // BLOCK) * BLOCK
+    padded = -(-length // plans.BLOCK) * plans.BLOCK
     return torch.arange(padded, device=device).clamp_max(max(length - 1, 0))  # (padded,)
 
 
@@ -207,7 +207,7 @@ def _fitted(t: Tensor, n: int, c: int, fill: float | bool) -> Tensor:
     """A tile's ``allowed`` or ``bias`` (broadcastable to ``(B, H, n, c)``) as a new ``(B|1, H|1, BLOCK, BLOCK)``
     tensor, ``fill`` past ``n`` rows and ``c`` keys."""
     t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # (B|1, H|1, n|1, c|1)
-    out = t.new_full((*t.shape[:2], BLOCK, BLOCK), fill)  # (B|1, H|1, BLOCK, BLOCK)
+    out = t.new_full((*t.shape[:2], plans.BLOCK, plans.BLOCK), fill)  # (B|1, H|1, BLOCK, BLOCK)
     out[..., :n, :c] = t
     return out
 
@@ -216,16 +216,16 @@ def _blocked(t: Tensor) -> Tensor:
     """``t (B, H, L, ...)`` as ``(nb, B, H, BLOCK, ...)``, zeros past ``L``: block ``i`` holds positions
     ``[i * BLOCK, (i + 1) * BLOCK)``, contiguous."""
     B, H, L = t.shape[:3]
-    nb = -(-L // BLOCK)
-    pad = t.new_zeros((B, H, nb * BLOCK - L, *t.shape[3:]))
+    nb = -(-L // plans.BLOCK)
+    pad = t.new_zeros((B, H, nb * plans.BLOCK - L, *t.shape[3:]))
     t = torch.cat([t, pad], dim=2)  # (B, H, nb * BLOCK, ...)
-    return t.view(B, H, nb, BLOCK, *t.shape[3:]).movedim(2, 0).contiguous()  # (nb, B, H, BLOCK, ...)
+    return t.view(B, H, nb, plans.BLOCK, *t.shape[3:]).movedim(2, 0).contiguous()  # (nb, B, H, BLOCK, ...)
 
 
 def _unblocked(t: Tensor, length: int) -> Tensor:
     """The inverse of :func:`_blocked`: ``(nb, B, H, BLOCK, ...)`` as ``(B, H, length, ...)``."""
     nb, B, H = t.shape[:3]
-    t = t.movedim(0, 2).reshape(B, H, nb * BLOCK, *t.shape[4:])  # (B, H, nb * BLOCK, ...)
+    t = t.movedim(0, 2).reshape(B, H, nb * plans.BLOCK, *t.shape[4:])  # (B, H, nb * BLOCK, ...)
     return t[:, :, :length]
 
 
@@ -245,7 +245,7 @@ def _forward(
     ``k (B, H, Lk, D)`` and ``v (B, H, Lk, Dv)``, tile by tile; ``w (D,)`` for additive scoring, ``exp`` its form,
     ``guard``: some key or value is not finite (:func:`~attnkit.backends.tiles.compiled_steps._forward_step`)."""
     B, H, Lq, _ = q.shape
-    Dv, T = v.shape[-1], BLOCK
+    Dv, T = v.shape[-1], plans.BLOCK
     out = q.new_zeros((B, H, Lq, Dv))  # (B, H, Lq, Dv)
     sink = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype)  # (B, H, Lq)
     # 0 in rows that see no key; the sink's logit where there is one (no keys at all: no block of queries below)
@@ -309,7 +309,7 @@ class _Compiled(torch.autograd.Function):
         closed_grads = [torch.zeros_like(t) for t in closed_over]
         keep = bool(closed_over)
         grid, guard = _Grid(mask, B, H, q.device), ctx.guard
-        T = BLOCK
+        T = plans.BLOCK
         qs, ks, vs, douts = _blocked(q), _blocked(k), _blocked(v), _blocked(dout)  # (nq|nk, B, H, T, D|Dv)
         lses, deltas = _blocked(lse), _blocked(delta)  # (nq, B, H, T)
         dqs, dks, dvs = torch.zeros_like(qs), torch.zeros_like(ks), torch.zeros_like(vs)  # as qs, ks, vs
