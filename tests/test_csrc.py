@@ -28,8 +28,12 @@ def fake_loader(monkeypatch, tmp_path):
     monkeypatch.setattr(csrc, "prebuilt", lambda name: None)
     built: list[str] = []
 
-    def load(name, sources, *, build_directory, **kw):
+    def load(name, sources, *, build_directory, extra_include_paths, **kw):
         built.append(name)
+        # the build names only what lies in its own folder (no checkout's path): checkouts share it
+        assert all(Path(p).parent == Path(build_directory) for p in sources), sources
+        assert extra_include_paths == [build_directory], extra_include_paths
+        assert all(Path(p).exists() for p in sources)
         Path(build_directory, f"{name}.so").touch()
 
     monkeypatch.setattr(cpp_extension, "load", load)

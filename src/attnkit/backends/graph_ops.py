@@ -16,6 +16,7 @@ the rows that see nothing zeroed first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -183,21 +184,27 @@ def _(
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the op's
 
 
-def _setup(ctx: object, inputs: tuple, output: tuple) -> None:
-    q, k, v, lens, causal, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, lens)  # type: ignore[attr-defined]
-    ctx.causal, ctx.scale = causal, scale  # type: ignore[attr-defined]
+def _register_autograd(name: str, backward: Callable[..., tuple[Tensor, Tensor, Tensor]]) -> None:
+    """The autograd of an op ``(q, k, v, what_masks, causal, scale) -> (out (B, Lq, H, Dv), lse)``, whose gradients
+    the op ``backward(grad, q, k, v, out, lse, what_masks, causal, scale)`` computes (the view it returns is
+    ``(B, H, Lq, Dv)`` as a view of ``(B, Lq, H, Dv)``: the gradient arrives so, and goes back that way)."""
+
+    def setup(ctx: object, inputs: tuple, output: tuple) -> None:
+        q, k, v, masks, causal, scale = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, masks)  # type: ignore[attr-defined]
+        ctx.causal, ctx.scale = causal, scale  # type: ignore[attr-defined]
+
+    def grads(ctx: object, grad: Tensor, grad_lse: Tensor | None) -> tuple:
+        q, k, v, out, lse, masks = ctx.saved_tensors  # type: ignore[attr-defined]
+        grad, out = grad.transpose(1, 2), out.transpose(1, 2)  # (B, H, Lq, D) views of (B, Lq, H, D)
+        dq, dk, dv = backward(grad, q, k, v, out, lse, masks, ctx.causal, ctx.scale)  # type: ignore[attr-defined]
+        return dq, dk, dv, None, None, None
+
+    torch.library.register_autograd(name, grads, setup_context=setup)
 
 
-def _backward(ctx: object, grad: Tensor, grad_lse: Tensor | None) -> tuple:
-    q, k, v, out, lse, lens = ctx.saved_tensors  # type: ignore[attr-defined]
-    grad, out = grad.transpose(1, 2), out.transpose(1, 2)  # (B, H, Lq, D) views of (B, Lq, H, D)
-    dq, dk, dv = _attention_backward(grad, q, k, v, out, lse, lens, ctx.causal, ctx.scale)  # type: ignore[attr-defined]
-    return dq, dk, dv, None, None, None
-
-
-torch.library.register_autograd(NAME, _backward, setup_context=_setup)
+_register_autograd(NAME, _attention_backward)
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -274,21 +281,7 @@ def _(
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the op's
 
 
-def _fused_setup(ctx: object, inputs: tuple, output: tuple) -> None:
-    q, k, v, attn_mask, causal, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask)  # type: ignore[attr-defined]
-    ctx.causal, ctx.scale = causal, scale  # type: ignore[attr-defined]
-
-
-def _fused_grads(ctx: object, grad: Tensor, grad_lse: Tensor | None) -> tuple:
-    q, k, v, out, lse, attn_mask = ctx.saved_tensors  # type: ignore[attr-defined]
-    grad, out = grad.transpose(1, 2), out.transpose(1, 2)  # (B, H, Lq, D) views of (B, Lq, H, D)
-    dq, dk, dv = _fused_backward(grad, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale)  # type: ignore[attr-defined]
-    return dq, dk, dv, None, None, None
-
-
-torch.library.register_autograd("attnkit::fused_attention", _fused_grads, setup_context=_fused_setup)
+_register_autograd("attnkit::fused_attention", _fused_backward)
 
 
 _LOW = (torch.bfloat16, torch.float16)

@@ -127,7 +127,9 @@ def source_hash(name: str) -> str:
     digest = hashlib.sha256()
     for part in (KERNELS[name], HEADER):
         digest.update((HERE / part).read_bytes())
-    versions = f"{sys.version_info[:2]} {torch.__version__} {' '.join(compile_flags())}"
+    # (and the layout of the build: its sources copied beside it since this tag, so that an older folder, whose
+    # commands named a checkout, is not reused, which would rebuild it without a word)
+    versions = f"{sys.version_info[:2]} {torch.__version__} {' '.join(compile_flags())} sources-beside"
     digest.update(versions.encode())
     return digest.hexdigest()[:12]
 
@@ -174,13 +176,19 @@ def load(name: str) -> None:
                 file=sys.stderr,
                 flush=True,
             )
+        # the sources copied beside the build (the same bytes: the folder is keyed by their hash), so that the
+        # build's commands name no checkout and every checkout of these sources shares one build
+        for part in (KERNELS[name], HEADER):
+            copy = directory / part
+            if not copy.exists() or copy.read_bytes() != (HERE / part).read_bytes():
+                copy.write_bytes((HERE / part).read_bytes())
         try:
             cpp_extension.load(
                 ext,
-                [str(HERE / KERNELS[name])],
+                [str(directory / KERNELS[name])],
                 extra_cflags=compile_flags(),
                 extra_ldflags=["-fopenmp"],
-                extra_include_paths=[str(HERE)],
+                extra_include_paths=[str(directory)],
                 build_directory=str(directory),
                 is_python_module=False,
                 verbose=False,
