@@ -8,10 +8,17 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+# DeepSpeed builds its CPU communication op (shm.cpp, about 25 s) the first time a process group starts, and again
+# whenever another environment built it last (its build names this one's paths): built here, once, with the rest of
+# the environment, not inside the first Ulysses test that happens to run.
+$(STAMP): pyproject.toml constraints.txt | compiler
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[plot,cli,dev,docs,transformers,deepspeed,triton]'
+	@if command -v c++ >/dev/null 2>&1; then \
+		echo "building DeepSpeed's CPU communication op (once for this environment)"; \
+		DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)" >/dev/null; \
+	fi
 	touch $(STAMP)
 
 # Debian's chromium, which tests/test_view_browser.py drives through playwright (no browser is downloaded: only the

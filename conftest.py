@@ -19,6 +19,9 @@ if not torch.cuda.is_available():
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # and the processes its tests start (the command line, torchrun)
+    # and Inductor compiles in the worker itself: a pool of compiling processes for each worker (one per core, each
+    # importing torch) only competes with the other workers for the same cores
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,8 @@ accuracy it declares), over awkward sizes crossed with every way of masking, in 
 dot-product and additive scoring. Modifiers (mask_mod, score_mod, sinks) cross the same engines in test_mods.py.
 
 ``make test`` runs the sizes in pairs (every pair of values of Lq, Lk, D and H/Hkv at least once) and the compiled
-tiles on three of them; ``make test-all`` runs the whole product on every engine."""
+tiles on one of them, beside their own search in test_tiles_compiled.py; ``make test-all`` runs the whole product
+on every engine."""
 
 from __future__ import annotations
 
@@ -87,7 +88,14 @@ def test_every_engine_agrees_with_float64_math_on_every_size(Lq, Lk, D, group):
     _agree(EAGER + COMPILED, Lq, Lk, D, group)
 
 
-@pytest.mark.parametrize(("Lq", "Lk", "D", "group"), [(1, 203, 40, 8), (113, 257, 8, 2), (7, 1, 64, 1)])
+@pytest.mark.parametrize(
+    ("Lq", "Lk", "D", "group"),
+    [  # (each about 12 s in a clean clone: one in make test, beside test_tiles_compiled.py's search)
+        (113, 257, 8, 2),
+        pytest.param(1, 203, 40, 8, marks=pytest.mark.slow),
+        pytest.param(7, 1, 64, 1, marks=pytest.mark.slow),
+    ],
+)
 def test_the_compiled_tiles_agree_with_float64_math(Lq, Lk, D, group):
     if not COMPILED:
         pytest.skip("tiles:compiled does not run here")

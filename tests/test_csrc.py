@@ -79,6 +79,18 @@ def test_builds_are_cached_by_the_hash_of_their_sources(monkeypatch, tmp_path):
     )
 
 
+def test_two_environments_build_apart(monkeypatch, tmp_path):
+    """A build's commands name PyTorch's headers and libraries by their paths: a PyTorch installed elsewhere (another
+    virtual environment) gets a folder of its own, or ninja would rebuild the shared one, without a word, each time
+    the other environment had used it."""
+    import torch
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    here = csrc.build_directory("flash")
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "elsewhere" / "torch" / "__init__.py"))
+    assert csrc.build_directory("flash") != here
+
+
 def test_two_threads_building_at_once_each_see_ninja_and_leave_path_as_it_was(monkeypatch, tmp_path):
     """Two kernels built by two threads at once (the statistics' and the flash kernel's, first used from two
     threads): each build sees ninja on PATH, and PATH is as it was after both (each put back the PATH it had read,

@@ -6,8 +6,9 @@
   -e .``, README "Install") from these very sources, when there is one beside them;
 * otherwise one built on first use with PyTorch's C++ extension loader (a C++ compiler and ninja: about 7-90 s),
   which says so, once, in one line on stderr, and is cached on disk (:func:`build_directory`) under the hash of its
-  sources, the flags, Python's and PyTorch's versions and the instruction set: checkouts whose sources differ do not
-  rebuild each other's, and a changed source is built anew.
+  sources, the flags, Python's and PyTorch's versions and installations and the instruction set: checkouts of the
+  same sources in one environment share a build, neither checkouts whose sources differ nor two environments rebuild
+  each other's, and a changed source is built anew.
 
 :func:`ensure` loads a kernel once a process and remembers what happened: the one place that knows whether a kernel
 runs here (a loaded library is the process's). Where one cannot be built, it says so once, and its caller runs torch
@@ -21,6 +22,7 @@ import contextlib
 import hashlib
 import os
 import sys
+import sysconfig
 import threading
 import time
 import warnings
@@ -123,13 +125,16 @@ def extension_name(name: str) -> str:
 
 def source_hash(name: str) -> str:
     """What a build of kernel ``name`` depends on, hashed: its source and the header, the flags, Python's and
-    PyTorch's versions (12 hexadecimal digits)."""
+    PyTorch's versions and where they are installed (12 hexadecimal digits). The build's commands name PyTorch's
+    headers and libraries and Python's headers by their paths: two virtual environments share no folder, or ninja
+    would rebuild it, without a word, each time the other had used it."""
     digest = hashlib.sha256()
     for part in (KERNELS[name], HEADER):
         digest.update((HERE / part).read_bytes())
     # (and the layout of the build: its sources copied beside it since this tag, so that an older folder, whose
     # commands named a checkout, is not reused, which would rebuild it without a word)
     versions = f"{sys.version_info[:2]} {torch.__version__} {' '.join(compile_flags())} sources-beside"
+    versions += f" {Path(torch.__file__).parent} {sysconfig.get_paths()['include']}"
     digest.update(versions.encode())
     return digest.hexdigest()[:12]
 
