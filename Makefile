@@ -4,21 +4,31 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+# (the op only where DeepSpeed says it fits this machine, as DeepSpeed itself checks before it builds it)
+define DEEPSPEED_OP
+import deepspeed.ops
+from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B
+if deepspeed.ops.__compatible_ops__.get(B.NAME):
+    B().load(verbose=False)
+endef
+export DEEPSPEED_OP
+
 .PHONY: venv browser compiler demo test test-all lint docs bench memory ring ray clean
 
 venv: $(STAMP)
 
-# DeepSpeed builds its CPU communication op (shm.cpp, about 25 s) the first time a process group starts, and again
-# whenever another environment built it last (its build names this one's paths): built here, once, with the rest of
-# the environment, not inside the first Ulysses test that happens to run.
+# DeepSpeed builds its CPU communication op (shm.cpp, about 25 s) the first time a process group starts, in one
+# folder every environment shares, whose build names the last environment's paths: built here, once for this
+# environment, with the rest of it, rather than inside the first Ulysses test that happens to run (another
+# environment's next use builds it again, as DeepSpeed does). Where it cannot be built here (no compiler, no
+# Python headers, not Linux), that is said and the first use builds it, or DeepSpeed goes on without it.
 $(STAMP): pyproject.toml constraints.txt | compiler
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[plot,cli,dev,docs,transformers,deepspeed,triton]'
-	@if command -v c++ >/dev/null 2>&1; then \
-		echo "building DeepSpeed's CPU communication op (once for this environment)"; \
-		DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)" >/dev/null; \
-	fi
+	@echo "building DeepSpeed's CPU communication op (once for this environment)"
+	@PATH="$(abspath $(BIN)):$$PATH" DS_ACCELERATOR=cpu $(BIN)/python -c "$$DEEPSPEED_OP" >/dev/null 2>&1 \
+		|| echo "DeepSpeed's CPU communication op was not built here: its first use builds it"
 	touch $(STAMP)
 
 # Debian's chromium, which tests/test_view_browser.py drives through playwright (no browser is downloaded: only the

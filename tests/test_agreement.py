@@ -3,7 +3,7 @@ accuracy it declares), over awkward sizes crossed with every way of masking, in 
 dot-product and additive scoring. Modifiers (mask_mod, score_mod, sinks) cross the same engines in test_mods.py.
 
 ``make test`` runs the sizes in pairs (every pair of values of Lq, Lk, D and H/Hkv at least once) and the compiled
-tiles on one of them, beside their own search in test_tiles_compiled.py; ``make test-all`` runs the whole product
+tiles on one of them, beside their own cases in test_tiles_compiled.py; ``make test-all`` runs the whole product
 on every engine."""
 
 from __future__ import annotations
@@ -90,9 +90,10 @@ def test_every_engine_agrees_with_float64_math_on_every_size(Lq, Lk, D, group):
 
 @pytest.mark.parametrize(
     ("Lq", "Lk", "D", "group"),
-    [  # (each about 12 s in a clean clone: one in make test, beside test_tiles_compiled.py's search)
-        (113, 257, 8, 2),
+    [  # (each about 12 s in a clean clone: one in make test, beside test_tiles_compiled.py's cases)
+        (113, 257, 40, 8),
         pytest.param(1, 203, 40, 8, marks=pytest.mark.slow),
+        pytest.param(113, 257, 8, 2, marks=pytest.mark.slow),
         pytest.param(7, 1, 64, 1, marks=pytest.mark.slow),
     ],
 )

@@ -87,8 +87,10 @@ def test_two_environments_build_apart(monkeypatch, tmp_path):
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
     here = csrc.build_directory("flash")
+    named = csrc.source_hash("flash")
     monkeypatch.setattr(torch, "__file__", str(tmp_path / "elsewhere" / "torch" / "__init__.py"))
     assert csrc.build_directory("flash") != here
+    assert csrc.source_hash("flash") == named  # (a kernel built ahead of time is named by its sources alone)
 
 
 def test_two_threads_building_at_once_each_see_ninja_and_leave_path_as_it_was(monkeypatch, tmp_path):

@@ -125,25 +125,26 @@ def extension_name(name: str) -> str:
 
 def source_hash(name: str) -> str:
     """What a build of kernel ``name`` depends on, hashed: its source and the header, the flags, Python's and
-    PyTorch's versions and where they are installed (12 hexadecimal digits). The build's commands name PyTorch's
-    headers and libraries and Python's headers by their paths: two virtual environments share no folder, or ninja
-    would rebuild it, without a word, each time the other had used it."""
+    PyTorch's versions (12 hexadecimal digits); the name of a kernel built ahead of time carries it."""
     digest = hashlib.sha256()
     for part in (KERNELS[name], HEADER):
         digest.update((HERE / part).read_bytes())
     # (and the layout of the build: its sources copied beside it since this tag, so that an older folder, whose
     # commands named a checkout, is not reused, which would rebuild it without a word)
     versions = f"{sys.version_info[:2]} {torch.__version__} {' '.join(compile_flags())} sources-beside"
-    versions += f" {Path(torch.__file__).parent} {sysconfig.get_paths()['include']}"
     digest.update(versions.encode())
     return digest.hexdigest()[:12]
 
 
 def build_directory(name: str) -> Path:
     """Where kernel ``name`` is built on first use: under ``TORCH_EXTENSIONS_DIR`` (or ``~/.cache/torch_extensions``),
-    a folder of its own for each :func:`source_hash`."""
+    a folder of its own for each :func:`source_hash` and each installation of PyTorch and Python. The build's
+    commands name PyTorch's headers and libraries and Python's headers by their paths: two virtual environments
+    sharing a folder would each rebuild it, without a word, after the other had used it."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    return root / f"{extension_name(name).replace('_', '-')}-{source_hash(name)}"
+    where = f"{source_hash(name)} {Path(torch.__file__).parent} {sysconfig.get_paths()['include']}"
+    key = hashlib.sha256(where.encode()).hexdigest()[:12]
+    return root / f"{extension_name(name).replace('_', '-')}-{key}"
 
 
 def prebuilt(name: str) -> Path | None:

@@ -349,8 +349,13 @@ def _as_attnkit_mask(mask: Tensor | None, position_bias: Tensor | None, Lk: int)
 
 def _window(module: object, window: int) -> mods.sliding_window:
     """The layer's sliding window, one object for all its calls (kept on the attention module, which the model
-    holds): its plans, kept on it by length (:mod:`attnkit.plan`), serve the layer's next forward and decoding
-    step, where a new object a call would plan each of them again (32 ms at L=4096, 0.3 s at 32k)."""
+    holds): its plans, kept on it by length (:mod:`attnkit.plan`, at most eight), serve the layer's next forward of
+    the same length, where a new object a call would plan it again (32 ms at L=4096, 0.3 s at 32k). It is asked for
+    only where transformers passes no mask of its own and the call is causal over several queries: a training or
+    prefill forward without padding, whose mask transformers leaves to the attention (a decoding step, or a call
+    with a dense mask, carries its window in that mask). Each layer keeps its own plans: memory a layer, the partly
+    visible tiles of each length it has seen (about 2 MiB for a window of 4096 at L=8192), for no state kept in a
+    module of attnkit's."""
     kept = getattr(module, "__dict__", {}).get("_attnkit_window")
     if not isinstance(kept, mods.sliding_window) or kept.window != window:
         kept = mods.sliding_window(window)
