@@ -21,13 +21,15 @@ venv: $(STAMP)
 # folder every environment shares, whose build names the last environment's paths: built here, once for this
 # environment, with the rest of it, rather than inside the first Ulysses test that happens to run (another
 # environment's next use builds it again, as DeepSpeed does). Where it cannot be built here (no compiler, no
-# Python headers, not Linux), that is said and the first use builds it, or DeepSpeed goes on without it.
+# Python headers, not Linux), that is said and the first use builds it, or DeepSpeed goes on without it. The ninja
+# on PATH first, as the tests' processes find it (the environment's own only where there is none): two ninjas hash
+# a command differently, and the other one would build it all again.
 $(STAMP): pyproject.toml constraints.txt | compiler
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[plot,cli,dev,docs,transformers,deepspeed,triton]'
 	@echo "building DeepSpeed's CPU communication op (once for this environment)"
-	@PATH="$(abspath $(BIN)):$$PATH" DS_ACCELERATOR=cpu $(BIN)/python -c "$$DEEPSPEED_OP" >/dev/null 2>&1 \
+	@PATH="$$PATH:$(abspath $(BIN))" DS_ACCELERATOR=cpu $(BIN)/python -c "$$DEEPSPEED_OP" >/dev/null 2>&1 \
 		|| echo "DeepSpeed's CPU communication op was not built here: its first use builds it"
 	touch $(STAMP)
 
