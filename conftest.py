@@ -27,25 +27,3 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 @pytest.fixture(autouse=True)
 def _doctest_torch(doctest_namespace):
     doctest_namespace["torch"] = torch
-
-
-# The longest test files first (their seconds in a clean-clone CI run, where Inductor's caches are cold): pytest-xdist
-# hands out whole files (--dist loadfile) in collection order, so one of these collected last, alphabetically, could
-# leave one worker running it alone while the other has finished. A file not named keeps its place after them.
-LONGEST_FIRST = (
-    "test_compile.py",  # 127 s
-    "test_tiles_compiled_additive.py",  # 45 s
-    "test_readme.py",  # 43 s
-    "test_tiles_compiled.py",  # 40 s
-    "test_triton.py",  # 39 s
-    "test_distributed.py",  # 38 s
-    "test_view_browser.py",  # 31 s
-    "test_stats_tiled.py",  # 30 s
-    "test_plot.py",  # 26 s
-    "test_functional.py",  # 26 s
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # (stable: the rest keep their order)
