@@ -34,7 +34,9 @@ def fake_loader(monkeypatch, tmp_path):
         assert all(Path(p).parent == Path(build_directory) for p in sources), sources
         assert extra_include_paths == [build_directory], extra_include_paths
         assert all(Path(p).exists() for p in sources)
-        Path(build_directory, f"{name}.so").touch()
+        library = Path(build_directory, f"{name}.so")
+        if not library.exists():  # (as ninja: nothing to do where the build is there)
+            library.touch()
 
     monkeypatch.setattr(cpp_extension, "load", load)
     return built
@@ -47,6 +49,23 @@ def test_the_first_build_says_so_in_one_line_and_the_next_load_says_nothing(fake
     assert str(csrc.build_directory("stats")) in err and err.rstrip().endswith(" s"), err
     csrc.load("stats")
     assert capfd.readouterr().err == "" and len(fake_loader) == 2  # (the loader itself skips a build it has)
+
+
+def test_a_rebuild_of_a_built_kernel_says_so(monkeypatch, fake_loader, capfd):
+    """A build whose command changed (ninja rebuilds in a folder that holds a kernel) says so in one line."""
+    from torch.utils import cpp_extension
+
+    csrc.load("flash")
+    capfd.readouterr()
+
+    def rebuilds(name, sources, *, build_directory, **kw):
+        time.sleep(0.01)  # (a newer modification time on any file system)
+        Path(build_directory, f"{name}.so").write_bytes(b"rebuilt")
+
+    monkeypatch.setattr(cpp_extension, "load", rebuilds)
+    csrc.load("flash")
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("attnkit: rebuilt its C++ kernel 'flash' in "), err
 
 
 def test_a_failed_build_ends_its_line_and_raises(monkeypatch, fake_loader, capfd):
@@ -91,6 +110,10 @@ def test_two_environments_build_apart(monkeypatch, tmp_path):
     monkeypatch.setattr(torch, "__file__", str(tmp_path / "elsewhere" / "torch" / "__init__.py"))
     assert csrc.build_directory("flash") != here
     assert csrc.source_hash("flash") == named  # (a kernel built ahead of time is named by its sources alone)
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", "clang++")  # another compiler: a folder of its own too
+    assert csrc.build_directory("flash") != here
 
 
 def test_two_threads_building_at_once_each_see_ninja_and_leave_path_as_it_was(monkeypatch, tmp_path):

@@ -235,10 +235,12 @@ def make_plan(
 
     Args:
         num_queries, num_keys: ``Lq``, ``Lk`` of the calls it serves.
-        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (:mod:`attnkit.mods`); it is read when the plan is
-            made, and the calls use it as it was then: a function of tensors that change between calls needs a
-            plan of its own each time. Padding (``valid_lens``) goes into it too (``mods.and_masks``), as the
-            call takes no other mask beside a plan.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (:mod:`attnkit.mods`); the plan's tiles are looked
+            at when it is made, the booleans of its partly visible tiles at its first call, and the engines that
+            evaluate the mask_mod in each call (``sdpa``'s dense mask) read it again: the mask must stay as it
+            was, and a function of tensors that change between calls needs a plan of its own each time (as a
+            FlexAttention ``BlockMask`` does), or the engines disagree. Padding (``valid_lens``) goes into it too
+            (``mods.and_masks``), as the call takes no other mask beside a plan.
         is_causal: causal, aligned to the bottom right.
         batch, heads: ``B`` and ``H`` of the calls, where the mask_mod depends on them (``mods.document`` of ids
             for each example: their ``B``); ``1``, the default, promises that it does not: the plan then serves

@@ -19,6 +19,7 @@ keeps each off: ``ATTNKIT_FLASH_KERNEL=0``, ``ATTNKIT_STATS_KERNEL=0``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import sys
@@ -90,9 +91,14 @@ def ensure(name: str) -> str | None:
             except Exception as error:  # no compiler, no ninja, a build error
                 reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
                 _LOADED[name] = f"its C++ kernel built (the build failed: {type(error).__name__}: {reason})"
+                advice = (  # a folder that cannot be written, or a build that cannot run
+                    "TORCH_EXTENSIONS_DIR names a folder it may write to"
+                    if isinstance(error, PermissionError) or getattr(error, "errno", None) == errno.EROFS
+                    else "`make compiler` installs a C++ compiler"
+                )
                 warnings.warn(
                     f"attnkit: the {name} kernel could not be built ({type(error).__name__}: {reason}); "
-                    f"{_INSTEAD[name]} (`make compiler` installs a C++ compiler)",
+                    f"{_INSTEAD[name]} ({advice})",
                     RuntimeWarning,
                     stacklevel=3,
                 )
@@ -140,9 +146,11 @@ def build_directory(name: str) -> Path:
     """Where kernel ``name`` is built on first use: under ``TORCH_EXTENSIONS_DIR`` (or ``~/.cache/torch_extensions``),
     a folder of its own for each :func:`source_hash` and each installation of PyTorch and Python. The build's
     commands name PyTorch's headers and libraries and Python's headers by their paths: two virtual environments
-    sharing a folder would each rebuild it, without a word, after the other had used it."""
+    sharing a folder would each rebuild it, without a word, after the other had used it; so would two compilers
+    (``CXX``)."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    where = f"{source_hash(name)} {Path(torch.__file__).parent} {sysconfig.get_paths()['include']}"
+    compiler = os.environ.get("CXX", "c++")  # (PyTorch's loader builds with $CXX)
+    where = f"{source_hash(name)} {Path(torch.__file__).parent} {sysconfig.get_paths()['include']} {compiler}"
     key = hashlib.sha256(where.encode()).hexdigest()[:12]
     return root / f"{extension_name(name).replace('_', '-')}-{key}"
 
@@ -173,7 +181,9 @@ def load(name: str) -> None:
     ext = extension_name(name)
     with _building(directory), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the loader's notes on compiler versions: the build works or raises
-        fresh = not any(directory.glob(f"{ext}.*so")) and not (directory / f"{ext}.pyd").exists()
+        built = sorted(directory.glob(f"{ext}.*so")) + sorted(directory.glob(f"{ext}.pyd"))
+        fresh = not built
+        before = {path: path.stat().st_mtime_ns for path in built}
         start = time.monotonic()
         if fresh:
             print(
@@ -205,6 +215,14 @@ def load(name: str) -> None:
             raise
         if fresh:
             print(f" built in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+        elif any(path.stat().st_mtime_ns != mtime for path, mtime in before.items() if path.exists()):
+            # ninja found the build's command changed (flags from the environment, say): it says so, after the fact
+            print(
+                f"attnkit: rebuilt its C++ kernel {name!r} in {directory}, whose build command had changed, in "
+                f"{time.monotonic() - start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 @contextlib.contextmanager
