@@ -354,8 +354,8 @@ def _window(module: object, window: int) -> mods.sliding_window:
     only where transformers passes no mask of its own and the call is causal over several queries: a training or
     prefill forward without padding, whose mask transformers leaves to the attention (a decoding step, or a call
     with a dense mask, carries its window in that mask). Each layer keeps its own plans: memory a layer, the partly
-    visible tiles of each length it has seen (about 2 MiB for a window of 4096 at L=8192), for no state kept in a
-    module of attnkit's."""
+    visible tiles of each length it has seen (the plan caps them at 16 MiB), for no state kept in a module of
+    attnkit's."""
     kept = getattr(module, "__dict__", {}).get("_attnkit_window")
     if not isinstance(kept, mods.sliding_window) or kept.window != window:
         kept = mods.sliding_window(window)
