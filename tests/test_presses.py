@@ -52,9 +52,9 @@ def _eager_weights(ids: torch.Tensor, attention_mask: torch.Tensor | None = None
         return model(ids, attention_mask=attention_mask, output_attentions=True).attentions
 
 
-def _group(x: torch.Tensor) -> torch.Tensor:
+def _group(x: torch.Tensor, hkv: int = HKV) -> torch.Tensor:
     B, h, n = x.shape
-    return x.view(B, HKV, h // HKV, n).mean(2)
+    return x.view(B, hkv, h // hkv, n).mean(2)
 
 
 def _pad_top(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -62,21 +62,21 @@ def _pad_top(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # the formulas, on whole float64 weights (kvpress's, with attnkit's count of the queries that see each key)
-def observed(a: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def observed(a: torch.Tensor, mask: torch.Tensor | None = None, hkv: int = HKV) -> torch.Tensor:
     n = a.shape[-1]
     seen = torch.arange(n, 0, -1, dtype=a.dtype) if mask is None else mask.to(a.dtype).sum(-2)  # (L,) or (B, 1, L)
-    return _group(torch.where(seen > 0, a.sum(2) / seen.clamp(min=1), 0.0))
+    return _group(torch.where(seen > 0, a.sum(2) / seen.clamp(min=1), 0.0), hkv)
 
 
-def snapkv(a: torch.Tensor, window: int = 64, kernel: int = 5) -> torch.Tensor:
+def snapkv(a: torch.Tensor, window: int = 64, kernel: int = 5, hkv: int = HKV) -> torch.Tensor:
     s = a[..., -window:, :-window].mean(-2)
     if kernel > 1:
         s = F.avg_pool1d(s, kernel, stride=1, padding=kernel // 2)
-    return _pad_top(_group(s), window)
+    return _pad_top(_group(s, hkv), window)
 
 
-def tova(a: torch.Tensor) -> torch.Tensor:
-    return _pad_top(a[:, :, -1, :-1].mean(1, keepdim=True).expand(-1, HKV, -1), 1)
+def tova(a: torch.Tensor, hkv: int = HKV) -> torch.Tensor:
+    return _pad_top(a[:, :, -1, :-1].mean(1, keepdim=True).expand(-1, hkv, -1), 1)
 
 
 ATTENTION_PRESSES = {
