@@ -129,7 +129,9 @@ def test_observed_attention_counts_the_queries_that_see_each_key_under_padding()
     attention_mask[1, :7] = 0  # left padding: row 1's first 7 keys are seen by no query
     press, model = presses.ObservedAttention(0.25), _llama()
     with torch.no_grad(), press(model):
-        model(ids, attention_mask=attention_mask)
+        model(ids, attention_mask=attention_mask, use_cache=False)  # scored; no cache to compress
+        with pytest.raises(ValueError, match="without padding"):
+            model(ids, attention_mask=attention_mask)  # its cache could not be used after
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     mask = (causal & attention_mask[:, None, :].bool())[:, None]  # (B, 1, L, L): padded queries see nothing
     mask &= attention_mask[:, None, :, None].bool()
@@ -344,3 +346,71 @@ def test_a_press_never_writes_into_the_callers_tensors():
             model(ids[:, :3], past_key_values=cache)  # not a prefill: this cache is not compressed
     assert all(torch.equal(k, c) for k, c in zip(keys, copies, strict=True))
     assert cache.layers[0].keys.shape[2] == L + 3
+
+
+def _one_layer() -> Any:
+    return transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=H,
+        num_key_value_heads=HKV,
+        max_position_embeddings=128,
+    )
+
+
+def test_adaptive_budget_shares_the_layers_pairs_by_entropy_and_hides_the_rest_inside_the_block():
+    """One layer, so that eager's per-head 4-D mask is the reference: inside the block the decode step's query of
+    each head sees exactly its key/value head's budget; after it, every stored slot."""
+    model = transformers.LlamaForCausalLM._from_config(_one_layer(), attn_implementation=NAME).eval()
+    eager = transformers.LlamaForCausalLM._from_config(_one_layer(), attn_implementation="eager").eval()
+    eager.load_state_dict(model.state_dict())
+    ids, nxt = _ids(1), torch.tensor([[7]])
+    press = presses.AdaptiveBudget(presses.ObservedAttention(0.5))
+    with torch.no_grad(), attnkit.record_stats(model) as rec:
+        model(ids)
+    entropy = rec["model.layers.0.self_attn"].entropy[0].double().mean(-1).exp().view(HKV, -1).mean(-1)  # (Hkv,)
+    with torch.no_grad(), press(model):
+        out = model(ids)
+        cache = out.past_key_values
+        inside = model(nxt, past_key_values=cache, position_ids=torch.tensor([[L]])).logits[0, -1]
+    budgets, kept, visible = press.budgets[0][0], press.kept[0][0], press.visible[0][0]
+    assert int(budgets.sum()) == HKV * (L // 2) and bool((budgets >= 1).all())
+    assert torch.equal(visible.sum(-1), budgets)
+    assert (budgets[0] > budgets[1]) == bool(entropy[0] > entropy[1])  # the wider head keeps more
+    assert kept.shape[-1] == int(budgets.max()) == cache.layers[0].keys.shape[2] - 1
+    ref = observed(_eager_weights_of(eager, ids)[0])[0]  # (Hkv, L)
+    for g in range(HKV):  # each head's budget: its best-scored positions
+        assert sorted(kept[g][visible[g]].tolist()) == sorted(ref[g].topk(int(budgets[g])).indices.tolist())
+
+    def step_with(seen_by_head: list[torch.Tensor]) -> torch.Tensor:
+        mask = torch.ones(1, H, L + 1, L + 1, dtype=torch.bool).tril()
+        for h in range(H):
+            mask[0, h, L, :L] = False
+            mask[0, h, L, seen_by_head[h // (H // HKV)]] = True
+        bias = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+        with torch.no_grad():
+            return eager(torch.cat([ids, nxt], 1), attention_mask=bias).logits[0, -1]
+
+    torch.testing.assert_close(inside, step_with([kept[g][visible[g]] for g in range(HKV)]), atol=5e-5, rtol=1e-5)
+    cache.crop(-1)  # drop the step's pair: the same step again, outside the block
+    with torch.no_grad():
+        after = model(nxt, past_key_values=cache, position_ids=torch.tensor([[L]])).logits[0, -1]
+    torch.testing.assert_close(after, step_with([kept[g] for g in range(HKV)]), atol=5e-5, rtol=1e-5)
+
+
+def _eager_weights_of(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    with torch.no_grad():
+        return tuple(a.double() for a in model(ids, output_attentions=True).attentions)
+
+
+def test_adaptive_budget_refuses_what_it_cannot_do():
+    with pytest.raises(TypeError, match="press"):
+        presses.AdaptiveBudget(presses.H2O(0.5))
+    with pytest.raises(TypeError, match="press"):
+        presses.AdaptiveBudget(0.5)
+    mha = attnkit.MultiHeadAttention(16, 2).eval()
+    x = torch.randn(1, 8, 16)
+    with pytest.raises(ValueError, match="KVCache"), presses.AdaptiveBudget(presses.KNorm(0.5))(mha):
+        mha(x, x, x, is_causal=True, cache=attnkit.KVCache())

@@ -38,11 +38,62 @@ PRESSES = {
 
 def _text_ids(tokenizer, length: int) -> torch.Tensor:
     """``(1, length)`` tokens of seeded random English words (the same every run; no file of the project's)."""
-    words = (
-        "the of and to in is was for that on with as by at from his her they which this have had were are but "
-        "river mountain city market letter garden winter station number answer question morning village story "
-        "people water light house road school music paper window silver animal forest island engine doctor"
-    ).split()
+    words = [
+        "the",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "was",
+        "for",
+        "that",
+        "on",
+        "with",
+        "as",
+        "by",
+        "at",
+        "from",
+        "his",
+        "her",
+        "they",
+        "which",
+        "this",
+        "have",
+        "had",
+        "were",
+        "are",
+        "but",
+        "river",
+        "mountain",
+        "city",
+        "market",
+        "letter",
+        "garden",
+        "winter",
+        "station",
+        "number",
+        "answer",
+        "question",
+        "morning",
+        "village",
+        "story",
+        "people",
+        "water",
+        "light",
+        "house",
+        "road",
+        "school",
+        "music",
+        "paper",
+        "window",
+        "silver",
+        "animal",
+        "forest",
+        "island",
+        "engine",
+        "doctor",
+    ]
     pick = torch.randint(0, len(words), (length,), generator=torch.Generator().manual_seed(7)).tolist()
     ids = tokenizer(" ".join(words[i] for i in pick), return_tensors="pt").input_ids
     return ids[:, :length]

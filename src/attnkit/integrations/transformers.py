@@ -67,6 +67,7 @@ from torch.nn import functional as F
 
 from attnkit import _context_parallel, mods, stats
 from attnkit.functional import Masks, attend, attention_weights
+from attnkit.presses.base import hidden_slots
 from attnkit.recording import report_weights, wants_stats
 
 try:
@@ -248,6 +249,9 @@ def attention_forward(
         # tiles:online differentiates what a score_mod closes over, not a dense float mask: the bias as a table
         score_mod, position_bias = _bias_table(position_bias, score_mod), None
     attn_mask = _as_attnkit_mask(attention_mask, position_bias, Lk)  # (B|1, H|1, Lq, Lk) or None
+    hidden = hidden_slots(module)  # (B, Hkv, n): cache slots an open press hides (attnkit.presses.AdaptiveBudget)
+    if hidden is not None:
+        attn_mask = _hide(attn_mask, hidden, query.shape[1], Lk)  # (B, H, Lq|1, Lk)
     if Lq == Lk > 1:  # the keys are the queries' own positions: packed documents as position_ids say
         mask_mod = _sequence.documents_in(kwargs.get("position_ids"), query.shape[0], Lq, mask_mod, attn_mask)
     masks: dict[str, Any] = {
@@ -289,6 +293,20 @@ def attention_forward(
 
     report_weights(module, recorded, kv_heads=key.shape[1], parts=parts)
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, H, Dv)
+
+
+def _hide(attn_mask: Tensor | None, hidden: Tensor, heads: int, Lk: int) -> Tensor:
+    """``attn_mask`` with the cache slots ``hidden (B, Hkv, n)`` (the first ``n`` of the ``Lk`` keys) hidden from
+    every query head of their key/value head; the keys past them (appended after the press) stay seen."""
+    B, Hkv, n = hidden.shape
+    seen = ~hidden[..., :Lk]  # (B, Hkv, min(n, Lk))
+    seen = F.pad(seen, (0, Lk - seen.shape[-1]), value=True)  # (B, Hkv, Lk)
+    seen = seen.repeat_interleave(heads // Hkv, dim=1)[:, :, None]  # (B, H, 1, Lk)
+    if attn_mask is None:
+        return seen
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & seen  # (B, H, Lq, Lk)
+    return attn_mask.masked_fill(~seen, float("-inf"))  # (B, H, Lq, Lk)
 
 
 def _query_slots(attn_mask: Tensor | None, Lq: int, Lk: int) -> Tensor | None:

@@ -26,6 +26,7 @@ press                  score of key ``j`` (higher: kept)                        
 ``StreamingLLM``       the first 4 and the most recent positions                               no
 ``KNorm``              ``-||k||``                                                              no
 ``Random``             uniform                                                                 no
+``AdaptiveBudget``     another press's scores, each head's budget by its width ``exp(entropy)``  entropy
 =====================  ====================================================================  ===============
 
 The model: a transformers decoder whose attention is attnkit's (``attn_implementation="attnkit"``), its cache a
@@ -36,10 +37,21 @@ removed, also after an exception).
 """
 
 from attnkit.presses.base import Layer, Press
-from attnkit.presses.scorers import H2O, TOVA, KNorm, ObservedAttention, QuestionAware, Random, SnapKV, StreamingLLM
+from attnkit.presses.scorers import (
+    H2O,
+    TOVA,
+    AdaptiveBudget,
+    KNorm,
+    ObservedAttention,
+    QuestionAware,
+    Random,
+    SnapKV,
+    StreamingLLM,
+)
 
 __all__ = [
     "H2O",
+    "AdaptiveBudget",
     "TOVA",
     "KNorm",
     "Layer",

@@ -8,6 +8,7 @@ import contextlib
 import math
 import sys
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -18,9 +19,22 @@ from attnkit._validate import describe
 from attnkit.cache import KVCache
 from attnkit.masks import compute_dtype
 
-__all__ = ["Layer", "Press", "viewers"]
+__all__ = ["Layer", "Press", "hidden_slots", "viewers"]
 
 # B batch, H query heads, Hkv key/value heads, G = H // Hkv, L keys of the prefill, n kept, D head dim
+
+
+# Cache slots a press hides from attention while its block is open (AdaptiveBudget's padding), by the id of the
+# attention module whose cache holds them: (B, Hkv, n) bool, the first n slots of that cache. A ContextVar: it
+# belongs to the thread or task that opened the block, and ends with it.
+_HIDDEN: ContextVar[dict[int, Tensor] | None] = ContextVar("attnkit_press_hidden", default=None)
+
+
+def hidden_slots(module: nn.Module) -> Tensor | None:
+    """``(B, Hkv, n)`` bool: the first ``n`` slots of ``module``'s cache that an open press hides from its
+    attention (the integration's attention reads it at each call), or ``None`` (the cost: one lookup)."""
+    hidden = _HIDDEN.get()
+    return None if hidden is None else hidden.get(id(module))
 
 
 class Layer:
@@ -173,6 +187,7 @@ class Press:
         self.scores, self.kept = {}, {}
         observer = _Observer()
         hooks: list[Any] = []
+        hidden = _HIDDEN.set(dict(_HIDDEN.get() or {}))  # this block's own, over any outer block's
         try:
             for index, module in layers:
                 hooks.append(module.register_forward_pre_hook(_before(observer), with_kwargs=True))
@@ -183,6 +198,7 @@ class Press:
             for hook in hooks:
                 hook.remove()
             observer.pending.clear()
+            _HIDDEN.reset(hidden)
             self._open = False
 
     def _after(self, observer: _Observer, index: int) -> Callable[..., None]:
@@ -203,8 +219,15 @@ class Press:
         if parts is None:
             return
         cache = _cache_of(module, kwargs)
+        transformers_cache = cache is not None and not isinstance(cache, KVCache)
+        if transformers_cache and not parts.mask.is_plain_causal and bool((viewers(parts) == 0).any()):
+            raise ValueError(  # a key no query sees: padding
+                "a press compresses transformers' cache of a batch without padding: the attention_mask of the "
+                "calls after (generate extends it) would no longer line up with the positions kept. Press one "
+                "sequence at a time, or use attnkit's KVCache, whose rows keep their own lengths"
+            )
         lengths = cache.lengths if isinstance(cache, KVCache) else None
-        keys = parts.k if cache is None else cache.keys if isinstance(cache, KVCache) else cache.keys
+        keys = parts.k if cache is None else cache.keys
         assert keys is not None
         layer = Layer(index, keys, lengths, parts)
         scores = self.score(layer)  # (B, Hkv, L)
@@ -212,6 +235,10 @@ class Press:
         self.scores[index], self.kept[index] = scores, kept
         if cache is not None:
             _keep(cache, kept, counts)
+        self._chosen(index, module, cache, layer)
+
+    def _chosen(self, index: int, module: nn.Module, cache: Any, layer: Layer) -> None:
+        """After a prefill's compression (a subclass's hook: AdaptiveBudget hides its padding)."""
 
 
 class _Call:

@@ -10,9 +10,20 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from attnkit._validate import describe
-from attnkit.presses.base import Layer, Press, _cache_of, _Call, _keep
+from attnkit.cache import KVCache
+from attnkit.presses.base import _HIDDEN, Layer, Press, _cache_of, _Call, _keep, kept_count
 
-__all__ = ["H2O", "TOVA", "KNorm", "ObservedAttention", "QuestionAware", "Random", "SnapKV", "StreamingLLM"]
+__all__ = [
+    "H2O",
+    "TOVA",
+    "AdaptiveBudget",
+    "KNorm",
+    "ObservedAttention",
+    "QuestionAware",
+    "Random",
+    "SnapKV",
+    "StreamingLLM",
+]
 
 # B batch, H query heads, Hkv key/value heads, G = H // Hkv, L keys of the prefill, w window rows, D head dim
 
@@ -208,3 +219,88 @@ class H2O(ObservedAttention):
             _keep(cache, keep, torch.full((B,), budget, device=keep.device))
         self._running[index] = (sums, seen, positions, next_position + new)
         self.kept[index] = positions
+
+
+class AdaptiveBudget(Press):
+    """An entropy-adaptive budget per key/value head around another press's scores: a layer keeps as many pairs
+    in all as ``press`` would (``kept * Hkv``), shared out in proportion to each head's effective width, the
+    exponential of its query heads' mean entropy over the prefill's rows (``exp(H)``: the number of keys a row
+    spreads its weight over as if uniformly; exact, :mod:`attnkit.stats`). A diffuse head keeps more, a sharp one
+    less; each keeps its best-scored positions by ``press.score``, at least one and at most ``L``.
+
+    A cache holds as many slots per key/value head: each head stores the largest budget's count, the slots past
+    its own budget filled with its next-best positions, which the attention hides while the block is open
+    (attnkit's transformers attention reads them: :func:`~attnkit.presses.base.hidden_slots`). Inside the block every
+    head attends over its budget alone; after it, over all its slots (more kept pairs, never other ones). So the
+    memory is that of the largest budget, not of the average: this measures what the allocation is worth (kvpress's
+    AdaKV keeps the whole cache and hides the rest the same way).
+
+    ``press.kept[i]`` holds the stored positions ``(B, Hkv, m)``, ``press.visible[i]`` which of them attention
+    reads ``(B, Hkv, m)`` bool, ``press.budgets[i]`` each head's budget ``(B, Hkv)``.
+
+    Raises:
+        TypeError: ``press`` is not a Press.
+        ValueError: at a prefill through attnkit's KVCache (its layers do not read hidden slots).
+    """
+
+    def __init__(self, press: Press) -> None:
+        if not isinstance(press, Press) or isinstance(press, (AdaptiveBudget, H2O)):
+            raise TypeError(
+                f"press must be a press that scores a prefill (not H2O or another budget), got {describe(press)}"
+            )
+        super().__init__(press.compression_ratio)
+        self.press = press
+        self.visible: dict[int, Tensor] = {}
+        self.budgets: dict[int, Tensor] = {}
+        self._last: tuple[Tensor, Tensor] | None = None
+
+    def __repr__(self) -> str:
+        return f"AdaptiveBudget({self.press!r})"
+
+    def score(self, layer: Layer) -> Tensor:
+        return self.press.score(layer)
+
+    def allot(self, layer: Layer) -> Tensor:
+        """``(B, Hkv)`` int64: each key/value head's budget, summing to ``kept * Hkv`` (largest remainders)."""
+        B, Hkv, L = layer.keys.shape[:3]
+        width = layer.entropy().double().mean(dim=-1).exp()  # (B, H): keys each head's rows spread over
+        width = width.view(B, Hkv, -1).mean(dim=-1)  # (B, Hkv)
+        total = kept_count(L, self.compression_ratio) * Hkv
+        budgets = torch.ones(B, Hkv, dtype=torch.long)  # each head at least one
+        for _ in range(Hkv):  # shares past L move to the heads that still have room
+            room = budgets < L
+            share = torch.where(room, width, 0.0)
+            share = share / share.sum(dim=-1, keepdim=True).clamp(min=1e-300)
+            left = (total - budgets.sum(dim=-1, keepdim=True)).clamp(min=0)  # (B, 1)
+            wanted = share * left  # (B, Hkv)
+            whole = wanted.floor().long()
+            extra = left[:, 0] - whole.sum(dim=-1)  # (B,): given to the largest remainders
+            order = (wanted - whole).argsort(dim=-1, descending=True)
+            bonus = (torch.arange(Hkv)[None] < extra[:, None]).long()  # (B, Hkv), by rank
+            whole = whole + torch.zeros_like(whole).scatter(1, order, bonus)
+            budgets = (budgets + whole).clamp(max=L)
+            if bool((budgets.sum(dim=-1) >= total).all()):
+                break
+        return budgets
+
+    def choose(self, layer: Layer, scores: Tensor) -> tuple[Tensor, Tensor]:
+        B, Hkv, L = scores.shape
+        budgets = self.allot(layer).to(scores.device)  # (B, Hkv)
+        m = int(budgets.max())
+        best = scores.topk(m, dim=-1).indices  # (B, Hkv, m), best first
+        inside = torch.arange(m, device=scores.device) < budgets[..., None]  # (B, Hkv, m): within the budget
+        kept, order = best.sort(dim=-1)  # ascending positions, and where each came from in the ranking
+        self._last = (inside.gather(2, order), budgets)
+        return kept, torch.full((B,), m, device=scores.device)
+
+    def _chosen(self, index: int, module: nn.Module, cache, layer: Layer) -> None:
+        assert self._last is not None
+        visible, budgets = self._last
+        self.visible[index], self.budgets[index] = visible, budgets
+        if isinstance(cache, KVCache):
+            raise ValueError(
+                "AdaptiveBudget hides slots in transformers' attention only: press a KVCache with a plain press"
+            )
+        hidden = _HIDDEN.get()
+        if hidden is not None and cache is not None:
+            hidden[id(module)] = ~visible
