@@ -34,6 +34,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -118,6 +119,40 @@ def batched(cache, layers: list[presses.Layer], chosen: list[tuple[presses.Press
     return out
 
 
+ADAPTIVE = "AdaptiveBudget(ObservedAttention)"
+
+
+def adaptive(cache, layers: list[presses.Layer], ratio: float, scores: list[torch.Tensor]) -> tuple[Any, list]:
+    """What ``AdaptiveBudget(ObservedAttention(ratio))`` keeps of ``cache`` (from ObservedAttention's scores,
+    computed once) and, per layer, the slots it hides ``(1, Hkv, m)``."""
+    from transformers import DynamicCache
+
+    press = presses.AdaptiveBudget(presses.ObservedAttention(ratio))
+    out, hidden = DynamicCache(), []
+    for i, layer in enumerate(layers):
+        kept, _ = press.choose(layer, scores[i])  # (1, Hkv, m)
+        assert press._last is not None
+        hidden.append(~press._last[0])
+        k, v = cache.layers[i].keys, cache.layers[i].values
+        index = kept[..., None]
+        out.update(k.gather(2, index.expand(-1, -1, -1, 64)), v.gather(2, index.expand(-1, -1, -1, 64)), i)
+    return out, hidden
+
+
+@contextlib.contextmanager
+def hiding(model, hidden: list[torch.Tensor]):
+    """The slots ``hidden[i]`` of layer ``i``'s cache hidden from its attention, as an open AdaptiveBudget hides
+    them (its ContextVar, private: the benchmark compresses a prefill once for every press, outside their blocks)."""
+    from attnkit.presses import base
+
+    by_module = {id(layer.self_attn): h for layer, h in zip(model.model.layers, hidden, strict=True)}
+    token = base._HIDDEN.set(by_module)
+    try:
+        yield
+    finally:
+        base._HIDDEN.reset(token)
+
+
 def full_copy(cache):
     from transformers import DynamicCache
 
@@ -191,6 +226,9 @@ def needles(model, tokenizer, length: int, depths: int, table: dict) -> None:
             chosen = [(make(ratio), scores[name]) for name, make in PRESSES.items()]
             for name, ok in zip(PRESSES, correct(batched(cache, layers, chosen), tail, n), strict=True):
                 table.setdefault((name, ratio), []).append(ok)
+            c, hidden = adaptive(cache, layers, ratio, scores["ObservedAttention"])
+            with hiding(model, hidden):
+                table.setdefault((ADAPTIVE, ratio), []).extend(correct(c, tail, n))
         # the question before compression: prefilled with the context
         with_q = torch.cat([context, q], dim=1)
         cache, layers = prefill(model, with_q)
@@ -262,6 +300,9 @@ def next_tokens(model, tokenizer, length: int, table: dict) -> None:
         chosen = [(make(ratio), scores[name]) for name, make in PRESSES.items()]
         for name, logp in zip(PRESSES, run(batched(cache, layers, chosen)), strict=True):
             table[(name, ratio)] = score(logp)
+        c, hidden = adaptive(cache, layers, ratio, scores["ObservedAttention"])
+        with hiding(model, hidden):
+            table[(ADAPTIVE, ratio)] = score(run(c)[0])
     for ratio in RATIOS:  # H2O: a real press, evicting at every step
         press = presses.H2O(ratio)
         with press(model):
@@ -301,16 +342,23 @@ def speed() -> dict[str, Any]:
 
 
 def _repeated(cache, batch: int):
-    """A DynamicCache of ``cache``'s one row repeated ``batch`` times (a decode step's cost at that batch)."""
+    """A DynamicCache of ``cache``'s one row repeated ``batch`` times (a decode step's cost at that batch), each
+    layer of the kind the source's is: transformers' own, or the one a press leaves (it appends in place:
+    ``attnkit.presses._transformers.Compressed``, made here by keeping every position)."""
     from transformers import DynamicCache
+
+    from attnkit.presses import _transformers
 
     c = DynamicCache()
     for j, layer in enumerate(cache.layers):
         c.update(layer.keys.repeat(batch, 1, 1, 1), layer.values.repeat(batch, 1, 1, 1), j)
+        if isinstance(layer, _transformers.Compressed):
+            B, Hkv, n = c.layers[j].keys.shape[:3]
+            _transformers.keep(c.layers[j], torch.arange(n).expand(B, Hkv, n))
     return c
 
 
-def _steps(model, caches: dict[str, Any], batch: int, rounds: int = 9) -> dict[str, float]:
+def _steps(model, caches: dict[str, Any], batch: int, rounds: int = 15) -> dict[str, float]:
     """Median ms of a decode step over each cache (its row repeated ``batch`` times), the caches taken in turn
     each round; each step's new pair dropped after it (a fresh copy each round)."""
     times: dict[str, list[float]] = {name: [] for name in caches}

@@ -414,3 +414,34 @@ def test_adaptive_budget_refuses_what_it_cannot_do():
     x = torch.randn(1, 8, 16)
     with pytest.raises(ValueError, match="KVCache"), presses.AdaptiveBudget(presses.KNorm(0.5))(mha):
         mha(x, x, x, is_causal=True, cache=attnkit.KVCache())
+
+
+def test_a_compressed_layer_appends_in_place_and_decodes_as_transformers_own_layer():
+    """After a press, each layer appends a step's pair into room it holds (no copy of the cache a step); the
+    logits of every step equal those through transformers' own DynamicLayer holding the same pairs, also after
+    something replaced its tensors (reorder_cache) and with gradients on."""
+    ids = _ids(1)
+    model = _llama()
+    with torch.no_grad(), presses.KNorm(0.5)(model):
+        cache = model(ids).past_key_values
+    plain = transformers.DynamicCache()
+    for i, layer in enumerate(cache.layers):
+        plain.update(layer.keys.clone(), layer.values.clone(), i)
+    assert type(cache.layers[0]).__name__ == "Compressed" and type(plain.layers[0]).__name__ == "DynamicLayer"
+    token = torch.tensor([[3]])
+    for t in range(6):
+        if t == 3:
+            cache.reorder_cache(torch.tensor([0]))  # replaces keys and values: the room is made again
+        pos = torch.tensor([[L + t]])
+        with torch.no_grad():
+            mine = model(token, past_key_values=cache, position_ids=pos).logits
+            theirs = model(token, past_key_values=plain, position_ids=pos).logits
+        assert torch.equal(mine, theirs)
+        room = cache.layers[0].room_keys
+        assert cache.layers[0].keys.data_ptr() == room.data_ptr() and room.shape[2] >= L // 2 + t + 1
+        token = mine[:, -1].argmax(-1, keepdim=True)
+    mine = model(token, past_key_values=cache, position_ids=torch.tensor([[L + 6]])).logits  # with gradients
+    theirs = model(token, past_key_values=plain, position_ids=torch.tensor([[L + 6]])).logits
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    mine.sum().backward()
+    assert cache.layers[0].keys.shape[2] == L // 2 + 7

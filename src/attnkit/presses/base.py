@@ -292,7 +292,9 @@ def _cache_of(module: nn.Module, kwargs: dict) -> Any:
     if cache is None or index is None or not hasattr(cache, "layers") or index >= len(cache.layers):
         return None
     layer = cache.layers[index]
-    if type(layer).__name__ != "DynamicLayer":  # checked by name: subclasses (sliding) keep their own rules
+    from attnkit.presses import _transformers
+
+    if not _transformers.compressible(layer):
         raise ValueError(
             f"a press compresses transformers' DynamicCache (its DynamicLayer), got a {type(layer).__name__} at "
             f"layer {index}: call the model without past_key_values (or with a DynamicCache())"
@@ -304,9 +306,9 @@ def _keep(cache: Any, kept: Tensor, counts: Tensor) -> None:
     if isinstance(cache, KVCache):
         cache.keep(kept, counts)
         return
-    index = kept[..., None]  # (B, Hkv, n, 1): a DynamicCache's rows are all of length L: no -1
-    cache.keys = cache.keys.gather(2, index.expand(-1, -1, -1, cache.keys.shape[-1]))  # (B, Hkv, n, D)
-    cache.values = cache.values.gather(2, index.expand(-1, -1, -1, cache.values.shape[-1]))  # (B, Hkv, n, Dv)
+    from attnkit.presses import _transformers
+
+    _transformers.keep(cache, kept)  # a DynamicCache's rows are all of length L: no -1 in kept
 
 
 def _attention_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
