@@ -361,43 +361,53 @@ def _one_layer() -> Any:
 
 
 def test_adaptive_budget_shares_the_layers_pairs_by_entropy_and_hides_the_rest_inside_the_block():
-    """One layer, so that eager's per-head 4-D mask is the reference: inside the block the decode step's query of
-    each head sees exactly its key/value head's budget; after it, every stored slot."""
+    """One layer, so that eager's per-head 4-D mask is the reference: inside the block each head's queries of a
+    two-token chunk see exactly its key/value head's budget (and the chunk, causally); after it, every stored slot."""
     model = transformers.LlamaForCausalLM._from_config(_one_layer(), attn_implementation=NAME).eval()
     eager = transformers.LlamaForCausalLM._from_config(_one_layer(), attn_implementation="eager").eval()
     eager.load_state_dict(model.state_dict())
-    ids, nxt = _ids(1), torch.tensor([[7]])
-    press = presses.AdaptiveBudget(presses.ObservedAttention(0.5))
+    ids, nxt = _ids(1), torch.tensor([[7, 9]])
+    press = presses.AdaptiveBudget(presses.ObservedAttention(0.5), most=1.5)
     with torch.no_grad(), attnkit.record_stats(model) as rec:
         model(ids)
     entropy = rec["model.layers.0.self_attn"].entropy[0].double().mean(-1).exp().view(HKV, -1).mean(-1)  # (Hkv,)
+    positions = torch.tensor([[L, L + 1]])
     with torch.no_grad(), press(model):
-        out = model(ids)
-        cache = out.past_key_values
-        inside = model(nxt, past_key_values=cache, position_ids=torch.tensor([[L]])).logits[0, -1]
+        cache = model(ids).past_key_values
+        inside = model(nxt, past_key_values=cache, position_ids=positions).logits[0]
     budgets, kept, visible = press.budgets[0][0], press.kept[0][0], press.visible[0][0]
-    assert int(budgets.sum()) == HKV * (L // 2) and bool((budgets >= 1).all())
+    assert int(budgets.sum()) == HKV * (L // 2) and bool((budgets >= 1).all()) and bool((budgets <= 30).all())
     assert torch.equal(visible.sum(-1), budgets)
     assert (budgets[0] > budgets[1]) == bool(entropy[0] > entropy[1])  # the wider head keeps more
-    assert kept.shape[-1] == int(budgets.max()) == cache.layers[0].keys.shape[2] - 1
+    assert kept.shape[-1] == 30 == cache.layers[0].keys.shape[2] - 2  # min(L, 1.5 * 20) stored
     ref = observed(_eager_weights_of(eager, ids)[0])[0]  # (Hkv, L)
     for g in range(HKV):  # each head's budget: its best-scored positions
         assert sorted(kept[g][visible[g]].tolist()) == sorted(ref[g].topk(int(budgets[g])).indices.tolist())
 
-    def step_with(seen_by_head: list[torch.Tensor]) -> torch.Tensor:
-        mask = torch.ones(1, H, L + 1, L + 1, dtype=torch.bool).tril()
+    def chunk_with(seen_by_head: list[torch.Tensor]) -> torch.Tensor:
+        mask = torch.ones(1, H, L + 2, L + 2, dtype=torch.bool).tril()
         for h in range(H):
-            mask[0, h, L, :L] = False
-            mask[0, h, L, seen_by_head[h // (H // HKV)]] = True
+            mask[0, h, L:, :L] = False
+            mask[0, h, L:, seen_by_head[h // (H // HKV)]] = True
         bias = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
         with torch.no_grad():
-            return eager(torch.cat([ids, nxt], 1), attention_mask=bias).logits[0, -1]
+            return eager(torch.cat([ids, nxt], 1), attention_mask=bias).logits[0, L:]
 
-    torch.testing.assert_close(inside, step_with([kept[g][visible[g]] for g in range(HKV)]), atol=5e-5, rtol=1e-5)
-    cache.crop(-1)  # drop the step's pair: the same step again, outside the block
+    torch.testing.assert_close(inside, chunk_with([kept[g][visible[g]] for g in range(HKV)]), atol=5e-5, rtol=1e-5)
+    cache.crop(-2)  # drop the chunk's pairs: the same chunk again, outside the block
     with torch.no_grad():
-        after = model(nxt, past_key_values=cache, position_ids=torch.tensor([[L]])).logits[0, -1]
-    torch.testing.assert_close(after, step_with([kept[g] for g in range(HKV)]), atol=5e-5, rtol=1e-5)
+        after = model(nxt, past_key_values=cache, position_ids=positions).logits[0]
+    torch.testing.assert_close(after, chunk_with([kept[g] for g in range(HKV)]), atol=5e-5, rtol=1e-5)
+
+
+def test_adaptive_budget_stores_as_many_slots_in_every_layer_so_one_mask_fits_a_chunk():
+    model = _llama()
+    press = presses.AdaptiveBudget(presses.KNorm(0.75))
+    with torch.no_grad(), press(model):
+        cache = model(_ids(1)).past_key_values
+        out = model(torch.tensor([[4, 5, 6]]), past_key_values=cache, position_ids=torch.tensor([[L, L + 1, L + 2]]))
+    assert [layer.keys.shape[2] for layer in cache.layers] == [2 * (L // 4) + 3] * 2
+    assert torch.isfinite(out.logits).all()
 
 
 def _eager_weights_of(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -410,6 +420,8 @@ def test_adaptive_budget_refuses_what_it_cannot_do():
         presses.AdaptiveBudget(presses.H2O(0.5))
     with pytest.raises(TypeError, match="press"):
         presses.AdaptiveBudget(0.5)
+    with pytest.raises(ValueError, match="most"):
+        presses.AdaptiveBudget(presses.KNorm(0.5), most=0.5)
     mha = attnkit.MultiHeadAttention(16, 2).eval()
     x = torch.randn(1, 8, 16)
     with pytest.raises(ValueError, match="KVCache"), presses.AdaptiveBudget(presses.KNorm(0.5))(mha):

@@ -51,12 +51,16 @@ class Compressed(DynamicLayer):
         if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
             self.room_keys = self.room_values = None
             return super().update(key_states, value_states, *args, **kwargs)
-        n, new = self.keys.shape[-2], key_states.shape[-2]
-        if not self._fronts() or n + new > self.room_keys.shape[-2]:
-            self.hold(self.keys, self.values, max(n, 16) + new)  # doubling: a step copies nothing, amortised
-        self.room_keys[:, :, n : n + new] = key_states  # (B, Hkv, new, D) into (B, Hkv, C, D)
-        self.room_values[:, :, n : n + new] = value_states
-        self.keys, self.values = self.room_keys[:, :, : n + new], self.room_values[:, :, : n + new]
+        keys, values = self.keys, self.values
+        assert keys is not None and values is not None  # (a press made this layer from a filled one)
+        n, new = keys.shape[-2], key_states.shape[-2]
+        if not self._fronts() or self.room_keys is None or n + new > self.room_keys.shape[-2]:
+            self.hold(keys, values, max(n, 16) + new)  # doubling: a step copies nothing, amortised
+        room_k, room_v = self.room_keys, self.room_values
+        assert room_k is not None and room_v is not None
+        room_k[:, :, n : n + new] = key_states  # (B, Hkv, new, D) into (B, Hkv, C, D)
+        room_v[:, :, n : n + new] = value_states
+        self.keys, self.values = room_k[:, :, : n + new], room_v[:, :, : n + new]  # (B, Hkv, n + new, D|Dv)
         return self.keys, self.values
 
 

@@ -223,33 +223,42 @@ class H2O(ObservedAttention):
 
 class AdaptiveBudget(Press):
     """An entropy-adaptive budget per key/value head around another press's scores: a layer keeps as many pairs
-    in all as ``press`` would (``kept * Hkv``), shared out in proportion to each head's effective width, the
-    exponential of its query heads' mean entropy over the prefill's rows (``exp(H)``: the number of keys a row
-    spreads its weight over as if uniformly; exact, :mod:`attnkit.stats`). A diffuse head keeps more, a sharp one
-    less; each keeps its best-scored positions by ``press.score``, at least one and at most ``L``.
+    in all as ``press`` would (``n * Hkv``, ``n`` the count each head keeps under ``press``), shared out in
+    proportion to each head's effective width, the exponential of its query heads' mean entropy over the prefill's
+    rows (``exp(H)``: the number of keys a row spreads its weight over as if uniformly; exact, :mod:`attnkit.stats`).
+    A diffuse head keeps more, a sharp one less; each keeps its best-scored positions by ``press.score``, at least
+    one and at most ``most * n``.
 
-    A cache holds as many slots per key/value head: each head stores the largest budget's count, the slots past
-    its own budget filled with its next-best positions, which the attention hides while the block is open
-    (attnkit's transformers attention reads them: :func:`~attnkit.presses.base.hidden_slots`). Inside the block every
-    head attends over its budget alone; after it, over all its slots (more kept pairs, never other ones). So the
-    memory is that of the largest budget, not of the average: this measures what the allocation is worth (kvpress's
-    AdaKV keeps the whole cache and hides the rest the same way).
+    A cache holds as many slots per key/value head, and transformers builds one mask for every layer: each layer
+    stores ``min(L, most * n)`` positions per head, the slots past a head's own budget filled with its next-best
+    positions, which the attention hides while the block is open (attnkit's transformers attention reads them,
+    ``attnkit.presses.base.hidden_slots``). Inside the block every head attends over its budget alone; after it,
+    over all its slots (more kept pairs, never other ones). So the memory is ``most`` times a uniform press's: this
+    measures what the allocation is worth (kvpress's AdaKV keeps the whole cache and hides the rest the same way).
 
     ``press.kept[i]`` holds the stored positions ``(B, Hkv, m)``, ``press.visible[i]`` which of them attention
     reads ``(B, Hkv, m)`` bool, ``press.budgets[i]`` each head's budget ``(B, Hkv)``.
 
+    Args:
+        press: the press whose scores rank each head's positions (not H2O, not another AdaptiveBudget).
+        most: a head keeps at most ``most`` times ``press``'s count (at least 1).
+
     Raises:
-        TypeError: ``press`` is not a Press.
-        ValueError: at a prefill through attnkit's KVCache (its layers do not read hidden slots).
+        TypeError: ``press`` is not such a press, ``most`` not a number.
+        ValueError: ``most`` below 1; at a prefill through attnkit's KVCache (its layers read no hidden slots).
     """
 
-    def __init__(self, press: Press) -> None:
+    def __init__(self, press: Press, most: float = 2.0) -> None:
         if not isinstance(press, Press) or isinstance(press, (AdaptiveBudget, H2O)):
             raise TypeError(
                 f"press must be a press that scores a prefill (not H2O or another budget), got {describe(press)}"
             )
+        if isinstance(most, bool) or not isinstance(most, (int, float)):
+            raise TypeError(f"most must be a number, got {describe(most)}")
+        if not most >= 1:
+            raise ValueError(f"most must be at least 1 (a head may keep at least the uniform count), got {most}")
         super().__init__(press.compression_ratio)
-        self.press = press
+        self.press, self.most = press, float(most)
         self.visible: dict[int, Tensor] = {}
         self.budgets: dict[int, Tensor] = {}
         self._last: tuple[Tensor, Tensor] | None = None
@@ -260,12 +269,18 @@ class AdaptiveBudget(Press):
     def score(self, layer: Layer) -> Tensor:
         return self.press.score(layer)
 
+    def slots(self, length: int) -> int:
+        """The positions each head of a layer of ``length`` stores: ``min(L, most * n)``."""
+        return min(length, int(self.most * kept_count(length, self.compression_ratio)))
+
     def allot(self, layer: Layer) -> Tensor:
-        """``(B, Hkv)`` int64: each key/value head's budget, summing to ``kept * Hkv`` (largest remainders)."""
-        B, Hkv, L = layer.keys.shape[:3]
+        """``(B, Hkv)`` int64: each key/value head's budget, summing to ``n * Hkv`` (largest remainders), each
+        between 1 and :meth:`slots`."""
+        B, Hkv, length = layer.keys.shape[:3]
+        L = self.slots(length)  # the most a head may keep
         width = layer.entropy().double().mean(dim=-1).exp()  # (B, H): keys each head's rows spread over
         width = width.view(B, Hkv, -1).mean(dim=-1)  # (B, Hkv)
-        total = kept_count(L, self.compression_ratio) * Hkv
+        total = kept_count(length, self.compression_ratio) * Hkv
         budgets = torch.ones(B, Hkv, dtype=torch.long)  # each head at least one
         for _ in range(Hkv):  # shares past L move to the heads that still have room
             room = budgets < L
@@ -286,7 +301,7 @@ class AdaptiveBudget(Press):
     def choose(self, layer: Layer, scores: Tensor) -> tuple[Tensor, Tensor]:
         B, Hkv, L = scores.shape
         budgets = self.allot(layer).to(scores.device)  # (B, Hkv)
-        m = int(budgets.max())
+        m = self.slots(L)  # every layer stores as many: one mask fits them all
         best = scores.topk(m, dim=-1).indices  # (B, Hkv, m), best first
         inside = torch.arange(m, device=scores.device) < budgets[..., None]  # (B, Hkv, m): within the budget
         kept, order = best.sort(dim=-1)  # ascending positions, and where each came from in the ranking
