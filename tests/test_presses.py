@@ -266,10 +266,12 @@ def test_kvcache_rows_each_keep_their_share():
         y = mha(x[:, :1], x[:, :1], x[:, :1], is_causal=True, cache=cache)
     assert cache.lengths.tolist() == [13, 8]  # 12 and 7 kept, then one more each
     a = rec.calls("")[0].double()  # (B, H, 24, 24), the reference backend's weights
-    mask = (torch.arange(24)[None, :] < lens[:, None, None]) & torch.ones(24, 24, dtype=torch.bool).tril()
+    real = torch.arange(24)[None, :] < lens[:, None]  # (B, 24): a row's padded queries see nothing
+    mask = real[:, None, :] & real[:, :, None] & torch.ones(24, 24, dtype=torch.bool).tril()
     ref = observed(a, mask[:, None])
     ref[1, :, 15:] = float("-inf")  # past row 1's keys: never kept
     _close(press.scores[0][0], ref[0])
+    _close(press.scores[0][1, :, :15], ref[1, :, :15])  # row 1's own positions (its others are never kept)
     kept = press.kept[0]
     assert bool((kept[1, :, 7:] == -1).all()) and bool((kept[1, :, :7] < 15).all())
     for b, n in ((0, 12), (1, 7)):
@@ -457,3 +459,110 @@ def test_a_compressed_layer_appends_in_place_and_decodes_as_transformers_own_lay
     torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
     mine.sum().backward()
     assert cache.layers[0].keys.shape[2] == L // 2 + 7
+
+
+def test_window_presses_refuse_rows_of_different_lengths_and_read_a_static_caches_own_positions():
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(32, H, num_kv_heads=HKV).eval()
+    x = torch.randn(2, 24, 32)
+    for press in (presses.SnapKV(0.5, window_size=4), presses.TOVA(0.5), presses.StreamingLLM(0.5), presses.H2O(0.5)):
+        cache = attnkit.KVCache()
+        with torch.no_grad(), press(mha), pytest.raises(ValueError, match=r"\[24, 15\]"):
+            mha(x, x, x, torch.tensor([24, 15]), is_causal=True, cache=cache)
+    for press in (presses.TOVA(0.5), presses.StreamingLLM(0.5, n_sink=2), presses.ObservedAttention(0.5)):
+        cache = attnkit.KVCache(max_len=64)  # 64 slots, 24 positions
+        with torch.no_grad(), press(mha):
+            mha(x, x, x, is_causal=True, cache=cache)
+        assert press.scores[0].shape == (2, HKV, 24) and cache.lengths.tolist() == [12, 12]
+    assert press.kept[0].max() < 24
+    assert streaming_kept(presses.StreamingLLM(0.5, n_sink=2), mha, x) == [0, 1, *range(14, 24)]
+
+
+def streaming_kept(press, mha, x) -> list[int]:
+    with torch.no_grad(), press(mha):
+        mha(x, x, x, is_causal=True, cache=attnkit.KVCache(max_len=64))
+    return press.kept[0][0, 0].tolist()
+
+
+def test_two_presses_on_one_model_at_once_are_refused():
+    model = _llama()
+    first, second = presses.KNorm(0.5), presses.ObservedAttention(0.5)
+    with first(model), pytest.raises(ValueError, match="another press"), second(model):
+        pass
+    blocks = first(model), first(model)  # made before either opens: refused when the second opens
+    with blocks[0], pytest.raises(ValueError, match="already"), blocks[1]:
+        pass
+    with second(model):  # and each may open again after
+        pass
+
+
+def test_a_custom_score_of_the_wrong_shape_and_a_zero_question_are_refused():
+    class QueryHeads(presses.Press):
+        def score(self, layer):
+            return layer.column_sums()  # (B, H, L): the query heads, not the key/value heads
+
+    model = _llama()
+    with torch.no_grad(), QueryHeads(0.5)(model), pytest.raises(ValueError, match=r"\(1, 2, 40\), got \(1, 4, 40\)"):
+        model(_ids(1))
+    with pytest.raises(ValueError, match="question_tokens"):
+        presses.QuestionAware(0.5, question_tokens=0)
+
+
+def test_adaptive_budget_refuses_a_kvcache_before_changing_it():
+    mha = attnkit.MultiHeadAttention(16, 2).eval()
+    x = torch.randn(1, 8, 16)
+    cache = attnkit.KVCache()
+    with pytest.raises(ValueError, match="KVCache"), presses.AdaptiveBudget(presses.KNorm(0.5))(mha):
+        mha(x, x, x, is_causal=True, cache=cache)
+    assert cache.lengths.tolist() == [8]
+
+
+def test_adaptive_budget_hides_slots_only_for_calls_over_its_compressed_cache():
+    model = _llama()
+    ids = _ids(1)
+    press = presses.AdaptiveBudget(presses.ObservedAttention(0.5))
+    with torch.no_grad():
+        plain = model(ids, use_cache=False).logits
+        with press(model):
+            model(ids)  # a prefill, compressed
+            again = model(ids).past_key_values  # a second prefill in the block: its own cache, its own budget
+            inside = model(ids, use_cache=False).logits  # no cache: nothing hidden
+    assert torch.equal(inside, plain)
+    assert again.layers[0].keys.shape[2] == L  # min(L, 2 * 20)
+
+
+def test_a_compressed_cache_from_inference_mode_decodes_after_it_and_never_writes_into_earlier_tensors():
+    model = _llama()
+    ids = _ids(1)
+    with torch.inference_mode(), presses.KNorm(0.5)(model):
+        cache = model(ids).past_key_values
+    token, pos = torch.tensor([[3]]), torch.tensor([[L]])
+    with torch.no_grad():
+        model(token, past_key_values=cache, position_ids=pos)  # (an inference tensor held: made anew here)
+        model(token, past_key_values=cache, position_ids=pos + 1)
+    handed = cache.layers[0].keys  # a tensor the cache gave out
+    copy = handed.clone()
+    cache.crop(-2)
+    with torch.no_grad():
+        model(torch.tensor([[5]]), past_key_values=cache, position_ids=pos)
+    assert torch.equal(handed, copy)
+
+
+def test_a_generate_in_another_thread_inside_the_block_is_pressed():
+    import threading
+
+    model = _llama()
+    ids = _ids(1)
+    press = presses.SnapKV(0.5, window_size=8)
+    found = {}
+
+    def generate():
+        with torch.no_grad():
+            found["out"] = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+
+    with press(model):
+        thread = threading.Thread(target=generate)
+        thread.start()
+        thread.join()
+    assert found["out"].past_key_values.layers[0].keys.shape[2] == L // 2 + 2
+    assert sorted(press.kept) == [0, 1]

@@ -13,6 +13,7 @@ Recordings nest and overlap: each one sees every call, made while it is open, of
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import fnmatch
 import os
 import warnings
@@ -28,11 +29,9 @@ from attnkit import _scoped_state, stats
 from attnkit._validate import describe
 
 __all__ = [
-    "Observer",
     "StatsRecord",
     "WeightRecord",
     "is_recording",
-    "observe",
     "record_stats",
     "record_weights",
     "recorder",
@@ -140,7 +139,11 @@ class StatsRecord(_Record):
 class Observer(_Record):
     """A record that is handed each call as it happens, not kept: :meth:`observe` gets the call's statistics
     parts (a press, :mod:`attnkit.presses`, scores the keys from them and compresses the cache), computed only if
-    it asks. Its calls run with each row's log-sum-exp, as :func:`record_stats`' do."""
+    it asks. With ``wants_lse`` its calls run with each row's log-sum-exp, as :func:`record_stats`' do (a press
+    that reads the attention weights; one that reads keys alone does not slow the call)."""
+
+    wants_lse = True
+    recording: _Recording | None = None  # the block that hands it calls, while it is open
 
     def observe(
         self, name: str, module: nn.Module, parts: Callable[[], stats.Parts | None], kv_heads: int | None
@@ -186,7 +189,8 @@ def is_recording() -> bool:
 def wants_stats(module: nn.Module) -> bool:
     """Whether a recording open in this thread or task keeps ``module``'s statistics (then its rows' sums help)."""
     return any(
-        isinstance(r.record, (StatsRecord, Observer)) and id(module) in r.names
+        (isinstance(r.record, StatsRecord) or (isinstance(r.record, Observer) and r.record.wants_lse))
+        and id(module) in r.names
         for r in _scoped_state.read(_RECORDINGS, ())
     )
 
@@ -475,11 +479,36 @@ def record_stats(
     return _open(_Recording(model, StatsRecord(topk, sink_keys), "record_stats", layers))
 
 
-def observe(model: nn.Module, observer: Observer, what: str) -> contextlib.AbstractContextManager[Observer]:
+@contextlib.contextmanager
+def observe(model: nn.Module, observer: Observer, what: str) -> Iterator[Observer]:
     """Hand ``observer`` every call, made while the block is open in this thread or task, of the attention modules
-    inside ``model`` (as :func:`record_weights` chooses them); ``what`` names the caller in errors."""
+    inside ``model`` (as :func:`record_weights` chooses them); ``what`` names the caller in errors. A call made in
+    another thread joins the block with :func:`join`."""
     _check_model(model, what)
-    return _open(_Recording(model, observer, what))
+    recording = _Recording(model, observer, what)
+    observer.recording = recording
+    try:
+        with _open(recording):
+            yield observer
+    finally:
+        observer.recording = None
+
+
+def join(observer: Observer) -> contextvars.Token | None:
+    """Make ``observer``'s open block seen in this thread or task too, until :func:`leave` (a press's hook, around
+    one call made in a thread that did not open the block: a ``generate`` running in a thread of its own); ``None``
+    when it is seen here already or closed."""
+    recording = observer.recording
+    open_here = _RECORDINGS.get()
+    if recording is None or any(r is recording for r in open_here):
+        return None
+    return _RECORDINGS.set((*open_here, recording))
+
+
+def leave(token: contextvars.Token | None) -> None:
+    """Undo :func:`join` (a call's block, closed meanwhile, records nothing more either way)."""
+    if token is not None:
+        _RECORDINGS.reset(token)
 
 
 def _check_model(model: object, what: str) -> None:

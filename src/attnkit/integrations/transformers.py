@@ -59,15 +59,15 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from attnkit import _context_parallel, mods, stats
+from attnkit import _context_parallel, _scoped_state, mods, stats
 from attnkit.functional import Masks, attend, attention_weights
-from attnkit.presses.base import hidden_slots
 from attnkit.recording import report_weights, wants_stats
 
 try:
@@ -92,6 +92,11 @@ __all__ = ["NAME", "attention_forward", "register"]
 
 #: The name attnkit registers under in transformers' AttentionInterface (``attn_implementation="attnkit"``).
 NAME = "attnkit"
+
+# Cache slots hidden from an attention module's next call, by the module's id: (B, Hkv, n) bool over the first n
+# slots of its cache. Set by an open press (attnkit.presses.AdaptiveBudget) just before each call of the layers it
+# hooks, from the cache that call is given; the press's block holds the dict (a ContextVar: its thread or task).
+PRESS_HIDDEN: ContextVar[dict[int, Tensor] | None] = ContextVar("attnkit_press_hidden", default=None)
 
 
 # The names register() gave: registering one again replaces it; transformers' own names are never replaced.
@@ -249,7 +254,8 @@ def attention_forward(
         # tiles:online differentiates what a score_mod closes over, not a dense float mask: the bias as a table
         score_mod, position_bias = _bias_table(position_bias, score_mod), None
     attn_mask = _as_attnkit_mask(attention_mask, position_bias, Lk)  # (B|1, H|1, Lq, Lk) or None
-    hidden = hidden_slots(module)  # (B, Hkv, n): cache slots an open press hides (attnkit.presses.AdaptiveBudget)
+    pressed = _scoped_state.read(PRESS_HIDDEN, None)  # an open press's hidden slots (presses.AdaptiveBudget)
+    hidden = None if pressed is None else pressed.get(id(module))  # (B, Hkv, n) or None
     if hidden is not None:
         attn_mask = _hide(attn_mask, hidden, query.shape[1], Lk)  # (B, H, Lq|1, Lk)
     if Lq == Lk > 1:  # the keys are the queries' own positions: packed documents as position_ids say
@@ -306,7 +312,7 @@ def _hide(attn_mask: Tensor | None, hidden: Tensor, heads: int, Lk: int) -> Tens
         return seen
     if attn_mask.dtype == torch.bool:
         return attn_mask & seen  # (B, H, Lq, Lk)
-    return attn_mask.masked_fill(~seen, float("-inf"))  # (B, H, Lq, Lk)
+    return attn_mask.masked_fill(~seen, float("-inf"))  # (B, H, Lq, Lk): -inf hides a key in attnkit's float masks
 
 
 def _query_slots(attn_mask: Tensor | None, Lq: int, Lk: int) -> Tensor | None:

@@ -5,8 +5,10 @@ positions (:mod:`attnkit.presses` says what a press is and lists them)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -19,22 +21,9 @@ from attnkit._validate import describe
 from attnkit.cache import KVCache
 from attnkit.masks import compute_dtype
 
-__all__ = ["Layer", "Press", "hidden_slots", "viewers"]
+__all__ = ["Layer", "Press", "viewers"]
 
 # B batch, H query heads, Hkv key/value heads, G = H // Hkv, L keys of the prefill, n kept, D head dim
-
-
-# Cache slots a press hides from attention while its block is open (AdaptiveBudget's padding), by the id of the
-# attention module whose cache holds them: (B, Hkv, n) bool, the first n slots of that cache. A ContextVar: it
-# belongs to the thread or task that opened the block, and ends with it.
-_HIDDEN: ContextVar[dict[int, Tensor] | None] = ContextVar("attnkit_press_hidden", default=None)
-
-
-def hidden_slots(module: nn.Module) -> Tensor | None:
-    """``(B, Hkv, n)`` bool: the first ``n`` slots of ``module``'s cache that an open press hides from its
-    attention (the integration's attention reads it at each call), or ``None`` (the cost: one lookup)."""
-    hidden = _HIDDEN.get()
-    return None if hidden is None else hidden.get(id(module))
 
 
 class Layer:
@@ -46,15 +35,31 @@ class Layer:
 
     def __init__(self, index: int, keys: Tensor, lengths: Tensor | None, parts: stats.Parts) -> None:
         self.index, self.parts = index, parts
-        self.keys = keys[:, :, : parts.k.shape[2]]  # (B, Hkv, L, D): a static cache's prefill holds more slots
+        L = parts.k.shape[2] if lengths is None or not len(lengths) else int(lengths.max())
+        self.keys = keys[:, :, :L]  # (B, Hkv, L, D): a static cache's prefill holds more slots than positions
         self.heads = parts.q.shape[1]
         self.lengths = lengths  # (B,) or None
         self._stats: stats.AttentionStats | None = None
 
     @property
     def length(self) -> int:
-        """``L``, the keys the prefill's queries were scored against."""
+        """``L``, the positions scored: the prefill's (the longest row's, in a KVCache of ragged rows)."""
         return int(self.keys.shape[2])
+
+    def aligned(self, press: object) -> int:
+        """``L``, after checking that every row holds ``L`` positions, the prefill's last queries being each row's
+        own (a press that reads a window of the last queries, or the most recent positions).
+
+        Raises:
+            ValueError: a KVCache of rows of different lengths, naming ``press`` and them.
+        """
+        if self.lengths is not None and bool((self.lengths != self.length).any()):
+            raise ValueError(
+                f"{press!r} reads each row's last queries or positions: it presses rows of one length, got a "
+                f"KVCache with rows of {self.lengths.tolist()} positions (ObservedAttention, KNorm and Random "
+                "press ragged rows)"
+            )
+        return self.length
 
     def _computed(self) -> stats.AttentionStats:
         if self._stats is None:
@@ -128,6 +133,8 @@ class Press:
         ValueError: ``compression_ratio`` outside ``[0, 1)``.
     """
 
+    reads_attention = True  # whether score() reads the prefill's attention (then the call keeps each row's lse)
+
     def __init__(self, compression_ratio: float = 0.0) -> None:
         if isinstance(compression_ratio, bool) or not isinstance(compression_ratio, (int, float)):
             raise TypeError(f"compression_ratio must be a number in [0, 1), got {describe(compression_ratio)}")
@@ -141,7 +148,13 @@ class Press:
         self._open = False
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(compression_ratio={self.compression_ratio})"
+        names = [n for n in inspect.signature(type(self).__init__).parameters if n != "self"]
+        shown = ", ".join(f"{n}={getattr(self, n)!r}" for n in names if hasattr(self, n))
+        return f"{type(self).__name__}({shown})"
+
+    def _reset(self) -> None:
+        """What a press records, emptied as a block opens."""
+        self.scores, self.kept = {}, {}
 
     def score(self, layer: Layer) -> Tensor:
         """``(B, Hkv, L)``: each cached position's score in ``layer``'s prefill; the highest are kept."""
@@ -167,44 +180,68 @@ class Press:
     # the hooks: a layer's prefill is scored and its cache compressed right after its attention call
 
     def __call__(self, model: nn.Module) -> contextlib.AbstractContextManager[Press]:
-        """Press ``model``'s caches inside the block (see the class docstring).
+        """Press ``model``'s caches inside the block (see the class docstring). The block belongs to the thread or
+        task that opened it; a call of the model made in another thread meanwhile (a ``generate`` with a streamer)
+        is pressed too.
 
         Raises:
             TypeError: ``model`` is not a ``torch.nn.Module``.
-            ValueError: the press is already in a block; ``model`` has no attention layer a press knows, is
-                encoder-only, or is a transformers model whose attention is not attnkit's.
+            ValueError: ``model`` has no attention layer a press knows, is encoder-only, or is a transformers
+                model whose attention is not attnkit's; when the block opens, the press is already in a block or
+                another press is pressing the model.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"a press compresses the caches of a torch.nn.Module, got {describe(model)}")
-        if self._open:
-            raise ValueError(f"{self!r} is already pressing a model: a press is entered once at a time")
-        layers = _attention_layers(model)
-        return self._pressing(model, layers)
+        return self._pressing(model, _attention_layers(model))
 
     @contextlib.contextmanager
     def _pressing(self, model: nn.Module, layers: list[tuple[int, nn.Module]]) -> Iterator[Press]:
+        if self._open:
+            raise ValueError(f"{self!r} is already pressing a model: a press is entered once at a time")
+        pressed = _PRESSED.get()
+        modules = {id(m) for _, m in layers}
+        if modules & pressed:
+            raise ValueError(
+                f"another press is pressing this {type(model).__name__} already: one press at a time (a second "
+                "would score the first one's compressed cache against the whole prefill)"
+            )
         self._open = True
-        self.scores, self.kept = {}, {}
-        observer = _Observer()
+        self._reset()
+        observer = _Observer(self.reads_attention)
         hooks: list[Any] = []
-        hidden = _HIDDEN.set(dict(_HIDDEN.get() or {}))  # this block's own, over any outer block's
+        transformers = any(_is_layer(m) for _, m in layers)
+        _PRESSED.set(pressed | modules)
         try:
-            for index, module in layers:
-                hooks.append(module.register_forward_pre_hook(_before(observer), with_kwargs=True))
-                hooks.append(module.register_forward_hook(self._after(observer, index), with_kwargs=True))
-            with recording.observe(model, observer, "press"):
+            with contextlib.ExitStack() as stack:
+                if transformers:
+                    from attnkit.presses import _transformers
+
+                    stack.enter_context(_transformers.hiding())
+                for index, module in layers:
+                    hooks.append(module.register_forward_pre_hook(_before(observer, index), with_kwargs=True))
+                    hooks.append(module.register_forward_hook(self._after(observer, index), with_kwargs=True))
+                stack.enter_context(recording.observe(model, observer, "press"))
                 yield self
         finally:
             for hook in hooks:
                 hook.remove()
             observer.pending.clear()
-            _HIDDEN.reset(hidden)
+            # (not a reset to the value before: blocks may close in any order)
+            _PRESSED.set(_PRESSED.get() - modules)
             self._open = False
 
     def _after(self, observer: _Observer, index: int) -> Callable[..., None]:
         def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            call = observer.pending.pop(id(module), None)
-            if call is None or call.found is None:
+            call = observer.pending.pop((threading.get_ident(), id(module)), None)
+            if call is None:
+                return
+            recording.leave(call.joined)
+            if call.found is None:
+                if call.prefill:  # (attnkit's attention always reports: a module that does not is no attnkit's)
+                    raise ValueError(
+                        f"the press saw layer {index}'s prefill but not its attention: {type(module).__name__} did "
+                        "not report it to attnkit (its attention implementation is not attnkit's)"
+                    )
                 return
             with torch.no_grad():
                 self._on_call(index, module, kwargs, call)
@@ -219,33 +256,57 @@ class Press:
         if parts is None:
             return
         cache = _cache_of(module, kwargs)
-        transformers_cache = cache is not None and not isinstance(cache, KVCache)
-        if transformers_cache and not parts.mask.is_plain_causal and bool((viewers(parts) == 0).any()):
-            raise ValueError(  # a key no query sees: padding
-                "a press compresses transformers' cache of a batch without padding: the attention_mask of the "
-                "calls after (generate extends it) would no longer line up with the positions kept. Press one "
-                "sequence at a time, or use attnkit's KVCache, whose rows keep their own lengths"
-            )
-        lengths = cache.lengths if isinstance(cache, KVCache) else None
-        keys = parts.k if cache is None else cache.keys
-        assert keys is not None
-        layer = Layer(index, keys, lengths, parts)
+        layer = self._layer(index, cache, parts)
         scores = self.score(layer)  # (B, Hkv, L)
+        B, Hkv, L = layer.keys.shape[:3]
+        if not isinstance(scores, Tensor) or tuple(scores.shape) != (B, Hkv, L):
+            got = tuple(scores.shape) if isinstance(scores, Tensor) else describe(scores)
+            raise ValueError(f"{type(self).__name__}.score must give (B, Hkv, L) = {(B, Hkv, L)}, got {got}")
         kept, counts = self.choose(layer, scores)  # (B, Hkv, n), (B,)
         self.scores[index], self.kept[index] = scores, kept
         if cache is not None:
-            _keep(cache, kept, counts)
+            _keep(cache, kept, counts, self._hidden(index))
         self._chosen(index, module, cache, layer)
 
+    def _layer(self, index: int, cache: Any, parts: stats.Parts) -> Layer:
+        """The :class:`Layer` a prefill's call gives, after checking its cache is as the prefill left it."""
+        if cache is None:
+            return Layer(index, parts.k, None, parts)
+        if not isinstance(cache, KVCache):
+            if cache.keys.shape[2] != parts.k.shape[2]:
+                raise ValueError(
+                    f"layer {index}'s cache holds {cache.keys.shape[2]} positions after a prefill of "
+                    f"{parts.k.shape[2]}: something else compressed it (another press's hook)"
+                )
+            if not parts.mask.is_plain_causal and bool((viewers(parts) == 0).any()):  # a key no query sees
+                raise ValueError(
+                    f"a press compresses transformers' cache of a batch without padding (layer {index}'s prefill "
+                    f"{tuple(parts.q.shape[:3])} has keys no query sees): the attention_mask of the calls after "
+                    "(generate extends it) would no longer line up with the positions kept. Press one sequence at "
+                    "a time, or use attnkit's KVCache, whose rows keep their own lengths"
+                )
+            return Layer(index, cache.keys, None, parts)
+        assert cache.keys is not None
+        return Layer(index, cache.keys, cache.lengths, parts)
+
+    def _hidden(self, index: int) -> Tensor | None:
+        """``(B, Hkv, n)``: the kept slots the attention hides inside the block (AdaptiveBudget's), or None."""
+        return None
+
     def _chosen(self, index: int, module: nn.Module, cache: Any, layer: Layer) -> None:
-        """After a prefill's compression (a subclass's hook: AdaptiveBudget hides its padding)."""
+        """After a prefill's compression (a subclass's hook)."""
+
+
+# The attention modules some press is pressing, in this thread or task (by id, held while its block is open).
+_PRESSED: ContextVar[frozenset[int]] = ContextVar("attnkit_pressed", default=frozenset())
 
 
 class _Call:
-    """One observed attention call: whether its layer's cache was empty before it, and its statistics parts."""
+    """One observed attention call: whether its layer's cache was empty before it, its statistics parts, and the
+    press's block joined for it (a call in another thread)."""
 
-    def __init__(self, prefill: bool) -> None:
-        self.prefill = prefill
+    def __init__(self, prefill: bool, joined: Any) -> None:
+        self.prefill, self.joined = prefill, joined
         self.found: Callable[[], stats.Parts | None] | None = None
 
     def parts(self) -> stats.Parts | None:
@@ -254,30 +315,34 @@ class _Call:
 
 
 class _Observer(recording.Observer):
-    """Hands a press each hooked layer's call, by module, between its pre-hook and its hook."""
+    """Hands a press each hooked layer's call, by thread and module, between its pre-hook and its hook."""
 
-    def __init__(self) -> None:
+    def __init__(self, wants_lse: bool) -> None:
         super().__init__()
-        self.pending: dict[int, _Call] = {}
+        self.wants_lse = wants_lse
+        self.pending: dict[tuple[int, int], _Call] = {}
 
     def observe(
         self, name: str, module: nn.Module, parts: Callable[[], stats.Parts | None], kv_heads: int | None
     ) -> None:
-        call = self.pending.get(id(module))
+        call = self.pending.get((threading.get_ident(), id(module)))
         if call is not None:
             call.found = parts
 
 
-def _before(observer: _Observer) -> Callable[..., None]:
+def _before(observer: _Observer, index: int) -> Callable[..., None]:
     def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
         cache = _cache_of(module, kwargs)
-        if isinstance(cache, KVCache):
-            empty = cache.is_empty
-        elif cache is not None:
-            empty = not cache.is_initialized or cache.get_seq_length() == 0
-        else:
-            empty = True  # no cache: every call is a prefill, scored (nothing to compress)
-        observer.pending[id(module)] = _Call(empty)
+        if _is_layer(module):
+            from attnkit.presses import _transformers
+
+            _transformers.show(module, cache)  # the slots this call hides, if its cache holds any
+            # no cache: scored, nothing compressed; a cache: a prefill when empty before
+            prefill = cache is None or not cache.is_initialized or cache.get_seq_length() == 0
+        else:  # attnkit's layers: a call with a KVCache that holds nothing yet
+            prefill = isinstance(cache, KVCache) and cache.is_empty
+        call = _Call(prefill, recording.join(observer))
+        observer.pending[threading.get_ident(), id(module)] = call
 
     return before
 
@@ -302,13 +367,13 @@ def _cache_of(module: nn.Module, kwargs: dict) -> Any:
     return layer
 
 
-def _keep(cache: Any, kept: Tensor, counts: Tensor) -> None:
+def _keep(cache: Any, kept: Tensor, counts: Tensor, hidden: Tensor | None = None) -> None:
     if isinstance(cache, KVCache):
         cache.keep(kept, counts)
         return
     from attnkit.presses import _transformers
 
-    _transformers.keep(cache, kept)  # a DynamicCache's rows are all of length L: no -1 in kept
+    _transformers.keep(cache, kept, hidden)  # a DynamicCache's rows are all of length L: no -1 in kept
 
 
 def _attention_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
@@ -330,7 +395,7 @@ def _attention_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
                 "attnkit computes. Switch it: attnkit.integrations.transformers.register(); "
                 "model.set_attn_implementation('attnkit')"
             )
-        found = [(int(m.layer_idx), m) for m in model.modules() if _is_layer(m)]  # type: ignore[arg-type]
+        found = [(int(m.layer_idx), m) for m in model.modules() if _is_layer(m) and m.is_causal]  # type: ignore[arg-type]
     else:
         found = [(i, m) for i, m in enumerate(m for m in model.modules() if isinstance(m, MultiHeadAttention))]
     if not found:

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from attnkit._validate import describe
 from attnkit.cache import KVCache
-from attnkit.presses.base import _HIDDEN, Layer, Press, _cache_of, _Call, _keep, kept_count
+from attnkit.presses.base import Layer, Press, _cache_of, _Call, _keep, kept_count
 
 __all__ = [
     "H2O",
@@ -73,7 +73,8 @@ class SnapKV(Press):
     key each window query sees), from attnkit's exact rows.
 
     Raises:
-        ValueError: at a prefill of ``window_size`` positions or fewer (kvpress asserts the same).
+        ValueError: at a prefill of ``window_size`` positions or fewer (kvpress asserts the same), or of a KVCache
+            whose rows differ in length (each row's window would be other queries).
     """
 
     def __init__(self, compression_ratio: float = 0.0, window_size: int = 64, kernel_size: int = 5) -> None:
@@ -84,7 +85,7 @@ class SnapKV(Press):
             raise ValueError(f"kernel_size must be odd (a pool centred on each key), got {kernel_size}")
 
     def score(self, layer: Layer) -> Tensor:
-        L, w = layer.length, self.window_size
+        L, w = layer.aligned(self), self.window_size
         if L <= w:
             raise ValueError(f"{type(self).__name__}: the prefill has {L} positions, not more than window_size={w}")
         weights = layer.weights(list(range(L - w, L)))[..., : L - w]  # (B, H, w, L - w)
@@ -95,13 +96,18 @@ class SnapKV(Press):
 
 
 class QuestionAware(SnapKV):
-    """The question's own queries as SnapKV's window: the prefill ends with the ``question_tokens`` tokens of the
-    question, whose exact weights on the context score it (the mean over the question's queries and each group's
-    heads, no pooling by default), and the question's keys are kept. What kvpress's presses cannot do at long
-    contexts without eager weights, attnkit computes exactly; it is SnapKV with ``window_size = question_tokens``,
-    ``kernel_size = 1``, named for what it needs: the question before compression."""
+    """The question's own queries as SnapKV's window: the prompt ends with the ``question_tokens`` tokens of the
+    question, whose weights on the context score it (the mean over the question's queries and each group's heads,
+    no pooling by default), and the question's keys are kept. It is kvpress's SnapKV with the window set to the
+    question and no pooling, named for what it needs: the question before compression (kvpress's pipeline gives the
+    question after it, unless asked otherwise).
+
+    Raises:
+        TypeError, ValueError: ``question_tokens`` not a whole number of at least 1.
+    """
 
     def __init__(self, compression_ratio: float = 0.0, question_tokens: int = 32, kernel_size: int = 1) -> None:
+        self.question_tokens = _whole(question_tokens, "question_tokens", 1)
         super().__init__(compression_ratio, question_tokens, kernel_size)
 
 
@@ -111,7 +117,7 @@ class TOVA(Press):
     position is always kept."""
 
     def score(self, layer: Layer) -> Tensor:
-        L, Hkv = layer.length, layer.keys.shape[1]
+        L, Hkv = layer.aligned(self), layer.keys.shape[1]
         last = layer.weights([L - 1])[:, :, 0, : L - 1]  # (B, H, L - 1)
         scores = last.mean(dim=1, keepdim=True).expand(-1, Hkv, -1)  # (B, Hkv, L - 1)
         return _kept_last(scores, 1)  # (B, Hkv, L)
@@ -126,9 +132,12 @@ class StreamingLLM(Press):
         super().__init__(compression_ratio)
         self.n_sink = _whole(n_sink, "n_sink", 0)
 
+    reads_attention = False
+
     def score(self, layer: Layer) -> Tensor:
-        B, Hkv, L, _ = layer.keys.shape
-        pruned = L - max(1, int(L * (1 - self.compression_ratio)))
+        B, Hkv = layer.keys.shape[:2]
+        L = layer.aligned(self)
+        pruned = L - kept_count(L, self.compression_ratio)
         scores = torch.ones(B, Hkv, L, device=layer.keys.device)  # (B, Hkv, L)
         scores[:, :, self.n_sink : self.n_sink + pruned] = 0
         return scores
@@ -138,13 +147,18 @@ class KNorm(Press):
     """Key norms (kvpress's ``KnormPress``): keys with the smallest L2 norm are kept (they tend to draw the most
     attention, arXiv 2406.11430); scored ``-||k||`` in float32."""
 
+    reads_attention = False
+
     def score(self, layer: Layer) -> Tensor:
         return -layer.keys.float().norm(dim=-1)  # (B, Hkv, L)
 
 
 class Random(Press):
-    """Uniform random scores (kvpress's ``RandomPress``): the floor every press is measured against; ``seed``
-    makes each layer's choice reproducible (the same generator, seeded once per prefill)."""
+    """Uniform random scores (kvpress's ``RandomPress``): the floor every press is measured against. ``seed``
+    makes each choice reproducible: layer ``i`` draws from a generator seeded ``seed + i`` (kvpress seeds every
+    layer alike, so its layers keep the same positions; here each layer draws its own)."""
+
+    reads_attention = False
 
     def __init__(self, compression_ratio: float = 0.0, seed: int | None = None) -> None:
         super().__init__(compression_ratio)
@@ -159,14 +173,19 @@ class Random(Press):
 
 
 class H2O(ObservedAttention):
-    """H2O as its paper runs it (heavy hitters kept while decoding, arXiv 2306.14048): the prefill compressed as
+    """Heavy hitters kept while decoding (H2O, arXiv 2306.14048): the prefill compressed as
     :class:`ObservedAttention`, then at every decoding step each kept key's running score takes the new queries'
     exact weights, and the cache stays at the prefill's kept size: a step that makes it longer drops, per
-    key/value head, the lowest-scored key outside the last ``recent`` positions. The running score is the mean
-    weight a key received from the queries that saw it (the prefill's ones and every step's). ``press.kept[i]``
-    follows the evictions (original positions, ascending); ``press.scores[i]`` stays the prefill's.
+    key/value head, the lowest-scored key outside the last ``recent`` positions. ``press.kept[i]`` follows the
+    evictions (original positions, ascending); ``press.scores[i]`` stays the prefill's.
 
-    Only transformers' DynamicCache and a growing KVCache of aligned rows are followed step by step.
+    Where the paper sums each key's weights, the running score here is their mean over the queries that saw the
+    key (the prefill's and every step's), as ObservedAttention's: a sum favours the oldest keys, which more queries
+    have seen. Followed step by step: transformers' DynamicCache, and a KVCache whose rows are of one length; not
+    beam search (``reorder_cache`` reorders rows the running scores do not follow).
+
+    Raises:
+        ValueError: at a prefill of a KVCache whose rows differ in length.
     """
 
     def __init__(self, compression_ratio: float = 0.0, recent: int = 16) -> None:
@@ -174,9 +193,23 @@ class H2O(ObservedAttention):
         self.recent = _whole(recent, "recent", 0)
         self._running: dict[int, tuple[Tensor, Tensor, Tensor, int]] = {}  # sums, seen, positions, next position
 
+    def _reset(self) -> None:
+        super()._reset()
+        self._running = {}
+
     def _on_call(self, index: int, module: nn.Module, kwargs: dict, call: _Call) -> None:
         if call.prefill:
             self._running.pop(index, None)
+            cache = _cache_of(module, kwargs)
+            if (
+                isinstance(cache, KVCache)
+                and cache.lengths is not None
+                and bool((cache.lengths != cache.lengths[0]).any())
+            ):
+                raise ValueError(
+                    f"{self!r} follows every row's steps alike: it presses a KVCache of rows of one length, got "
+                    f"{cache.lengths.tolist()}"
+                )
             super()._on_call(index, module, kwargs, call)
             parts = call.parts()
             if parts is None or index not in self.kept:
@@ -204,7 +237,7 @@ class H2O(ObservedAttention):
         layer = Layer(index, parts.k, None, parts)
         B, Hkv = sums.shape[:2]
         rows = layer.weights(list(range(Lq)))  # (B, H, Lq, Lk)
-        sums = torch.cat([sums, sums.new_zeros(B, Hkv, new)], dim=2) + _group_mean(rows.sum(dim=2), Hkv)
+        sums = torch.cat([sums, sums.new_zeros(B, Hkv, new)], dim=2) + _group_mean(rows.sum(dim=2), Hkv)  # (B, Hkv, Lk)
         visible = layer.viewers()[:, :1].expand(B, Hkv, Lk)  # (B, Hkv, Lk)
         seen = torch.cat([seen, seen.new_zeros(B, Hkv, new)], dim=2) + visible  # (B, Hkv, Lk)
         steps = torch.arange(next_position, next_position + new, device=positions.device)
@@ -215,7 +248,7 @@ class H2O(ObservedAttention):
             protected = torch.arange(Lk, device=score.device) >= Lk - min(self.recent, Lk)  # (Lk,)
             score = score.masked_fill(protected, float("inf"))
             keep = score.topk(budget, dim=-1).indices.sort(dim=-1).values  # (B, Hkv, budget)
-            sums, seen, positions = (t.gather(2, keep) for t in (sums, seen, positions))
+            sums, seen, positions = (t.gather(2, keep) for t in (sums, seen, positions))  # (B, Hkv, budget) each
             _keep(cache, keep, torch.full((B,), budget, device=keep.device))
         self._running[index] = (sums, seen, positions, next_position + new)
         self.kept[index] = positions
@@ -259,9 +292,14 @@ class AdaptiveBudget(Press):
             raise ValueError(f"most must be at least 1 (a head may keep at least the uniform count), got {most}")
         super().__init__(press.compression_ratio)
         self.press, self.most = press, float(most)
+        self.reads_attention = True  # (the entropy, whatever press scores)
         self.visible: dict[int, Tensor] = {}
         self.budgets: dict[int, Tensor] = {}
         self._last: tuple[Tensor, Tensor] | None = None
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.visible, self.budgets = {}, {}
 
     def __repr__(self) -> str:
         return f"AdaptiveBudget({self.press!r})"
@@ -281,7 +319,7 @@ class AdaptiveBudget(Press):
         width = layer.entropy().double().mean(dim=-1).exp()  # (B, H): keys each head's rows spread over
         width = width.view(B, Hkv, -1).mean(dim=-1)  # (B, Hkv)
         total = kept_count(length, self.compression_ratio) * Hkv
-        budgets = torch.ones(B, Hkv, dtype=torch.long)  # each head at least one
+        budgets = torch.ones(B, Hkv, dtype=torch.long, device=width.device)  # each head at least one
         for _ in range(Hkv):  # shares past L move to the heads that still have room
             room = budgets < L
             share = torch.where(room, width, 0.0)
@@ -291,7 +329,7 @@ class AdaptiveBudget(Press):
             whole = wanted.floor().long()
             extra = left[:, 0] - whole.sum(dim=-1)  # (B,): given to the largest remainders
             order = (wanted - whole).argsort(dim=-1, descending=True)
-            bonus = (torch.arange(Hkv)[None] < extra[:, None]).long()  # (B, Hkv), by rank
+            bonus = (torch.arange(Hkv, device=width.device)[None] < extra[:, None]).long()  # (B, Hkv), by rank
             whole = whole + torch.zeros_like(whole).scatter(1, order, bonus)
             budgets = (budgets + whole).clamp(max=L)
             if bool((budgets.sum(dim=-1) >= total).all()):
@@ -308,14 +346,17 @@ class AdaptiveBudget(Press):
         self._last = (inside.gather(2, order), budgets)
         return kept, torch.full((B,), m, device=scores.device)
 
-    def _chosen(self, index: int, module: nn.Module, cache, layer: Layer) -> None:
-        assert self._last is not None
-        visible, budgets = self._last
-        self.visible[index], self.budgets[index] = visible, budgets
-        if isinstance(cache, KVCache):
+    def _on_call(self, index: int, module: nn.Module, kwargs: dict, call: _Call) -> None:
+        if call.prefill and isinstance(_cache_of(module, kwargs), KVCache):  # (before anything is compressed)
             raise ValueError(
                 "AdaptiveBudget hides slots in transformers' attention only: press a KVCache with a plain press"
             )
-        hidden = _HIDDEN.get()
-        if hidden is not None and cache is not None:
-            hidden[id(module)] = ~visible
+        super()._on_call(index, module, kwargs, call)
+
+    def _hidden(self, index: int) -> Tensor | None:
+        assert self._last is not None
+        return ~self._last[0]  # (B, Hkv, m)
+
+    def _chosen(self, index: int, module: nn.Module, cache, layer: Layer) -> None:
+        assert self._last is not None
+        self.visible[index], self.budgets[index] = self._last
