@@ -42,7 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn import functional as F
@@ -104,53 +104,94 @@ def compressed(
     return out, kept_all
 
 
-def batched(cache, layers: list[presses.Layer], chosen: list[tuple[presses.Press, list[torch.Tensor] | None]]) -> Any:
-    """One DynamicCache whose row ``b`` holds what the ``b``-th press keeps of the one-row ``cache`` (presses of
-    one ratio keep as many positions each): their continuations then run as one batch, which costs about what one
-    row costs (a step reads the weights once)."""
-    from transformers import DynamicCache
-
-    caches = [compressed(cache, layers, press, scores)[0] for press, scores in chosen]
-    out = DynamicCache()
-    for i in range(len(layers)):
-        keys = torch.cat([c.layers[i].keys for c in caches], dim=0)  # (P, Hkv, n, D)
-        values = torch.cat([c.layers[i].values for c in caches], dim=0)  # (P, Hkv, n, Dv)
-        out.update(keys, values, i)
-    return out
-
-
 ADAPTIVE = "AdaptiveBudget(ObservedAttention)"
 
 
-def adaptive(cache, layers: list[presses.Layer], ratio: float, scores: list[torch.Tensor]) -> tuple[Any, list]:
-    """What ``AdaptiveBudget(ObservedAttention(ratio))`` keeps of ``cache`` (from ObservedAttention's scores,
-    computed once) and, per layer, the slots it hides ``(1, Hkv, m)``."""
+class Variant(NamedTuple):
+    """One compressed cache of a one-row prefill: its table key, each layer's kept ``(1, Hkv, n)`` positions and
+    the slots it hides ``(1, Hkv, n)`` (AdaptiveBudget's; ``None``: none)."""
+
+    key: tuple[str, float]
+    kept: list[torch.Tensor]
+    hidden: list[torch.Tensor] | None = None
+
+
+def variants(layers: list[presses.Layer], with_full: bool = True) -> list[Variant]:
+    """Every press of ``PRESSES`` at every ratio, and AdaptiveBudget(ObservedAttention), over one prefill (each
+    press's scores computed once), with the full cache first."""
+    found = []
+    L = layers[0].length
+    if with_full:
+        found.append(Variant(("Full", 0.0), [torch.arange(L).expand(1, layer.keys.shape[1], L) for layer in layers]))
+    scores = {name: _scores(name, make, layers) for name, make in PRESSES.items()}
+    for ratio in RATIOS:
+        for name, make in PRESSES.items():
+            press, mine = make(ratio), scores[name]
+            found.append(
+                Variant(
+                    (name, ratio),
+                    [press.choose(x, press.score(x) if mine is None else mine[i])[0] for i, x in enumerate(layers)],
+                )
+            )
+        budget = presses.AdaptiveBudget(presses.ObservedAttention(ratio))
+        kept, hidden = [], []
+        for i, layer in enumerate(layers):
+            kept.append(budget.choose(layer, scores["ObservedAttention"][i])[0])
+            assert budget._last is not None
+            hidden.append(~budget._last[0])
+        found.append(Variant((ADAPTIVE, ratio), kept, hidden))
+    return found
+
+
+def groups(cache, found: list[Variant]) -> list[tuple[list[tuple[str, float]], Any, list[torch.Tensor] | None]]:
+    """The variants as batches of caches of one length (a batch's step costs about what one row's costs: it reads
+    the weights once): ``(keys, DynamicCache, hidden slots per layer or None)`` each."""
     from transformers import DynamicCache
 
-    press = presses.AdaptiveBudget(presses.ObservedAttention(ratio))
-    out, hidden = DynamicCache(), []
-    for i, layer in enumerate(layers):
-        kept, _ = press.choose(layer, scores[i])  # (1, Hkv, m)
-        assert press._last is not None
-        hidden.append(~press._last[0])
-        k, v = cache.layers[i].keys, cache.layers[i].values
-        index = kept[..., None]
-        out.update(k.gather(2, index.expand(-1, -1, -1, 64)), v.gather(2, index.expand(-1, -1, -1, 64)), i)
-    return out, hidden
+    by_length: dict[int, list[Variant]] = {}
+    for v in found:
+        by_length.setdefault(v.kept[0].shape[-1], []).append(v)
+    out = []
+    for batch in by_length.values():
+        c = DynamicCache()
+        for i, layer in enumerate(cache.layers):
+            index = torch.cat([v.kept[i] for v in batch])[..., None]  # (P, Hkv, n, 1)
+            k = layer.keys.expand(len(batch), -1, -1, -1).gather(2, index.expand(-1, -1, -1, layer.keys.shape[-1]))
+            val = layer.values.expand(len(batch), -1, -1, -1).gather(
+                2, index.expand(-1, -1, -1, layer.values.shape[-1])
+            )
+            c.update(k, val, i)  # (P, Hkv, n, D) each
+        hidden = None
+        if any(v.hidden is not None for v in batch):
+            hidden = [
+                torch.cat(
+                    [
+                        v.hidden[i] if v.hidden is not None else torch.zeros_like(v.kept[i], dtype=torch.bool)
+                        for v in batch
+                    ]
+                )
+                for i in range(len(cache.layers))
+            ]  # (P, Hkv, n) each
+        out.append(([v.key for v in batch], c, hidden))
+    return out
 
 
 @contextlib.contextmanager
-def hiding(model, hidden: list[torch.Tensor]):
+def hiding(model, hidden: list[torch.Tensor] | None):
     """The slots ``hidden[i]`` of layer ``i``'s cache hidden from its attention, as an open AdaptiveBudget hides
-    them (its ContextVar, private: the benchmark compresses a prefill once for every press, outside their blocks)."""
-    from attnkit.presses import base
+    them (the integration's ContextVar, private: the benchmark compresses a prefill once for every press, outside
+    their blocks)."""
+    from attnkit.integrations import transformers as attnkit_hf
 
+    if hidden is None:
+        yield
+        return
     by_module = {id(layer.self_attn): h for layer, h in zip(model.model.layers, hidden, strict=True)}
-    token = base._HIDDEN.set(by_module)
+    token = attnkit_hf.PRESS_HIDDEN.set(by_module)
     try:
         yield
     finally:
-        base._HIDDEN.reset(token)
+        attnkit_hf.PRESS_HIDDEN.reset(token)
 
 
 def full_copy(cache):
@@ -220,15 +261,10 @@ def needles(model, tokenizer, length: int, depths: int, table: dict) -> None:
             return [value in tokenizer.decode(t).replace(" ", "") for t in greedy(model, c, ids, start, 10)]
 
         tail = torch.cat([q, rest], dim=1)
-        table.setdefault(("Full", 0.0), []).extend(correct(full_copy(cache), tail, n))
-        scores = {name: _scores(name, make, layers) for name, make in PRESSES.items()}
-        for ratio in RATIOS:
-            chosen = [(make(ratio), scores[name]) for name, make in PRESSES.items()]
-            for name, ok in zip(PRESSES, correct(batched(cache, layers, chosen), tail, n), strict=True):
-                table.setdefault((name, ratio), []).append(ok)
-            c, hidden = adaptive(cache, layers, ratio, scores["ObservedAttention"])
+        for keys, c, hidden in groups(cache, variants(layers)):
             with hiding(model, hidden):
-                table.setdefault((ADAPTIVE, ratio), []).extend(correct(c, tail, n))
+                for key, ok in zip(keys, correct(c, tail, n), strict=True):
+                    table.setdefault(key, []).append(ok)
         # the question before compression: prefilled with the context
         with_q = torch.cat([context, q], dim=1)
         cache, layers = prefill(model, with_q)
@@ -295,14 +331,10 @@ def next_tokens(model, tokenizer, length: int, table: dict) -> None:
         return kl, top1
 
     table[("Full", 0.0)] = score(full)
-    scores = {name: _scores(name, make, layers) for name, make in PRESSES.items()}
-    for ratio in RATIOS:
-        chosen = [(make(ratio), scores[name]) for name, make in PRESSES.items()]
-        for name, logp in zip(PRESSES, run(batched(cache, layers, chosen)), strict=True):
-            table[(name, ratio)] = score(logp)
-        c, hidden = adaptive(cache, layers, ratio, scores["ObservedAttention"])
+    for keys, c, hidden in groups(cache, variants(layers, with_full=False)):
         with hiding(model, hidden):
-            table[(ADAPTIVE, ratio)] = score(run(c)[0])
+            for key, logp in zip(keys, run(c), strict=True):
+                table[key] = score(logp)
     for ratio in RATIOS:  # H2O: a real press, evicting at every step
         press = presses.H2O(ratio)
         with press(model):
@@ -358,6 +390,17 @@ def _repeated(cache, batch: int):
     return c
 
 
+def _in_place(cache):
+    """``cache`` (transformers' own layers) as layers that append in place, as a press leaves them, all kept."""
+    from attnkit.presses import _transformers
+
+    c = full_copy(cache)
+    for layer in c.layers:
+        B, Hkv, n = layer.keys.shape[:3]
+        _transformers.keep(layer, torch.arange(n).expand(B, Hkv, n))
+    return c
+
+
 def _steps(model, caches: dict[str, Any], batch: int, rounds: int = 15) -> dict[str, float]:
     """Median ms of a decode step over each cache (its row repeated ``batch`` times), the caches taken in turn
     each round; each step's new pair dropped after it (a fresh copy each round)."""
@@ -387,7 +430,12 @@ def speed_child(mode: str) -> None:
             with presses.ObservedAttention(0.5)(model):
                 half = model(ids).past_key_values
             short = model(ids[:, :16]).past_key_values
-        caches = {"full": (full, 8192), "compressed": (half, 8192), "16 positions": (short, 16)}
+        caches = {
+            "full": (full, 8192),
+            "full, in place": (_in_place(full), 8192),
+            "compressed": (half, 8192),
+            "16 positions": (short, 16),
+        }
         found = {f"b{batch}": _steps(model, caches, batch) for batch in (1, 4)}
         print(json.dumps(found))
         return
@@ -495,10 +543,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"peak +{m['peak_mib']:.0f} MiB ({m['peak_mib'] - p['peak_mib']:+.0f} MiB)"
             )
         for batch, steps in r["decode"].items():
-            full, half, floor = steps["full"], steps["compressed"], steps["16 positions"]
+            full, in_place, half, floor = (steps[k] for k in ("full", "full, in place", "compressed", "16 positions"))
             print(
-                f"decode step, batch {batch[1:]}: full cache (8192) {full:.1f} ms, compressed (4096) {half:.1f} ms "
-                f"({half / full:.2f}x); 16 positions {floor:.1f} ms ({floor / full:.2f}x: the floor)"
+                f"decode step, batch {batch[1:]}: full cache (8192) {full:.1f} ms, the same appended in place "
+                f"{in_place:.1f} ms, compressed (4096) {half:.1f} ms ({half / full:.2f}x the first, "
+                f"{half / in_place:.2f}x the second); 16 positions {floor:.1f} ms ({floor / full:.2f}x)"
             )
         if args.json:
             with open(args.json, "w") as f:
