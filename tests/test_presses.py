@@ -130,7 +130,7 @@ def test_observed_attention_counts_the_queries_that_see_each_key_under_padding()
     press, model = presses.ObservedAttention(0.25), _llama()
     with torch.no_grad(), press(model):
         model(ids, attention_mask=attention_mask, use_cache=False)  # scored; no cache to compress
-        with pytest.raises(ValueError, match="without padding"):
+        with pytest.raises(ValueError, match="padded batch"):
             model(ids, attention_mask=attention_mask)  # its cache could not be used after
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     mask = (causal & attention_mask[:, None, :].bool())[:, None]  # (B, 1, L, L): padded queries see nothing
@@ -566,3 +566,93 @@ def test_a_generate_in_another_thread_inside_the_block_is_pressed():
         thread.join()
     assert found["out"].past_key_values.layers[0].keys.shape[2] == L // 2 + 2
     assert sorted(press.kept) == [0, 1]
+
+
+def test_a_compressed_cache_counts_the_tokens_it_has_seen_so_generate_can_continue_it():
+    """transformers reads a cache's length as the tokens it has seen: a later generate continues a compressed
+    cache (feeding only the new tokens, at their positions), as the same calls with explicit position_ids."""
+    ids = _ids(1)
+    model = _llama()
+    with torch.no_grad(), presses.StreamingLLM(0.5, n_sink=2)(model):
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert cache.get_seq_length() == L + 3 and cache.layers[0].keys.shape[2] == L // 2 + 3
+    more = torch.tensor([[9, 10, 11]])
+    by_hand = _copy(cache)
+    with torch.no_grad():
+        again = model.generate(
+            torch.cat([out.sequences, more], 1),
+            past_key_values=cache,
+            max_new_tokens=1,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        chunk = torch.cat([out.sequences[:, -1:], more], 1)  # the last generated token was never fed
+        ref = model(chunk, past_key_values=by_hand, position_ids=torch.arange(L + 3, L + 7)[None]).logits[0, -1]
+    assert cache.layers[0].keys.shape[2] == L // 2 + 7  # the four new tokens, nothing fed twice
+    torch.testing.assert_close(again.logits[0][0], ref, rtol=1e-5, atol=1e-5)
+
+
+def _copy(cache: Any) -> Any:
+    out = transformers.DynamicCache()
+    for i, layer in enumerate(cache.layers):
+        out.update(layer.keys.clone(), layer.values.clone(), i)
+    return out
+
+
+def test_prompt_lookup_inside_a_press_is_refused_where_it_would_crop_pressed_positions():
+    """Prompt lookup prefills its draft tokens with the prompt, so the press keeps or drops them with it, and
+    the crop of the rejected ones would take other positions: refused, never a silently other sequence."""
+    ids = _ids(1)
+    prompt = torch.cat([ids, ids[:, :20]], 1)
+    model = _llama()
+    with pytest.raises(ValueError, match="prompt lookup"), torch.no_grad(), presses.ObservedAttention(0.5)(model):
+        model.generate(prompt, max_new_tokens=10, do_sample=False, prompt_lookup_num_tokens=4)
+
+
+def test_a_shallow_copy_of_a_compressed_layer_appends_apart():
+    import copy
+
+    ids = _ids(1)
+    model = _llama()
+    with torch.no_grad(), presses.KNorm(0.5)(model):
+        cache = model(ids).past_key_values
+    twin = transformers.DynamicCache()
+    twin.layers = [copy.copy(layer) for layer in cache.layers]
+    reference = _copy(cache)
+    pos = torch.tensor([[L]])
+    with torch.no_grad():
+        model(torch.tensor([[3]]), past_key_values=twin, position_ids=pos)
+        mine = model(torch.tensor([[4]]), past_key_values=cache, position_ids=pos).logits
+        theirs = model(torch.tensor([[4]]), past_key_values=reference, position_ids=pos).logits
+    assert torch.equal(mine, theirs)
+
+
+def test_streaming_llm_keeps_its_sinks_first_when_it_keeps_fewer_than_them():
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(16, 2).eval()
+    x = torch.randn(1, 6, 16)
+    press = presses.StreamingLLM(0.5, n_sink=4)  # keeps 3 of 6: the first 3 sinks
+    with torch.no_grad(), press(mha):
+        mha(x, x, x, is_causal=True, cache=attnkit.KVCache())
+    assert press.kept[0][0, 0].tolist() == [0, 1, 2]
+    press = presses.StreamingLLM(0.5, n_sink=1)  # keeps 3: the sink and the 2 most recent
+    with torch.no_grad(), press(mha):
+        mha(x, x, x, is_causal=True, cache=attnkit.KVCache())
+    assert press.kept[0][0, 0].tolist() == [0, 4, 5]
+
+
+def test_what_h2o_and_the_presses_cannot_follow_is_refused():
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(16, 2).eval()
+    x = torch.randn(1, 30, 16)
+    with pytest.raises(ValueError, match="sliding"), torch.no_grad(), presses.KNorm(0.5)(mha):
+        mha(x, x, x, is_causal=True, cache=attnkit.KVCache(window=8))
+    with pytest.raises(ValueError, match="static"), torch.no_grad(), presses.H2O(0.5)(mha):
+        mha(x, x, x, is_causal=True, cache=attnkit.KVCache(max_len=40))
+    model = _llama()
+    with pytest.raises(ValueError, match="beam search"), torch.no_grad(), presses.H2O(0.5)(model):
+        model.generate(_ids(1), max_new_tokens=3, num_beams=2, do_sample=False)
+    with pytest.raises(ValueError, match="most"):
+        presses.AdaptiveBudget(presses.KNorm(0.5), most=float("inf"))

@@ -133,7 +133,16 @@ def load(
         from attnkit.integrations import transformers as attnkit_hf
 
         attnkit_hf.register()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
+    finally:
+        if quiet and bar:
+            hf_logging.enable_progress_bar()
     return model.eval(), AutoTokenizer.from_pretrained(folder)
 
 

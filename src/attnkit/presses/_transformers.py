@@ -34,7 +34,11 @@ class Compressed(DynamicLayer):
     room_keys: Tensor | None = None
     room_values: Tensor | None = None
     held = 0  # positions written into the room so far: the returned views never reach past it
+    room_owner: object = None  # the layer the room was made for (a shallow copy of this one makes its own)
     hidden: Tensor | None = None
+    removed = 0  # tokens a press removed: the layer has seen `removed` more tokens than it holds
+    pressed = 0  # the slots a press chose (the first ones): a crop may not reach into them
+    reordered = False  # reorder_cache (beam search) moved its rows
 
     def hold(self, keys: Tensor, values: Tensor, room: int) -> None:
         """Hold ``keys (B, Hkv, n, D)`` and ``values``, copied into new buffers with ``room`` more positions."""
@@ -44,13 +48,13 @@ class Compressed(DynamicLayer):
         self.room_keys[:, :, :n] = keys
         self.room_values[:, :, :n] = values
         self.keys, self.values = self.room_keys[:, :, :n], self.room_values[:, :, :n]  # (B, Hkv, n, D|Dv)
-        self.held = n
+        self.held, self.room_owner = n, self
 
     def _appendable(self, new: int) -> bool:
         """Whether ``keys`` and ``values`` are still the whole written front of the buffers, with room for ``new``
         more, writable here (an inference tensor only in inference mode)."""
         room_k, room_v, k, v = self.room_keys, self.room_values, self.keys, self.values
-        if room_k is None or room_v is None or k is None or v is None:
+        if room_k is None or room_v is None or k is None or v is None or self.room_owner is not self:
             return False
         if room_k.is_inference() and not torch.is_inference_mode_enabled():
             return False
@@ -76,6 +80,39 @@ class Compressed(DynamicLayer):
         self.held = n + new
         return self.keys, self.values
 
+    # transformers counts a cache's length in tokens seen (the next position, which tokens of input_ids are new,
+    # assisted decoding's crops): the tokens held and those removed. The mask of a later call is built over the keys
+    # held, its key indices shifted by the tokens removed: a held key's index never passes its own position, and
+    # those appended after the press stand at theirs, so a chunk of several tokens stays causal.
+
+    def get_seq_length(self) -> int:
+        held = super().get_seq_length()
+        return held + self.removed if held or self.removed else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return super().get_seq_length() + query_length, self.removed
+
+    def reset(self) -> None:
+        super().reset()
+        self.removed, self.pressed, self.hidden, self.reordered = 0, 0, None, False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """As ``DynamicLayer.crop`` (the last tokens removed), refused where they reach into the positions a press
+        chose: those are no longer the last tokens (assisted decoding and prompt lookup prefill their draft tokens
+        with the prompt, then crop the rejected ones)."""
+        held = super().get_seq_length()
+        if tokens_to_remove < 0 and held + tokens_to_remove < self.pressed:
+            raise ValueError(
+                f"crop({tokens_to_remove}) would remove tokens from the {self.pressed} positions a press kept, which "
+                "are not the last tokens: assisted decoding and prompt lookup (which prefill draft tokens) cannot "
+                "run inside a press"
+            )
+        super().crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.reordered = True
+
 
 def compressible(layer: object) -> bool:
     """transformers' plain ``DynamicLayer`` (not a sliding or quantized one, which keep their own rules), or one
@@ -90,10 +127,12 @@ def keep(layer: Any, kept: Tensor, hidden: Tensor | None = None) -> None:
     index = kept[..., None]  # (B, Hkv, n, 1)
     keys = layer.keys.gather(2, index.expand(-1, -1, -1, layer.keys.shape[-1]))  # (B, Hkv, n, D)
     values = layer.values.gather(2, index.expand(-1, -1, -1, layer.values.shape[-1]))  # (B, Hkv, n, Dv)
+    seen = layer.get_seq_length()  # tokens seen, before
     if type(layer) is DynamicLayer:
         layer.__class__ = Compressed
     layer.hold(keys, values, max(16, kept.shape[-1] // 8))
     layer.hidden = hidden
+    layer.removed, layer.pressed = seen - kept.shape[-1], kept.shape[-1]
 
 
 @contextlib.contextmanager

@@ -280,12 +280,14 @@ class Press:
                 )
             if not parts.mask.is_plain_causal and bool((viewers(parts) == 0).any()):  # a key no query sees
                 raise ValueError(
-                    f"a press compresses transformers' cache of a batch without padding (layer {index}'s prefill "
-                    f"{tuple(parts.q.shape[:3])} has keys no query sees): the attention_mask of the calls after "
-                    "(generate extends it) would no longer line up with the positions kept. Press one sequence at "
-                    "a time, or use attnkit's KVCache, whose rows keep their own lengths"
+                    f"this batch has padding (layer {index}'s prefill {tuple(parts.q.shape[:3])} has keys no query "
+                    "sees), and a press cannot compress transformers' cache of a padded batch: the attention_mask "
+                    "of the calls after (generate extends it) would no longer line up with the positions kept. "
+                    "Press one sequence at a time, or use attnkit's KVCache, whose rows keep their own lengths"
                 )
             return Layer(index, cache.keys, None, parts)
+        if cache.window is not None:  # (before anything is scored: its ring holds the last window, by position)
+            raise ValueError("a sliding KVCache keeps its last window of positions already: it cannot be pressed")
         assert cache.keys is not None
         return Layer(index, cache.keys, cache.lengths, parts)
 
@@ -362,7 +364,8 @@ def _cache_of(module: nn.Module, kwargs: dict) -> Any:
     if not _transformers.compressible(layer):
         raise ValueError(
             f"a press compresses transformers' DynamicCache (its DynamicLayer), got a {type(layer).__name__} at "
-            f"layer {index}: call the model without past_key_values (or with a DynamicCache())"
+            f"layer {index}: give the model no cache of another kind (no StaticCache, no "
+            "generate(cache_implementation=...)), or a DynamicCache()"
         )
     return layer
 

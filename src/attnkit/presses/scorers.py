@@ -137,9 +137,11 @@ class StreamingLLM(Press):
     def score(self, layer: Layer) -> Tensor:
         B, Hkv = layer.keys.shape[:2]
         L = layer.aligned(self)
-        pruned = L - kept_count(L, self.compression_ratio)
-        scores = torch.ones(B, Hkv, L, device=layer.keys.device)  # (B, Hkv, L)
-        scores[:, :, self.n_sink : self.n_sink + pruned] = 0
+        kept = kept_count(L, self.compression_ratio)
+        sinks = min(self.n_sink, kept)  # (kvpress asserts L > n_sink; a count below the sinks keeps sinks alone)
+        scores = torch.zeros(B, Hkv, L, device=layer.keys.device)  # (B, Hkv, L)
+        scores[:, :, :sinks] = 1
+        scores[:, :, L - (kept - sinks) :] = 1  # the most recent
         return scores
 
 
@@ -181,8 +183,8 @@ class H2O(ObservedAttention):
 
     Where the paper sums each key's weights, the running score here is their mean over the queries that saw the
     key (the prefill's and every step's), as ObservedAttention's: a sum favours the oldest keys, which more queries
-    have seen. Followed step by step: transformers' DynamicCache, and a KVCache whose rows are of one length; not
-    beam search (``reorder_cache`` reorders rows the running scores do not follow).
+    have seen. Followed step by step: transformers' DynamicCache, and a growing KVCache whose rows are of one
+    length; not beam search or ``num_return_sequences`` (rows reordered or repeated: a ValueError at the step).
 
     Raises:
         ValueError: at a prefill of a KVCache whose rows differ in length.
@@ -201,6 +203,8 @@ class H2O(ObservedAttention):
         if call.prefill:
             self._running.pop(index, None)
             cache = _cache_of(module, kwargs)
+            if isinstance(cache, KVCache) and cache.kind == "static":
+                raise ValueError(f"{self!r} follows a growing KVCache step by step, not a static one")
             if (
                 isinstance(cache, KVCache)
                 and cache.lengths is not None
@@ -229,6 +233,11 @@ class H2O(ObservedAttention):
         if parts is None:
             return
         sums, seen, positions, next_position = self._running[index]
+        if parts.q.shape[0] != sums.shape[0] or getattr(cache, "reordered", False):
+            raise ValueError(
+                f"{self!r} follows each row of the prefill's batch: its rows were repeated or reordered since "
+                "(beam search, num_return_sequences), which its running scores cannot follow"
+            )
         Lq, Lk = parts.q.shape[2], parts.k.shape[2]
         new = Lk - sums.shape[2]  # keys appended by this call
         if new != Lq:  # not this press's cache any more (another sequence, a reset): stop following it
@@ -245,8 +254,10 @@ class H2O(ObservedAttention):
         budget = positions.shape[2] - new  # the size the cache had before this call
         if Lk > budget:
             score = torch.where(seen > 0, sums / seen.clamp(min=1), 0.0)  # (B, Hkv, Lk)
-            protected = torch.arange(Lk, device=score.device) >= Lk - min(self.recent, Lk)  # (Lk,)
-            score = score.masked_fill(protected, float("inf"))
+            slots = torch.arange(Lk, device=score.device)  # (Lk,)
+            protected = slots >= Lk - min(self.recent, Lk)  # (Lk,)
+            # the recent ones above every other, the newest first among them (recent >= the budget: a window)
+            score = torch.where(protected, score.amax() + 1 + slots.to(score.dtype), score)  # (B, Hkv, Lk)
             keep = score.topk(budget, dim=-1).indices.sort(dim=-1).values  # (B, Hkv, budget)
             sums, seen, positions = (t.gather(2, keep) for t in (sums, seen, positions))  # (B, Hkv, budget) each
             _keep(cache, keep, torch.full((B,), budget, device=keep.device))
@@ -288,8 +299,8 @@ class AdaptiveBudget(Press):
             )
         if isinstance(most, bool) or not isinstance(most, (int, float)):
             raise TypeError(f"most must be a number, got {describe(most)}")
-        if not most >= 1:
-            raise ValueError(f"most must be at least 1 (a head may keep at least the uniform count), got {most}")
+        if not 1 <= most < float("inf"):
+            raise ValueError(f"most must be a finite number of at least 1 (times the uniform count), got {most}")
         super().__init__(press.compression_ratio)
         self.press, self.most = press, float(most)
         self.reads_attention = True  # (the entropy, whatever press scores)
