@@ -109,7 +109,7 @@ class Compressed(DynamicLayer):
             )
         super().crop(tokens_to_remove)
 
-    def reorder_cache(self, beam_idx: Tensor) -> None:
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         self.reordered = True
 
