@@ -26,18 +26,22 @@ H, HKV, L, V = 4, 2, 40, 64
 TOL = 1e-5
 
 
-def _llama(implementation: str = NAME, dtype: torch.dtype = torch.float32) -> Any:
-    config = transformers.LlamaConfig(
+def _config(layers: int = 2) -> Any:
+    """A new config each time: a model built from one sets its attention implementation on it."""
+    return transformers.LlamaConfig(
         vocab_size=V,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=H,
         num_key_value_heads=HKV,
         max_position_embeddings=128,
     )
+
+
+def _llama(implementation: str = NAME, dtype: torch.dtype = torch.float32) -> Any:
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=implementation).eval()
+    model = transformers.LlamaForCausalLM._from_config(_config(), attn_implementation=implementation).eval()
     return model.to(dtype)
 
 
@@ -350,23 +354,11 @@ def test_a_press_never_writes_into_the_callers_tensors():
     assert cache.layers[0].keys.shape[2] == L + 3
 
 
-def _one_layer() -> Any:
-    return transformers.LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=H,
-        num_key_value_heads=HKV,
-        max_position_embeddings=128,
-    )
-
-
 def test_adaptive_budget_shares_the_layers_pairs_by_entropy_and_hides_the_rest_inside_the_block():
     """One layer, so that eager's per-head 4-D mask is the reference: inside the block each head's queries of a
     two-token chunk see exactly its key/value head's budget (and the chunk, causally); after it, every stored slot."""
-    model = transformers.LlamaForCausalLM._from_config(_one_layer(), attn_implementation=NAME).eval()
-    eager = transformers.LlamaForCausalLM._from_config(_one_layer(), attn_implementation="eager").eval()
+    model = transformers.LlamaForCausalLM._from_config(_config(1), attn_implementation=NAME).eval()
+    eager = transformers.LlamaForCausalLM._from_config(_config(1), attn_implementation="eager").eval()
     eager.load_state_dict(model.state_dict())
     ids, nxt = _ids(1), torch.tensor([[7, 9]])
     press = presses.AdaptiveBudget(presses.ObservedAttention(0.5), most=1.5)
