@@ -519,10 +519,23 @@ def _from_json(path: str) -> tuple[dict, dict, list[int]]:
     return needle, nxt, sorted({k[0] for k in needle})
 
 
+def _lengths(text: str) -> list[int]:
+    """``--lengths``: positive whole numbers, comma-separated (argparse says what is wrong, in one line)."""
+    try:
+        found = [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token counts such as 1024,2048, got {text!r}"
+        ) from None
+    if not found or min(found) < 64:
+        raise argparse.ArgumentTypeError(f"each length must be at least 64 tokens, got {text!r}")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", default="1024,2048")
-    parser.add_argument("--depths", type=int, default=10)
+    parser.add_argument("--lengths", default="1024,2048", type=_lengths, help="comma-separated token counts")
+    parser.add_argument("--depths", type=int, default=10, choices=range(1, 101), metavar="1..100")
     parser.add_argument("--json")
     parser.add_argument("--plot")
     parser.add_argument("--check", action="store_true")
@@ -554,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(r, f, indent=1)
         return 0
     if args.replot:
+        if not os.path.isfile(args.replot):
+            parser.error(f"--replot: no file {args.replot!r} (a --json file an earlier run wrote)")
         needle, nxt, lengths = _from_json(args.replot)
         print(report(needle, nxt, lengths))
         if args.plot:
@@ -564,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         check(model, tokenizer)
         return 0
-    lengths = [int(n) for n in args.lengths.split(",")]
+    lengths = args.lengths
     start = time.perf_counter()
     needle: dict = {}
     nxt: dict = {}
