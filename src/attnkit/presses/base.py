@@ -40,6 +40,7 @@ class Layer:
         self.heads = parts.q.shape[1]
         self.lengths = lengths  # (B,) or None
         self._stats: stats.AttentionStats | None = None
+        self._viewers: Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -81,7 +82,9 @@ class Layer:
 
     def viewers(self) -> Tensor:
         """``(B|1, H|1, L)``: how many of the prefill's queries may see each key (its mask's column counts)."""
-        return viewers(self.parts)[..., : self.length]
+        if self._viewers is None:
+            self._viewers = viewers(self.parts)[..., : self.length]  # (computed once: presses and H2O ask)
+        return self._viewers
 
 
 def viewers(parts: stats.Parts, rows_at_once: int = 512) -> Tensor:

@@ -214,17 +214,7 @@ class H2O(ObservedAttention):
                     f"{self!r} follows every row's steps alike: it presses a KVCache of rows of one length, got "
                     f"{cache.lengths.tolist()}"
                 )
-            super()._on_call(index, module, kwargs, call)
-            parts = call.parts()
-            if parts is None or index not in self.kept:
-                return
-            kept = self.kept[index]  # (B, Hkv, n)
-            layer = Layer(index, parts.k, None, parts)
-            B, Hkv, L = self.scores[index].shape
-            sums = _group_mean(layer.column_sums(), Hkv)  # (B, Hkv, L)
-            seen = layer.viewers()[:, :1].expand(B, Hkv, L)  # (B, Hkv, L): the first head's mask for its group
-            at = kept.clamp(min=0)  # (B, Hkv, n)
-            self._running[index] = (sums.gather(2, at), seen.gather(2, at), kept, L)
+            super()._on_call(index, module, kwargs, call)  # scored, compressed, then _chosen starts the running sums
             return
         cache = _cache_of(module, kwargs)
         if index not in self._running or cache is None:
@@ -263,6 +253,15 @@ class H2O(ObservedAttention):
             _keep(cache, keep, torch.full((B,), budget, device=keep.device))
         self._running[index] = (sums, seen, positions, next_position + new)
         self.kept[index] = positions
+
+    def _chosen(self, index: int, module: nn.Module, cache, layer: Layer) -> None:
+        """The running sums from the prefill's, for the positions kept (the layer's statistics, computed once)."""
+        kept = self.kept[index]  # (B, Hkv, n)
+        B, Hkv, L = self.scores[index].shape
+        sums = _group_mean(layer.column_sums(), Hkv)  # (B, Hkv, L)
+        seen = layer.viewers()[:, :1].expand(B, Hkv, L)  # (B, Hkv, L): the first head's mask for its group
+        at = kept.clamp(min=0)  # (B, Hkv, n)
+        self._running[index] = (sums.gather(2, at), seen.gather(2, at), kept, L)  # (B, Hkv, n) x 3, and L
 
 
 class AdaptiveBudget(Press):
