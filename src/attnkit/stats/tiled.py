@@ -73,6 +73,7 @@ def supports(parts: Parts) -> bool:
         and tuple(lse.shape) == (B, H, Lq)
         and Lq > 0
         and k.shape[2] > 0
+        and bool(torch.isfinite(lse).all())  # (a row of -inf sees no key: exp(score - lse) would be NaN there)
     )
 
 

@@ -22,6 +22,7 @@ environment keeps it off.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 
 import torch
@@ -67,6 +68,17 @@ SUPPORTS = Supports(
 
 
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
+    return _run(call, count=False)[0], None
+
+
+def attention_with_lse(call: Call) -> tuple[Tensor, Tensor] | None:
+    """The output and each row's log-sum-exp of its (modified) scores ``(B, H, Lq)``, which the forward computes
+    anyway, with gradients to both (:func:`attnkit.flex_attention`'s ``lse``); ``-inf`` for a row with no key,
+    found from a column of ones beside the values (its output there: 1 for a row that sees a key, else 0)."""
+    return _run(call, count=True)
+
+
+def _run(call: Call, *, count: bool) -> tuple[Tensor, Tensor]:
     reason = csrc.ensure("flash")  # (built the first time here: said once)
     if reason is not None:
         raise Unavailable(reason)
@@ -87,8 +99,13 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
         # (B|1, H|1, R), evaluated here where autograd records: its gradient reaches what the function reads
         rel = mods.distance_bias(call.score_mod, batch=q.shape[0], heads=H, distances=(d0, d1), device=q.device)
     watched = Watched.of(call) if call.needs_grad else None
-    out = _Flash.apply(q, kf, vf, call.sinks, rel, mask, cap, d0, call.scale, guard, watched)  # (B, H, Lq, Dv)
-    return out, None
+    if count:
+        vf = torch.cat([vf, vf.new_ones((*vf.shape[:-1], 1))], dim=-1)  # (B, H, Lk, Dv + 1)
+    out, lse = _Flash.apply(q, kf, vf, call.sinks, rel, mask, cap, d0, call.scale, guard, watched)
+    if count:
+        seen = out[..., -1] > 0  # (B, H, Lq): the row's weights' sum (1 but for sinks), 0 without a key
+        out, lse = out[..., :-1], lse.masked_fill(~seen, -math.inf)  # (B, H, Lq, Dv), (B, H, Lq)
+    return out, lse  # (B, H, Lq, Dv), (B, H, Lq)
 
 
 def _spans(mask: Mask, rows: Rows) -> tuple[list[tuple[int, int]], list[Tensor | None], list[Tensor | None]]:
@@ -182,7 +199,7 @@ class _Flash(torch.autograd.Function):
         scale: float,
         guard: bool,
         watched: Watched | None,
-    ) -> Tensor:
+    ) -> tuple[Tensor, Tensor]:
         B, H, Lq, _ = q.shape
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         sink = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype).contiguous()  # (B, H, Lq)
@@ -198,16 +215,27 @@ class _Flash(torch.autograd.Function):
         # the masks, kept for the backward when they are one group within KEEP_BYTES, else made again
         keep = first is not None and first.nbytes <= KEEP_BYTES and any(ctx.needs_input_grad)
         ctx.groups = [first] if keep else None
-        return out
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         first_order_only(NAME)
         q, k, v, sinks, rel, out, lse = ctx.saved_tensors
         if ctx.watched is not None:
             ctx.watched.check(NAME)
         mask: Mask = ctx.mask
-        dout = dout.to(out.dtype).contiguous()
+        dout = dout.to(out.dtype)
+        Dv = v.shape[-1]
+        if dlse is not None:
+            # d lse_i / d s_ij = p_ij: the softmax's backward ds = p (dp - delta) with delta - dlse in place of delta,
+            # which the kernel, taking delta = dout . out, gets from a column of ones in out beside -dlse in dout
+            # (and a column of zeros in v, so that dp is unchanged)
+            live = torch.isfinite(lse)  # (B, H, Lq): a row with no key has no weight to pass it to
+            g = torch.where(live, dlse.to(out.dtype), 0.0)[..., None]  # (B, H, Lq, 1)
+            out = torch.cat([out, torch.ones_like(g)], dim=-1)  # (B, H, Lq, Dv + 1)
+            dout = torch.cat([dout, -g], dim=-1)  # (B, H, Lq, Dv + 1)
+            v = torch.cat([v, v.new_zeros((*v.shape[:-1], 1))], dim=-1)  # (B, H, Lk, Dv + 1)
+        dout = dout.contiguous()
         dq = torch.empty_like(q)  # (B, H, Lq, D): every row written, as out's
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # added to by every block
         B, H = q.shape[:2]
@@ -216,8 +244,9 @@ class _Flash(torch.autograd.Function):
         for group in ctx.groups or _groups(mask):  # dq (B, H, Lq, D) written; dk, dv, drel added to
             torch.ops.attnkit_flash.backward(q, k, v, out, dout, lse, *group.plan(), *args)
         dsinks = None
+        dv = dv[..., :Dv]  # (B, H, Lk, Dv): the column of zeros' gradient dropped
         if sinks is not None and ctx.needs_input_grad[3]:
-            delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
+            delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij (- dlse), the softmax Jacobian's row term
             dsinks = sinks_grad(sinks, mask, lse, delta)
         drel_ = None
         if rel is not None and ctx.needs_input_grad[4]:
