@@ -1,5 +1,7 @@
-"""attnkit inside other libraries' models. Each integration is imported on its own (``import attnkit`` imports none
-of them, nor the library it integrates with):
+"""attnkit inside other libraries' models, and other libraries' attention APIs on attnkit. An integration with a
+library beyond torch is imported on its own (``import attnkit`` imports none of them, nor the library):
 
 * :mod:`attnkit.integrations.transformers`: attnkit as an attention implementation of Hugging Face ``transformers``.
+* :mod:`attnkit.integrations.torch_flex`: torch's ``flex_attention`` on the CPU with backward
+  (:func:`attnkit.flex_attention`, :func:`attnkit.patch_flex_attention`; torch alone, imported by ``attnkit``).
 """

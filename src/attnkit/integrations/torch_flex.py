@@ -1,0 +1,515 @@
+"""PyTorch's ``flex_attention`` on the CPU, forward and backward: :func:`flex_attention` with torch's signature, and
+:func:`patch_flex_attention`, under which code written against torch runs on attnkit unchanged.
+
+PyTorch 2.13's own FlexAttention has no backward pass on the CPU (``NotImplementedError``), cannot return
+``max_scores`` there, and materialises every score unless compiled. attnkit runs the same call on its tile engine:
+
+* a ``BlockMask`` from ``torch.nn.attention.flex_attention.create_block_mask`` (or ``BlockMask.from_kv_blocks``) is
+  read as torch reads it: a pair in a block the mask does not list is hidden, a pair in a block it lists as full is
+  visible without its ``mask_mod``, a pair in a partial block is visible where the ``mask_mod`` says. Its block
+  table becomes attnkit's plan (:class:`attnkit.Plan`) directly: the hidden and full blocks are known from the
+  table, never evaluated; only partial blocks are. The plan is kept on the ``BlockMask`` (the object the caller
+  holds and every layer passes again), one for each ``(B, H)`` it serves;
+* the ``score_mod`` runs as attnkit runs any score_mod (:mod:`attnkit.mods`): on the scaled score, with gradients to
+  the tensors it closes over;
+* ``lse`` (``return_lse``, ``AuxRequest(lse=True)``) is each row's log-sum-exp of its modified scores, natural log,
+  with gradients; ``max_scores`` each row's largest modified score, without gradient (as torch's).
+
+Where attnkit's rules and torch's meet: a row that may see no key gives zeros, with ``lse`` and ``max_scores`` of
+``-inf`` (torch's values too). Where they differ: a NaN or an infinity in a key or value no query may see reaches
+nothing in attnkit (torch's ``0 * NaN`` can put NaN into a whole row); results are otherwise interchangeable.
+Computed in float32 for bfloat16 and float16 inputs (returned in the input's dtype), float64 in float64.
+
+On any device but the CPU, :func:`flex_attention` calls PyTorch's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnkit import mods
+from attnkit._validate import describe
+
+__all__ = ["block_mask_mod", "flex_attention", "patch_flex_attention"]
+
+# B batch, H query heads, Hkv key/value heads, Lq/Lk query/key length, D head dim, Dv value head dim,
+# Bm/Hm a BlockMask's batch and heads (1: shared), nQ/nK its blocks of queries and of keys
+
+# kernel_options that tune torch's GPU kernels (block sizes, warps, pipelines, TMA, ROCm's knobs, which kernel),
+# each also given per pass with a "fwd_" or "bwd_" prefix: attnkit accepts and ignores them, since none changes
+# what is computed; any other key is refused (FlexKernelOptions in torch 2.13).
+_TUNING = frozenset(
+    {
+        "num_warps",
+        "num_stages",
+        "BLOCK_M",
+        "BLOCK_N",
+        "BLOCK_M1",
+        "BLOCK_N1",
+        "BLOCK_M2",
+        "BLOCK_N2",
+        "PRESCALE_QK",
+        "ROWS_GUARANTEED_SAFE",
+        "BLOCKS_ARE_CONTIGUOUS",
+        "WRITE_DQ",
+        "FORCE_USE_FLEX_ATTENTION",
+        "USE_TMA",
+        "kpack",
+        "matrix_instr_nonkdim",
+        "waves_per_eu",
+        "BACKEND",
+        "OUTPUT_LOGSUMEXP",
+        "OUTPUT_MAX",
+        "SAFE_HEAD_DIM",
+        "IS_DIVISIBLE",
+    }
+)
+
+
+def _torch_flex() -> Any:
+    """torch's ``torch.nn.attention.flex_attention`` module."""
+    from torch.nn.attention import flex_attention as module
+
+    return module
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class block_mask_mod(mods.MaskMod):  # noqa: N801 - a function-like name, as the other built-ins
+    """A torch ``BlockMask`` as an attnkit mask_mod: the pair ``(q_idx, kv_idx)`` is visible when its block is full,
+    or partial and ``mask_mod`` allows it (``mask_mod`` ``None``: torch's ``noop_mask``, every pair of a listed
+    block). ``partial`` and ``full`` are ``(Bm, Hm, nQ, nK)`` booleans of blocks ``q_block x kv_block``; raw
+    positions, never aligned (a BlockMask is made for one call's lengths)."""
+
+    partial: Tensor
+    full: Tensor
+    q_block: int
+    kv_block: int
+    mask_mod: Callable[..., Tensor] | None
+
+    @classmethod
+    def of(cls, block_mask: Any, *, batch: int, heads: int, num_queries: int, num_keys: int) -> block_mask_mod:
+        """The BlockMask ``block_mask`` for a call of ``batch`` examples, ``heads`` query heads, ``num_queries``
+        queries and ``num_keys`` keys.
+
+        Raises:
+            ValueError: a BlockMask made for other lengths, examples or heads, or whose tables name blocks past
+                its lengths.
+        """
+        flex = _torch_flex()
+        if not isinstance(block_mask, flex.BlockMask):
+            raise TypeError(
+                f"block_mask must be a torch.nn.attention.flex_attention.BlockMask, got {describe(block_mask)}"
+            )
+        if block_mask.mask_mod is getattr(flex, "_sliced_mask_mod_error", None):
+            raise ValueError(
+                "block_mask was sliced (block_mask[...]): its mask_mod is gone; make it again for this call"
+            )
+        Lq, Lk = (int(n) for n in block_mask.seq_lengths)
+        if (Lq, Lk) != (num_queries, num_keys):
+            raise ValueError(
+                f"block_mask was made for {Lq} queries and {Lk} keys (seq_lengths), the call has {num_queries} and "
+                f"{num_keys}: make it for these lengths (create_block_mask(..., Q_LEN={num_queries}, "
+                f"KV_LEN={num_keys}))"
+            )
+        QB, KB = (int(n) for n in block_mask.BLOCK_SIZE)
+        counts = block_mask.kv_num_blocks  # (Bm, Hm, nQ)
+        Bm, Hm, nQ = counts.shape
+        if Bm not in (1, batch) or Hm not in (1, heads):
+            raise ValueError(
+                f"block_mask is for B={Bm} and H={Hm} (kv_num_blocks {tuple(counts.shape)}), the call has B={batch} "
+                f"and H={heads} query heads: each must be the call's or 1 (shared)"
+            )
+        rows, cols = -(-Lq // QB), -(-Lk // KB)
+        if nQ < rows:
+            raise ValueError(f"block_mask has {nQ} blocks of {QB} queries, {Lq} queries need {rows}")
+        partial = _dense(counts, block_mask.kv_indices, rows, cols, "kv_indices")  # (Bm, Hm, rows, cols)
+        full = torch.zeros_like(partial)
+        if block_mask.full_kv_num_blocks is not None:
+            full = _dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, rows, cols, "full_kv_indices")
+        user = None if block_mask.mask_mod is flex.noop_mask else block_mask.mask_mod
+        if user is None:  # every pair of a listed block is visible
+            full, partial = full | partial, torch.zeros_like(partial)
+        return cls(partial & ~full, full, QB, KB, user)
+
+    def bind(self, *, batch: int, heads: int, num_queries: int, num_keys: int, device: torch.device | None) -> Any:
+        return self  # (raw positions: a BlockMask is made for one call's lengths, checked in of())
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        device = self.full.device
+        zero = torch.zeros((), dtype=torch.long, device=device)  # (an example or head the tables share)
+        bb = b.to(device) if self.full.shape[0] > 1 else zero  # (B, 1, 1, 1) or ()
+        hh = h.to(device) if self.full.shape[1] > 1 else zero  # (1, H, 1, 1) or ()
+        qb, kb = q_idx.to(device) // self.q_block, kv_idx.to(device) // self.kv_block  # (1, 1, n, 1), (1, 1, 1, m)
+        full = self.full[bb, hh, qb, kb]  # (B|1, H|1, n, m)
+        if self.mask_mod is None:
+            return full
+        partial = self.partial[bb, hh, qb, kb]  # (B|1, H|1, n, m)
+        if not bool(partial.any()):
+            return full
+        return full | (partial & mods.evaluate_mask(self.mask_mod, b, h, q_idx, kv_idx))  # (B|1, H|1, n, m)
+
+    def tiles(self, rows: Tensor, cols: Tensor) -> mods.Tiles:
+        some = (self.partial | self.full).flatten(0, 1).any(0).cpu()  # (nQ, nK): listed for some example and head
+        every = self.full.flatten(0, 1).all(0).cpu()  # (nQ, nK): full for every example and head
+        q0, q1 = rows[:, 0] // self.q_block, (rows[:, 1] - 1) // self.q_block + 1  # (nq,) the blocks a range meets
+        k0, k1 = cols[:, 0] // self.kv_block, (cols[:, 1] - 1) // self.kv_block + 1  # (nk,)
+        area = (q1 - q0)[:, None] * (k1 - k0)[None, :]  # (nq, nk) blocks in each tile
+        return mods.Tiles(
+            some=_box_sums(some, q0, q1, k0, k1) > 0, every=_box_sums(every, q0, q1, k0, k1) == area
+        )  # (nq, nk) each
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.partial, self.full)
+
+    def depends_on(self, batch: int, heads: int) -> tuple[int, int]:
+        if self.mask_mod is not None:  # (a user's function may read b and h)
+            return batch, heads
+        return min(batch, self.full.shape[0]), min(heads, self.full.shape[1])
+
+    @property
+    def opaque(self) -> bool:
+        return self.mask_mod is not None
+
+
+def _dense(counts: Tensor, indices: Tensor, rows: int, cols: int, name: str) -> Tensor:
+    """A BlockMask's ordered table (``counts (Bm, Hm, nQ)`` blocks listed first in ``indices (Bm, Hm, nQ, n)``) as
+    ``(Bm, Hm, rows, cols)`` booleans."""
+    counts, indices = counts[:, :, :rows].long(), indices[:, :, :rows].long()  # (Bm, Hm, rows), (Bm, Hm, rows, n)
+    listed = torch.arange(indices.shape[-1], device=indices.device) < counts[..., None]  # (Bm, Hm, rows, n)
+    named = indices[listed]
+    if named.numel() and (int(named.min()) < 0 or int(named.max()) >= cols):
+        raise ValueError(
+            f"block_mask's {name} names key blocks {int(named.min())}..{int(named.max())}, the call's keys make "
+            f"{cols} blocks: it was made for other lengths"
+        )
+    dense = torch.zeros((*indices.shape[:3], cols + 1), dtype=torch.bool, device=indices.device)
+    dense.scatter_(-1, torch.where(listed, indices, cols), True)  # (Bm, Hm, rows, cols + 1); unlisted to the spare
+    return dense[..., :cols]
+
+
+def _box_sums(grid: Tensor, r0: Tensor, r1: Tensor, c0: Tensor, c1: Tensor) -> Tensor:
+    """The number of ``True`` in ``grid[r0[a]:r1[a], c0[c]:c1[c]]`` for each ``(a, c)``: ``(nq, nk)``."""
+    ps = torch.zeros(grid.shape[0] + 1, grid.shape[1] + 1, dtype=torch.int64)  # (nQ + 1, nK + 1) prefix sums
+    ps[1:, 1:] = grid.long().cumsum(0).cumsum(1)
+    r0, r1 = r0.clamp(max=grid.shape[0])[:, None], r1.clamp(max=grid.shape[0])[:, None]  # (nq, 1)
+    c0, c1 = c0.clamp(max=grid.shape[1])[None, :], c1.clamp(max=grid.shape[1])[None, :]  # (1, nk)
+    return ps[r1, c1] - ps[r0, c1] - ps[r1, c0] + ps[r0, c0]  # (nq, nk)
+
+
+def _plan(block_mask: Any, mask_mod: block_mask_mod, B: int, H: int, Lq: int, Lk: int, device: torch.device) -> Any:
+    """The plan of ``block_mask`` for calls of ``B`` examples and ``H`` heads, kept on the BlockMask the caller
+    holds (a model's layers pass the same one)."""
+    from attnkit.plan import make_plan
+
+    kept = block_mask.__dict__.setdefault("_attnkit_plans", {})
+    key = (B, H, str(device), torch.is_inference_mode_enabled())
+    found = kept.get(key)
+    if found is None or found.mask.mask_mod is not mask_mod and not _same_tables(found.mask.mask_mod, mask_mod):
+        found = kept[key] = make_plan(Lq, Lk, mask_mod=mask_mod, batch=B, heads=H, device=device)
+    return found
+
+
+def _same_tables(one: Any, other: block_mask_mod) -> bool:
+    return (
+        isinstance(one, block_mask_mod)
+        and one.mask_mod is other.mask_mod
+        and torch.equal(one.partial, other.partial)
+        and torch.equal(one.full, other.full)
+    )
+
+
+def _check_options(kernel_options: Any) -> None:
+    if kernel_options is None:
+        return
+    if not isinstance(kernel_options, dict):
+        raise TypeError(f"kernel_options must be a dict or None, got {describe(kernel_options)}")
+    unknown = sorted(
+        str(key)
+        for key in kernel_options
+        if not (isinstance(key, str) and key.removeprefix("fwd_").removeprefix("bwd_") in _TUNING)
+    )
+    if unknown:
+        raise ValueError(
+            f"kernel_options: {unknown} unknown to attnkit (it accepts, and ignores, torch's GPU tuning options: "
+            f"{sorted(_TUNING)}, also with a fwd_ or bwd_ prefix)"
+        )
+
+
+def flex_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    score_mod: mods.ScoreFn | None = None,
+    block_mask: Any = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    kernel_options: dict[str, Any] | None = None,
+    *,
+    return_aux: Any = None,
+) -> Any:
+    """``torch.nn.attention.flex_attention.flex_attention`` on the CPU, forward and backward (see the module
+    docstring); PyTorch's own on any other device.
+
+    Args:
+        query: ``(B, H, Lq, D)``; key: ``(B, Hkv, Lk, D)``; value: ``(B, Hkv, Lk, Dv)``, floating point, one dtype.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, on ``scale * q . k``.
+        block_mask: a ``BlockMask`` made for ``Lq`` queries and ``Lk`` keys, whose batch and heads are the call's
+            or 1; ``None``: every key visible.
+        scale: ``1 / sqrt(D)`` when ``None``.
+        enable_gqa: let ``H`` be a multiple of ``Hkv`` (query head ``h`` uses key/value head ``h // (H / Hkv)``).
+        return_lse: also return each row's log-sum-exp (torch's deprecated spelling of ``return_aux``).
+        kernel_options: torch's GPU tuning options, accepted and ignored; an unknown key is refused.
+        return_aux: ``AuxRequest(lse=..., max_scores=...)``: also return an ``AuxOutput`` with those.
+
+    Returns:
+        ``output (B, H, Lq, Dv)``; with ``return_aux``, ``(output, AuxOutput(lse, max_scores))``, each ``(B, H, Lq)``
+        or ``None``; with ``return_lse``, ``(output, lse)``. ``lse`` and ``max_scores`` are float32 (float64 for
+        float64 inputs).
+
+    Raises:
+        TypeError, ValueError: naming the argument and its values (torch's own checks, and a ``BlockMask`` made for
+            other sizes, an unknown ``kernel_options`` key).
+
+    Example:
+        >>> import torch, attnkit
+        >>> from torch.nn.attention.flex_attention import create_block_mask
+        >>> causal = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256, device="cpu")
+        >>> q = k = v = torch.randn(1, 2, 256, 16, requires_grad=True)
+        >>> out = attnkit.flex_attention(q, k, v, block_mask=causal)
+        >>> out.sum().backward()
+        >>> tuple(q.grad.shape)
+        (1, 2, 256, 16)
+    """
+    flex = _torch_flex()
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a tensor, got {describe(t)}")
+    if query.device.type != "cpu":
+        return _original()(
+            query,
+            key,
+            value,
+            score_mod,
+            block_mask,
+            scale,
+            enable_gqa,
+            return_lse,
+            kernel_options,
+            return_aux=return_aux,
+        )
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(
+            f"query, key and value must be 4-dim (B, H, L, D), got {tuple(query.shape)}, {tuple(key.shape)} and "
+            f"{tuple(value.shape)}"
+        )
+    B, H, Lq, _ = query.shape
+    Hkv, Lk = key.shape[1], key.shape[2]
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be True or False, got {enable_gqa!r}")
+    if not enable_gqa and H != Hkv:
+        raise ValueError(f"query has H={H} heads and key/value Hkv={Hkv}: pass enable_gqa=True for grouped queries")
+    if enable_gqa and H % Hkv:
+        raise ValueError(f"enable_gqa: query's H={H} heads must be a multiple of key/value's Hkv={Hkv}")
+    if key.shape[0] != value.shape[0] or key.shape[0] not in (1, B):
+        raise ValueError(
+            f"key and value must have query's batch size or 1 (shared), got {B}, {key.shape[0]} and {value.shape[0]}"
+        )
+    if key.shape[0] != B:  # keys and values shared by every example (torch's broadcast)
+        key, value = key.expand(B, *key.shape[1:]), value.expand(B, *value.shape[1:])  # (B, Hkv, Lk, D|Dv)
+    if return_lse and return_aux is not None:
+        raise ValueError("return_lse and return_aux given together: pass return_aux=AuxRequest(lse=True) alone")
+    if return_aux is not None and not isinstance(return_aux, flex.AuxRequest):
+        raise TypeError(f"return_aux must be an AuxRequest or None, got {describe(return_aux)}")
+    _check_options(kernel_options)
+    want_lse = bool(return_lse) or (return_aux is not None and return_aux.lse)
+    want_max = return_aux is not None and return_aux.max_scores
+    from attnkit.functional import Masks
+
+    plan = None
+    if block_mask is not None:
+        mask_mod = block_mask_mod.of(block_mask, batch=B, heads=H, num_queries=Lq, num_keys=Lk)
+        plan = _plan(block_mask, mask_mod, B, H, Lq, Lk, query.device)
+    out, lse, largest = attend_with_statistics(
+        query, key, value, Masks(score_mod=score_mod, plan=plan), scale, lse=want_lse, max_scores=want_max
+    )
+    if return_aux is not None:
+        return out, flex.AuxOutput(lse=lse if want_lse else None, max_scores=largest if want_max else None)
+    if return_lse:
+        return out, lse
+    return out
+
+
+def attend_with_statistics(
+    q: Tensor, k: Tensor, v: Tensor, masks: Any, scale: float | None, *, lse: bool, max_scores: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """:func:`attnkit.functional.attend`'s output ``(B, H, Lq, Dv)``, with each row's log-sum-exp (with gradients)
+    and largest modified score (detached), ``(B, H, Lq)`` each where asked (``None`` otherwise): the log-sum-exp
+    from the engine where it has it (the C++ kernel, with its gradient), else from the scores a block of rows at a
+    time; ``-inf`` for a row that sees no key."""
+    from attnkit.functional import attend
+
+    out, _, found = attend(q, k, v, masks, scale=scale, need_lse=lse)
+    largest = None
+    if max_scores or (lse and found is None):
+        sums, largest = _row_statistics(q, k, masks, scale, need_grad=lse and found is None)
+        found = sums if found is None else found
+    if lse and found is not None:
+        found = _no_row(found)
+    return out, found if lse else None, largest if max_scores else None
+
+
+def _no_row(lse: Tensor) -> Tensor:
+    """``-inf`` where a row sees no key (torch's value), whatever sentinel an engine left there."""
+    return lse.masked_fill(~torch.isfinite(lse) | (lse < -1e30), -math.inf) if lse.numel() else lse
+
+
+# Rows of scores taken at a time by _row_statistics: ~64 MiB of float32 scores in a block, whatever the length.
+_STAT_ELEMENTS = 2**24
+
+
+def _row_statistics(q: Tensor, k: Tensor, masks: Any, scale: float | None, *, need_grad: bool) -> tuple[Tensor, Tensor]:
+    """Each row's log-sum-exp ``(B, H, Lq)`` (with gradients when ``need_grad``) and largest modified score
+    ``(B, H, Lq)`` (detached), from the scores a block of rows at a time (the reference's rule: a hidden pair and a
+    ``-inf`` score are no key; ``-inf`` for a row without one)."""
+    from attnkit.functional import scoring
+
+    with torch.set_grad_enabled(need_grad and torch.is_grad_enabled()):
+        q4, k4, mask, _, scale_, score_mod, _, _ = scoring(q, k, masks, scale=scale)
+        B, H, Lq, _ = q4.shape
+        dtype = torch.float64 if q4.dtype == torch.float64 else torch.float32
+        kf = k4.to(dtype).repeat_interleave(H // k4.shape[1], dim=1)  # (B, H, Lk, D)
+        Lk = kf.shape[2]
+        step = max(1, _STAT_ELEMENTS // max(1, B * H * Lk))
+        sums, tops = [], []
+        for r0 in range(0, Lq, step):
+            r1 = min(Lq, r0 + step)
+            s = (q4[:, :, r0:r1].to(dtype) @ kf.transpose(-2, -1)) * scale_  # (B, H, n, Lk)
+            if score_mod is not None:
+                b, h, qi, ki = mods.indices(B, H, (r0, r1), (0, Lk), s.device)
+                s = mods.apply_score(score_mod, s, b, h, qi, ki).expand_as(s)  # (B, H, n, Lk)
+            allowed, bias = mask.tile(r0, r1, 0, Lk, dtype, every=False)  # (B|1, H|1, n|1, Lk) | None each
+            if bias is not None:
+                s = s + bias
+            hidden = torch.isnan(s) | (s == -math.inf)
+            if allowed is not None:
+                hidden = hidden | ~allowed
+            s = s.masked_fill(hidden, -math.inf)  # (B, H, n, Lk)
+            sums.append(torch.logsumexp(s, dim=-1))  # (B, H, n)
+            tops.append(s.detach().amax(dim=-1))  # (B, H, n)
+    return torch.cat(sums, dim=-1), torch.cat(tops, dim=-1)
+
+
+class _Patch:
+    """What :func:`patch_flex_attention` changed, process-wide (a module's attribute is the process's): torch's
+    function, the ``(module, name)`` pairs pointed at attnkit's, and how many patches are open (the last to close
+    restores them)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.original: Any = None
+        self.rebound: list[tuple[Any, str]] = []
+        self.open = 0
+        self.eager: Any = flex_attention  # made torch.compiler.disable(flex_attention) by the first patch (the
+        # decorator imports torch._dynamo, seconds that `import attnkit` must not spend)
+
+
+_PATCH = _Patch()
+
+
+def _original() -> Any:
+    """torch's own ``flex_attention``, patched or not."""
+    return _PATCH.original if _PATCH.original is not None else _torch_flex().flex_attention
+
+
+def _patched(*args: Any, **kwargs: Any) -> Any:
+    """What torch's name runs under :func:`patch_flex_attention`: attnkit's on the CPU, torch's elsewhere; under
+    ``torch.compile`` (transformers compiles the name it holds), a graph break around an eager call (torch.compile
+    of a function marked ``torch.compiler.disable`` compiles the function inside, torch 2.13)."""
+    return _PATCH.eager(*args, **kwargs)
+
+
+class _Patched:
+    """A patch in force: a context manager whose exit ends it (a plain call leaves it for the process)."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End this patch (the last one open restores torch's function everywhere it was replaced)."""
+        with _PATCH.lock:
+            if self.closed:
+                return
+            self.closed = True
+            _PATCH.open -= 1
+            if _PATCH.open:
+                return
+            for module, name in _PATCH.rebound:
+                if getattr(module, name, None) is _patched:
+                    setattr(module, name, _PATCH.original)
+            _PATCH.rebound, _PATCH.original = [], None
+            _recompile_transformers()
+
+
+def patch_flex_attention() -> _Patched:
+    """Run ``torch.nn.attention.flex_attention.flex_attention`` on attnkit for CPU tensors (forward and backward;
+    torch's own on other devices): from this call on, for the process, or to the end of a ``with`` block::
+
+        with attnkit.patch_flex_attention():
+            loss = model(**batch).loss  # transformers' attn_implementation="flex_attention", on the CPU
+            loss.backward()
+
+    Every loaded module that holds torch's function under a name (``from torch.nn.attention.flex_attention import
+    flex_attention``: transformers does) is pointed at attnkit's too, and transformers' compiled copy of it
+    (``WrappedFlexAttention``, transformers 5.23) is made again at its next call; when the last patch closes, each
+    gets torch's function back. A module imported while the patch is open that copies the name gets attnkit's.
+
+    Returns:
+        The patch in force, which a ``with`` block ends at its end and ``.close()`` ends by hand.
+    """
+    with _PATCH.lock:
+        if not _PATCH.open:
+            _PATCH.eager = torch.compiler.disable(flex_attention)
+            flex = _torch_flex()
+            original = flex.flex_attention
+            _PATCH.original = original
+            rebound = []
+            for module in list(sys.modules.values()):
+                names = getattr(module, "__dict__", None)
+                if not isinstance(names, dict):
+                    continue
+                for name, value in list(names.items()):
+                    if value is original:
+                        setattr(module, name, _patched)
+                        rebound.append((module, name))
+            _PATCH.rebound = rebound
+            _recompile_transformers()
+        _PATCH.open += 1
+    return _Patched()
+
+
+def _recompile_transformers() -> None:
+    """transformers keeps ``torch.compile(flex_attention)`` made at its first call (``WrappedFlexAttention``, a
+    singleton, transformers 5.23, ``tests/test_torch_flex.py`` checks the name): marked stale, it compiles the
+    function its module holds now at the next call."""
+    module = sys.modules.get("transformers.integrations.flex_attention")
+    wrapped = getattr(module, "WrappedFlexAttention", None)
+    if wrapped is not None and hasattr(wrapped, "_is_flex_compiled"):
+        wrapped._is_flex_compiled = False
+        instance = getattr(wrapped, "_instance", None)
+        if instance is not None:
+            instance._is_flex_compiled = False
