@@ -8,6 +8,8 @@ from attnkit import mods, packing
 from attnkit.cache import CrossKVCache, KVCache
 from attnkit.dispatch import available_backends
 from attnkit.functional import AttentionOutput, additive_attention, scaled_dot_product_attention
+from attnkit.integrations.torch_flex import flex_attention, patch_flex_attention
+from attnkit.integrations.torch_varlen import varlen_attn
 from attnkit.layers import AdditiveAttention, DotProductAttention, MultiHeadAttention
 from attnkit.masks import causal_mask, masked_softmax, sequence_mask
 from attnkit.packing import pack, unpack
@@ -32,15 +34,18 @@ __all__ = [
     "attention_stats",
     "available_backends",
     "causal_mask",
+    "flex_attention",
     "make_plan",
     "masked_softmax",
     "mods",
     "pack",
     "packing",
+    "patch_flex_attention",
     "record_stats",
     "record_weights",
     "scaled_dot_product_attention",
     "sequence_mask",
     "trace_shapes",
     "unpack",
+    "varlen_attn",
 ]
