@@ -249,7 +249,9 @@ def test_a_kernel_is_not_built_to_explain_a_call_it_could_not_run_anyway(monkeyp
     supports = dataclasses.replace(kernel.SUPPORTS, missing=lambda call: asked.append(1) or None)
     monkeypatch.setattr(kernel, "SUPPORTS", supports)
     q = torch.randn(1, 2, 5, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"tiles:kernel: float32 only"):
+    with pytest.raises(
+        ValueError, match=r"tiles:kernel: bfloat16 or float16 or float32 only \(the inputs are float64\)"
+    ):
         attnkit.scaled_dot_product_attention(q, q, q, backend="tiles:kernel")
     assert asked == []
     attnkit.scaled_dot_product_attention(q.float(), q.float(), q.float(), backend="tiles:kernel")

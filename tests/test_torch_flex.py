@@ -291,6 +291,24 @@ def test_rows_that_see_nothing_give_zeros_and_minus_infinity_and_hidden_nan_reac
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_without_gradients_a_row_that_sees_nothing_has_an_lse_of_minus_infinity(dtype):
+    """Each engine's own lse (the kernel's, the online softmax's), not only the fallback's."""
+    L = 200
+
+    def late(b, h, q, kv):
+        return (q >= 64) & (kv <= q) & (q - kv < 50)
+
+    block_mask = create_block_mask(late, None, None, L, L, device="cpu", BLOCK_SIZE=64)
+    q, k, v = (t.detach() for t in inputs(1, 2, 2, L, L, 16, dtype=dtype))
+    with torch.no_grad():
+        out, aux = attnkit.flex_attention(q, k, v, block_mask=block_mask, return_aux=AuxRequest(lse=True))
+    assert torch.isneginf(aux.lse[:, :, :64]).all() and torch.isfinite(aux.lse[:, :, 64:]).all()
+    want = reference(q, k, v, allowed=create_mask(late, 1, 2, L, L, device="cpu"))[1]
+    assert max_err(aux.lse[:, :, 64:], want[:, :, 64:]) <= (1e-12 if dtype == torch.float64 else 1e-5)
+    assert out.dtype == dtype and out.is_contiguous()
+
+
 def test_the_plan_is_made_once_for_a_block_mask_every_layer_passes():
     q, k, v = inputs(1, 2, 2, 512, 512, 16)
     block_mask = create_block_mask(sliding_window(100), None, None, 512, 512, device="cpu")
@@ -299,6 +317,26 @@ def test_the_plan_is_made_once_for_a_block_mask_every_layer_passes():
     second = attnkit.flex_attention(q, k, v, block_mask=block_mask)
     assert torch.equal(first, second)
     assert len(plans) == 1 and block_mask._attnkit_plans == plans  # the same plan object, not made again
+
+
+def test_a_tensor_the_mask_mod_reads_changed_in_place_is_read_again_as_torch_does():
+    """torch evaluates a partial block's mask_mod at every call: new document ids written into the same buffer
+    count at the next call with the same BlockMask (the tester's finding: the kept plan's booleans were the first
+    call's)."""
+    L = 256
+    q, k, v = inputs(1, 1, 1, L, L, 16, seed=2)
+    ids = (torch.arange(L) >= 100).long()  # two documents: every block of 128 partial (the boundary, the diagonal)
+
+    def same_document(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    block_mask = create_block_mask(same_document, None, None, L, L, device="cpu")
+    attnkit.flex_attention(q, k, v, block_mask=block_mask)
+    ids[:] = (torch.arange(L) >= 120).long()  # the boundary moves within partial blocks, where torch asks again
+    out = attnkit.flex_attention(q, k, v, block_mask=block_mask)
+    allowed = (ids[:, None] == ids[None, :]) & torch.ones(L, L, dtype=torch.bool).tril()
+    want = reference(q, k, v, allowed=allowed)[0]
+    assert max_err(out, want) <= 1e-5
 
 
 def test_the_lse_comes_from_the_kernel_with_its_gradient_where_the_kernel_runs():
@@ -360,30 +398,33 @@ def test_bad_input_names_the_argument_and_values(kwargs, error, words):
 
 
 def test_patch_runs_torchs_name_on_attnkit_and_restores_it():
+    import sys
+
     import torch.nn.attention.flex_attention as flex
 
     original = flex.flex_attention
-    held = {"flex_attention": original}  # a module that imported the name before the patch
-    module = type(torch)("attnkit_test_holder")
-    module.flex_attention = original
-    import sys
-
-    sys.modules["attnkit_test_holder"] = module
+    before = type(torch)("attnkit_test_before")  # a module that imported the name before the patch
+    before.flex_attention = original
+    sys.modules["attnkit_test_before"] = before
     try:
         q, k, v = inputs(1, 2, 2, 128, 128, 16)
         block_mask = create_block_mask(causal, None, None, 128, 128, device="cpu")
         with attnkit.patch_flex_attention():
-            assert flex.flex_attention is not original and module.flex_attention is flex.flex_attention
+            assert flex.flex_attention is not original and before.flex_attention is flex.flex_attention
+            during = type(torch)("attnkit_test_during")  # one imported inside the block copies the patched name
+            during.flex_attention = flex.flex_attention
+            sys.modules["attnkit_test_during"] = during
             out = flex.flex_attention(q, k, v, block_mask=block_mask)
             out.sum().backward()  # torch's own has no backward on the CPU
             compiled = torch.compile(flex.flex_attention)(q, k, v, block_mask=block_mask)
             assert torch.equal(compiled, out)
-        assert flex.flex_attention is original and module.flex_attention is original
-        assert held["flex_attention"] is original
+        assert flex.flex_attention is original and before.flex_attention is original
+        assert during.flex_attention is original
         want = attnkit.flex_attention(q, k, v, block_mask=block_mask)
-        assert torch.equal(out, want)
+        assert torch.equal(out, want) and out.is_contiguous()
     finally:
-        del sys.modules["attnkit_test_holder"]
+        sys.modules.pop("attnkit_test_before", None)
+        sys.modules.pop("attnkit_test_during", None)
 
 
 def test_a_plain_call_patches_until_closed_and_nested_patches_restore_once():

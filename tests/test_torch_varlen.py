@@ -197,6 +197,15 @@ def test_bad_input_names_the_argument_and_values(change, error, words):
         call()
 
 
+def test_inputs_that_do_not_fit_are_refused_in_the_packed_shapes_even_without_keys():
+    q, k = torch.randn(5, 2, 8), torch.randn(0, 2, 4)
+    cu_q, cu_k = torch.tensor([0, 5]), torch.tensor([0, 0])
+    with pytest.raises(ValueError, match=r"query \(5, 2, 8\) and key \(0, 2, 4\)"):
+        attnkit.varlen_attn(q, k, torch.randn(0, 2, 3), cu_q, cu_k, 5, 0)
+    with pytest.raises(TypeError, match="float64"):
+        attnkit.varlen_attn(q, torch.randn(0, 2, 8, dtype=torch.float64), torch.randn(0, 2, 8), cu_q, cu_k, 5, 0)
+
+
 def test_a_block_table_page_out_of_the_pool_is_refused():
     pool = torch.randn(4, 8, 2, 16)
     q = torch.randn(2, 2, 16)

@@ -187,6 +187,22 @@ def check_qkv(
     return q.dim() == 3
 
 
+def check_torch_heads(tensors: dict[str, object], heads: int, kv_heads: int, enable_gqa: object) -> None:
+    """torch's rules for the inputs of its ``flex_attention`` and ``varlen_attn``: tensors, and ``heads`` query heads
+    equal to the ``kv_heads`` key/value heads, or a multiple of them with ``enable_gqa=True``."""
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a tensor, got {describe(t)}")
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be True or False, got {enable_gqa!r}")
+    if not enable_gqa and heads != kv_heads:
+        raise ValueError(
+            f"query has H={heads} heads and key/value Hkv={kv_heads}: pass enable_gqa=True for grouped queries"
+        )
+    if enable_gqa and heads % kv_heads:
+        raise ValueError(f"enable_gqa: query's H={heads} heads must be a multiple of key/value's Hkv={kv_heads}")
+
+
 def check_scale(scale: object, dtype: torch.dtype = torch.float64) -> float:
     """Any real number (Python or NumPy, any precision) finite in ``dtype``, the dtype the scores are computed in,
     is a scale; ``bool``, NaN and infinities are not (``1e300`` is infinite in float32: every score would be). A

@@ -160,11 +160,12 @@ def _decode_step(call: Call) -> bool:
 
 
 def _kernel_worth(call: Call) -> bool:
-    """On the CPU in float32, over more queries than a decode step's (planning tiles costs more there than a few
-    eager steps): a mask_mod (a window took 0.15x SDPA without a mask), sinks, ``softcap``, or a score_mod that is a
-    bias on the distance (ALiBi, a caller's table), looked for in calls of at least ``DISTANCE_FROM`` scores (it
-    traces the function) or in a built-in that declares itself one."""
-    if call.q.device.type != "cpu" or call.q.dtype != torch.float32 or call.w_v is not None or _few_queries(call):
+    """On the CPU (float32, or bfloat16 and float16 computed in float32: eager bfloat16 steps took 2.3x the
+    kernel's float32 time on a window, docs/benchmarks.md), over more queries than a decode step's (planning tiles
+    costs more there than a few eager steps): a mask_mod (a window took 0.15x SDPA without a mask), sinks,
+    ``softcap``, or a score_mod that is a bias on the distance (ALiBi, a caller's table), looked for in calls of at
+    least ``DISTANCE_FROM`` scores (it traces the function) or in a built-in that declares itself one."""
+    if call.q.device.type != "cpu" or call.q.dtype == torch.float64 or call.w_v is not None or _few_queries(call):
         return False
     score_mod = call.score_mod
     if score_mod is None:

@@ -385,7 +385,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
         const bool empty = l[i] == 0.0f;
         const float li = std::max(l[i], std::numeric_limits<float>::min());
         for (int64_t d = 0; d < Dv; ++d) oa[i * Dv + d] = empty ? 0.0f : acc[i * Dv + d] / li;
-        la[i] = empty ? 0.0f : m[i] + std::log(li);
+        la[i] = empty ? -INF : m[i] + std::log(li);  // (-inf: no key; the backward gives such a row no weight)
       }
     }
   });

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit._validate import describe
+from attnkit._validate import check_torch_heads, describe
 
 __all__ = ["block_mask_mod", "flex_attention", "patch_flex_attention"]
 
@@ -66,8 +66,6 @@ _TUNING = frozenset(
         "matrix_instr_nonkdim",
         "waves_per_eu",
         "BACKEND",
-        "OUTPUT_LOGSUMEXP",
-        "OUTPUT_MAX",
         "SAFE_HEAD_DIM",
         "IS_DIVISIBLE",
     }
@@ -121,6 +119,11 @@ class block_mask_mod(mods.MaskMod):  # noqa: N801 - a function-like name, as the
             )
         QB, KB = (int(n) for n in block_mask.BLOCK_SIZE)
         counts = block_mask.kv_num_blocks  # (Bm, Hm, nQ)
+        if counts.dim() != 3 or block_mask.kv_indices.dim() != 4:
+            raise ValueError(
+                f"block_mask's kv_num_blocks must be (B, H, q blocks) and kv_indices (B, H, q blocks, n), got "
+                f"{tuple(counts.shape)} and {tuple(block_mask.kv_indices.shape)}"
+            )
         Bm, Hm, nQ = counts.shape
         if Bm not in (1, batch) or Hm not in (1, heads):
             raise ValueError(
@@ -134,10 +137,13 @@ class block_mask_mod(mods.MaskMod):  # noqa: N801 - a function-like name, as the
         full = torch.zeros_like(partial)
         if block_mask.full_kv_num_blocks is not None:
             full = _dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, rows, cols, "full_kv_indices")
+        partial, full = torch.broadcast_tensors(
+            partial, full
+        )  # (Bm, Hm, rows, cols): the two tables' shapes may differ
         user = None if block_mask.mask_mod is flex.noop_mask else block_mask.mask_mod
         if user is None:  # every pair of a listed block is visible
             full, partial = full | partial, torch.zeros_like(partial)
-        return cls(partial & ~full, full, QB, KB, user)
+        return cls((partial & ~full).contiguous(), full.contiguous(), QB, KB, user)
 
     def bind(self, *, batch: int, heads: int, num_queries: int, num_keys: int, device: torch.device | None) -> Any:
         return self  # (raw positions: a BlockMask is made for one call's lengths, checked in of())
@@ -179,6 +185,19 @@ class block_mask_mod(mods.MaskMod):  # noqa: N801 - a function-like name, as the
         return self.mask_mod is not None
 
 
+def _no_op(block_mask: Any) -> bool:
+    """Whether ``block_mask`` is torch's mask of every pair (``_create_empty_block_mask``: one block as large as any
+    call, a ``noop_mask``), which torch takes for any lengths."""
+    flex = _torch_flex()
+    large = getattr(flex, "_LARGE_SPARSE_BLOCK_SIZE", None)
+    return (
+        isinstance(block_mask, flex.BlockMask)
+        and large is not None
+        and tuple(int(n) for n in block_mask.BLOCK_SIZE) == (large, large)
+        and block_mask.mask_mod is flex.noop_mask
+    )
+
+
 def _dense(counts: Tensor, indices: Tensor, rows: int, cols: int, name: str) -> Tensor:
     """A BlockMask's ordered table (``counts (Bm, Hm, nQ)`` blocks listed first in ``indices (Bm, Hm, nQ, n)``) as
     ``(Bm, Hm, rows, cols)`` booleans."""
@@ -206,15 +225,32 @@ def _box_sums(grid: Tensor, r0: Tensor, r1: Tensor, c0: Tensor, c1: Tensor) -> T
 
 def _plan(block_mask: Any, mask_mod: block_mask_mod, B: int, H: int, Lq: int, Lk: int, device: torch.device) -> Any:
     """The plan of ``block_mask`` for calls of ``B`` examples and ``H`` heads, kept on the BlockMask the caller
-    holds (a model's layers pass the same one)."""
+    holds (a model's layers pass the same one) while its tables and what its mask_mod reads are as they were: torch
+    evaluates a partial block's mask_mod at every call, so a tensor it reads that changed in place (a buffer of
+    document ids) makes the plan again, as does a mask_mod that cannot be looked into."""
     from attnkit.plan import make_plan
 
     kept = block_mask.__dict__.setdefault("_attnkit_plans", {})
     key = (B, H, str(device), torch.is_inference_mode_enabled())
-    found = kept.get(key)
-    if found is None or found.mask.mask_mod is not mask_mod and not _same_tables(found.mask.mask_mod, mask_mod):
-        found = kept[key] = make_plan(Lq, Lk, mask_mod=mask_mod, batch=B, heads=H, device=device)
+    reads = _versions(mask_mod.mask_mod)
+    found, was = kept.get(key, (None, None))
+    fresh = found is not None and reads is not None and reads == was
+    if not (fresh and (found.mask.mask_mod is mask_mod or _same_tables(found.mask.mask_mod, mask_mod))):
+        found = make_plan(Lq, Lk, mask_mod=mask_mod, batch=B, heads=H, device=device)
+        kept[key] = (found, reads)
     return found
+
+
+def _versions(fn: Any) -> tuple[tuple[int, int, int], ...] | None:
+    """Which tensors ``fn`` reads and their state, ``(id, data pointer, version)`` each (a write in place moves
+    the version); ``None`` when it cannot be looked into."""
+    if fn is None:
+        return ()
+    try:
+        read = mods.read_tensors(fn)
+    except mods.Uninspectable:
+        return None
+    return tuple((id(t), t.data_ptr(), t._version) for t in read)
 
 
 def _same_tables(one: Any, other: block_mask_mod) -> bool:
@@ -290,10 +326,7 @@ def flex_attention(
         (1, 2, 256, 16)
     """
     flex = _torch_flex()
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a tensor, got {describe(t)}")
-    if query.device.type != "cpu":
+    if isinstance(query, Tensor) and query.device.type != "cpu":
         return _original()(
             query,
             key,
@@ -306,6 +339,7 @@ def flex_attention(
             kernel_options,
             return_aux=return_aux,
         )
+    check_torch_heads({"query": query, "key": key, "value": value}, 1, 1, enable_gqa)
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(
             f"query, key and value must be 4-dim (B, H, L, D), got {tuple(query.shape)}, {tuple(key.shape)} and "
@@ -313,12 +347,7 @@ def flex_attention(
         )
     B, H, Lq, _ = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
-    if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa must be True or False, got {enable_gqa!r}")
-    if not enable_gqa and H != Hkv:
-        raise ValueError(f"query has H={H} heads and key/value Hkv={Hkv}: pass enable_gqa=True for grouped queries")
-    if enable_gqa and H % Hkv:
-        raise ValueError(f"enable_gqa: query's H={H} heads must be a multiple of key/value's Hkv={Hkv}")
+    check_torch_heads({}, H, Hkv, enable_gqa)
     if key.shape[0] != value.shape[0] or key.shape[0] not in (1, B):
         raise ValueError(
             f"key and value must have query's batch size or 1 (shared), got {B}, {key.shape[0]} and {value.shape[0]}"
@@ -335,6 +364,16 @@ def flex_attention(
     from attnkit.functional import Masks
 
     plan = None
+    if block_mask is not None and _no_op(block_mask):
+        block_mask = None  # (torch's own mask of every pair, for any lengths)
+    if (
+        block_mask is not None
+        and hasattr(block_mask, "kv_num_blocks")
+        and block_mask.kv_num_blocks.device != query.device
+    ):
+        raise ValueError(
+            f"block_mask is on {block_mask.kv_num_blocks.device}, query on {query.device}: move it (.to())"
+        )
     if block_mask is not None:
         mask_mod = block_mask_mod.of(block_mask, batch=B, heads=H, num_queries=Lq, num_keys=Lk)
         plan = _plan(block_mask, mask_mod, B, H, Lq, Lk, query.device)
@@ -353,59 +392,70 @@ def attend_with_statistics(
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """:func:`attnkit.functional.attend`'s output ``(B, H, Lq, Dv)``, with each row's log-sum-exp (with gradients)
     and largest modified score (detached), ``(B, H, Lq)`` each where asked (``None`` otherwise): the log-sum-exp
-    from the engine where it has it (the C++ kernel, with its gradient), else from the scores a block of rows at a
-    time; ``-inf`` for a row that sees no key."""
+    from the engine where it has it (the C++ kernel, with its gradient; the online softmax without one), else from
+    the scores a block of rows at a time; ``-inf`` for a row that sees no key."""
     from attnkit.functional import attend
 
     out, _, found = attend(q, k, v, masks, scale=scale, need_lse=lse)
+    need = lse and found is None
     largest = None
-    if max_scores or (lse and found is None):
-        sums, largest = _row_statistics(q, k, masks, scale, need_grad=lse and found is None)
-        found = sums if found is None else found
-    if lse and found is not None:
-        found = _no_row(found)
+    if need or max_scores:
+        sums, largest = _row_statistics(q, k, masks, scale, sums=need)
+        found = sums if need else found
     return out, found if lse else None, largest if max_scores else None
-
-
-def _no_row(lse: Tensor) -> Tensor:
-    """``-inf`` where a row sees no key (torch's value), whatever sentinel an engine left there."""
-    return lse.masked_fill(~torch.isfinite(lse) | (lse < -1e30), -math.inf) if lse.numel() else lse
 
 
 # Rows of scores taken at a time by _row_statistics: ~64 MiB of float32 scores in a block, whatever the length.
 _STAT_ELEMENTS = 2**24
 
 
-def _row_statistics(q: Tensor, k: Tensor, masks: Any, scale: float | None, *, need_grad: bool) -> tuple[Tensor, Tensor]:
-    """Each row's log-sum-exp ``(B, H, Lq)`` (with gradients when ``need_grad``) and largest modified score
-    ``(B, H, Lq)`` (detached), from the scores a block of rows at a time (the reference's rule: a hidden pair and a
-    ``-inf`` score are no key; ``-inf`` for a row without one)."""
+def _row_statistics(
+    q: Tensor, k: Tensor, masks: Any, scale: float | None, *, sums: bool
+) -> tuple[Tensor | None, Tensor]:
+    """Each row's log-sum-exp ``(B, H, Lq)`` (where ``sums``; with gradients, each block of rows recomputed in the
+    backward, so that memory stays that of one block) and largest modified score ``(B, H, Lq)`` (detached), from the
+    scores a block of rows at a time, by the reference's rule: a hidden pair and a ``-inf`` score are no key (``-inf``
+    for a row without one), NaN where a row may see stays NaN."""
+    from torch.utils.checkpoint import checkpoint
+
+    from attnkit.backends.common import repeat_kv
     from attnkit.functional import scoring
 
-    with torch.set_grad_enabled(need_grad and torch.is_grad_enabled()):
-        q4, k4, mask, _, scale_, score_mod, _, _ = scoring(q, k, masks, scale=scale)
-        B, H, Lq, _ = q4.shape
-        dtype = torch.float64 if q4.dtype == torch.float64 else torch.float32
-        kf = k4.to(dtype).repeat_interleave(H // k4.shape[1], dim=1)  # (B, H, Lk, D)
-        Lk = kf.shape[2]
-        step = max(1, _STAT_ELEMENTS // max(1, B * H * Lk))
-        sums, tops = [], []
-        for r0 in range(0, Lq, step):
-            r1 = min(Lq, r0 + step)
-            s = (q4[:, :, r0:r1].to(dtype) @ kf.transpose(-2, -1)) * scale_  # (B, H, n, Lk)
-            if score_mod is not None:
-                b, h, qi, ki = mods.indices(B, H, (r0, r1), (0, Lk), s.device)
-                s = mods.apply_score(score_mod, s, b, h, qi, ki).expand_as(s)  # (B, H, n, Lk)
-            allowed, bias = mask.tile(r0, r1, 0, Lk, dtype, every=False)  # (B|1, H|1, n|1, Lk) | None each
-            if bias is not None:
-                s = s + bias
-            hidden = torch.isnan(s) | (s == -math.inf)
-            if allowed is not None:
-                hidden = hidden | ~allowed
-            s = s.masked_fill(hidden, -math.inf)  # (B, H, n, Lk)
-            sums.append(torch.logsumexp(s, dim=-1))  # (B, H, n)
-            tops.append(s.detach().amax(dim=-1))  # (B, H, n)
-    return torch.cat(sums, dim=-1), torch.cat(tops, dim=-1)
+    q4, k4, mask, _, scale_, score_mod, _, _ = scoring(q, k, masks, scale=scale)
+    B, H, Lq, _ = q4.shape
+    dtype = torch.float64 if q4.dtype == torch.float64 else torch.float32
+    kf = repeat_kv(k4, H).to(dtype)  # (B, H, Lk, D)
+    Lk = kf.shape[2]
+
+    def scores(q_rows: Tensor, keys: Tensor, r0: int, r1: int) -> Tensor:
+        s = (q_rows.to(dtype) @ keys.transpose(-2, -1)) * scale_  # (B, H, n, Lk)
+        if score_mod is not None:
+            b, h, qi, ki = mods.indices(B, H, (r0, r1), (0, Lk), s.device)
+            s = mods.apply_score(score_mod, s, b, h, qi, ki).expand_as(s)  # (B, H, n, Lk)
+        allowed, bias = mask.tile(r0, r1, 0, Lk, dtype, every=False)  # (B|1, H|1, n|1, Lk) | None each
+        if bias is not None:
+            s = s + bias
+        hidden = s == -math.inf
+        if allowed is not None:
+            hidden = hidden | ~allowed
+        return s.masked_fill(hidden, -math.inf)  # (B, H, n, Lk)
+
+    def row_sums(q_rows: Tensor, keys: Tensor, r0: int, r1: int) -> Tensor:
+        return torch.logsumexp(scores(q_rows, keys, r0, r1), dim=-1)  # (B, H, n)
+
+    step = max(1, _STAT_ELEMENTS // max(1, B * H * Lk))
+    found, tops = [], []
+    grad = sums and torch.is_grad_enabled() and (q4.requires_grad or kf.requires_grad)
+    for r0 in range(0, Lq, step):
+        r1 = min(Lq, r0 + step)
+        with torch.no_grad():
+            s = scores(q4[:, :, r0:r1], kf, r0, r1)  # (B, H, n, Lk)
+            tops.append(s.amax(dim=-1))  # (B, H, n)
+            if sums and not grad:
+                found.append(torch.logsumexp(s, dim=-1))  # (B, H, n)
+        if grad:
+            found.append(checkpoint(row_sums, q4[:, :, r0:r1], kf, r0, r1, use_reentrant=False))  # (B, H, n)
+    return (torch.cat(found, dim=-1) if sums else None), torch.cat(tops, dim=-1)
 
 
 class _Patch:
@@ -416,10 +466,9 @@ class _Patch:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.original: Any = None
-        self.rebound: list[tuple[Any, str]] = []
         self.open = 0
-        self.eager: Any = flex_attention  # made torch.compiler.disable(flex_attention) by the first patch (the
-        # decorator imports torch._dynamo, seconds that `import attnkit` must not spend)
+        self.eager: Any = None  # torch.compiler.disable(flex_attention), made by the first patch (the decorator
+        # imports torch._dynamo, seconds that `import attnkit` must not spend)
 
 
 _PATCH = _Patch()
@@ -427,13 +476,18 @@ _PATCH = _Patch()
 
 def _original() -> Any:
     """torch's own ``flex_attention``, patched or not."""
-    return _PATCH.original if _PATCH.original is not None else _torch_flex().flex_attention
+    original = _PATCH.original  # (read once: a patch closing in another thread sets it to None last)
+    return original if original is not None else _torch_flex().flex_attention
 
 
 def _patched(*args: Any, **kwargs: Any) -> Any:
-    """What torch's name runs under :func:`patch_flex_attention`: attnkit's on the CPU, torch's elsewhere; under
-    ``torch.compile`` (transformers compiles the name it holds), a graph break around an eager call (torch.compile
-    of a function marked ``torch.compiler.disable`` compiles the function inside, torch 2.13)."""
+    """What torch's name runs under :func:`patch_flex_attention`: attnkit's on CPU tensors, torch's on any other
+    device (and once no patch is open: a module imported inside the block may still hold this function). Under
+    ``torch.compile`` (transformers compiles the name it holds) the CPU call is a graph break around an eager call,
+    the others compile as torch's own."""
+    query = kwargs["query"] if "query" in kwargs else (args[0] if args else None)
+    if not isinstance(query, Tensor) or query.device.type != "cpu" or not _PATCH.open:
+        return _original()(*args, **kwargs)
     return _PATCH.eager(*args, **kwargs)
 
 
@@ -450,7 +504,8 @@ class _Patched:
         self.close()
 
     def close(self) -> None:
-        """End this patch (the last one open restores torch's function everywhere it was replaced)."""
+        """End this patch; the last one open gives torch's function back to every module that holds attnkit's
+        (those imported while it was open included)."""
         with _PATCH.lock:
             if self.closed:
                 return
@@ -458,11 +513,23 @@ class _Patched:
             _PATCH.open -= 1
             if _PATCH.open:
                 return
-            for module, name in _PATCH.rebound:
-                if getattr(module, name, None) is _patched:
-                    setattr(module, name, _PATCH.original)
-            _PATCH.rebound, _PATCH.original = [], None
+            for module, name in _holders(_patched):
+                setattr(module, name, _PATCH.original)
+            _PATCH.original = None
             _recompile_transformers()
+
+
+def _holders(fn: Any) -> list[tuple[Any, str]]:
+    """Every ``(module, name)`` of a loaded module that holds ``fn``."""
+    found: list[tuple[Any, str]] = []
+    for module in list(sys.modules.values()):
+        name_ = getattr(module, "__name__", "")
+        if name_ == "attnkit" or name_.startswith("attnkit."):
+            continue  # (attnkit's own names: this module's, and the CUDA engine's hold on torch's, stay as they are)
+        names = getattr(module, "__dict__", None)
+        if isinstance(names, dict):
+            found.extend((module, name) for name, value in list(names.items()) if value is fn)
+    return found
 
 
 def patch_flex_attention() -> _Patched:
@@ -483,20 +550,12 @@ def patch_flex_attention() -> _Patched:
     """
     with _PATCH.lock:
         if not _PATCH.open:
-            _PATCH.eager = torch.compiler.disable(flex_attention)
-            flex = _torch_flex()
-            original = flex.flex_attention
+            if _PATCH.eager is None:  # (once: a new one each patch would make compiled callers recompile)
+                _PATCH.eager = torch.compiler.disable(flex_attention)
+            original = _torch_flex().flex_attention
             _PATCH.original = original
-            rebound = []
-            for module in list(sys.modules.values()):
-                names = getattr(module, "__dict__", None)
-                if not isinstance(names, dict):
-                    continue
-                for name, value in list(names.items()):
-                    if value is original:
-                        setattr(module, name, _patched)
-                        rebound.append((module, name))
-            _PATCH.rebound = rebound
+            for module, name in _holders(original):
+                setattr(module, name, _patched)
             _recompile_transformers()
         _PATCH.open += 1
     return _Patched()

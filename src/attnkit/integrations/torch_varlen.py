@@ -18,6 +18,7 @@ GPU) is accepted and changes nothing. On any device but the CPU, torch's own run
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor
 
 from attnkit import mods
-from attnkit._validate import describe
+from attnkit._validate import check_torch_heads, describe
 
 __all__ = ["varlen_attn"]
 
@@ -58,7 +59,8 @@ def varlen_attn(
         key, value: ``(Tk, Hkv, D)`` and ``(Tk, Hkv, Dv)``; with ``block_table``, a pool of pages ``(P, S, Hkv, D)``
             and ``(P, S, Hkv, Dv)``.
         cu_seq_q: ``(N + 1,)`` integers from 0, never decreasing, ending at ``Tq``.
-        cu_seq_k: ``(N + 1,)`` likewise, ending at ``Tk`` (``None`` with ``block_table``).
+        cu_seq_k: ``(N + 1,)`` likewise, ending at ``Tk``; with ``block_table``, ``None`` or any such tensor of
+            ``N + 1`` entries (the pages and ``seqused_k`` say where each sequence's keys are).
         max_q, max_k: at least the longest sequence's queries and keys (flash-attention sizes its grid by them).
         return_aux: ``torch.nn.attention.varlen.AuxRequest(lse=True)``: also return each query's log-sum-exp,
             ``(H, Tq)`` float32 (float64 for float64 inputs).
@@ -89,10 +91,7 @@ def varlen_attn(
         >>> torch.equal(out[3:], alone)
         True
     """
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a tensor, got {describe(t)}")
-    if query.device.type != "cpu":
+    if isinstance(query, Tensor) and query.device.type != "cpu":
         from torch.nn.attention import varlen  # (imported here: it takes about 1.8 s, registering its ops)
 
         kwargs = {"return_aux": return_aux, "scale": scale, "window_size": window_size, "enable_gqa": enable_gqa}
@@ -100,6 +99,7 @@ def varlen_attn(
         if is_causal:
             kwargs["window_size"] = (-1, 0)
         return varlen.varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs)  # type: ignore[no-any-return]
+    check_torch_heads({"query": query, "key": key, "value": value}, 1, 1, enable_gqa)
     left, right = _window(window_size, is_causal)
     paged = block_table is not None
     if paged and seqused_k is None:
@@ -112,12 +112,15 @@ def varlen_attn(
             shape = "(P, S, Hkv, D) pages (block_table given)" if paged else "(Tk, Hkv, D)"
             raise ValueError(f"{name} must be {shape}, got shape {tuple(t.shape)}")
     H, Hkv = query.shape[1], key.shape[-2]
-    if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa must be True or False, got {enable_gqa!r}")
-    if not enable_gqa and H != Hkv:
-        raise ValueError(f"query has H={H} heads and key/value Hkv={Hkv}: pass enable_gqa=True for grouped queries")
-    if enable_gqa and H % Hkv:
-        raise ValueError(f"enable_gqa: query's H={H} heads must be a multiple of key/value's Hkv={Hkv}")
+    check_torch_heads({}, H, Hkv, enable_gqa)
+    if not query.is_floating_point() or key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(
+            f"query, key and value must share one floating dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            f"query and key must have the same head size D, got query {tuple(query.shape)} and key {tuple(key.shape)}"
+        )
     if value.shape[:-1] != key.shape[:-1]:
         raise ValueError(
             f"key and value must agree but in their last dim, got {tuple(key.shape)} and {tuple(value.shape)}"
@@ -143,7 +146,11 @@ def varlen_attn(
             raise TypeError(f"{name} must be an int, got {describe(bound)}")
         if lengths and bound < max(lengths):
             raise ValueError(f"{name}={bound} is below the longest sequence's {max(lengths)}")
-    want_lse = return_aux is not None and bool(getattr(return_aux, "lse", False))
+    if return_aux is not None and (isinstance(return_aux, bool) or not hasattr(return_aux, "lse")):
+        raise TypeError(
+            f"return_aux must be an AuxRequest (torch.nn.attention.varlen) or None, got {describe(return_aux)}"
+        )
+    want_lse = return_aux is not None and bool(return_aux.lse)
     if num_splits is not None and (not isinstance(num_splits, numbers.Integral) or num_splits < 0):
         raise ValueError(f"num_splits must be None or a whole number, got {num_splits!r}")
 
@@ -181,31 +188,46 @@ def _one(
         empty = torch.full((H, n), -float("inf"), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
         return q.new_zeros((n, H, v.shape[-1])), empty if want_lse else None  # (n, H, Dv), (H, n)
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, H|Hkv, n|m, D|Dv)
-    masks = Masks(**_mask(left, right, n, m))
+    masks = Masks(**_mask(left, right))
     out, lse, _ = attend_with_statistics(q4, k4, v4, masks, scale, lse=want_lse, max_scores=False)
     return out[0].transpose(0, 1), None if lse is None else lse[0]  # (n, H, Dv), (H, n)
 
 
-def _mask(left: int, right: int, n: int, m: int) -> dict[str, Any]:
-    """The masking arguments of a window ``(left, right)`` over ``n`` queries and ``m`` keys (bottom right)."""
+def _mask(left: int, right: int) -> dict[str, Any]:
+    """The masking arguments of a window ``(left, right)`` (aligned to the bottom right)."""
     if left < 0 and right < 0:
         return {}
     if right == 0:
         return {"is_causal": True} if left < 0 else {"mask_mod": mods.sliding_window(left + 1)}
-    return {"mask_mod": _Band(left, right, m - n)}
+    return {"mask_mod": _band(left, right)}
 
 
-class _Band:
-    """A window ``left`` keys before and ``right`` after query ``t``'s key position ``t + offset`` (``-1``: no
-    bound), as a mask_mod of raw positions."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class _band(mods.MaskMod):  # noqa: N801 - a function-like name, as the built-ins
+    """Keys ``left`` before and ``right`` after query ``t``'s key position ``p = t + offset`` (``-1``: no bound on
+    that side), aligned to the bottom right as the built-ins are (``offset = Lk - Lq``, set when bound to a call);
+    knows its blocks from their index ranges, so the tile engine skips the hidden ones."""
 
-    def __init__(self, left: int, right: int, offset: int) -> None:
-        self.left, self.right, self.offset = left, right, offset
+    left: int
+    right: int
+    offset: int = 0
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         d = kv_idx - (q_idx + self.offset)  # (1, 1, n, m): key minus the query's position
         seen = d <= self.right if self.right >= 0 else torch.ones_like(d, dtype=torch.bool)
         return seen & (d >= -self.left) if self.left >= 0 else seen
+
+    def tiles(self, rows: Tensor, cols: Tensor) -> mods.Tiles:
+        p0, p1 = rows[:, 0, None] + self.offset, rows[:, 1, None] - 1 + self.offset  # (nq, 1) first, last position
+        j0, j1 = cols[None, :, 0], cols[None, :, 1] - 1  # (1, nk) first, last key
+        low, high = j0 - p1, j1 - p0  # (nq, nk) the smallest and largest key minus position in the block
+        always = torch.ones_like(low, dtype=torch.bool)
+        some = (high >= -self.left if self.left >= 0 else always) & (low <= self.right if self.right >= 0 else always)
+        every = (low >= -self.left if self.left >= 0 else always) & (high <= self.right if self.right >= 0 else always)
+        return mods.Tiles(some=some, every=every)
+
+    def depends_on(self, batch: int, heads: int) -> tuple[int, int]:
+        return 1, 1
 
 
 def _window(window_size: Any, is_causal: Any) -> tuple[int, int]:

@@ -33,6 +33,8 @@ try:
     from torch.nn.attention import flex_attention as _flex
 except ImportError:  # torch < 2.5
     _flex = None
+# torch's function itself, taken at import: under attnkit.patch_flex_attention the module's name runs attnkit's
+_FLEX_ATTENTION: Any = None if _flex is None else _flex.flex_attention
 
 SUPPORTS = Supports(
     scoring=frozenset({DOT}),
@@ -62,7 +64,7 @@ def run(call: Call, *, compiled: bool) -> Tensor:
     if mask_fn is not None:
         block_mask = _flex.create_block_mask(mask_fn, B, H, Lq, Lk, device=q.device)
     score_fn = _score_function(call.score_mod, mask.full(q.dtype)[1])
-    flex = _compiled() if compiled else _flex.flex_attention
+    flex = _compiled() if compiled else _FLEX_ATTENTION
     out = flex(
         q, k, v, score_mod=score_fn, block_mask=block_mask, scale=call.scale, enable_gqa=k.shape[1] != H
     )  # (B, H, Lq, Dv)
@@ -72,8 +74,8 @@ def run(call: Call, *, compiled: bool) -> Tensor:
 
 @functools.cache
 def _compiled() -> Callable[..., Tensor]:
-    assert _flex is not None
-    return torch.compile(_flex.flex_attention)
+    assert _FLEX_ATTENTION is not None
+    return torch.compile(_FLEX_ATTENTION)
 
 
 def _score_function(score_mod: Any, bias: Tensor | None) -> Callable[..., Tensor] | None:

@@ -59,7 +59,7 @@ SUPPORTS = Supports(
     bias_grad=False,
     score_mod="kernel",
     devices=frozenset({"cpu"}),
-    dtypes=frozenset({torch.float32}),
+    dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),  # (the two low: computed in float32)
     opaque_modifiers=False,
     missing=missing,
 )
@@ -68,17 +68,18 @@ SUPPORTS = Supports(
 
 
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
-    return _run(call, count=False)[0], None
+    return _run(call)[0].to(call.q.dtype), None
 
 
 def attention_with_lse(call: Call) -> tuple[Tensor, Tensor] | None:
-    """The output and each row's log-sum-exp of its (modified) scores ``(B, H, Lq)``, which the forward computes
-    anyway, with gradients to both (:func:`attnkit.flex_attention`'s ``lse``); ``-inf`` for a row with no key,
-    found from a column of ones beside the values (its output there: 1 for a row that sees a key, else 0)."""
-    return _run(call, count=True)
+    """The output and each row's log-sum-exp of its (modified) scores ``(B, H, Lq)`` in float32, which the forward
+    computes anyway, with gradients to both (:func:`attnkit.flex_attention`'s ``lse``); ``-inf`` for a row with no
+    key."""
+    out, lse = _run(call)
+    return out.to(call.q.dtype), lse
 
 
-def _run(call: Call, *, count: bool) -> tuple[Tensor, Tensor]:
+def _run(call: Call) -> tuple[Tensor, Tensor]:
     reason = csrc.ensure("flash")  # (built the first time here: said once)
     if reason is not None:
         raise Unavailable(reason)
@@ -86,6 +87,9 @@ def _run(call: Call, *, count: bool) -> tuple[Tensor, Tensor]:
     H = q.shape[1]
     plan = plan_of(mask)  # first: looking at the tiles, it learns which keys and rows are live (zero_dead's question)
     q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
+    # bfloat16 and float16 are computed in float32, as the kernel takes it (products and softmax in float32, the
+    # output rounded once): the copies are linear in L, the gradients go back through them in the inputs' dtype
+    q, k, v = q.float(), k.float(), v.float()  # (B, H|Hkv, L, D|Dv) each
     # Some key or value may not be finite (one read of each key/value head, before repeat_kv): the kernel's products
     # then skip the pairs a row may not see, so that none reaches a row that may not see it (0 * inf is NaN)
     guard = not (all_finite(k) and all_finite(v))
@@ -98,13 +102,9 @@ def _run(call: Call, *, count: bool) -> tuple[Tensor, Tensor]:
         d0, d1 = plan.distances()
         # (B|1, H|1, R), evaluated here where autograd records: its gradient reaches what the function reads
         rel = mods.distance_bias(call.score_mod, batch=q.shape[0], heads=H, distances=(d0, d1), device=q.device)
+        rel = rel.float()  # (B|1, H|1, R), as the kernel takes it
     watched = Watched.of(call) if call.needs_grad else None
-    if count:
-        vf = torch.cat([vf, vf.new_ones((*vf.shape[:-1], 1))], dim=-1)  # (B, H, Lk, Dv + 1)
     out, lse = _Flash.apply(q, kf, vf, call.sinks, rel, mask, cap, d0, call.scale, guard, watched)
-    if count:
-        seen = out[..., -1] > 0  # (B, H, Lq): the row's weights' sum (1 but for sinks), 0 without a key
-        out, lse = out[..., :-1], lse.masked_fill(~seen, -math.inf)  # (B, H, Lq, Dv), (B, H, Lq)
     return out, lse  # (B, H, Lq, Dv), (B, H, Lq)
 
 
@@ -215,22 +215,23 @@ class _Flash(torch.autograd.Function):
         # the masks, kept for the backward when they are one group within KEEP_BYTES, else made again
         keep = first is not None and first.nbytes <= KEEP_BYTES and any(ctx.needs_input_grad)
         ctx.groups = [first] if keep else None
+        ctx.set_materialize_grads(False)  # (an lse no one used has no gradient: None, not zeros to carry through)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         first_order_only(NAME)
         q, k, v, sinks, rel, out, lse = ctx.saved_tensors
         if ctx.watched is not None:
             ctx.watched.check(NAME)
         mask: Mask = ctx.mask
-        dout = dout.to(out.dtype)
+        dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)  # (B, H, Lq, Dv)
         Dv = v.shape[-1]
         if dlse is not None:
             # d lse_i / d s_ij = p_ij: the softmax's backward ds = p (dp - delta) with delta - dlse in place of delta,
             # which the kernel, taking delta = dout . out, gets from a column of ones in out beside -dlse in dout
             # (and a column of zeros in v, so that dp is unchanged)
-            live = torch.isfinite(lse)  # (B, H, Lq): a row with no key has no weight to pass it to
+            live = lse > -math.inf  # (B, H, Lq): a row with no key has no weight to pass it to
             g = torch.where(live, dlse.to(out.dtype), 0.0)[..., None]  # (B, H, Lq, 1)
             out = torch.cat([out, torch.ones_like(g)], dim=-1)  # (B, H, Lq, Dv + 1)
             dout = torch.cat([dout, -g], dim=-1)  # (B, H, Lq, Dv + 1)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import numbers
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -107,12 +108,13 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
 
 def attention_with_lse(call: Call) -> tuple[Tensor, Tensor] | None:
     """The output and each row's log-sum-exp of its (modified) scores, ``(B, H, Lq)`` in the compute dtype, which
-    the forward computes anyway: for a call that needs no gradient (``None`` otherwise)."""
+    the forward computes anyway (``-inf`` for a row with no key): for a call that needs no gradient (``None``
+    otherwise)."""
     if call.needs_grad:
         return None
     (q, k, v, _, sinks, mask, scorer, block, _), _ = _prepared(call)
-    out, lse = _forward(q, k, v, sinks, mask, scorer, block)[:2]  # (B, H, Lq, Dv), (B, H, Lq)
-    return out.to(call.q.dtype), lse
+    out, lse, _, empty = _forward(q, k, v, sinks, mask, scorer, block)  # (B, H, Lq, Dv), (B, H, Lq) x 2
+    return out.to(call.q.dtype), lse.masked_fill(empty, -math.inf)
 
 
 def _prepared(call: Call) -> tuple[tuple, tuple[Tensor, ...]]:
@@ -151,14 +153,15 @@ def _prepared(call: Call) -> tuple[tuple, tuple[Tensor, ...]]:
 
 def _forward(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, mask: Mask, scorer: Scorer, block: int
-) -> tuple[Tensor, Tensor, list[Span]]:
-    """The output ``(B, H, Lq, Dv)``, each row's log-sum-exp ``(B, H, Lq)``, and the spans of keys visited."""
+) -> tuple[Tensor, Tensor, list[Span], Tensor]:
+    """The output ``(B, H, Lq, Dv)``, each row's log-sum-exp ``(B, H, Lq)`` (0 in a row with no key), the spans of
+    keys visited, and which rows had no key ``(B, H, Lq)``."""
     sink_logits = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype)  # (B, H, Lq)
     state = RunningSoftmax.start(q, v.shape[-1], sink_logits)
     spans = plan_of(mask).spans(mask, (0, mask.num_keys), block)
     accumulate(state, q, k, v, mask, scorer, spans)
     out, lse = state.result()  # (B, H, Lq, Dv), (B, H, Lq)
-    return out, lse, spans
+    return out, lse, spans, state.l == 0
 
 
 class _OnlineSoftmax(torch.autograd.Function):
@@ -176,7 +179,7 @@ class _OnlineSoftmax(torch.autograd.Function):
         watched: Watched | None,
         *closed_over: Tensor,
     ) -> Tensor:
-        out, lse, spans = _forward(q, k, v, sinks, mask, scorer, block)  # (B, H, Lq, Dv), (B, H, Lq), ...
+        out, lse, spans, _ = _forward(q, k, v, sinks, mask, scorer, block)  # (B, H, Lq, Dv), (B, H, Lq), ...
         ctx.save_for_backward(q, k, v, w_v, sinks, out, lse, *closed_over)
         ctx.mask, ctx.scorer, ctx.spans, ctx.watched = mask, scorer, spans, watched
         return out
