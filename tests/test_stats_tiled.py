@@ -121,9 +121,10 @@ def test_long_rows_take_the_chunked_top_k_search_over_tiles(monkeypatch, tile_pa
     for causal in (True, False):
         _, lse = FLASH(q, k, k, 0.0, causal, scale=0.25)[:2]
         parts = stats.parts(q, k, is_causal=causal)[0]._replace(lse=lse)
+        want = weights64(q, k, causal, 0.25)
         for block in (2**19, 2**24):  # 512 rows x 256 keys x 4 bytes: one tile at a time, or all
             monkeypatch.setattr(tiled, "KEPT_BYTES", block)
-            assert_stats(stats.compute(parts, 5), weights64(q, k, causal, 0.25))
+            assert_stats(stats.compute(parts, 5), want)
 
 
 def test_row_sums_that_do_not_sum_the_weights_to_1_send_the_call_to_the_whole_row_path(monkeypatch, tile_path):
