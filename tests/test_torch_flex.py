@@ -511,3 +511,23 @@ def test_transformers_compiled_copy_name_is_where_the_patch_looks():
     module = pytest.importorskip("transformers.integrations.flex_attention")
     assert hasattr(module.WrappedFlexAttention, "_is_flex_compiled")
     assert module.flex_attention is torch_flex._torch_flex().flex_attention
+
+
+def test_the_fallback_lse_over_several_blocks_of_rows_with_its_gradient(monkeypatch):
+    """float64 (no C++ kernel): the lse comes from the scores a block of rows at a time, each block recomputed in
+    the backward; forced to blocks of a few rows here."""
+    from attnkit.integrations import _statistics
+
+    monkeypatch.setattr(_statistics, "_STAT_ELEMENTS", 4 * 257 * 5)  # 5 rows a block
+    q, k, v = inputs(1, 4, 2, 131, 257, 16, dtype=torch.float64)
+    mask = sliding_window(40)
+    block_mask = create_block_mask(mask, None, None, 131, 257, device="cpu", BLOCK_SIZE=64)
+    check(
+        q,
+        k,
+        v,
+        score_mod=_alibi8,
+        block_mask=block_mask,
+        allowed=create_mask(mask, 1, 4, 131, 257, device="cpu"),
+        enable_gqa=True,
+    )

@@ -26,7 +26,6 @@ On any device but the CPU, :func:`flex_attention` calls PyTorch's own.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 import threading
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from torch import Tensor
 
 from attnkit import mods
 from attnkit._validate import check_torch_heads, describe
+from attnkit.integrations._statistics import with_statistics
 
 __all__ = ["block_mask_mod", "flex_attention", "patch_flex_attention"]
 
@@ -377,7 +377,7 @@ def flex_attention(
     if block_mask is not None:
         mask_mod = block_mask_mod.of(block_mask, batch=B, heads=H, num_queries=Lq, num_keys=Lk)
         plan = _plan(block_mask, mask_mod, B, H, Lq, Lk, query.device)
-    out, lse, largest = attend_with_statistics(
+    out, lse, largest = with_statistics(
         query, key, value, Masks(score_mod=score_mod, plan=plan), scale, lse=want_lse, max_scores=want_max
     )
     if return_aux is not None:
@@ -385,77 +385,6 @@ def flex_attention(
     if return_lse:
         return out, lse
     return out
-
-
-def attend_with_statistics(
-    q: Tensor, k: Tensor, v: Tensor, masks: Any, scale: float | None, *, lse: bool, max_scores: bool
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """:func:`attnkit.functional.attend`'s output ``(B, H, Lq, Dv)``, with each row's log-sum-exp (with gradients)
-    and largest modified score (detached), ``(B, H, Lq)`` each where asked (``None`` otherwise): the log-sum-exp
-    from the engine where it has it (the C++ kernel, with its gradient; the online softmax without one), else from
-    the scores a block of rows at a time; ``-inf`` for a row that sees no key."""
-    from attnkit.functional import attend
-
-    out, _, found = attend(q, k, v, masks, scale=scale, need_lse=lse)
-    need = lse and found is None
-    largest = None
-    if need or max_scores:
-        sums, largest = _row_statistics(q, k, masks, scale, sums=need)
-        found = sums if need else found
-    return out, found if lse else None, largest if max_scores else None
-
-
-# Rows of scores taken at a time by _row_statistics: ~64 MiB of float32 scores in a block, whatever the length.
-_STAT_ELEMENTS = 2**24
-
-
-def _row_statistics(
-    q: Tensor, k: Tensor, masks: Any, scale: float | None, *, sums: bool
-) -> tuple[Tensor | None, Tensor]:
-    """Each row's log-sum-exp ``(B, H, Lq)`` (where ``sums``; with gradients, each block of rows recomputed in the
-    backward, so that memory stays that of one block) and largest modified score ``(B, H, Lq)`` (detached), from the
-    scores a block of rows at a time, by the reference's rule: a hidden pair and a ``-inf`` score are no key (``-inf``
-    for a row without one), NaN where a row may see stays NaN."""
-    from torch.utils.checkpoint import checkpoint
-
-    from attnkit.backends.common import repeat_kv
-    from attnkit.functional import scoring
-
-    q4, k4, mask, _, scale_, score_mod, _, _ = scoring(q, k, masks, scale=scale)
-    B, H, Lq, _ = q4.shape
-    dtype = torch.float64 if q4.dtype == torch.float64 else torch.float32
-    kf = repeat_kv(k4, H).to(dtype)  # (B, H, Lk, D)
-    Lk = kf.shape[2]
-
-    def scores(q_rows: Tensor, keys: Tensor, r0: int, r1: int) -> Tensor:
-        s = (q_rows.to(dtype) @ keys.transpose(-2, -1)) * scale_  # (B, H, n, Lk)
-        if score_mod is not None:
-            b, h, qi, ki = mods.indices(B, H, (r0, r1), (0, Lk), s.device)
-            s = mods.apply_score(score_mod, s, b, h, qi, ki).expand_as(s)  # (B, H, n, Lk)
-        allowed, bias = mask.tile(r0, r1, 0, Lk, dtype, every=False)  # (B|1, H|1, n|1, Lk) | None each
-        if bias is not None:
-            s = s + bias
-        hidden = s == -math.inf
-        if allowed is not None:
-            hidden = hidden | ~allowed
-        return s.masked_fill(hidden, -math.inf)  # (B, H, n, Lk)
-
-    def row_sums(q_rows: Tensor, keys: Tensor, r0: int, r1: int) -> Tensor:
-        return torch.logsumexp(scores(q_rows, keys, r0, r1), dim=-1)  # (B, H, n)
-
-    step = max(1, _STAT_ELEMENTS // max(1, B * H * Lk))
-    found, tops = [], []
-    grad = sums and torch.is_grad_enabled() and (q4.requires_grad or kf.requires_grad)
-    for r0 in range(0, Lq, step):
-        r1 = min(Lq, r0 + step)
-        with torch.no_grad():
-            s = scores(q4[:, :, r0:r1], kf, r0, r1)  # (B, H, n, Lk)
-            tops.append(s.amax(dim=-1))  # (B, H, n)
-            if sums and not grad:
-                found.append(torch.logsumexp(s, dim=-1))  # (B, H, n)
-        if grad:
-            found.append(checkpoint(row_sums, q4[:, :, r0:r1], kf, r0, r1, use_reentrant=False))  # (B, H, n)
-    return (torch.cat(found, dim=-1) if sums else None), torch.cat(tops, dim=-1)
 
 
 class _Patch:

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from attnkit import mods
 from attnkit._validate import check_torch_heads, describe
+from attnkit.integrations._statistics import with_statistics
 
 __all__ = ["varlen_attn"]
 
@@ -180,7 +181,6 @@ def _one(
     """One sequence: ``q (n, H, D)`` over ``k (m, Hkv, D)``, ``v (m, Hkv, Dv)``; its output ``(n, H, Dv)`` and lse
     ``(H, n)`` (``None`` unless asked)."""
     from attnkit.functional import Masks
-    from attnkit.integrations.torch_flex import attend_with_statistics
 
     n, H = q.shape[0], q.shape[1]
     m = k.shape[0]
@@ -189,7 +189,7 @@ def _one(
         return q.new_zeros((n, H, v.shape[-1])), empty if want_lse else None  # (n, H, Dv), (H, n)
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, H|Hkv, n|m, D|Dv)
     masks = Masks(**_mask(left, right))
-    out, lse, _ = attend_with_statistics(q4, k4, v4, masks, scale, lse=want_lse, max_scores=False)
+    out, lse, _ = with_statistics(q4, k4, v4, masks, scale, lse=want_lse, max_scores=False)
     return out[0].transpose(0, 1), None if lse is None else lse[0]  # (n, H, Dv), (H, n)
 
 
