@@ -2,8 +2,9 @@
 touched, visible ones without a mask), in four implementations, each a module that declares what it runs
 (``SUPPORTS``), chosen by :mod:`attnkit.dispatch`:
 
-* ``tiles:kernel``: attnkit's C++ kernel (CPU, float32: every mask, sinks, ``softcap``, a bias on the distance such as
-  ALiBi or a learned table), where it builds (:mod:`~attnkit.backends.tiles.kernel`);
+* ``tiles:kernel``: attnkit's C++ kernel (CPU, float32, 16-bit inputs computed in float32: every mask, sinks,
+  ``softcap``, a bias on the distance such as ALiBi or a learned table), where it builds
+  (:mod:`~attnkit.backends.tiles.kernel`);
 * ``tiles:flex``: PyTorch's FlexAttention (CUDA: a ``mask_mod`` or ``score_mod``; :mod:`~attnkit.backends.tiles.flex`);
 * ``tiles:compiled``: the online softmax's steps compiled by ``torch.compile`` (CPU: score_mods the kernel does not
   run, additive scoring, in calls large enough to repay compiling; :mod:`~attnkit.backends.tiles.compiled`);
