@@ -24,7 +24,7 @@ from torch.nn.attention.flex_attention import (
 
 import attnkit
 from attnkit import dispatch
-from attnkit.integrations import torch_flex
+from attnkit.integrations import flex_patch, torch_flex
 from mathref import max_err
 
 # B batch, H query heads, Hkv key/value heads, Lq/Lk query/key length, D head dim
@@ -502,7 +502,7 @@ def test_transformers_flex_attention_trains_on_the_cpu_under_the_patch_as_eager_
     model.set_attn_implementation("flex_attention")
     with pytest.raises(NotImplementedError):  # without the patch, torch's own: no backward on the CPU
         model(input_ids=ids, labels=ids).loss.backward()
-    assert flex.flex_attention is torch_flex._original()
+    assert flex.flex_attention is flex_patch.original()
 
 
 def test_transformers_compiled_copy_name_is_where_the_patch_looks():

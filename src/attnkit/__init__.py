@@ -8,7 +8,8 @@ from attnkit import mods, packing
 from attnkit.cache import CrossKVCache, KVCache
 from attnkit.dispatch import available_backends
 from attnkit.functional import AttentionOutput, additive_attention, scaled_dot_product_attention
-from attnkit.integrations.torch_flex import flex_attention, patch_flex_attention
+from attnkit.integrations.flex_patch import patch_flex_attention
+from attnkit.integrations.torch_flex import flex_attention
 from attnkit.integrations.torch_varlen import varlen_attn
 from attnkit.layers import AdditiveAttention, DotProductAttention, MultiHeadAttention
 from attnkit.masks import causal_mask, masked_softmax, sequence_mask

@@ -2,6 +2,8 @@
 library beyond torch is imported on its own (``import attnkit`` imports none of them, nor the library):
 
 * :mod:`attnkit.integrations.transformers`: attnkit as an attention implementation of Hugging Face ``transformers``.
-* :mod:`attnkit.integrations.torch_flex`: torch's ``flex_attention`` on the CPU with backward
-  (:func:`attnkit.flex_attention`, :func:`attnkit.patch_flex_attention`; torch alone, imported by ``attnkit``).
+* :mod:`attnkit.integrations.torch_flex`, :mod:`~attnkit.integrations.flex_patch`,
+  :mod:`~attnkit.integrations.torch_varlen`: torch's ``flex_attention`` and ``varlen_attn`` on the CPU with backward
+  (:func:`attnkit.flex_attention`, :func:`attnkit.patch_flex_attention`, :func:`attnkit.varlen_attn`; torch alone,
+  imported by ``attnkit``).
 """

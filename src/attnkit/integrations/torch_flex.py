@@ -1,5 +1,5 @@
-"""PyTorch's ``flex_attention`` on the CPU, forward and backward: :func:`flex_attention` with torch's signature, and
-:func:`patch_flex_attention`, under which code written against torch runs on attnkit unchanged.
+"""PyTorch's ``flex_attention`` on the CPU, forward and backward: :func:`flex_attention` with torch's signature (and
+:mod:`attnkit.integrations.flex_patch`, under which code written against torch's name runs on it unchanged).
 
 PyTorch 2.13's own FlexAttention has no backward pass on the CPU (``NotImplementedError``), cannot return
 ``max_scores`` there, and materialises every score unless compiled. attnkit runs the same call on its tile engine:
@@ -26,8 +26,6 @@ On any device but the CPU, :func:`flex_attention` calls PyTorch's own.
 from __future__ import annotations
 
 import dataclasses
-import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +36,7 @@ from attnkit import mods
 from attnkit._validate import check_torch_heads, describe
 from attnkit.integrations._statistics import with_statistics
 
-__all__ = ["block_mask_mod", "flex_attention", "patch_flex_attention"]
+__all__ = ["block_mask_mod", "flex_attention"]
 
 # B batch, H query heads, Hkv key/value heads, Lq/Lk query/key length, D head dim, Dv value head dim,
 # Bm/Hm a BlockMask's batch and heads (1: shared), nQ/nK its blocks of queries and of keys
@@ -77,6 +75,11 @@ def _torch_flex() -> Any:
     from torch.nn.attention import flex_attention as module
 
     return module
+
+
+# torch's function itself, taken at import (torch imports its module anyway): attnkit.patch_flex_attention points
+# the module's name elsewhere, and calls on other devices go to this one
+TORCH_FLEX_ATTENTION: Any = _torch_flex().flex_attention
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -327,7 +330,7 @@ def flex_attention(
     """
     flex = _torch_flex()
     if isinstance(query, Tensor) and query.device.type != "cpu":
-        return _original()(
+        return TORCH_FLEX_ATTENTION(
             query,
             key,
             value,
@@ -385,119 +388,3 @@ def flex_attention(
     if return_lse:
         return out, lse
     return out
-
-
-class _Patch:
-    """What :func:`patch_flex_attention` changed, process-wide (a module's attribute is the process's): torch's
-    function, the ``(module, name)`` pairs pointed at attnkit's, and how many patches are open (the last to close
-    restores them)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.original: Any = None
-        self.open = 0
-        self.eager: Any = None  # torch.compiler.disable(flex_attention), made by the first patch (the decorator
-        # imports torch._dynamo, seconds that `import attnkit` must not spend)
-
-
-_PATCH = _Patch()
-
-
-def _original() -> Any:
-    """torch's own ``flex_attention``, patched or not."""
-    original = _PATCH.original  # (read once: a patch closing in another thread sets it to None last)
-    return original if original is not None else _torch_flex().flex_attention
-
-
-def _patched(*args: Any, **kwargs: Any) -> Any:
-    """What torch's name runs under :func:`patch_flex_attention`: attnkit's on CPU tensors, torch's on any other
-    device (and once no patch is open: a module imported inside the block may still hold this function). Under
-    ``torch.compile`` (transformers compiles the name it holds) the CPU call is a graph break around an eager call,
-    the others compile as torch's own."""
-    query = kwargs["query"] if "query" in kwargs else (args[0] if args else None)
-    if not isinstance(query, Tensor) or query.device.type != "cpu" or not _PATCH.open:
-        return _original()(*args, **kwargs)
-    return _PATCH.eager(*args, **kwargs)
-
-
-class _Patched:
-    """A patch in force: a context manager whose exit ends it (a plain call leaves it for the process)."""
-
-    def __init__(self) -> None:
-        self.closed = False
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """End this patch; the last one open gives torch's function back to every module that holds attnkit's
-        (those imported while it was open included)."""
-        with _PATCH.lock:
-            if self.closed:
-                return
-            self.closed = True
-            _PATCH.open -= 1
-            if _PATCH.open:
-                return
-            for module, name in _holders(_patched):
-                setattr(module, name, _PATCH.original)
-            _PATCH.original = None
-            _recompile_transformers()
-
-
-def _holders(fn: Any) -> list[tuple[Any, str]]:
-    """Every ``(module, name)`` of a loaded module that holds ``fn``."""
-    found: list[tuple[Any, str]] = []
-    for module in list(sys.modules.values()):
-        name_ = getattr(module, "__name__", "")
-        if name_ == "attnkit" or name_.startswith("attnkit."):
-            continue  # (attnkit's own names: this module's, and the CUDA engine's hold on torch's, stay as they are)
-        names = getattr(module, "__dict__", None)
-        if isinstance(names, dict):
-            found.extend((module, name) for name, value in list(names.items()) if value is fn)
-    return found
-
-
-def patch_flex_attention() -> _Patched:
-    """Run ``torch.nn.attention.flex_attention.flex_attention`` on attnkit for CPU tensors (forward and backward;
-    torch's own on other devices): from this call on, for the process, or to the end of a ``with`` block::
-
-        with attnkit.patch_flex_attention():
-            loss = model(**batch).loss  # transformers' attn_implementation="flex_attention", on the CPU
-            loss.backward()
-
-    Every loaded module that holds torch's function under a name (``from torch.nn.attention.flex_attention import
-    flex_attention``: transformers does) is pointed at attnkit's too, and transformers' compiled copy of it
-    (``WrappedFlexAttention``, transformers 5.23) is made again at its next call; when the last patch closes, each
-    gets torch's function back. A module imported while the patch is open that copies the name gets attnkit's.
-
-    Returns:
-        The patch in force, which a ``with`` block ends at its end and ``.close()`` ends by hand.
-    """
-    with _PATCH.lock:
-        if not _PATCH.open:
-            if _PATCH.eager is None:  # (once: a new one each patch would make compiled callers recompile)
-                _PATCH.eager = torch.compiler.disable(flex_attention)
-            original = _torch_flex().flex_attention
-            _PATCH.original = original
-            for module, name in _holders(original):
-                setattr(module, name, _patched)
-            _recompile_transformers()
-        _PATCH.open += 1
-    return _Patched()
-
-
-def _recompile_transformers() -> None:
-    """transformers keeps ``torch.compile(flex_attention)`` made at its first call (``WrappedFlexAttention``, a
-    singleton, transformers 5.23, ``tests/test_torch_flex.py`` checks the name): marked stale, it compiles the
-    function its module holds now at the next call."""
-    module = sys.modules.get("transformers.integrations.flex_attention")
-    wrapped = getattr(module, "WrappedFlexAttention", None)
-    if wrapped is not None and hasattr(wrapped, "_is_flex_compiled"):
-        wrapped._is_flex_compiled = False
-        instance = getattr(wrapped, "_instance", None)
-        if instance is not None:
-            instance._is_flex_compiled = False
