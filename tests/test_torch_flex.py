@@ -531,3 +531,18 @@ def test_the_fallback_lse_over_several_blocks_of_rows_with_its_gradient(monkeypa
         allowed=create_mask(mask, 1, 4, 131, 257, device="cpu"),
         enable_gqa=True,
     )
+
+
+def test_torchs_mask_of_every_pair_is_taken_for_any_lengths_and_a_mask_elsewhere_is_refused():
+    """torch's ``_create_empty_block_mask`` (one block as large as any call, what torch uses when none is given)
+    means no mask, whatever its seq_lengths say; a BlockMask on another device names both."""
+    from torch.nn.attention.flex_attention import _create_empty_block_mask
+
+    q, k, v = inputs(1, 2, 2, 70, 90, 8)
+    empty = _create_empty_block_mask(q, k)
+    assert torch.equal(
+        attnkit.flex_attention(q, k, v, block_mask=empty), attnkit.flex_attention(q, k, v, block_mask=None)
+    )
+    meta = create_block_mask(causal, None, None, 70, 90, device="cpu").to("meta")
+    with pytest.raises(ValueError, match="block_mask is on meta, query on cpu"):
+        attnkit.flex_attention(q, k, v, block_mask=meta)
