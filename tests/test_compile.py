@@ -97,15 +97,18 @@ def _run(fn: Callable, model: nn.Module, kw: dict, x0: torch.Tensor) -> tuple[to
 
 # Inductor's code for every case is make test-all's: in a new environment its C++ cache is cold and each case's
 # kernels take 5-8 s to build (128 s for the 17 cases against 32 s warm, measured), which make test spends on three
-# representative ones. The others run on "aot_eager": dynamo's whole graph and AOTAutograd's forward and backward
-# graphs, as Inductor gets them, run by torch's eager kernels (what attnkit's code decides; Inductor's lowering of
-# those graphs is torch's).
+# representative ones. Every case runs on "aot_eager_decomp_partition" in make test: dynamo's whole graph, and
+# AOTAutograd's forward and backward graphs with Inductor's decompositions and partitioner, run by torch's eager
+# kernels (what Inductor's lowering then takes is torch's).
+FAST = "aot_eager_decomp_partition"
+# The other compile tests run on FAST in make test and on Inductor in make test-all.
+BACKENDS = [FAST, pytest.param("inductor", marks=pytest.mark.slow)]
 INDUCTOR_IN_MAKE_TEST = {"no mask", "sliding_window", "sinks"}
 
 
 @pytest.mark.parametrize(
     ("name", "backend"),
-    [(name, "aot_eager") for name in cases()]
+    [(name, FAST) for name in cases()]
     + [
         pytest.param(name, "inductor", marks=[] if name in INDUCTOR_IN_MAKE_TEST else [pytest.mark.slow])
         for name in cases()
@@ -187,11 +190,12 @@ def _eager_error(fn: Callable, *args: object) -> str:
     return str(caught.value)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "what",
     ["valid_lens too long", "negative valid_lens", "NaN in a float attn_mask", "infinite sinks"],
 )
-def test_value_errors_are_the_eager_ones(what: str) -> None:
+def test_value_errors_are_the_eager_ones(what: str, backend: str) -> None:
     """Checks that read values run inside the compiled code (``attnkit::check_values``): the same error and message,
     under ``fullgraph=True`` too."""
     torch.manual_seed(0)
@@ -210,7 +214,7 @@ def test_value_errors_are_the_eager_ones(what: str) -> None:
     if what == "infinite sinks":
         good = {}
     _fresh()
-    compiled = torch.compile(lambda x, kw: model(x, x, x, **kw), fullgraph=True, backend="aot_eager")  # (the op's)
+    compiled = torch.compile(lambda x, kw: model(x, x, x, **kw), fullgraph=True, backend=backend)
     compiled(x, good)  # compiled once on good values
     if what == "infinite sinks":
         with torch.no_grad():
@@ -321,14 +325,15 @@ def test_custom_ops_pass_opcheck(causal: bool, lengths: list[int]) -> None:
         torch.testing.assert_close(got, expected, atol=TOL, rtol=0)
 
 
-def test_static_cache_chunks_of_any_size_compile_whole() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_static_cache_chunks_of_any_size_compile_whole(backend: str) -> None:
     """The room check takes the call's new positions as a tensor: a symbolic size under ``dynamic=True``."""
     torch.manual_seed(0)
     model = attnkit.MultiHeadAttention(E, 4, query_size=E, key_size=E, value_size=E).double().eval()
     eager_cache, cache = attnkit.KVCache(max_len=40), attnkit.KVCache(max_len=40)
     _fresh()
-    step = torch.compile(  # (dynamo's symbolic sizes are the promise: aot_eager, without Inductor's cold C++)
-        lambda x, c: model(x, x, x, is_causal=True, cache=c), fullgraph=True, dynamic=True, backend="aot_eager"
+    step = torch.compile(
+        lambda x, c: model(x, x, x, is_causal=True, cache=c), fullgraph=True, dynamic=True, backend=backend
     )
     with torch.no_grad():
         for chunk in (5, 3, 4):
@@ -365,7 +370,8 @@ def test_lengths_given_with_zeros_past_are_still_checked() -> None:
         d2l.DotProductAttention(0.0)(q, k, k, torch.tensor([-1, 3]), zeros_past=torch.tensor([5, 5]))
 
 
-def test_modifiers_made_inside_the_compiled_function() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_modifiers_made_inside_the_compiled_function(backend: str) -> None:
     """A mask_mod and a score_mod written inside the compiled code (a learned bias read from ``self``): whole."""
     torch.manual_seed(0)
 
@@ -385,7 +391,7 @@ def test_modifiers_made_inside_the_compiled_function() -> None:
     x0 = torch.randn(B, L, E, dtype=torch.float64)
     eager_out, eager_grads = _run(model, model, {}, x0)
     _fresh()
-    out, grads = _run(torch.compile(model, fullgraph=True, backend="aot_eager"), model, {}, x0)  # (capture)
+    out, grads = _run(torch.compile(model, fullgraph=True, backend=backend), model, {}, x0)
     torch.testing.assert_close(out, eager_out, atol=TOL, rtol=0)
     for got, want in zip(grads, eager_grads, strict=True):
         torch.testing.assert_close(got, want, atol=TOL, rtol=0)

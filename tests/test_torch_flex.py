@@ -546,3 +546,29 @@ def test_torchs_mask_of_every_pair_is_taken_for_any_lengths_and_a_mask_elsewhere
     meta = create_block_mask(causal, None, None, 70, 90, device="cpu").to("meta")
     with pytest.raises(ValueError, match="block_mask is on meta, query on cpu"):
         attnkit.flex_attention(q, k, v, block_mask=meta)
+
+
+def test_the_fallback_lse_gives_gradients_to_what_a_score_mod_reads_and_none_from_dead_positions():
+    """float64 (the fallback lse): inputs that need no gradient and slopes that do; NaN in keys no query may see and
+    in queries that see no key (reviewer's findings: the slopes got no gradient through the lse; the dead NaN
+    reached it)."""
+    L = 200
+    q, k, v = (t.detach() for t in inputs(1, 2, 2, L, L, 16, dtype=torch.float64))
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64, requires_grad=True)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    def late(b, h, q_idx, kv_idx):  # queries before 64 see nothing; keys from 150 on are seen by no query
+        return (q_idx >= 64) & (kv_idx <= q_idx) & (kv_idx < 150)
+
+    block_mask = create_block_mask(late, None, None, L, L, device="cpu", BLOCK_SIZE=64)
+    dirty_q, dirty_k = q.clone(), k.clone()
+    dirty_q[:, :, :64], dirty_k[:, :, 150:] = float("nan"), float("nan")
+    _, aux = attnkit.flex_attention(
+        dirty_q, dirty_k, v, score_mod=alibi, block_mask=block_mask, return_aux=AuxRequest(lse=True)
+    )
+    (got,) = torch.autograd.grad(aux.lse[:, :, 64:].sum(), slopes)
+    lse = reference(q, k, v, score_mod=alibi, allowed=create_mask(late, 1, 2, L, L, device="cpu"))[1]
+    (want,) = torch.autograd.grad(lse[:, :, 64:].sum(), slopes)
+    assert torch.isfinite(got).all() and max_err(got, want) <= 1e-9 * max(1.0, want.abs().max().item())

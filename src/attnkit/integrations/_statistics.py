@@ -29,7 +29,7 @@ def with_statistics(
     need = lse and found is None
     largest = None
     if need or max_scores:
-        sums, largest = _row_statistics(q, k, masks, scale, sums=need)
+        sums, largest = _row_statistics(q, k, masks, scale, sums=need, tops=max_scores)
         found = sums if need else found
     return out, found if lse else None, largest if max_scores else None
 
@@ -39,18 +39,22 @@ _STAT_ELEMENTS = 2**24
 
 
 def _row_statistics(
-    q: Tensor, k: Tensor, masks: Any, scale: float | None, *, sums: bool
-) -> tuple[Tensor | None, Tensor]:
-    """Each row's log-sum-exp ``(B, H, Lq)`` (where ``sums``; with gradients, each block of rows recomputed in the
-    backward, so that memory stays that of one block) and largest modified score ``(B, H, Lq)`` (detached), from the
-    scores a block of rows at a time, by the reference's rule: a hidden pair and a ``-inf`` score are no key (``-inf``
-    for a row without one), NaN where a row may see stays NaN."""
+    q: Tensor, k: Tensor, masks: Any, scale: float | None, *, sums: bool, tops: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """Each row's log-sum-exp ``(B, H, Lq)`` (where ``sums``; with gradients to q, k and what the score_mod reads,
+    each block of rows recomputed in the backward, so that memory stays that of one block) and largest modified
+    score ``(B, H, Lq)`` (where ``tops``; detached), from the scores a block of rows at a time, by the reference's
+    rule: a hidden pair and a ``-inf`` score are no key (``-inf`` for a row without one), NaN where a row may see
+    stays NaN. Keys no query may see and queries that see no key are zeroed first, as every engine does (what they
+    hold reaches no gradient); a non-finite key that some queries see and others do not reaches the others' query
+    gradients here (``0 * NaN`` in the backward's product: this path's limit, the engines' own lse has none)."""
     from torch.utils.checkpoint import checkpoint
 
-    from attnkit.backends.common import repeat_kv
+    from attnkit.backends.common import repeat_kv, zero_dead
     from attnkit.functional import scoring
 
     q4, k4, mask, _, scale_, score_mod, _, _ = scoring(q, k, masks, scale=scale)
+    q4, k4, _ = zero_dead(q4, k4, k4, mask)  # (B, H, Lq, D), (B, Hkv, Lk, D): the dead ones zeroed
     B, H, Lq, _ = q4.shape
     dtype = torch.float64 if q4.dtype == torch.float64 else torch.float32
     kf = repeat_kv(k4, H).to(dtype)  # (B, H, Lk, D)
@@ -73,15 +77,27 @@ def _row_statistics(
         return torch.logsumexp(scores(q_rows, keys, r0, r1), dim=-1)  # (B, H, n)
 
     step = max(1, _STAT_ELEMENTS // max(1, B * H * Lk))
-    found, tops = [], []
-    grad = sums and torch.is_grad_enabled() and (q4.requires_grad or kf.requires_grad)
+    found, largest = [], []
+    grad = sums and torch.is_grad_enabled() and (q4.requires_grad or kf.requires_grad or _reads_grad(score_mod))
     for r0 in range(0, Lq, step):
         r1 = min(Lq, r0 + step)
-        with torch.no_grad():
-            s = scores(q4[:, :, r0:r1], kf, r0, r1)  # (B, H, n, Lk)
-            tops.append(s.amax(dim=-1))  # (B, H, n)
-            if sums and not grad:
-                found.append(torch.logsumexp(s, dim=-1))  # (B, H, n)
+        if tops or (sums and not grad):
+            with torch.no_grad():
+                s = scores(q4[:, :, r0:r1], kf, r0, r1)  # (B, H, n, Lk)
+                if tops:
+                    largest.append(s.amax(dim=-1))  # (B, H, n)
+                if sums and not grad:
+                    found.append(torch.logsumexp(s, dim=-1))  # (B, H, n)
         if grad:
             found.append(checkpoint(row_sums, q4[:, :, r0:r1], kf, r0, r1, use_reentrant=False))  # (B, H, n)
-    return (torch.cat(found, dim=-1) if sums else None), torch.cat(tops, dim=-1)
+    return (torch.cat(found, dim=-1) if sums else None), (torch.cat(largest, dim=-1) if tops else None)
+
+
+def _reads_grad(score_mod: Any) -> bool:
+    """Whether a score_mod reads a tensor that needs a gradient (or cannot be looked into: taken to)."""
+    if score_mod is None:
+        return False
+    try:
+        return any(t.requires_grad for t in mods.read_tensors(score_mod))
+    except mods.Uninspectable:
+        return True

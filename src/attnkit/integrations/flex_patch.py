@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from attnkit.integrations.torch_flex import TORCH_FLEX_ATTENTION, flex_attention
+from attnkit.integrations.torch_flex import TORCH_FLEX_ATTENTION, _torch_flex, flex_attention
 
 __all__ = ["original", "patch_flex_attention"]
 
@@ -28,6 +29,7 @@ class _Patch:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.open = 0
+        self.active = False  # open > 0, changed only as the first opens and the last closes (what compiled code reads)
         self.eager: Any = None  # torch.compiler.disable(flex_attention), made by the first patch (the decorator
         # imports torch._dynamo, seconds that `import attnkit` must not spend)
 
@@ -46,7 +48,7 @@ def _patched(*args: Any, **kwargs: Any) -> Any:
     ``torch.compile`` (transformers compiles the name it holds) the CPU call is a graph break around an eager call,
     the others compile as torch's own."""
     query = kwargs["query"] if "query" in kwargs else (args[0] if args else None)
-    if not isinstance(query, Tensor) or query.device.type != "cpu" or not _PATCH.open:
+    if not isinstance(query, Tensor) or query.device.type != "cpu" or not _PATCH.active:
         return original()(*args, **kwargs)
     return _PATCH.eager(*args, **kwargs)
 
@@ -73,6 +75,7 @@ class _Patched:
             _PATCH.open -= 1
             if _PATCH.open:
                 return
+            _PATCH.active = False
             for module, name in _holders(_patched):
                 setattr(module, name, TORCH_FLEX_ATTENTION)
             _recompile_transformers()
@@ -111,10 +114,17 @@ def patch_flex_attention() -> _Patched:
         if not _PATCH.open:
             if _PATCH.eager is None:  # (once: a new one each patch would make compiled callers recompile)
                 _PATCH.eager = torch.compiler.disable(flex_attention)
+            if _torch_flex().flex_attention is not TORCH_FLEX_ATTENTION:
+                warnings.warn(
+                    "torch.nn.attention.flex_attention.flex_attention is not torch's function of attnkit's import "
+                    "(something replaced it since): patch_flex_attention leaves it as it is",
+                    stacklevel=2,
+                )
             for module, name in _holders(TORCH_FLEX_ATTENTION):
                 setattr(module, name, _patched)
             _recompile_transformers()
         _PATCH.open += 1
+        _PATCH.active = True
     return _Patched()
 
 

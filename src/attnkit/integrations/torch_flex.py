@@ -77,8 +77,8 @@ def _torch_flex() -> Any:
     return module
 
 
-# torch's function itself, taken at import (torch imports its module anyway): attnkit.patch_flex_attention points
-# the module's name elsewhere, and calls on other devices go to this one
+# torch's function itself, taken at attnkit's import (a cheap import: torch.nn.attention's): patch_flex_attention
+# points the module's name elsewhere, and calls on other devices go to this one
 TORCH_FLEX_ATTENTION: Any = _torch_flex().flex_attention
 
 
