@@ -159,7 +159,8 @@ def test_no_leak_from_padding_under_compile() -> None:
             torch.testing.assert_close(got, want, atol=TOL, rtol=0)
 
 
-def test_static_cache_decode_step_compiles_whole() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_static_cache_decode_step_compiles_whole(backend: str) -> None:
     torch.manual_seed(0)
     model = attnkit.MultiHeadAttention(E, 4, num_kv_heads=2).double().eval()
     prompt = torch.randn(B, 5, E, dtype=torch.float64)
@@ -169,7 +170,7 @@ def test_static_cache_decode_step_compiles_whole() -> None:
         model(prompt, prompt, prompt, lens, is_causal=True, cache=eager_cache)
         model(prompt, prompt, prompt, lens, is_causal=True, cache=cache)
         _fresh()
-        step = torch.compile(lambda x, c: model(x, x, x, is_causal=True, cache=c), fullgraph=True)
+        step = torch.compile(lambda x, c: model(x, x, x, is_causal=True, cache=c), fullgraph=True, backend=backend)
         for _ in range(4):
             token = torch.randn(B, 1, E, dtype=torch.float64)
             torch.testing.assert_close(
@@ -424,13 +425,14 @@ def test_float_mask_lengths_compile_once() -> None:
     assert counter.frame_count == 1
 
 
-def test_a_trace_after_a_recording_sees_every_step() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_trace_after_a_recording_sees_every_step(backend: str) -> None:
     """A graph compiled while a recording was open is not reused by a trace (dynamo guards on the kinds open)."""
     torch.manual_seed(0)
     model = nn.Sequential()
     model.add_module("attn", attnkit.MultiHeadAttention(E, 4, query_size=E, key_size=E, value_size=E))
     x = torch.randn(B, L, E)
-    compiled = torch.compile(lambda x: model.attn(x, x, x))
+    compiled = torch.compile(lambda x: model.attn(x, x, x), backend=backend)
     _fresh()
     compiled(x)
     with attnkit.record_weights(model):
