@@ -572,3 +572,11 @@ def test_the_fallback_lse_gives_gradients_to_what_a_score_mod_reads_and_none_fro
     lse = reference(q, k, v, score_mod=alibi, allowed=create_mask(late, 1, 2, L, L, device="cpu"))[1]
     (want,) = torch.autograd.grad(lse[:, :, 64:].sum(), slopes)
     assert torch.isfinite(got).all() and max_err(got, want) <= 1e-9 * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize(("batch", "queries"), [(0, 16), (1, 0)])
+def test_no_example_or_no_query_gives_empty_results_and_statistics(batch, queries):
+    q, k = torch.randn(batch, 2, queries, 8), torch.randn(batch, 2, 16, 8)
+    out, aux = attnkit.flex_attention(q, k, k, return_aux=AuxRequest(lse=True, max_scores=True))
+    assert out.shape == (batch, 2, queries, 8)
+    assert aux.lse.shape == aux.max_scores.shape == (batch, 2, queries)

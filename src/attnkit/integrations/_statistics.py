@@ -90,7 +90,10 @@ def _row_statistics(
                     found.append(torch.logsumexp(s, dim=-1))  # (B, H, n)
         if grad:
             found.append(checkpoint(row_sums, q4[:, :, r0:r1], kf, r0, r1, use_reentrant=False))  # (B, H, n)
-    return (torch.cat(found, dim=-1) if sums else None), (torch.cat(largest, dim=-1) if tops else None)
+    none = q4.new_empty((B, H, 0), dtype=dtype)  # (B, H, 0): no query, no block
+    return (torch.cat([none, *found], dim=-1) if sums else None), (
+        torch.cat([none, *largest], dim=-1) if tops else None
+    )
 
 
 def _reads_grad(score_mod: Any) -> bool:

@@ -140,9 +140,8 @@ class block_mask_mod(mods.MaskMod):  # noqa: N801 - a function-like name, as the
         full = torch.zeros_like(partial)
         if block_mask.full_kv_num_blocks is not None:
             full = _dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, rows, cols, "full_kv_indices")
-        partial, full = torch.broadcast_tensors(
-            partial, full
-        )  # (Bm, Hm, rows, cols): the two tables' shapes may differ
+        # (the two tables may be given for different examples and heads, one of them shared)
+        partial, full = torch.broadcast_tensors(partial, full)  # (Bm, Hm, rows, cols) each
         user = None if block_mask.mask_mod is flex.noop_mask else block_mask.mask_mod
         if user is None:  # every pair of a listed block is visible
             full, partial = full | partial, torch.zeros_like(partial)
