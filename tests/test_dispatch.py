@@ -77,6 +77,22 @@ def test_auto_gives_alibi_to_the_tile_engine_where_sdpa_would_hold_a_large_dense
     assert ran == ["sdpa", "tiles:online"]
 
 
+def test_auto_gives_large_bfloat16_calls_to_the_kernel_where_the_cpu_has_bfloat16_dot_products(monkeypatch):
+    """bfloat16 from BF16_KERNEL_FROM scores on: the C++ kernel, whose products run on AVX512-BF16 (SDPA computes
+    bfloat16 in float32 here); below it, or on a CPU without them, SDPA; never a decode step's few queries."""
+    monkeypatch.setattr(dispatch, "BF16_KERNEL_FROM", 4 * 300 * 300)
+    monkeypatch.setattr(dispatch, "_bf16_dot_products", lambda: True)
+    q, k, v = (torch.randn(1, 4, 300, 16).bfloat16() for _ in range(3))
+    with dispatch.watch(implementations=True) as ran:
+        attnkit.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attnkit.scaled_dot_product_attention(q[:, :, :299], k, v)  # below the threshold
+        attnkit.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        monkeypatch.setattr(dispatch, "_bf16_dot_products", lambda: False)
+        attnkit.scaled_dot_product_attention(q, k, v, is_causal=True)
+    expected = "tiles:kernel" if dispatch.ENGINES["tiles:kernel"].missing(None) is None else "tiles:online"
+    assert ran == [expected, "sdpa", "sdpa", "sdpa"]
+
+
 def test_the_tile_engine_named_runs_its_kernel_where_it_can():
     """backend='tiles': the policy's reasons among its implementations, then the first that can run the call (the
     C++ kernel in float32 on the CPU where it builds; reviewer's finding: the eager steps always ran)."""

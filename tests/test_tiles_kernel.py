@@ -494,3 +494,93 @@ def test_the_masks_kept_for_the_backward_never_pass_keep_bytes(monkeypatch):
     q, k, v = (torch.randn(1, 4, L, 8).requires_grad_() for L in (200, 600, 600))
     attnkit.scaled_dot_product_attention(q, k, v, mask_mod=_stripes, backend="tiles:kernel").output.sum().backward()
     assert made == [0, 0]
+
+
+# bfloat16 inputs: the kernel's products run on the CPU's bfloat16 dot products where it has them (bf16.h), float32
+# sums, the softmax in float32; held to twice the error of the same math computed in bfloat16 (FlashAttention's rule,
+# SUPPORTS.accuracy.low_precision), plus the float32 bounds.
+BF16 = kernel.bf16_products()
+needs_bf16 = pytest.mark.skipif(not BF16, reason="no AVX512-BF16 on this CPU: the kernel computes bfloat16 in float32")
+
+
+BF16_MASKS = ["none", "causal", "window", "user stripes", "valid_lens", "bool mask", "band"]
+
+
+@needs_bf16
+@pytest.mark.parametrize("mask", BF16_MASKS)
+@pytest.mark.parametrize(
+    "shape",  # (Lq, Lk, D, score_mod, sinks): every mask at odd lengths and both head dims, softcap and sinks
+    [(300, 513, 7, "softcap", True), (255, 257, 8, "none", False), (9, 1, 7, "none", True)],
+    ids=["300x513 D7 softcap sinks", "255x257 D8", "9x1 D7 sinks"],
+)
+def test_bfloat16_products_stay_within_twice_the_error_of_the_math_in_bfloat16(mask, shape):
+    """Odd lengths, head dims and window edges put pieces of tiles at odd keys and rows, whose pairs the products
+    pad (bf16.h): outputs and the gradients of q, k, v and sinks against float64 math from the same values."""
+    Lq, Lk, Dh, score, sinks = shape
+    case = {"score": score, "mask": mask, "sinks": sinks}
+    g = torch.Generator().manual_seed(Lq + Lk + Dh)
+    values = [
+        torch.randn(B, H, Lq, Dh, generator=g) * 2,
+        torch.randn(B, HKV, Lk, Dh, generator=g),
+        torch.randn(B, HKV, Lk, DV, generator=g),
+    ]
+    kw: dict = {}
+    math: dict = {}
+    if case["score"] == "softcap":
+        kw["score_mod"], math["score_mod"] = mods.softcap(CAP), mathref.softcap(CAP)
+    if case["mask"] == "causal":
+        kw["is_causal"] = True
+    elif case["mask"] == "window":
+        kw["mask_mod"], math["mask_mod"] = mods.sliding_window(40), mathref.sliding_window(40, Lq, Lk)
+    elif case["mask"] == "user stripes":
+        kw["mask_mod"] = math["mask_mod"] = lambda b, h, i, j: (j // 3) % 2 == 0
+    elif case["mask"] == "valid_lens":
+        kw["valid_lens"] = torch.randint(0, Lk + 1, (B,), generator=g)
+    elif case["mask"] == "bool mask":
+        kw["attn_mask"] = torch.rand(B, H, Lq, Lk, generator=g) < 0.7
+    elif case["mask"] == "band":
+        i, j = torch.arange(Lq)[:, None], torch.arange(Lk)[None]
+        kw["attn_mask"] = ((i - j).abs() < 30) & (i // 64 % 3 != 1)
+    math.update({name: kw[name] for name in ("is_causal", "valid_lens", "attn_mask") if name in kw})
+    if case["sinks"]:
+        values.append(torch.randn(H, generator=g))
+    values = [t.bfloat16() for t in values]  # the inputs: bfloat16 values, exact in every dtype below
+    dout = torch.randn(B, H, Lq, DV, generator=g).bfloat16()
+
+    def run(dtype: torch.dtype, ours: bool) -> list[torch.Tensor]:
+        leaves = [t.to(dtype).requires_grad_() for t in values]
+        extra = {"sinks": leaves[3]} if case["sinks"] else {}
+        if ours:
+            out = attnkit.scaled_dot_product_attention(*leaves[:3], backend="tiles:kernel", **kw, **extra).output
+            assert out.dtype == torch.bfloat16
+        else:
+            out = mathref.attention_mods(*leaves[:3], dtype=dtype, **math, **extra)[0]
+        return [out.detach().double(), *(t.double() for t in torch.autograd.grad(out, leaves, dout.to(out.dtype)))]
+
+    ours, truth, low = run(torch.bfloat16, True), run(torch.float64, False), run(torch.bfloat16, False)
+    names = ["out", "dq", "dk", "dv", "dsinks"]
+    for name, a, want, math_low in zip(names, ours, truth, low, strict=False):
+        base = OUT_TOL if name == "out" else GRAD_TOL * max(1.0, want.abs().max().item())
+        limit = base + 2 * max_err(math_low, want)
+        assert max_err(a, want) <= limit, (name, max_err(a, want), limit)
+
+
+@needs_bf16
+def test_bfloat16_inputs_run_on_bfloat16_products_not_float32():
+    """The same values in bfloat16 and in float32 give different results (the weights rounded to bfloat16 for the
+    products that read them), both close to the float64 math: the bfloat16 path ran (without it both would be the
+    float32 computation, equal once rounded)."""
+    q, k, v = (t.detach().float().bfloat16() for t in _inputs(4, 300, 513))
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        o = attnkit.scaled_dot_product_attention(*leaves, is_causal=True, backend="tiles:kernel").output
+        out[dtype] = [o.detach(), *torch.autograd.grad(o, leaves, torch.ones_like(o))]
+    assert not torch.equal(out[torch.bfloat16][0], out[torch.float32][0].bfloat16())
+    assert not torch.equal(out[torch.bfloat16][2], out[torch.float32][2].bfloat16())  # dk
+
+
+def test_the_kernel_says_it_computes_bfloat16_on_the_cpus_dot_products_where_pytorch_sees_them():
+    """The kernel's check (its own, of the CPU) and the dispatcher's (PyTorch's CPU information) agree, so that
+    ``auto`` sends bfloat16 calls to the kernel exactly where its products run in bfloat16."""
+    assert BF16 == dispatch._bf16_dot_products()

@@ -23,7 +23,7 @@ from torch.nn.attention.flex_attention import (
 )
 
 import attnkit
-from attnkit import dispatch
+from attnkit import csrc, dispatch
 from attnkit.integrations import flex_patch, torch_flex
 from mathref import max_err
 
@@ -253,6 +253,16 @@ def test_bfloat16_within_twice_the_math_in_bfloat16():
     out = attnkit.flex_attention(q, k, v, block_mask=block_mask)
     assert out.dtype == torch.bfloat16
     check(q, k, v, block_mask=block_mask, allowed=create_mask(causal, 1, 4, 257, 257, device="cpu"))
+
+
+def test_bfloat16_on_the_kernel_with_lse_within_twice_the_math_in_bfloat16():
+    """A window in bfloat16 runs on the C++ kernel (its products in bfloat16 where the CPU has them): output, lse
+    and the gradients through both, at odd lengths and head dims (the lse's gradient rides on a column of v)."""
+    q, k, v = inputs(1, 4, 2, 301, 301, 33, dtype=torch.bfloat16)
+    block_mask = create_block_mask(sliding_window(50), None, None, 301, 301, device="cpu")
+    with dispatch.watch(implementations=True) as ran:
+        check(q, k, v, block_mask=block_mask, allowed=create_mask(sliding_window(50), 1, 4, 301, 301), enable_gqa=True)
+    assert ran[0] == "tiles:kernel" or csrc.ensure("flash") is not None, ran
 
 
 def test_gradients_reach_tensors_a_score_mod_closes_over():

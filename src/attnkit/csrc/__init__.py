@@ -41,9 +41,9 @@ __all__ = ["KERNELS", "build_directory", "compile_flags", "ensure", "extension_n
 
 HERE = Path(__file__).parent
 
-#: Each kernel's source, beside the header every one includes.
+#: Each kernel's source, beside the headers they include (each build hashes and copies both).
 KERNELS = {"flash": "flash.cpp", "stats": "stats.cpp"}
-HEADER = "common.h"
+HEADERS = ("common.h", "bf16.h")
 
 # Instruction sets PyTorch dispatches its own CPU kernels to, and the compiler flags that build for the same: the
 # build's name and hash carry the set, so that a build cache shared by unlike machines never runs one on another.
@@ -130,10 +130,10 @@ def extension_name(name: str) -> str:
 
 
 def source_hash(name: str) -> str:
-    """What a build of kernel ``name`` depends on, hashed: its source and the header, the flags, Python's and
+    """What a build of kernel ``name`` depends on, hashed: its source and the headers, the flags, Python's and
     PyTorch's versions (12 hexadecimal digits); the name of a kernel built ahead of time carries it."""
     digest = hashlib.sha256()
-    for part in (KERNELS[name], HEADER):
+    for part in (KERNELS[name], *HEADERS):
         digest.update((HERE / part).read_bytes())
     # (and the layout of the build: its sources copied beside it since this tag, so that an older folder, whose
     # commands named a checkout, is not reused, which would rebuild it without a word)
@@ -194,7 +194,7 @@ def load(name: str) -> None:
             )
         # the sources copied beside the build (the same bytes: the folder is keyed by their hash), so that the
         # build's commands name no checkout and every checkout of these sources shares one build
-        for part in (KERNELS[name], HEADER):
+        for part in (KERNELS[name], *HEADERS):
             copy = directory / part
             if not copy.exists() or copy.read_bytes() != (HERE / part).read_bytes():
                 copy.write_bytes((HERE / part).read_bytes())

@@ -1,4 +1,6 @@
-// Flash attention on the CPU, float32, forward and backward, over the blocks of queries of a plan, with a built-in
+// Flash attention on the CPU, float32 (and bfloat16 inputs, given in float32, with `low`: their products on the CPU's
+// bfloat16 dot products where it has them, bf16.h, the softmax and every sum in float32), forward and backward,
+// over the blocks of queries of a plan, with a built-in
 // score_mod: soft-capping (cap * tanh(score / cap), as FlashAttention's own `softcap`) or a bias on the distance
 // q_idx - kv_idx (score + f(b, h, q_idx - kv_idx): a learned table of relative-position biases, read as one vector
 // per (example, head), its gradient given back as one), the mask of each tile given as a bool tile and a float bias
@@ -28,6 +30,7 @@
 #include <tuple>
 #include <vector>
 
+#include "bf16.h"
 #include "common.h"
 
 namespace {
@@ -306,8 +309,8 @@ void each_piece(const Plan& P, int64_t blk, int64_t b, int64_t h, int64_t n, std
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
              const at::Tensor& starts, const at::Tensor& spans, const c10::List<c10::optional<at::Tensor>>& allowed,
              const c10::List<c10::optional<at::Tensor>>& bias, const c10::optional<at::Tensor>& sink,
-             const c10::optional<at::Tensor>& rel, int64_t d0, double scale_, double cap_, bool guard, at::Tensor out,
-             at::Tensor lse) {
+             const c10::optional<at::Tensor>& rel, int64_t d0, double scale_, double cap_, bool guard, bool low_,
+             at::Tensor out, at::Tensor lse) {
   check(q, "q", 4), check(k, "k", 4), check(v, "v", 4), check(out, "out", 4), check(lse, "lse", 3);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.size(2), Dv = v.size(3);
   TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.size(0) == B && v.size(1) == H &&
@@ -327,9 +330,26 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   const float scale = static_cast<float>(scale_), cap = static_cast<float>(cap_);
   const int64_t c_max = std::max<int64_t>(P.widest, 1), n_max = P.tallest, NB = P.blocks();
   const float* sink_data = has_sink ? sink->data_ptr<float>() : nullptr;
+  // bfloat16 inputs (in float32 here, exactly), where the CPU has its dot products: the products in bfloat16 with
+  // float32 sums (the weights rounded to bfloat16 for p v, as FlashAttention's), the softmax in float32. Each
+  // (example, head) packed once: q's rows (Lq, De), k for q k^T (D2, Lk, 2), v for p v (Lk2, Dv, 2) (bf16.h).
+  const bool low = low_ && attnkit::bf16::available();
+  const int64_t De = attnkit::bf16::even(D), D2 = De / 2, Lk2 = (Lk + 1) / 2;
+  std::vector<uint16_t> qb(low ? B * H * Lq * De : 0), kt(low ? B * H * D2 * Lk * 2 : 0),
+      vr(low ? B * H * Lk2 * Dv * 2 : 0);
+  if (low) {
+    at::parallel_for(0, B * H, 1, [&](int64_t a0, int64_t a1) {
+      for (int64_t a = a0; a < a1; ++a) {
+        attnkit::bf16::rows(q.data_ptr<float>() + a * Lq * D, Lq, D, D, 0, qb.data() + a * Lq * De, De);
+        attnkit::bf16::pack_columns(k.data_ptr<float>() + a * Lk * D, Lk, D, D, kt.data() + a * D2 * Lk * 2);
+        attnkit::bf16::pack_rows(v.data_ptr<float>() + a * Lk * Dv, Lk, Dv, Dv, vr.data() + a * Lk2 * Dv * 2);
+      }
+    });
+  }
   at::parallel_for(0, B * H * NB, 1, [&](int64_t x0, int64_t x1) {
     std::vector<float> s(n_max * c_max), acc(n_max * Dv), m(n_max), l(n_max);
     std::vector<uint8_t> hidden(guard ? n_max * c_max : 0);
+    std::vector<uint16_t> pb(low ? n_max * (c_max + 2) : 0);  // a tile's weights in bfloat16
     std::vector<Piece> pieces;
     for (int64_t x = x0; x < x1; ++x) {
       const int64_t a = x / NB, blk = x % NB, b = a / H, h = a % H;
@@ -347,7 +367,12 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
                                                int64_t i1, int64_t lo, int64_t w, int64_t k0) {
         const int64_t rows_ = i1 - i0;
         float* sp = s.data() + i0 * c + lo;
-        mm(false, true, rows_, w, D, 1.0f, qa + i0 * D, D, ka + k0 * D, D, 0.0f, sp, c);  // (rows, w) q k^T
+        if (low) {  // (rows, w) q k^T
+          attnkit::bf16::mm(rows_, w, D2, 1.0f, qb.data() + (a * Lq + r0 + i0) * De, De,
+                            kt.data() + a * D2 * Lk * 2 + k0 * 2, Lk, false, sp, c);
+        } else {
+          mm(false, true, rows_, w, D, 1.0f, qa + i0 * D, D, ka + k0 * D, D, 0.0f, sp, c);  // (rows, w) q k^T
+        }
         for (int64_t i = i0; i < i1; ++i) {
           float* row = s.data() + i * c + lo;
           const float top = modify(row, nullptr, w, scale, cap, dist.row(b, h, r0 + i, k0),
@@ -375,6 +400,11 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
         float* ap = acc.data() + i0 * Dv;
         if (guard) {  // (rows, Dv) += p v
           product_of_seen(sp, rows_, w, c, hidden.data() + i0 * c + lo, va + k0 * Dv, Dv, 1.0f, ap);
+        } else if (low) {  // (rows, Dv) += p v, the pairs of keys from the even key at or before k0
+          const int64_t lead = k0 & 1, wa = attnkit::bf16::even(lead + w);
+          attnkit::bf16::rows(sp, rows_, w, c, lead, pb.data(), wa);  // (rows, wa)
+          attnkit::bf16::mm(rows_, Dv, wa / 2, 1.0f, pb.data(), wa, vr.data() + (a * Lk2 + (k0 - lead) / 2) * Dv * 2,
+                            Dv, true, ap, Dv);
         } else {
           mm(false, false, rows_, Dv, w, 1.0f, sp, c, va + k0 * Dv, Dv, 1.0f, ap, Dv);  // (rows, Dv) += p v
         }
@@ -399,7 +429,8 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
               const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& rows, const at::Tensor& starts,
               const at::Tensor& spans, const c10::List<c10::optional<at::Tensor>>& allowed,
               const c10::List<c10::optional<at::Tensor>>& bias, const c10::optional<at::Tensor>& rel, int64_t d0,
-              double scale_, double cap_, bool guard, at::Tensor dq, at::Tensor dk, at::Tensor dv, at::Tensor drel) {
+              double scale_, double cap_, bool guard, bool low_, at::Tensor dq, at::Tensor dk, at::Tensor dv,
+              at::Tensor drel) {
   check(q, "q", 4), check(k, "k", 4), check(v, "v", 4), check(out, "out", 4), check(dout, "dout", 4);
   check(lse, "lse", 3), check(dq, "dq", 4), check(dk, "dk", 4), check(dv, "dv", 4);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.size(2), Dv = v.size(3);
@@ -421,9 +452,21 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
               "drel: (B, H, R) float64, contiguous");
   const float scale = static_cast<float>(scale_), cap = static_cast<float>(cap_);
   const int64_t c_max = std::max<int64_t>(P.widest, 1), n_max = P.tallest, NB = P.blocks();
+  // bfloat16 products as the forward's (there), each from the layout bf16.h reads: per (example, head), q's and
+  // dout's rows (Lq, De | Dve), k for q k^T (kp: D2, Lk, 2) and for ds k (kr: Lk2, D, 2), v for dout v^T (vp: Dv2,
+  // Lk, 2); per block, q^T and dout^T (D | Dv, ne); a tile's ds, or its p or ds packed over pairs of rows, in pb.
+  // dk and dv are summed transposed, dk^T (D, Lk) and dv^T (Dv, Lk) = q^T ds and dout^T p, whose B side is the
+  // tile packed two rows at a time (where dk = ds^T q would transpose each tile), and added to dk and dv once a head.
+  const bool low = low_ && attnkit::bf16::available();
+  const int64_t De = attnkit::bf16::even(D), Dve = attnkit::bf16::even(Dv), Lk2 = (Lk + 1) / 2;
+  const int64_t ne = attnkit::bf16::even(n_max);
   at::parallel_for(0, B * H, 1, [&](int64_t a0, int64_t a1) {
     std::vector<float> p(n_max * c_max), g(cap > 0 ? n_max * c_max : 0), dp(n_max * c_max), delta(n_max);
     std::vector<uint8_t> hidden(guard ? n_max * c_max : 0);
+    std::vector<uint16_t> qb(low ? Lq * De : 0), ob(low ? Lq * Dve : 0), kp(low ? De * Lk : 0),
+        kr(low ? Lk2 * D * 2 : 0), vp(low ? Dve * Lk : 0), qt(low ? D * ne : 0), ot(low ? Dv * ne : 0),
+        pb(low ? (n_max + 1) * (c_max + 2) : 0);
+    std::vector<float> dkt(low ? D * Lk : 0), dvt(low ? Dv * Lk : 0);
     std::vector<Piece> pieces;
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t b = a / H, h = a % H;
@@ -431,10 +474,23 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
       const float* va = v.data_ptr<float>() + a * Lk * Dv;
       float* dka = dk.data_ptr<float>() + a * Lk * D;
       float* dva = dv.data_ptr<float>() + a * Lk * Dv;
+      if (low) {
+        attnkit::bf16::rows(q.data_ptr<float>() + a * Lq * D, Lq, D, D, 0, qb.data(), De);
+        attnkit::bf16::rows(dout.data_ptr<float>() + a * Lq * Dv, Lq, Dv, Dv, 0, ob.data(), Dve);
+        attnkit::bf16::pack_columns(ka, Lk, D, D, kp.data());
+        attnkit::bf16::pack_rows(ka, Lk, D, D, kr.data());
+        attnkit::bf16::pack_columns(va, Lk, Dv, Dv, vp.data());
+        std::fill(dkt.begin(), dkt.end(), 0.0f);
+        std::fill(dvt.begin(), dvt.end(), 0.0f);
+      }
       for (int64_t blk = 0; blk < NB; ++blk) {
         const int64_t r0 = P.r0[blk], n = P.r1[blk] - r0;
         const float* qa = q.data_ptr<float>() + (a * Lq + r0) * D;
         const float* oa = dout.data_ptr<float>() + (a * Lq + r0) * Dv;
+        if (low) {
+          attnkit::bf16::transposed(qa, n, D, D, qt.data(), ne);  // (D, ne) q^T
+          attnkit::bf16::transposed(oa, n, Dv, Dv, ot.data(), ne);  // (Dv, ne) dout^T
+        }
         const float* outa = out.data_ptr<float>() + (a * Lq + r0) * Dv;
         const float* la = lse.data_ptr<float>() + a * Lq + r0;
         float* dqa = dq.data_ptr<float>() + (a * Lq + r0) * D;
@@ -451,7 +507,12 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
           const int64_t rows_ = i1 - i0;
           float* pp = p.data() + i0 * c + lo;
           float* dpp = dp.data() + i0 * c + lo;
-          mm(false, true, rows_, w, D, 1.0f, qa + i0 * D, D, ka + k0 * D, D, 0.0f, pp, c);  // (rows, w) q k^T
+          if (low) {  // (rows, w) q k^T (i0 is even: a piece starts at a multiple of SUB)
+            attnkit::bf16::mm(rows_, w, De / 2, 1.0f, qb.data() + (r0 + i0) * De, De, kp.data() + k0 * 2, Lk, false,
+                              pp, c);
+          } else {
+            mm(false, true, rows_, w, D, 1.0f, qa + i0 * D, D, ka + k0 * D, D, 0.0f, pp, c);  // (rows, w) q k^T
+          }
           for (int64_t i = i0; i < i1; ++i) {
             float* row = p.data() + i * c + lo;
             modify(row, cap > 0 ? g.data() + i * c + lo : nullptr, w, scale, cap, dist.row(b, h, r0 + i, k0),
@@ -469,8 +530,17 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
           const float* kt = ka + k0 * D;
           const float* vt = va + k0 * Dv;
           const float* op = oa + i0 * Dv;
-          mm(true, false, w, Dv, rows_, 1.0f, pp, c, op, Dv, 1.0f, dva + k0 * Dv, Dv);  // (w, Dv) += p^T dout
-          mm(false, true, rows_, w, Dv, 1.0f, op, Dv, vt, Dv, 0.0f, dpp, c);  // (rows, w) dout v^T
+          const int64_t re = attnkit::bf16::even(rows_);  // (the pairs of rows of the products over them)
+          if (low) {
+            attnkit::bf16::pack_rows(pp, rows_, w, c, pb.data());  // (re / 2, w, 2) p
+            attnkit::bf16::mm(Dv, w, re / 2, 1.0f, ot.data() + i0, ne, pb.data(), w, true, dvt.data() + k0,
+                              Lk);  // (Dv, w) += dout^T p
+            attnkit::bf16::mm(rows_, w, Dve / 2, 1.0f, ob.data() + (r0 + i0) * Dve, Dve, vp.data() + k0 * 2, Lk,
+                              false, dpp, c);  // (rows, w) dout v^T
+          } else {
+            mm(true, false, w, Dv, rows_, 1.0f, pp, c, op, Dv, 1.0f, dva + k0 * Dv, Dv);  // (w, Dv) += p^T dout
+            mm(false, true, rows_, w, Dv, 1.0f, op, Dv, vt, Dv, 0.0f, dpp, c);  // (rows, w) dout v^T
+          }
           for (int64_t i = i0; i < i1; ++i) {
             float* pr = p.data() + i * c + lo;
             const float* dr = dp.data() + i * c + lo;
@@ -499,27 +569,48 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
           float* dqp = dqa + i0 * D;
           if (guard) {  // (dp is not finite where a hidden value is not: ds is 0 there, and k's hidden keys skipped)
             product_of_seen(pp, rows_, w, c, hidden.data() + i0 * c + lo, kt, D, scale, dqp);  // (rows, D) += ds k
+          } else if (low) {  // (rows, D) += ds k, the pairs of keys from the even key at or before k0
+            const int64_t lead = k0 & 1, wa = attnkit::bf16::even(lead + w);
+            attnkit::bf16::rows(pp, rows_, w, c, lead, pb.data(), wa);  // (rows, wa)
+            attnkit::bf16::mm(rows_, D, wa / 2, scale, pb.data(), wa, kr.data() + (k0 - lead) / 2 * D * 2, D, true,
+                              dqp, D);
           } else {
             mm(false, false, rows_, D, w, scale, pp, c, kt, D, 1.0f, dqp, D);  // (rows, D) += ds k
           }
-          mm(true, false, w, D, rows_, scale, pp, c, qa + i0 * D, D, 1.0f, dka + k0 * D, D);  // (w, D) += ds^T q
+          if (low) {
+            attnkit::bf16::pack_rows(pp, rows_, w, c, pb.data());  // (re / 2, w, 2) ds
+            attnkit::bf16::mm(D, w, re / 2, scale, qt.data() + i0, ne, pb.data(), w, true, dkt.data() + k0,
+                              Lk);  // (D, w) += q^T ds
+          } else {
+            mm(true, false, w, D, rows_, scale, pp, c, qa + i0 * D, D, 1.0f, dka + k0 * D, D);  // (w, D) += ds^T q
+          }
         });
+      }
+      if (low) {  // dk += dk^T's transpose, dv += dv^T's
+        for (int64_t j = 0; j < Lk; ++j) {
+          for (int64_t d = 0; d < D; ++d) dka[j * D + d] += dkt[d * Lk + j];
+          for (int64_t d = 0; d < Dv; ++d) dva[j * Dv + d] += dvt[d * Lk + j];
+        }
       }
     }
   });
 }
 
+// Whether a call with `low` computes its products in bfloat16 here (bf16.h: the CPU's AVX512-BF16).
+bool bf16_products() { return attnkit::bf16::available(); }
+
 }  // namespace
 
 TORCH_LIBRARY(attnkit_flash, m) {
+  m.def("bf16_products() -> bool", bf16_products);
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor starts, Tensor spans, Tensor?[] allowed, "
-      "Tensor?[] bias, Tensor? sink, Tensor? rel, int d0, float scale, float cap, bool guard, Tensor(a!) out, "
-      "Tensor(b!) lse) -> ()");
+      "Tensor?[] bias, Tensor? sink, Tensor? rel, int d0, float scale, float cap, bool guard, bool low, "
+      "Tensor(a!) out, Tensor(b!) lse) -> ()");
   m.def(
       "backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, Tensor rows, Tensor starts, "
       "Tensor spans, Tensor?[] allowed, Tensor?[] bias, Tensor? rel, int d0, float scale, float cap, bool guard, "
-      "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor(d!) drel) -> ()");
+      "bool low, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor(d!) drel) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attnkit_flash, CPU, m) {

@@ -1,10 +1,11 @@
-"""The tile engine's C++ kernel (``tiles:kernel``, ``attnkit/csrc/flash.cpp``): flash attention on the CPU in float32,
-forward and backward, with every mask, sinks, and two score_mods built in: soft-capping (:class:`attnkit.mods.softcap`,
-as FlashAttention's own ``softcap``) and a bias on the distance, ``score + f(b, h, q_idx - kv_idx)`` (ALiBi, a learned
-table of relative-position biases, T5-like buckets: proved from the function's graph by ``attnkit.mods.relative``).
-The bias is evaluated once per call at each distance the plan's tiles hold, where autograd records, and read by the
-kernel as one vector per (example, head); its gradient comes back as one, summed in float64, and autograd takes it to
-what the function reads.
+"""The tile engine's C++ kernel (``tiles:kernel``, ``attnkit/csrc/flash.cpp``): flash attention on the CPU in float32
+(bfloat16's products in bfloat16 where the CPU has AVX512-BF16: :func:`bf16_products`), forward and backward, with
+every mask, sinks, and two score_mods built in: soft-capping (:class:`attnkit.mods.softcap`, as FlashAttention's own
+``softcap``) and a bias on the distance, ``score + f(b, h, q_idx - kv_idx)`` (ALiBi, a learned table of relative-
+position biases, T5-like buckets: proved from the function's graph by ``attnkit.mods.relative``). The bias is
+evaluated once per call at each distance the plan's tiles hold, where autograd records, and read by the kernel as one
+vector per (example, head); its gradient comes back as one, summed in float64, and autograd takes it to what the
+function reads.
 
 The tiles are those of the call's plan (:class:`attnkit.plan.Plan`): hidden tiles are never touched, runs of visible
 keys go in spans of up to ``SPAN`` keys without a mask, and partly visible ones with the mask's ``allowed`` and
@@ -59,7 +60,8 @@ SUPPORTS = Supports(
     bias_grad=False,
     score_mod="kernel",
     devices=frozenset({"cpu"}),
-    dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),  # (the two low: computed in float32)
+    # (bfloat16's products in bfloat16 where the CPU has its dot products, float32 sums; float16 in float32)
+    dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
     opaque_modifiers=False,
     missing=missing,
 )
@@ -79,6 +81,12 @@ def attention_with_lse(call: Call) -> tuple[Tensor, Tensor] | None:
     return out.to(call.q.dtype), lse
 
 
+def bf16_products() -> bool:
+    """Whether the kernel computes bfloat16 inputs' products in bfloat16 here (the CPU's AVX512-BF16 dot products,
+    float32 sums; else in float32). Builds the kernel if it is not built; False where it cannot be."""
+    return csrc.ensure("flash") is None and bool(torch.ops.attnkit_flash.bf16_products())
+
+
 def _run(call: Call) -> tuple[Tensor, Tensor]:
     reason = csrc.ensure("flash")  # (built the first time here: said once)
     if reason is not None:
@@ -87,8 +95,11 @@ def _run(call: Call) -> tuple[Tensor, Tensor]:
     H = q.shape[1]
     plan = plan_of(mask)  # first: looking at the tiles, it learns which keys and rows are live (zero_dead's question)
     q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
-    # bfloat16 and float16 are computed in float32, as the kernel takes it (products and softmax in float32, the
-    # output rounded once): the copies are linear in L, the gradients go back through them in the inputs' dtype
+    # bfloat16 and float16 come in float32, as the kernel takes them (the copies are linear in L, the gradients go
+    # back through them in the inputs' dtype), the softmax and every sum in float32, the output rounded once.
+    # bfloat16's products run on the CPU's bfloat16 dot products where it has them (`low`; the weights and their
+    # gradients rounded to bfloat16 for the products that read them, as FlashAttention's), float16's in float32
+    low = q.dtype == torch.bfloat16
     q, k, v = q.float(), k.float(), v.float()  # (B, H|Hkv, L, D|Dv) each
     # Some key or value may not be finite (one read of each key/value head, before repeat_kv): the kernel's products
     # then skip the pairs a row may not see, so that none reaches a row that may not see it (0 * inf is NaN)
@@ -104,7 +115,7 @@ def _run(call: Call) -> tuple[Tensor, Tensor]:
         rel = mods.distance_bias(call.score_mod, batch=q.shape[0], heads=H, distances=(d0, d1), device=q.device)
         rel = rel.float()  # (B|1, H|1, R), as the kernel takes it
     watched = Watched.of(call) if call.needs_grad else None
-    out, lse = _Flash.apply(q, kf, vf, call.sinks, rel, mask, cap, d0, call.scale, guard, watched)
+    out, lse = _Flash.apply(q, kf, vf, call.sinks, rel, mask, cap, d0, call.scale, guard, low, watched)
     return out, lse  # (B, H, Lq, Dv), (B, H, Lq)
 
 
@@ -198,6 +209,7 @@ class _Flash(torch.autograd.Function):
         d0: int,
         scale: float,
         guard: bool,
+        low: bool,
         watched: Watched | None,
     ) -> tuple[Tensor, Tensor]:
         B, H, Lq, _ = q.shape
@@ -208,10 +220,18 @@ class _Flash(torch.autograd.Function):
         rel = None if rel is None else rel.detach().contiguous()  # (B|1, H|1, R)
         first: _Group | None = None  # the first group, while it is the only one (a later one drops it)
         for count, group in enumerate(_groups(mask)):
-            torch.ops.attnkit_flash.forward(q, k, v, *group.plan(), sink, rel, d0, scale, cap, guard, out, lse)
+            torch.ops.attnkit_flash.forward(q, k, v, *group.plan(), sink, rel, d0, scale, cap, guard, low, out, lse)
             first = group if count == 0 else None
         ctx.save_for_backward(q, k, v, sinks, rel, out, lse)
-        ctx.mask, ctx.cap, ctx.d0, ctx.scale, ctx.watched, ctx.guard = mask, cap, d0, scale, watched, guard
+        ctx.mask, ctx.cap, ctx.d0, ctx.scale, ctx.watched, ctx.guard, ctx.low = (
+            mask,
+            cap,
+            d0,
+            scale,
+            watched,
+            guard,
+            low,
+        )
         # the masks, kept for the backward when they are one group within KEEP_BYTES, else made again
         keep = first is not None and first.nbytes <= KEEP_BYTES and any(ctx.needs_input_grad)
         ctx.groups = [first] if keep else None
@@ -241,7 +261,7 @@ class _Flash(torch.autograd.Function):
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # added to by every block
         B, H = q.shape[:2]
         drel = q.new_zeros((B, H, 0 if rel is None else rel.shape[-1]), dtype=torch.float64)  # (B, H, R)
-        args = (rel, ctx.d0, ctx.scale, ctx.cap, ctx.guard, dq, dk, dv, drel)
+        args = (rel, ctx.d0, ctx.scale, ctx.cap, ctx.guard, ctx.low, dq, dk, dv, drel)
         for group in ctx.groups or _groups(mask):  # dq (B, H, Lq, D) written; dk, dv, drel added to
             torch.ops.attnkit_flash.backward(q, k, v, out, dout, lse, *group.plan(), *args)
         dsinks = None
@@ -253,4 +273,4 @@ class _Flash(torch.autograd.Function):
         if rel is not None and ctx.needs_input_grad[4]:
             broadcast = [d for d in (0, 1) if rel.shape[d] == 1]
             drel_ = (drel.sum(broadcast, keepdim=True) if broadcast else drel).to(rel.dtype)  # (B|1, H|1, R)
-        return dq, dk, dv, dsinks, drel_, None, None, None, None, None, None
+        return dq, dk, dv, dsinks, drel_, None, None, None, None, None, None, None
