@@ -584,3 +584,43 @@ def test_the_kernel_says_it_computes_bfloat16_on_the_cpus_dot_products_where_pyt
     """The kernel's check (its own, of the CPU) and the dispatcher's (PyTorch's CPU information) agree, so that
     ``auto`` sends bfloat16 calls to the kernel exactly where its products run in bfloat16."""
     assert BF16 == dispatch._bf16_dot_products()
+
+
+@needs_bf16
+def test_float32_parameters_beside_bfloat16_inputs_get_float32_gradients_through_bfloat16_products():
+    """ALiBi's slopes and sinks in float32 with bfloat16 q, k, v under a window: their gradients, sums over every
+    score of each row's softmax gradient, are as close as float32's (the tester's finding: with the weights of p v
+    in one bfloat16 part the backward's rows no longer summed to 0, and the slopes were 5e-3 off, relative)."""
+    Lq, Lk = 300, 513
+    g = torch.Generator().manual_seed(22)
+    q, k, v = (torch.randn(1, 2, L, d, generator=g).bfloat16() for L, d in ((Lq, 8), (Lk, 8), (Lk, 5)))
+    params = [torch.rand(2, generator=g) * 0.5, torch.randn(2, generator=g)]  # slopes, sinks (float32)
+    dout = torch.randn(1, 2, Lq, 5, generator=g).bfloat16()  # (the same values for the math)
+
+    def grads(ours: bool) -> list[torch.Tensor]:
+        slopes, sinks = (
+            t.clone().double().requires_grad_() if not ours else t.clone().requires_grad_() for t in params
+        )
+        if ours:
+            out = attnkit.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                score_mod=mods.alibi(slopes),
+                sinks=sinks,
+                mask_mod=mods.sliding_window(33),
+                backend="tiles:kernel",
+            ).output
+        else:
+            out = mathref.attention_mods(
+                q.double(),
+                k.double(),
+                v.double(),
+                score_mod=mathref.alibi(slopes, Lq, Lk),
+                sinks=sinks,
+                mask_mod=mathref.sliding_window(33, Lq, Lk),
+            )[0]
+        return [t.double() for t in torch.autograd.grad(out, (slopes, sinks), dout.to(out.dtype))]
+
+    for got, want in zip(grads(True), grads(False), strict=True):
+        assert max_err(got, want) <= 1e-4 * want.abs().max().item()

@@ -309,7 +309,7 @@ void each_piece(const Plan& P, int64_t blk, int64_t b, int64_t h, int64_t n, std
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
              const at::Tensor& starts, const at::Tensor& spans, const c10::List<c10::optional<at::Tensor>>& allowed,
              const c10::List<c10::optional<at::Tensor>>& bias, const c10::optional<at::Tensor>& sink,
-             const c10::optional<at::Tensor>& rel, int64_t d0, double scale_, double cap_, bool guard, bool low_,
+             const c10::optional<at::Tensor>& rel, int64_t d0, double scale_, double cap_, bool guard, int64_t low_,
              at::Tensor out, at::Tensor lse) {
   check(q, "q", 4), check(k, "k", 4), check(v, "v", 4), check(out, "out", 4), check(lse, "lse", 3);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.size(2), Dv = v.size(3);
@@ -333,7 +333,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   // bfloat16 inputs (in float32 here, exactly), where the CPU has its dot products: the products in bfloat16 with
   // float32 sums (the weights rounded to bfloat16 for p v, as FlashAttention's), the softmax in float32. Each
   // (example, head) packed once: q's rows (Lq, De), k for q k^T (D2, Lk, 2), v for p v (Lk2, Dv, 2) (bf16.h).
-  const bool low = low_ && attnkit::bf16::available();
+  // low_: 0 float32; 1 bfloat16; 2 bfloat16, the weights of p v in two parts (a backward follows: below).
+  const bool low = low_ > 0 && attnkit::bf16::available(), split = low && low_ == 2;
   const int64_t De = attnkit::bf16::even(D), D2 = De / 2, Lk2 = (Lk + 1) / 2;
   std::vector<uint16_t> qb(low ? B * H * Lq * De : 0), kt(low ? B * H * D2 * Lk * 2 : 0),
       vr(low ? B * H * Lk2 * Dv * 2 : 0);
@@ -349,7 +350,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   at::parallel_for(0, B * H * NB, 1, [&](int64_t x0, int64_t x1) {
     std::vector<float> s(n_max * c_max), acc(n_max * Dv), m(n_max), l(n_max);
     std::vector<uint8_t> hidden(guard ? n_max * c_max : 0);
-    std::vector<uint16_t> pb(low ? n_max * (c_max + 2) : 0);  // a tile's weights in bfloat16
+    std::vector<uint16_t> pb(low ? (split ? 2 : 1) * n_max * (c_max + 2) : 0);  // a tile's weights, in bfloat16
     std::vector<Piece> pieces;
     for (int64_t x = x0; x < x1; ++x) {
       const int64_t a = x / NB, blk = x % NB, b = a / H, h = a % H;
@@ -401,10 +402,20 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
         if (guard) {  // (rows, Dv) += p v
           product_of_seen(sp, rows_, w, c, hidden.data() + i0 * c + lo, va + k0 * Dv, Dv, 1.0f, ap);
         } else if (low) {  // (rows, Dv) += p v, the pairs of keys from the even key at or before k0
+          // Before a backward, p split in two bfloat16 parts, p = hi + lo to 16 bits, so that the output is that of
+          // the weights the backward recomputes in float32: its delta = dout . out then matches sum_j p_ij dp_ij,
+          // as in float32 (one part left each row's ds a sum, which the gradients of ALiBi's slopes and of sinks
+          // add up: 10x the bfloat16 math's error, found by the tester); the output alone needs one part.
           const int64_t lead = k0 & 1, wa = attnkit::bf16::even(lead + w);
-          attnkit::bf16::rows(sp, rows_, w, c, lead, pb.data(), wa);  // (rows, wa)
-          attnkit::bf16::mm(rows_, Dv, wa / 2, 1.0f, pb.data(), wa, vr.data() + (a * Lk2 + (k0 - lead) / 2) * Dv * 2,
-                            Dv, true, ap, Dv);
+          const uint16_t* vt = vr.data() + (a * Lk2 + (k0 - lead) / 2) * Dv * 2;
+          if (split) {
+            uint16_t* lo = pb.data() + n_max * (c_max + 2);
+            attnkit::bf16::split_rows(sp, rows_, w, c, lead, pb.data(), lo, wa);  // (rows, wa) each
+            attnkit::bf16::mm(rows_, Dv, wa / 2, 1.0f, lo, wa, vt, Dv, true, ap, Dv);
+          } else {
+            attnkit::bf16::rows(sp, rows_, w, c, lead, pb.data(), wa);  // (rows, wa)
+          }
+          attnkit::bf16::mm(rows_, Dv, wa / 2, 1.0f, pb.data(), wa, vt, Dv, true, ap, Dv);
         } else {
           mm(false, false, rows_, Dv, w, 1.0f, sp, c, va + k0 * Dv, Dv, 1.0f, ap, Dv);  // (rows, Dv) += p v
         }
@@ -605,7 +616,7 @@ TORCH_LIBRARY(attnkit_flash, m) {
   m.def("bf16_products() -> bool", bf16_products);
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor starts, Tensor spans, Tensor?[] allowed, "
-      "Tensor?[] bias, Tensor? sink, Tensor? rel, int d0, float scale, float cap, bool guard, bool low, "
+      "Tensor?[] bias, Tensor? sink, Tensor? rel, int d0, float scale, float cap, bool guard, int low, "
       "Tensor(a!) out, Tensor(b!) lse) -> ()");
   m.def(
       "backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, Tensor rows, Tensor starts, "

@@ -218,9 +218,12 @@ class _Flash(torch.autograd.Function):
         # every row is in a block of the plan, which writes it (a call has at least one key: checked when it is made)
         out, lse = q.new_empty((B, H, Lq, v.shape[-1])), q.new_empty((B, H, Lq))  # (B, H, Lq, Dv), (B, H, Lq)
         rel = None if rel is None else rel.detach().contiguous()  # (B|1, H|1, R)
+        # the kernel's products: float32 (0), bfloat16 (1), bfloat16 with the weights of p v in two parts before a
+        # backward (2: its softmax gradient then sums to 0 in each row, as in float32; flash.cpp)
+        mode = 0 if not low else 2 if any(ctx.needs_input_grad) else 1
         first: _Group | None = None  # the first group, while it is the only one (a later one drops it)
         for count, group in enumerate(_groups(mask)):
-            torch.ops.attnkit_flash.forward(q, k, v, *group.plan(), sink, rel, d0, scale, cap, guard, low, out, lse)
+            torch.ops.attnkit_flash.forward(q, k, v, *group.plan(), sink, rel, d0, scale, cap, guard, mode, out, lse)
             first = group if count == 0 else None
         ctx.save_for_backward(q, k, v, sinks, rel, out, lse)
         ctx.mask, ctx.cap, ctx.d0, ctx.scale, ctx.watched, ctx.guard, ctx.low = (
