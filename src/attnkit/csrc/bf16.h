@@ -9,8 +9,8 @@
 // column j at B[(p * ldb + j) * 2], K2 = ceil(K / 2) (an odd K's last pair ends with 0). Each lane of a vector holds
 // one column's pair, and a row's pair is broadcast to every lane.
 //
-// Where the compiler cannot build these (not x86-64, or no GCC/Clang), or the CPU lacks AVX512-BF16, available()
-// is false and flash.cpp computes in float32.
+// Where the compiler cannot build these (not x86-64, or not GCC 10+ / Clang 9+), or the CPU lacks AVX512-BF16,
+// available() is false and flash.cpp computes in float32.
 
 #pragma once
 
@@ -18,7 +18,9 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// (GCC 10 and Clang 9 brought the AVX512-BF16 intrinsics; an older compiler builds the kernel without them)
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 9) || \
+                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
 #include <immintrin.h>
 #define ATTNKIT_BF16 1
 #define ATTNKIT_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -33,7 +35,8 @@ namespace attnkit::bf16 {
 // Whether this CPU computes bfloat16 dot products (and this build can call them).
 inline bool available() {
 #if ATTNKIT_BF16
-  static const bool yes = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  static const bool yes = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   return yes;
 #else
   return false;
@@ -66,7 +69,8 @@ inline void rows(const float* src, int64_t n, int64_t w, int64_t lds, int64_t le
     int64_t j = 0;
 #if ATTNKIT_BF16
     for (; j + 16 <= w; j += 16) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + lead + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j)));
+      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + lead + j), rounded);
     }
 #endif
     for (; j < w; ++j) d[lead + j] = round(s[j]);
@@ -206,7 +210,8 @@ ATTNKIT_BF16_TARGET inline void tile(int64_t K2, float alpha, const uint16_t* A,
     for (int v = 0; v < V; ++v) {
       const __mmask16 m = v == V - 1 ? last : static_cast<__mmask16>(0xffff);
       float* c = C + r * ldc + 16 * v;
-      const __m512 sum = add ? _mm512_fmadd_ps(al, acc[r][v], _mm512_maskz_loadu_ps(m, c)) : _mm512_mul_ps(al, acc[r][v]);
+      const __m512 sum =
+          add ? _mm512_fmadd_ps(al, acc[r][v], _mm512_maskz_loadu_ps(m, c)) : _mm512_mul_ps(al, acc[r][v]);
       _mm512_mask_storeu_ps(c, m, sum);
     }
   }

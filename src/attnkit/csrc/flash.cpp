@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -336,14 +337,16 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   // low_: 0 float32; 1 bfloat16; 2 bfloat16, the weights of p v in two parts (a backward follows: below).
   const bool low = low_ > 0 && attnkit::bf16::available(), split = low && low_ == 2;
   const int64_t De = attnkit::bf16::even(D), D2 = De / 2, Lk2 = (Lk + 1) / 2;
-  std::vector<uint16_t> qb(low ? B * H * Lq * De : 0), kt(low ? B * H * D2 * Lk * 2 : 0),
-      vr(low ? B * H * Lk2 * Dv * 2 : 0);
+  // (left uninitialized: every element is written by the packing below, in parallel, before it is read)
+  std::unique_ptr<uint16_t[]> qb_(new uint16_t[low ? B * H * Lq * De : 0]),
+      kt_(new uint16_t[low ? B * H * D2 * Lk * 2 : 0]), vr_(new uint16_t[low ? B * H * Lk2 * Dv * 2 : 0]);
+  uint16_t *qb = qb_.get(), *kt = kt_.get(), *vr = vr_.get();
   if (low) {
     at::parallel_for(0, B * H, 1, [&](int64_t a0, int64_t a1) {
       for (int64_t a = a0; a < a1; ++a) {
-        attnkit::bf16::rows(q.data_ptr<float>() + a * Lq * D, Lq, D, D, 0, qb.data() + a * Lq * De, De);
-        attnkit::bf16::pack_columns(k.data_ptr<float>() + a * Lk * D, Lk, D, D, kt.data() + a * D2 * Lk * 2);
-        attnkit::bf16::pack_rows(v.data_ptr<float>() + a * Lk * Dv, Lk, Dv, Dv, vr.data() + a * Lk2 * Dv * 2);
+        attnkit::bf16::rows(q.data_ptr<float>() + a * Lq * D, Lq, D, D, 0, qb + a * Lq * De, De);
+        attnkit::bf16::pack_columns(k.data_ptr<float>() + a * Lk * D, Lk, D, D, kt + a * D2 * Lk * 2);
+        attnkit::bf16::pack_rows(v.data_ptr<float>() + a * Lk * Dv, Lk, Dv, Dv, vr + a * Lk2 * Dv * 2);
       }
     });
   }
@@ -369,8 +372,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
         const int64_t rows_ = i1 - i0;
         float* sp = s.data() + i0 * c + lo;
         if (low) {  // (rows, w) q k^T
-          attnkit::bf16::mm(rows_, w, D2, 1.0f, qb.data() + (a * Lq + r0 + i0) * De, De,
-                            kt.data() + a * D2 * Lk * 2 + k0 * 2, Lk, false, sp, c);
+          attnkit::bf16::mm(rows_, w, D2, 1.0f, qb + (a * Lq + r0 + i0) * De, De,
+                            kt + a * D2 * Lk * 2 + k0 * 2, Lk, false, sp, c);
         } else {
           mm(false, true, rows_, w, D, 1.0f, qa + i0 * D, D, ka + k0 * D, D, 0.0f, sp, c);  // (rows, w) q k^T
         }
@@ -407,11 +410,11 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
           // as in float32 (one part left each row's ds a sum, which the gradients of ALiBi's slopes and of sinks
           // add up: 10x the bfloat16 math's error, found by the tester); the output alone needs one part.
           const int64_t lead = k0 & 1, wa = attnkit::bf16::even(lead + w);
-          const uint16_t* vt = vr.data() + (a * Lk2 + (k0 - lead) / 2) * Dv * 2;
+          const uint16_t* vt = vr + (a * Lk2 + (k0 - lead) / 2) * Dv * 2;
           if (split) {
-            uint16_t* lo = pb.data() + n_max * (c_max + 2);
-            attnkit::bf16::split_rows(sp, rows_, w, c, lead, pb.data(), lo, wa);  // (rows, wa) each
-            attnkit::bf16::mm(rows_, Dv, wa / 2, 1.0f, lo, wa, vt, Dv, true, ap, Dv);
+            uint16_t* rest = pb.data() + n_max * (c_max + 2);
+            attnkit::bf16::split_rows(sp, rows_, w, c, lead, pb.data(), rest, wa);  // (rows, wa) each
+            attnkit::bf16::mm(rows_, Dv, wa / 2, 1.0f, rest, wa, vt, Dv, true, ap, Dv);
           } else {
             attnkit::bf16::rows(sp, rows_, w, c, lead, pb.data(), wa);  // (rows, wa)
           }
