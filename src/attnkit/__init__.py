@@ -5,6 +5,7 @@ to attend to give zeros, never NaN), fast backends, and pictures of what a model
 """
 
 from attnkit import mods, packing
+from attnkit.ablation import ablate_heads, head_sweep
 from attnkit.cache import CrossKVCache, KVCache
 from attnkit.dispatch import available_backends
 from attnkit.functional import AttentionOutput, additive_attention, scaled_dot_product_attention
@@ -31,11 +32,13 @@ __all__ = [
     "MultiHeadAttention",
     "Plan",
     "__version__",
+    "ablate_heads",
     "additive_attention",
     "attention_stats",
     "available_backends",
     "causal_mask",
     "flex_attention",
+    "head_sweep",
     "make_plan",
     "masked_softmax",
     "mods",

@@ -66,7 +66,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from attnkit import _context_parallel, _scoped_state, mods, stats
+from attnkit import _context_parallel, _scoped_state, ablation, mods, stats
 from attnkit.functional import Masks, attend, attention_weights
 from attnkit.recording import report_weights, wants_stats
 
@@ -237,6 +237,10 @@ def attention_forward(
     model_causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     runner = _context_parallel.active()
     if runner is not None:  # inside attnkit.distributed.context_parallel: this rank's shard of the sequence
+        if ablation.chooses(module):
+            raise ValueError(
+                "ablate_heads inside context_parallel is not supported: each rank holds a shard of the queries"
+            )
         masks_given = (attention_mask, softcap, s_aux, position_bias, sliding_window, dropout, scaling)
         wanted = _weights_wanted(kwargs)
         return _sequence.split_attention(
@@ -298,6 +302,7 @@ def attention_forward(
         return call._replace(slots=slots, lse=lse)
 
     report_weights(module, recorded, kv_heads=key.shape[1], parts=parts)
+    out = ablation.ablated(module, out)  # (B, H, Lq, Dv): the heads an open ablate_heads chose, changed
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, H, Dv)
 
 
