@@ -17,6 +17,7 @@ from attnkit.masks import causal_mask, masked_softmax, sequence_mask
 from attnkit.packing import pack, unpack
 from attnkit.plan import Plan, make_plan
 from attnkit.recording import record_stats, record_weights
+from attnkit.relevance import rollout
 from attnkit.stats import AttentionStats, attention_stats
 from attnkit.trace import trace_shapes
 
@@ -47,6 +48,7 @@ __all__ = [
     "patch_flex_attention",
     "record_stats",
     "record_weights",
+    "rollout",
     "scaled_dot_product_attention",
     "sequence_mask",
     "trace_shapes",
