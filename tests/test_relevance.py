@@ -4,6 +4,9 @@ the residual term), padding, bad input, and a forward with a cache refused."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -93,6 +96,7 @@ def test_left_padding_gives_padding_no_relevance_and_the_rest_as_the_tokens_alon
         ({"targets": "last"}, TypeError, "non-empty list"),
         ({"targets": -1, "heads": "min"}, ValueError, "'mean' or 'max'"),
         ({"targets": -1, "residual": 1.5}, ValueError, r"in \[0, 1\]"),
+        ({"targets": -1, "keep_bytes": -1}, ValueError, "a number of bytes"),
     ],
 )
 def test_bad_input_names_the_argument(kwargs, error, match):
@@ -107,3 +111,27 @@ def test_a_forward_with_a_cache_or_no_forward_is_refused():
             OURS(IDS[:, 10:12], past_key_values=cache)
     with pytest.raises(ValueError, match="no attention call"), attnkit.rollout(OURS, -1):
         pass
+
+
+def test_layers_past_keep_bytes_go_to_a_file_and_give_the_same_relevance(monkeypatch, tmp_path):
+    """keep_bytes=0: every layer's queries and keys go to the temporary file and come back one at a time; the
+    folder is gone after the block, also after an exception inside it."""
+    made = []
+    real = tempfile.TemporaryDirectory
+
+    def spy(*args, **kwargs):
+        made.append(real(*args, dir=tmp_path, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", spy)
+    with torch.no_grad():
+        with attnkit.rollout(OURS, [-1, 3]) as kept:
+            OURS(IDS)
+        with attnkit.rollout(OURS, [-1, 3], keep_bytes=0) as spilled:
+            OURS(IDS)
+            assert len(list(Path(made[-1].name).iterdir())) == 3  # one file a layer
+        assert torch.equal(kept.relevance, spilled.relevance)
+        with pytest.raises(RuntimeError, match="inside"), attnkit.rollout(OURS, -1, keep_bytes=0):
+            OURS(IDS)
+            raise RuntimeError("inside the block")
+    assert list(tmp_path.iterdir()) == []

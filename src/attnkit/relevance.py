@@ -12,7 +12,9 @@ block from the layer's queries, keys and masks as its call recorded them (:mod:`
 as eager's, to rounding.
 
 The block keeps each layer's queries and keys until the forward ends (the product runs from the last layer back),
-about ``L x (H + Hkv) x D`` floats a layer: 25 MiB a layer for SmolLM2-135M at 8,192 tokens in float32. It follows
+about ``L x (H + Hkv) x D`` floats a layer: 25 MiB a layer for SmolLM2-135M at 8,192 tokens in float32, 755 MiB for
+its 30 layers. Past ``keep_bytes`` of them (256 MiB unless given), the next layers' go to a temporary file as they
+come and are read back one at a time (the file is deleted when the block ends, also after an exception). It follows
 one forward of a model whose attention is attnkit's (a transformers model with ``attn_implementation="attnkit"``, or
 attnkit's own layers), without a cache (the queries are every position).
 """
@@ -20,7 +22,9 @@ attnkit's own layers), without a cache (the queries are every position).
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +34,10 @@ from attnkit import recording, stats
 from attnkit._validate import describe
 from attnkit.stats.blocks import Parts, blocks
 
-__all__ = ["Rollout", "rollout"]
+__all__ = ["KEEP_BYTES", "Rollout", "rollout"]
+
+#: The layers' queries and keys a rollout keeps in memory (bytes); the next go to a temporary file.
+KEEP_BYTES = 256 * 2**20
 
 
 class Rollout(recording.Observer):
@@ -39,12 +46,14 @@ class Rollout(recording.Observer):
 
     wants_lse = True
 
-    def __init__(self, targets: list[int], heads: str, residual: float) -> None:
+    def __init__(self, targets: list[int], heads: str, residual: float, keep_bytes: int, spill: Path) -> None:
         super().__init__()
         self.targets, self.heads, self.residual = targets, heads, residual
         self.layers: list[str] = []
         self.relevance: Tensor | None = None
-        self._kept: list[Parts] = []
+        self._kept: list[Parts | Path] = []  # a layer's parts, or the file its queries and keys went to
+        self._parts: dict[Path, Parts] = {}  # (a spilled layer's parts without them)
+        self._bytes, self._keep_bytes, self._spill = 0, keep_bytes, spill
 
     def observe(self, name: str, module: nn.Module, parts: Any, kv_heads: int | None) -> None:
         found = parts()
@@ -58,13 +67,29 @@ class Rollout(recording.Observer):
                 f"{found.k.shape[2]} keys"
             )
         self.layers.append(name)
-        self._kept.append(found)
+        size = sum(t.numel() * t.element_size() for t in (found.q, found.k))
+        if self._bytes + size <= self._keep_bytes:
+            self._bytes += size
+            self._kept.append(found)
+            return
+        path = self._spill / f"{len(self.layers)}.pt"
+        torch.save({"q": found.q.detach().contiguous(), "k": found.k.detach().contiguous()}, path)
+        self._parts[path] = found._replace(q=torch.empty(0), k=torch.empty(0))  # (theirs let go: read back later)
+        self._kept.append(path)
+
+    def _layer(self, kept: Parts | Path) -> Parts:
+        if isinstance(kept, Parts):
+            return kept
+        saved = torch.load(kept, weights_only=True)
+        kept.unlink()
+        return self._parts.pop(kept)._replace(q=saved["q"], k=saved["k"])
 
     def _finish(self) -> None:
         kept, self._kept = self._kept, []
         if not kept:
             raise ValueError("rollout: no attention call of the model ran inside the block")
-        q = kept[0].q
+        last = self._layer(kept.pop())  # (read back first: the first layer's may be in the file too)
+        q = last.q
         B, _, L, _ = q.shape
         wrong = [t for t in self.targets if not -L <= t < L]
         if wrong:
@@ -72,7 +97,8 @@ class Rollout(recording.Observer):
         dtype = stats.compute_dtype(q.dtype)
         r = torch.zeros(B, len(self.targets), L, dtype=dtype, device=q.device)  # (B, T, L)
         r[:, torch.arange(len(self.targets)), torch.tensor([t % L for t in self.targets])] = 1.0
-        for parts in reversed(kept):
+        for parts in [last, *reversed(kept)]:
+            parts = self._layer(parts)
             r = self.residual * r + (1.0 - self.residual) * _times_weights(r, parts, self.heads)  # (B, T, L)
         self.relevance = r
 
@@ -112,7 +138,12 @@ def _times_weights(r: Tensor, parts: Parts, heads: str) -> Tensor:
 
 @contextlib.contextmanager
 def rollout(
-    model: nn.Module, targets: int | Sequence[int], *, heads: str = "mean", residual: float = 0.5
+    model: nn.Module,
+    targets: int | Sequence[int],
+    *,
+    heads: str = "mean",
+    residual: float = 0.5,
+    keep_bytes: int = KEEP_BYTES,
 ) -> Iterator[Rollout]:
     """Attention rollout of one forward run inside the block, for the ``targets`` positions (an int or a list;
     negative counts from the end): ``.relevance`` ``(B, T, L)`` after the block.
@@ -123,6 +154,7 @@ def rollout(
         heads: ``"mean"`` (the paper's) or ``"max"`` (each row's largest weight over the heads, rows then scaled to
             sum to 1).
         residual: the identity's share, in [0, 1]: 0.5 (the paper's ``A / 2 + I / 2``), 0 (none).
+        keep_bytes: the layers' queries and keys kept in memory, in bytes; past it they go to a temporary file.
 
     Raises:
         TypeError, ValueError: a model that is not a module, targets that are not ints or out of range, another
@@ -147,11 +179,13 @@ def rollout(
         raise ValueError(f"rollout(heads=...) is 'mean' or 'max', got {heads!r}")
     if isinstance(residual, bool) or not isinstance(residual, (int, float)) or not 0.0 <= residual <= 1.0:
         raise ValueError(f"rollout(residual=...) is a share in [0, 1], got {residual!r}")
-    found = Rollout(list(chosen), heads, float(residual))
-    try:
-        with recording.observe(model, found, "rollout"):
-            yield found
-    except BaseException:
-        found._kept = []  # (the layers' queries and keys let go)
-        raise
-    found._finish()
+    if isinstance(keep_bytes, bool) or not isinstance(keep_bytes, int) or keep_bytes < 0:
+        raise ValueError(f"rollout(keep_bytes=...) is a number of bytes, 0 or more, got {keep_bytes!r}")
+    with tempfile.TemporaryDirectory(prefix="attnkit-rollout-") as spill:
+        found = Rollout(list(chosen), heads, float(residual), keep_bytes, Path(spill))
+        try:
+            with recording.observe(model, found, "rollout"):
+                yield found
+            found._finish()
+        finally:
+            found._kept, found._parts = [], {}  # (the layers' queries and keys let go; the folder goes next)
