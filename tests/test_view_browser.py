@@ -8,6 +8,7 @@ it with more loads)."""
 from __future__ import annotations
 
 import io
+import math
 import os
 import shutil
 import time
@@ -481,6 +482,44 @@ def test_a_statistics_record_shows_summaries_and_each_querys_strongest_keys(brow
         assert page.locator("#st-keys div").first.text_content().startswith('query 0 "w0"')
 
 
+def test_a_statistics_page_shades_on_fixed_scales_names_each_heads_kind_and_starts_at_the_last_query(browser, tmp_path):
+    """Issue 52, tried as a new user would: every cell of a measure on one scale fixed by what the measure can be
+    (entropy 0 to ln(keys), sink mass 0 to 1), said in a caption; text white on dark cells; each head called sink,
+    sharp or diffuse by the thresholds the page states; the last query chosen at first."""
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(16, 4).eval()
+    x = torch.randn(1, 120, 16)
+    mha(x[:, :1], x[:, :1], x[:, :1])  # (its projections are lazy: made at the first call)
+    with torch.no_grad():  # heads 0-1 sharp (large queries), 2-3 flat (small ones): light and dark cells
+        mha.W_q.weight.mul_(torch.tensor([30.0, 30.0, 0.01, 0.01]).repeat_interleave(4)[:, None])
+    with attnkit.record_stats(mha, topk=3) as rec:
+        mha(x, x, x, is_causal=True)
+    s = rec[""]
+    view(rec, path=tmp_path / "s.html")
+    with opened(browser, tmp_path / "s.html") as o:
+        page = o.page
+        page.wait_for_selector("#st-keys[data-shown='0 0 119']", state="attached")  # the last of 120 queries
+        captions = page.locator(".st-grid caption").all_text_contents()
+        assert captions[0].startswith("entropy: 0") and captions[0].endswith(f"{math.log(120):.3g} (ln 120 keys)")
+        assert captions[1].startswith("sink mass: 0") and captions[1].endswith(" 1.00")
+        entropy = s.entropy[0].double().mean(-1)  # (H,): every row sees a key (causal)
+        sink = s.sink_mass[0].double().mean(-1)
+        cells = page.locator(".st-grid").nth(0).locator("td")
+        for h in range(4):
+            t = entropy[h].item() / math.log(120)
+            c = round(255 - 200 * min(1.0, t))
+            style = cells.nth(h).get_attribute("style")
+            assert f"background: rgb({c}, {c}, 255)" in style
+            assert ("color: rgb(255, 255, 255)" in style) == (t > 0.55)
+        kinds = page.locator(".st-kinds td").all_text_contents()
+        for h in range(4):
+            keys = math.exp(entropy[h].item())
+            want = "sink" if sink[h] >= 0.5 else "sharp" if keys <= 4 else "diffuse" if keys >= 12 else ""
+            assert kinds[h] == want, (h, keys, sink[h])
+        assert kinds[0] == "sharp" and kinds[3] == "diffuse"  # (both kinds met, and white text on the flat heads)
+        assert "sink, at least 50% of the weight on the first keys" in page.text_content("#st-kinds-note")
+
+
 def test_a_statistics_page_inflates_keys_on_both_sides_of_their_query_and_rows_with_fewer_keys(browser, tmp_path):
     """Cross-attention without a causal mask (keys after the query's position), one example's keys cut to 3 by
     valid_lens (the rest name none): the keys the page lists are the record's."""
@@ -538,13 +577,13 @@ def test_a_statistics_page_inflates_each_call_once_and_says_so_where_it_cannot(b
                 window.dispatchEvent(new Event("resize"));
             }
         }""")
-        page.wait_for_selector("#st-keys[data-shown='0 0 0']", state="attached")
+        page.wait_for_selector("#st-keys[data-shown='0 0 19']", state="attached")  # the second call's last query
         assert page.evaluate("window.inflations") == 2  # the first call's at load, the second's once
         assert "its 3 strongest keys" in page.locator("#st-keys div").first.text_content()
     without = "delete window.DecompressionStream;"
     with opened(browser, tmp_path / "s.html", init=without) as o:
         assert "cannot inflate" in o.page.locator("#st-keys").text_content()
-        assert o.page.locator(".st-grid td").count() == 6  # the summaries: 3 measures x 2 heads
+        assert o.page.locator(".st-grid:not(.st-kinds) td").count() == 6  # the summaries: 3 measures x 2 heads
 
 
 def test_a_statistics_page_shows_layer_names_as_text_never_as_markup(browser, tmp_path):

@@ -17,13 +17,31 @@
     const bytes = blob(series.data);
     return new Float32Array(bytes.buffer, bytes.byteOffset, bytes.length / 4);
   }
-  const S = { layer: 0, head: 0, step: 0, query: 0 };
+  const S = { layer: 0, head: 0, step: 0, query: -1 }; // query -1: the call's last (a prompt's answer position)
   const steps = Math.max(...D.layers.map((l) => l.calls.length));
   const callOf = (l) => D.layers[l].calls[Math.min(S.step, D.layers[l].calls.length - 1)];
   const MEASURES = [["entropy", "entropy"], ["sink", "sink mass"], ["distance", "distance"]];
 
   function fmt(x) { return Math.abs(x) >= 100 ? x.toFixed(0) : x.toPrecision(3); }
   function shade(t) { const c = Math.round(255 - 200 * Math.max(0, Math.min(1, t))); return `rgb(${c},${c},255)`; }
+  const ink = (t) => (t > 0.55 ? "#fff" : "#000"); // text that stays legible on a dark cell
+
+  // One scale per measure, shared by every layer and head and fixed by what the measure can be, not by the values
+  // shown (8.00 and 8.01 nats look alike): entropy from 0 to ln(keys), the most a row over the record's widest call
+  // can have; sink mass from 0 to 1; distance from 0 to the widest call's keys.
+  const widest = Math.max(1, ...D.layers.flatMap((l) => l.calls.map((c) => c.lk)));
+  const SCALES = { entropy: [0, Math.log(widest)], sink: [0, 1], distance: [0, widest] };
+  // What a head is called on the page, by its averages (said under the tables): its weight mostly on the first keys,
+  // or on a few keys (exp(entropy), the keys a row spreads over as if evenly, at most SHARP_KEYS), or on many (at
+  // least DIFFUSE_SHARE of its call's keys).
+  const SINK_SHARE = 0.5, SHARP_KEYS = 4, DIFFUSE_SHARE = 0.1;
+  function kindOf(call, h) {
+    const m = call.summary;
+    if (m.sink[h] >= SINK_SHARE) return "sink";
+    const keys = Math.exp(m.entropy[h]);
+    if (keys <= SHARP_KEYS) return "sharp";
+    return keys >= DIFFUSE_SHARE * call.lk ? "diffuse" : "";
+  }
 
   function renderTables() {
     const box = $("st-tables");
@@ -32,8 +50,14 @@
       const table = document.createElement("table");
       table.className = "st-grid";
       const values = D.layers.map((l, i) => callOf(i).summary[key]);
-      const flat = values.flat();
-      const lo = Math.min(...flat), hi = Math.max(...flat);
+      const [lo, hi] = SCALES[key];
+      const caption = table.createCaption();
+      caption.className = "st-scale";
+      caption.textContent = `${label}: ${fmt(lo)} `;
+      const bar = document.createElement("span");
+      bar.className = "st-bar";
+      caption.appendChild(bar);
+      caption.append(` ${fmt(hi)}${key === "entropy" ? ` (ln ${widest} keys)` : ""}`);
       const head = table.insertRow();
       const th = (row, text) => { const cell = document.createElement("th"); cell.textContent = text; row.appendChild(cell); };
       th(head, label); // text, never markup: a layer's name comes from the model or a saved file
@@ -45,7 +69,9 @@
         values[l].forEach((v, h) => {
           const cell = row.insertCell();
           cell.textContent = fmt(v);
-          cell.style.background = shade(hi > lo ? (v - lo) / (hi - lo) : 0);
+          const t = hi > lo ? (v - lo) / (hi - lo) : 0;
+          cell.style.background = shade(t);
+          cell.style.color = ink(t);
           cell.title = `${layer.name}, head ${h}: ${label} ${v}`;
           if (l === S.layer && h === S.head) cell.className = "chosen";
           cell.addEventListener("click", () => { S.layer = l; S.head = h; render(); });
@@ -53,6 +79,26 @@
       });
       box.appendChild(table);
     }
+    const kinds = document.createElement("table"); // each head's kind, by the thresholds said below
+    kinds.className = "st-grid st-kinds";
+    const head = kinds.insertRow();
+    const th = (row, text) => { const cell = document.createElement("th"); cell.textContent = text; row.appendChild(cell); };
+    th(head, "kind");
+    const H = Math.max(...D.layers.map((l) => l.heads));
+    for (let h = 0; h < H; h++) th(head, `h${h}`);
+    D.layers.forEach((layer, l) => {
+      const row = kinds.insertRow();
+      th(row, layer.name);
+      for (let h = 0; h < layer.heads; h++) {
+        const cell = row.insertCell();
+        cell.textContent = kindOf(callOf(l), h);
+        cell.addEventListener("click", () => { S.layer = l; S.head = h; render(); });
+      }
+    });
+    box.appendChild(kinds);
+    $("st-kinds-note").textContent = `kind: sink, at least ${SINK_SHARE * 100}% of the weight on the first keys; ` +
+      `sharp, spread over at most ${SHARP_KEYS} keys (exp(entropy)); diffuse, over at least ${DIFFUSE_SHARE * 100}% ` +
+      "of its call's keys; blank, between.";
   }
 
   function fit(canvas) {
@@ -65,20 +111,44 @@
     return [ctx, r.width, r.height];
   }
 
-  function plot(canvas, series, head, color, mark, over) {
+  // A series along the queries or the keys; `log`: on a log scale from hi / 1e6 (column sums span decades).
+  // `over`: drawn over the canvas's first series, on its scale (`range`), its label at the right, not on the first's;
+  // `name`: what its label calls it (two series on one canvas).
+  function plot(canvas, series, head, color, mark, over, log, range, name) {
     const [ctx, w, h] = over ? [canvas.getContext("2d"), canvas.getBoundingClientRect().width, canvas.getBoundingClientRect().height] : fit(canvas);
     const all = floats(series), n = series.n, row = all.subarray(head * n, head * n + n);
     let hi = 0;
     for (const v of row) hi = Math.max(hi, v);
+    const top = range ? range[1] : hi, bottom = log ? (range ? range[0] : top / 1e6) : 0;
+    const at = (v) => {
+      if (!top) return 0;
+      if (!log) return v / top;
+      return v <= bottom ? 0 : Math.log(v / bottom) / Math.log(top / bottom);
+    };
     ctx.strokeStyle = color;
     ctx.beginPath();
-    row.forEach((v, i) => { const x = (i + 0.5) / n * w, y = h - 4 - (hi ? v / hi : 0) * (h - 8); i ? ctx.lineTo(x, y) : ctx.moveTo(x, y); });
+    // (a band at the top for the labels, one at the bottom for the axis: neither drawn over by a line)
+    row.forEach((v, i) => { const x = (i + 0.5) / n * w, y = h - 14 - at(v) * (h - 32); i ? ctx.lineTo(x, y) : ctx.moveTo(x, y); });
     ctx.stroke();
     ctx.fillStyle = "#333";
     ctx.font = "11px sans-serif";
-    ctx.fillText(`max ${fmt(hi)}`, 4, 12);
+    ctx.textAlign = over ? "right" : "left";
+    ctx.fillText(`${name ? `${name}, ` : ""}max ${fmt(hi)}${log && !over ? ` (log scale, to ${fmt(bottom)})` : ""}`, over ? w - 4 : 4, 12);
+    ctx.textAlign = "left";
     if (mark !== undefined) { ctx.strokeStyle = "#c00"; ctx.beginPath(); ctx.moveTo(mark * w, 0); ctx.lineTo(mark * w, h); ctx.stroke(); }
-    return [ctx, w, h];
+    return [ctx, w, h, [bottom, top]];
+  }
+
+  function axis(ctx, w, h, what, n) { // the x axis named, its ends numbered
+    ctx.fillStyle = "#555";
+    ctx.font = "11px sans-serif";
+    ctx.textAlign = "left";
+    ctx.fillText("0", 2, h - 2);
+    ctx.textAlign = "center";
+    ctx.fillText(what, w / 2, h - 2);
+    ctx.textAlign = "right";
+    ctx.fillText(String(Math.max(0, n - 1)), w - 2, h - 2);
+    ctx.textAlign = "left";
   }
 
   // Each call's strongest keys, deflated by the page's maker (attnkit/viewer/_stats.py, _top), inflated once when
@@ -112,14 +182,17 @@
   let tickets = 0; // a newer view supersedes one still inflating
   function renderQuery() {
     const layer = D.layers[S.layer], call = callOf(S.layer), head = S.head;
+    if (S.query < 0) S.query = call.lq - 1; // (the last query, until one is chosen)
     S.query = Math.max(0, Math.min(call.lq - 1, S.query));
     $("st-query").max = String(call.lq - 1);
     $("st-query").value = String(S.query);
     $("st-heading").textContent = `${layer.name}, head ${head}` + (layer.kv ? ` (key/value head ${Math.floor(head / (layer.heads / layer.kv))})` : "") + ` — ${call.lq} queries, ${call.lk} keys`;
     const measure = $("st-measure").value;
-    plot($("st-series"), call.series[measure], head, "#08306b", (S.query + 0.5) / call.lq);
-    plot($("st-received"), call.series.receivedMax, head, "#bbb");
-    const [ctx, w, h] = plot($("st-received"), call.series.received, head, "#08306b", undefined, true);
+    const [sctx, sw, sh] = plot($("st-series"), call.series[measure], head, "#08306b", (S.query + 0.5) / call.lq);
+    axis(sctx, sw, sh, `queries (the chosen one in red: ${S.query})`, call.lq);
+    const grey = plot($("st-received"), call.series.receivedMax, head, "#bbb", undefined, false, true, undefined, "grey");
+    const [ctx, w, h] = plot($("st-received"), call.series.received, head, "#08306b", undefined, true, true, grey[3], "black");
+    axis(ctx, w, h, "keys", call.lk);
     const ticket = ++tickets, query = S.query, shown = `${S.layer} ${head} ${query}`;
     const draw = (bytes) => { if (ticket === tickets) drawKeys(ctx, w, h, topOf(bytes, call, layer.heads, head, query), call, query, shown); };
     if (call.lq === 0) { keysNote("This call has no queries."); return Promise.resolve(); }
