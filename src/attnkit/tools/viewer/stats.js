@@ -252,8 +252,9 @@
   if (steps > 1) {
     $("step-box").hidden = false;
     $("step").max = String(steps - 1);
-    $("step").addEventListener("input", () => { S.step = Number($("step").value); $("step-label").textContent = `${S.step + 1} of ${steps}`; render(); });
-    $("step-label").textContent = `1 of ${steps}`;
+    // counted from 0, as the weights page and its URL's step= count (0: the first call)
+    $("step").addEventListener("input", () => { S.step = Number($("step").value); $("step-label").textContent = `step ${S.step} of ${steps - 1}`; render(); });
+    $("step-label").textContent = `step 0 of ${steps - 1}`;
   }
   $("st-measure").addEventListener("change", renderQuery);
   $("st-query").addEventListener("change", () => { S.query = Number($("st-query").value) || 0; renderQuery(); });

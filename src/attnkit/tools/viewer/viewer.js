@@ -243,7 +243,8 @@
     const c = callOf(S.layer);
     const m = layer.calls[c];
     const last = c < S.step ? " (this layer's last call)" : "";
-    $("step-label").textContent = `${c + 1} of ${layer.calls.length}: ${m.lq} x ${m.lk}${last}`;
+    // counted from 0, as the URL's step= counts (0: the first call, a prompt's; its decoding steps from 1)
+    $("step-label").textContent = `step ${c} of ${layer.calls.length - 1}: ${m.lq} x ${m.lk}${last}`;
     for (const b of $("tabs").querySelectorAll("button")) b.classList.toggle("active", b.dataset.view === S.view);
     for (const v of ["head", "model", "matrix"]) $(v + "-view").hidden = v !== S.view;
   }
