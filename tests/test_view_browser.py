@@ -660,3 +660,37 @@ def test_a_statistics_page_labels_calls_through_a_cache_with_the_tokens_at_their
         assert [line.split(": ")[0] for line in lines[1:]] == [
             f'key {p}{f" (slot {j})" if p != j else ""} "w{p}"' for p, j in zip(where, slots, strict=True)
         ]
+
+
+def test_a_statistics_page_shows_a_rollout_and_a_head_sweep_when_given(browser, tmp_path):
+    """Issue 52: rollout's relevance per target (its most relevant position named) and the sweep's layer x head
+    table of logit changes, on the statistics page of the same forward; a weights page refuses them."""
+    transformers = pytest.importorskip("transformers")
+    from attnkit.integrations import transformers as attnkit_hf
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=attnkit_hf.register()).eval()
+    ids = torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), attnkit.record_stats(model, topk=3) as rec, attnkit.rollout(model, [-1, 20]) as found:
+        model(ids)
+    sweep = attnkit.head_sweep(model, ids, 7)
+    view(rec, rollout=found, sweep=sweep, path=tmp_path / "s.html")
+    with opened(browser, tmp_path / "s.html") as o:
+        page = o.page
+        assert page.is_visible("#rollout-view") and page.is_visible("#sweep-view")
+        titles = page.locator("#rollout-charts div").all_text_contents()
+        top = found.relevance[0].argmax(-1).tolist()
+        assert [t.split(": the most relevant position is ")[1].split(" ")[0] for t in titles] == [str(j) for j in top]
+        assert titles[0].startswith("target position 39")
+        cells = page.locator("#sweep-table td").all_text_contents()
+        assert [float(c) for c in cells] == pytest.approx(sweep.change.flatten().tolist(), rel=5e-3, abs=1e-3)
+    with pytest.raises(ValueError, match="not of weights"):
+        view(torch.softmax(torch.randn(2, 3, 3), -1), rollout=found)

@@ -118,6 +118,8 @@ def view(
     kv_heads: int | Mapping[str, int] | None = None,
     example: int = 0,
     title: str | None = None,
+    rollout: Any = None,
+    sweep: Any = None,
 ) -> AttentionView:
     """An interactive page of attention weights: head view, model view and matrix view, in one HTML file.
 
@@ -149,6 +151,9 @@ def view(
             default, what a ``record_weights`` record says of its layers (``record.kv_heads``).
         example: the row of a record's batch (or of a tuple of layers' batch) to show.
         title: the page's title.
+        rollout, sweep: on a statistics page, what :func:`attnkit.rollout` found (each target's relevance over
+            the positions, drawn) and what :func:`attnkit.head_sweep` returned (its layer x head table of logit
+            changes, shaded).
 
     Returns:
         An :class:`AttentionView` (``.html``, ``.path``, ``.notes``; a notebook shows it inline).
@@ -181,9 +186,11 @@ def view(
                 "key/value heads and its calls' positions): give tokens alone"
             )
         heading = title if title is not None else "attention statistics"
-        payload = _stats.encode(weights, tokens, example, heading)
+        payload = _stats.encode(weights, tokens, example, heading, rollout, sweep)
         page = AttentionView(_html(payload, heading, "stats_page.html", "stats.js"), None, tuple(payload["notes"]))
         return AttentionView(page.html, page.save(path), page.notes) if path is not None else page
+    if rollout is not None or sweep is not None:
+        raise ValueError("rollout and sweep are shown on a page of statistics (a record_stats record), not of weights")
     layers, notes = _data.collect(weights, example)
     if title is not None and not isinstance(title, str):
         raise TypeError(f"title must be a string, got {type(title).__name__}: {title!r}")

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from attnkit.recording import StatsRecord
 from attnkit.tools.viewer._data import labels
@@ -31,8 +32,17 @@ def is_stats(record: Any) -> bool:
     return isinstance(record, StatsRecord) or (isinstance(record, Mapping) and record.get("attnkit_stats") == 1)
 
 
-def encode(record: Any, tokens: Sequence[Any] | None, example: int, title: str) -> dict[str, Any]:
-    """The page's data: for each layer its calls, each with its summaries, series and top entries as blobs."""
+def encode(
+    record: Any,
+    tokens: Sequence[Any] | None,
+    example: int,
+    title: str,
+    rollout: Any = None,
+    sweep: Any = None,
+) -> dict[str, Any]:
+    """The page's data: for each layer its calls, each with its summaries, series and top entries as blobs; with
+    ``rollout`` (:func:`attnkit.rollout`'s result) each target's relevance over the positions, float32 blobs; with
+    ``sweep`` (:func:`attnkit.head_sweep`'s) its layer x head table of logit changes."""
     if isinstance(example, bool) or not isinstance(example, int):
         raise TypeError(f"example must be a whole number (a row of the batch), got {example!r}")
     if not isinstance(record, StatsRecord):
@@ -97,6 +107,8 @@ def encode(record: Any, tokens: Sequence[Any] | None, example: int, title: str) 
     return {
         "title": title,
         "notes": notes,
+        "rollout": _rollout(rollout, example, blobs),
+        "sweep": _sweep(sweep),
         "topk": record.topk,
         "k": k_page,
         "sinkKeys": record.sink_keys,
@@ -104,6 +116,36 @@ def encode(record: Any, tokens: Sequence[Any] | None, example: int, title: str) 
         "layers": layers,
         "blobs": blobs.items,
     }
+
+
+def _rollout(found: Any, example: int, blobs: _Blobs) -> dict[str, Any] | None:
+    """A rollout's targets and, per target, its relevance over the positions (a float32 blob each)."""
+    if found is None:
+        return None
+    relevance = getattr(found, "relevance", None)
+    if not isinstance(relevance, torch.Tensor) or relevance.dim() != 3:
+        raise TypeError(f"rollout must be what attnkit.rollout gave after its forward, got {type(found).__name__}")
+    if not 0 <= example < relevance.shape[0]:
+        raise ValueError(f"example {example} is past the rollout's batch of {relevance.shape[0]}")
+    L = relevance.shape[-1]
+    rows = relevance[example].float().numpy()  # (T, L)
+    return {
+        "targets": [t % L for t in found.targets],
+        "residual": found.residual,
+        "heads": found.heads,
+        "n": L,
+        "relevance": [blobs.add(row.astype("<f4").tobytes()) for row in rows],
+    }
+
+
+def _sweep(found: Any) -> dict[str, Any] | None:
+    """A head sweep's layers, its logit changes ``(layers, H)`` and the logit without ablation."""
+    if found is None:
+        return None
+    change = getattr(found, "change", None)
+    if not isinstance(change, torch.Tensor) or change.dim() != 2:
+        raise TypeError(f"sweep must be what attnkit.head_sweep returned, got {type(found).__name__}")
+    return {"names": list(found.names), "change": change.tolist(), "base": float(found.base)}
 
 
 def _check_tokens(tokens: list[str], names: list[str], calls: dict[str, list[Any]], example: int) -> None:

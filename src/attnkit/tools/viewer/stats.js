@@ -245,6 +245,62 @@
     $("st-keys").dataset.querySlot = String(slot); // the key slot its lines start from
   }
 
+  // What attnkit.rollout found (each target's relevance over the positions, log scale) and what
+  // attnkit.head_sweep measured (a layer x head table of logit changes, red lower, blue higher), when given.
+  function renderRollout() {
+    const R = D.rollout;
+    $("rollout-view").hidden = !R;
+    if (!R) return;
+    const box = $("rollout-charts");
+    box.textContent = "";
+    R.targets.forEach((target, i) => {
+      const title = document.createElement("div");
+      const tok = D.tokens && target < D.tokens.length ? ` ${JSON.stringify(D.tokens[target])}` : "";
+      const row = floats({ data: R.relevance[i] });
+      let first = 0;
+      for (let j = 1; j < row.length; j++) if (row[j] > row[first]) first = j;
+      title.textContent = `target position ${target}${tok}: the most relevant position is ${first} (${fmt(row[first])})`;
+      box.appendChild(title);
+      const canvas = document.createElement("canvas");
+      canvas.className = "st-chart";
+      box.appendChild(canvas);
+      const [ctx, w, h] = plot(canvas, { data: R.relevance[i], n: R.n }, 0, "#08306b", (target + 0.5) / R.n, false, true, undefined, "relevance");
+      axis(ctx, w, h, "positions (the target in red)", R.n);
+    });
+    $("rollout-note").textContent = `r <- r ((1 - ${R.residual}) A + ${R.residual} I) from the last layer to the first, ` +
+      `A the layer's weights, ${R.heads === "mean" ? "averaged over its heads" : "their largest over the heads, rows scaled to sum to 1"}.`;
+  }
+
+  function renderSweep() {
+    const W = D.sweep;
+    $("sweep-view").hidden = !W;
+    if (!W) return;
+    const table = document.createElement("table");
+    table.className = "st-grid";
+    const biggest = Math.max(1e-12, ...W.change.flat().map(Math.abs));
+    const caption = table.createCaption();
+    caption.className = "st-scale";
+    caption.textContent = `logit change (the logit without: ${fmt(W.base)}): -${fmt(biggest)} red, 0 white, +${fmt(biggest)} blue`;
+    const th = (row, text) => { const cell = document.createElement("th"); cell.textContent = text; row.appendChild(cell); };
+    const head = table.insertRow();
+    th(head, "head ablated");
+    const H = Math.max(...W.change.map((r) => r.length));
+    for (let h = 0; h < H; h++) th(head, `h${h}`);
+    W.names.forEach((name, l) => {
+      const row = table.insertRow();
+      th(row, name);
+      W.change[l].forEach((v) => {
+        const cell = row.insertCell();
+        cell.textContent = fmt(v);
+        const t = Math.min(1, Math.abs(v) / biggest), c = Math.round(255 - 200 * t);
+        cell.style.background = v < 0 ? `rgb(255,${c},${c})` : `rgb(${c},${c},255)`;
+        cell.style.color = ink(t);
+      });
+    });
+    $("sweep-table").textContent = "";
+    $("sweep-table").appendChild(table);
+  }
+
   function render() { renderTables(); return renderQuery(); }
 
   const notes = $("notes");
@@ -263,6 +319,8 @@
     S.query = Math.floor((e.clientX - r.left) / r.width * callOf(S.layer).lq);
     renderQuery();
   });
-  window.addEventListener("resize", renderQuery);
+  window.addEventListener("resize", () => { renderQuery(); renderRollout(); });
+  renderRollout();
+  renderSweep();
   render().then(() => { document.documentElement.dataset.ready = "1"; });
 })();
