@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import attnkit
+import tiny_models
 
 transformers = pytest.importorskip("transformers")
 from attnkit.integrations import transformers as attnkit_hf  # noqa: E402
@@ -21,17 +22,7 @@ LAYER = "model.layers.1.self_attn"
 
 
 def _model(implementation: str = NAME) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=V,
-        hidden_size=H * DH,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=H,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM._from_config(config, attn_implementation=implementation).eval()
+    return tiny_models.llama(implementation, vocab=V, hidden=H * DH, heads=H)
 
 
 MODEL = _model()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import attnkit
+import tiny_models
 
 transformers = pytest.importorskip("transformers")
 from attnkit.integrations import transformers as attnkit_hf  # noqa: E402
@@ -24,17 +25,7 @@ NAME = attnkit_hf.register()
 
 
 def _model(implementation: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=V,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM._from_config(config, attn_implementation=implementation).eval().double()
+    return tiny_models.llama(implementation, vocab=V, layers=3).double()
 
 
 OURS, EAGER = _model(NAME), _model("eager")

@@ -665,19 +665,11 @@ def test_a_statistics_page_labels_calls_through_a_cache_with_the_tokens_at_their
 def test_a_statistics_page_shows_a_rollout_and_a_head_sweep_when_given(browser, tmp_path):
     """Issue 52: rollout's relevance per target (its most relevant position named) and the sweep's layer x head
     table of logit changes, on the statistics page of the same forward; a weights page refuses them."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    import tiny_models
     from attnkit.integrations import transformers as attnkit_hf
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=attnkit_hf.register()).eval()
+    model = tiny_models.llama(attnkit_hf.register(), vocab=50, hidden=32)
     ids = torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad(), attnkit.record_stats(model, topk=3) as rec, attnkit.rollout(model, [-1, 20]) as found:
         model(ids)
