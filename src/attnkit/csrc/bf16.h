@@ -163,14 +163,19 @@ inline void pack_rows(const float* X, int64_t K, int64_t N, int64_t ldx, uint16_
 }
 
 // B packed from the transpose of X (N, K), rows ldx apart, reducing over its columns: out[(p * N + j) * 2 + e] =
-// X[j][2p + e] (0 past K).
+// X[j][2p + e] (0 past K). 16 rows at a time, so that each pair's 16 columns are written as one line.
 inline void pack_columns(const float* X, int64_t N, int64_t K, int64_t ldx, uint16_t* out) {
   const int64_t K2 = (K + 1) / 2;
-  for (int64_t j = 0; j < N; ++j) {
-    const float* x = X + j * ldx;
+  for (int64_t j0 = 0; j0 < N; j0 += 16) {
+    const int64_t j1 = std::min(j0 + 16, N);
     for (int64_t p = 0; p < K2; ++p) {
-      out[(p * N + j) * 2] = round(x[2 * p]);
-      out[(p * N + j) * 2 + 1] = 2 * p + 1 < K ? round(x[2 * p + 1]) : 0;
+      uint16_t* o = out + (p * N) * 2;
+      const bool pair = 2 * p + 1 < K;
+      for (int64_t j = j0; j < j1; ++j) {
+        const float* x = X + j * ldx + 2 * p;
+        o[2 * j] = round(x[0]);
+        o[2 * j + 1] = pair ? round(x[1]) : 0;
+      }
     }
   }
 }
