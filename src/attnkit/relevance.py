@@ -13,7 +13,7 @@ as eager's, to rounding.
 
 The block keeps each layer's queries and keys until the forward ends (the product runs from the last layer back),
 about ``L x (H + Hkv) x D`` floats a layer: 25 MiB a layer for SmolLM2-135M at 8,192 tokens in float32, 755 MiB for
-its 30 layers. Past ``keep_bytes`` of them (256 MiB unless given), the next layers' go to a temporary file as they
+its 30 layers. Past ``keep_bytes`` of them (64 MiB unless given), the next layers' go to a temporary file as they
 come and are read back one at a time (the file is deleted when the block ends, also after an exception). It follows
 one forward of a model whose attention is attnkit's (a transformers model with ``attn_implementation="attnkit"``, or
 attnkit's own layers), without a cache (the queries are every position).
@@ -37,7 +37,7 @@ from attnkit.stats.blocks import Parts, blocks
 __all__ = ["KEEP_BYTES", "Rollout", "rollout"]
 
 #: The layers' queries and keys a rollout keeps in memory (bytes); the next go to a temporary file.
-KEEP_BYTES = 256 * 2**20
+KEEP_BYTES = 64 * 2**20
 
 
 class Rollout(recording.Observer):

@@ -78,42 +78,6 @@ inline void rows(const float* src, int64_t n, int64_t w, int64_t lds, int64_t le
   }
 }
 
-// As rows(), split in two: hi the values rounded to bfloat16, lo what they leave (x - hi) rounded again, so that
-// hi + lo holds x to about 16 bits (a product of A = hi + lo: two products, float32's accuracy in its sums' terms).
-#if ATTNKIT_BF16
-ATTNKIT_BF16_TARGET
-#endif
-inline void split_rows(const float* src, int64_t n, int64_t w, int64_t lds, int64_t lead, uint16_t* hi, uint16_t* lo,
-                       int64_t ldd) {
-  const int64_t len = even(lead + w);
-  for (int64_t i = 0; i < n; ++i) {
-    const float* s = src + i * lds;
-    uint16_t* h = hi + i * ldd;
-    uint16_t* l = lo + i * ldd;
-    if (lead) h[0] = 0, l[0] = 0;
-    int64_t j = 0;
-#if ATTNKIT_BF16
-    for (; j + 16 <= w; j += 16) {
-      const __m512 x = _mm512_loadu_ps(s + j);
-      const __m256i top = (__m256i)_mm512_cvtneps_pbh(x);
-      const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(top), 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + lead + j), top);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(l + lead + j),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, back)));
-    }
-#endif
-    for (; j < w; ++j) {
-      const uint16_t top = round(s[j]);
-      const uint32_t bits = static_cast<uint32_t>(top) << 16;
-      float back;
-      std::memcpy(&back, &bits, sizeof back);
-      h[lead + j] = top;
-      l[lead + j] = round(s[j] - back);
-    }
-    if (lead + w < len) h[len - 1] = 0, l[len - 1] = 0;
-  }
-}
-
 // dst (w, even(n)), rows ldd apart = the transpose of src (n, w), rows lds apart, each row ending with 0 where n is
 // odd: the A side of a product that reduces over src's rows.
 inline void transposed(const float* src, int64_t n, int64_t w, int64_t lds, uint16_t* dst, int64_t ldd) {

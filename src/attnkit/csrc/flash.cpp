@@ -310,7 +310,7 @@ void each_piece(const Plan& P, int64_t blk, int64_t b, int64_t h, int64_t n, std
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
              const at::Tensor& starts, const at::Tensor& spans, const c10::List<c10::optional<at::Tensor>>& allowed,
              const c10::List<c10::optional<at::Tensor>>& bias, const c10::optional<at::Tensor>& sink,
-             const c10::optional<at::Tensor>& rel, int64_t d0, double scale_, double cap_, bool guard, int64_t low_,
+             const c10::optional<at::Tensor>& rel, int64_t d0, double scale_, double cap_, bool guard, bool low_,
              at::Tensor out, at::Tensor lse) {
   check(q, "q", 4), check(k, "k", 4), check(v, "v", 4), check(out, "out", 4), check(lse, "lse", 3);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.size(2), Dv = v.size(3);
@@ -334,8 +334,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   // bfloat16 inputs (in float32 here, exactly), where the CPU has its dot products: the products in bfloat16 with
   // float32 sums (the weights rounded to bfloat16 for p v, as FlashAttention's), the softmax in float32. Each
   // (example, head) packed once: q's rows (Lq, De), k for q k^T (D2, Lk, 2), v for p v (Lk2, Dv, 2) (bf16.h).
-  // low_: 0 float32; 1 bfloat16; 2 bfloat16, the weights of p v in two parts (a backward follows: below).
-  const bool low = low_ > 0 && attnkit::bf16::available(), split = low && low_ == 2;
+  const bool low = low_ && attnkit::bf16::available();
   const int64_t De = attnkit::bf16::even(D), D2 = De / 2, Lk2 = (Lk + 1) / 2;
   // (left uninitialized: every element is written by the packing below, in parallel, before it is read)
   std::unique_ptr<uint16_t[]> qb_(new uint16_t[low ? B * H * Lq * De : 0]),
@@ -353,7 +352,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   at::parallel_for(0, B * H * NB, 1, [&](int64_t x0, int64_t x1) {
     std::vector<float> s(n_max * c_max), acc(n_max * Dv), m(n_max), l(n_max);
     std::vector<uint8_t> hidden(guard ? n_max * c_max : 0);
-    std::vector<uint16_t> pb(low ? (split ? 2 : 1) * n_max * (c_max + 2) : 0);  // a tile's weights, in bfloat16
+    std::vector<uint16_t> pb(low ? n_max * (c_max + 2) : 0);  // a tile's weights, in bfloat16
     std::vector<Piece> pieces;
     for (int64_t x = x0; x < x1; ++x) {
       const int64_t a = x / NB, blk = x % NB, b = a / H, h = a % H;
@@ -405,19 +404,11 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
         if (guard) {  // (rows, Dv) += p v
           product_of_seen(sp, rows_, w, c, hidden.data() + i0 * c + lo, va + k0 * Dv, Dv, 1.0f, ap);
         } else if (low) {  // (rows, Dv) += p v, the pairs of keys from the even key at or before k0
-          // Before a backward, p split in two bfloat16 parts, p = hi + lo to 16 bits, so that the output is that of
-          // the weights the backward recomputes in float32: its delta = dout . out then matches sum_j p_ij dp_ij,
-          // as in float32 (one part left each row's ds a sum, which the gradients of ALiBi's slopes and of sinks
-          // add up: 10x the bfloat16 math's error, found by the tester); the output alone needs one part.
+          // (the output's weights rounded to bfloat16; the backward takes its rows' delta from the float32 weights it
+          // recomputes, not from this output: below)
           const int64_t lead = k0 & 1, wa = attnkit::bf16::even(lead + w);
           const uint16_t* vt = vr + (a * Lk2 + (k0 - lead) / 2) * Dv * 2;
-          if (split) {
-            uint16_t* rest = pb.data() + n_max * (c_max + 2);
-            attnkit::bf16::split_rows(sp, rows_, w, c, lead, pb.data(), rest, wa);  // (rows, wa) each
-            attnkit::bf16::mm(rows_, Dv, wa / 2, 1.0f, rest, wa, vt, Dv, true, ap, Dv);
-          } else {
-            attnkit::bf16::rows(sp, rows_, w, c, lead, pb.data(), wa);  // (rows, wa)
-          }
+          attnkit::bf16::rows(sp, rows_, w, c, lead, pb.data(), wa);  // (rows, wa)
           attnkit::bf16::mm(rows_, Dv, wa / 2, 1.0f, pb.data(), wa, vt, Dv, true, ap, Dv);
         } else {
           mm(false, false, rows_, Dv, w, 1.0f, sp, c, va + k0 * Dv, Dv, 1.0f, ap, Dv);  // (rows, Dv) += p v
@@ -443,8 +434,8 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
               const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& rows, const at::Tensor& starts,
               const at::Tensor& spans, const c10::List<c10::optional<at::Tensor>>& allowed,
               const c10::List<c10::optional<at::Tensor>>& bias, const c10::optional<at::Tensor>& rel, int64_t d0,
-              double scale_, double cap_, bool guard, bool low_, at::Tensor dq, at::Tensor dk, at::Tensor dv,
-              at::Tensor drel) {
+              double scale_, double cap_, bool guard, bool low_, const c10::optional<at::Tensor>& dlse, at::Tensor dq,
+              at::Tensor dk, at::Tensor dv, at::Tensor drel, at::Tensor rowsum) {
   check(q, "q", 4), check(k, "k", 4), check(v, "v", 4), check(out, "out", 4), check(dout, "dout", 4);
   check(lse, "lse", 3), check(dq, "dq", 4), check(dk, "dk", 4), check(dv, "dv", 4);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.size(2), Dv = v.size(3);
@@ -471,9 +462,28 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   // Lk, 2); per block, q^T and dout^T (D | Dv, ne); a tile's ds, or its p or ds packed over pairs of rows, in pb.
   // dk and dv are summed transposed, dk^T (D, Lk) and dv^T (Dv, Lk) = q^T ds and dout^T p, whose B side is the
   // tile packed two rows at a time (where dk = ds^T q would transpose each tile), and added to dk and dv once a head.
+  // A row's delta, sum_j p_ij dp_ij (- dlse_i), is summed from the float32 weights recomputed here, not taken as
+  // dout . out: the forward's output came from weights rounded to bfloat16, and a delta that misses the weights'
+  // own sum by that rounding leaves each row's ds a sum, which the gradients of sinks and of a distance bias (ALiBi's
+  // slopes) add up (10x the bfloat16 math's error: the tester's finding). So each 64 rows of a block run twice over
+  // their tiles: the weights and dp kept (chunk buffers, SUB x the block's keys), delta summed; then the products.
+  // The rows' deltas go to rowsum (B, H, Lq), for the sinks' gradient.
   const bool low = low_ && attnkit::bf16::available();
   const int64_t De = attnkit::bf16::even(D), Dve = attnkit::bf16::even(Dv), Lk2 = (Lk + 1) / 2;
   const int64_t ne = attnkit::bf16::even(n_max);
+  int64_t row_keys = 1;  // the most keys a block's tiles hold in all
+  for (int64_t x = 0; x < NB; ++x) {
+    int64_t sum = 0;
+    for (int64_t t = P.first[x]; t < P.first[x + 1]; ++t) sum += P.j1[t] - P.j0[t];
+    row_keys = std::max(row_keys, sum);
+  }
+  const bool has_dlse = dlse.has_value() && dlse->defined();
+  if (low) {
+    TORCH_CHECK(rowsum.dim() == 3 && rowsum.size(0) == B && rowsum.size(1) == H && rowsum.size(2) == Lq &&
+                    rowsum.is_contiguous() && rowsum.scalar_type() == at::kFloat,
+                "rowsum: (B, H, Lq) float32, contiguous");
+    if (has_dlse) check(*dlse, "dlse", 3);
+  }
   at::parallel_for(0, B * H, 1, [&](int64_t a0, int64_t a1) {
     std::vector<float> p(n_max * c_max), g(cap > 0 ? n_max * c_max : 0), dp(n_max * c_max), delta(n_max);
     std::vector<uint8_t> hidden(guard ? n_max * c_max : 0);
@@ -481,6 +491,12 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
         kr(low ? Lk2 * D * 2 : 0), vp(low ? Dve * Lk : 0), qt(low ? D * ne : 0), ot(low ? Dv * ne : 0),
         pb(low ? (n_max + 1) * (c_max + 2) : 0);
     std::vector<float> dkt(low ? D * Lk : 0), dvt(low ? Dv * Lk : 0);
+    std::vector<float> cp(low ? SUB * row_keys : 0), cdp(low ? SUB * row_keys : 0), cg(low && cap > 0 ? SUB * row_keys : 0);
+    std::vector<uint8_t> ch(low && guard ? SUB * row_keys : 0);
+    struct Job {
+      int64_t t, c, i0, i1, lo, w;
+    };
+    std::vector<Job> jobs;
     std::vector<Piece> pieces;
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t b = a / H, h = a % H;
@@ -509,6 +525,104 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
         const float* la = lse.data_ptr<float>() + a * Lq + r0;
         float* dqa = dq.data_ptr<float>() + (a * Lq + r0) * D;
         std::fill(dqa, dqa + n * D, 0.0f);
+        if (low) {
+          jobs.clear();  // the block's pieces, found once
+          for (int64_t t = P.first[blk]; t < P.first[blk + 1]; ++t) {
+            const int64_t c = P.j1[t] - P.j0[t];
+            if (c == 0) continue;
+            pieces_of(P.allowed[t], b, h, n, c, pieces);
+            for (const Piece& pc : pieces) jobs.push_back({t, c, pc.i0, pc.i1, pc.lo, pc.hi - pc.lo});
+          }
+          const float* dl = has_dlse ? dlse->data_ptr<float>() + a * Lq + r0 : nullptr;
+          float* rs = rowsum.data_ptr<float>() + a * Lq + r0;
+          for (int64_t r = 0; r < n; r += SUB) {
+            const int64_t r1 = std::min(r + SUB, n);
+            for (int64_t i = r; i < r1; ++i) delta[i] = dl != nullptr ? -dl[i] : 0.0f;
+            for (int pass = 0; pass < 2; ++pass) {
+              int64_t base = 0;  // where a piece's rows x columns sit in the chunk buffers, rows w apart
+              for (const Job& job : jobs) {
+                const int64_t i0 = std::max(job.i0, r), i1 = std::min(job.i1, r1), w = job.w;
+                if (i0 >= i1) continue;
+                const int64_t rows_ = i1 - i0, k0 = P.j0[job.t] + job.lo, lo = job.lo;
+                const Part<bool>& al = P.allowed[job.t];
+                const Part<float>& bi = P.bias[job.t];
+                float* pp = cp.data() + base;  // (rows, w): the weights, then ds
+                float* dpp = cdp.data() + base;  // (rows, w): dp
+                float* gp = cap > 0 ? cg.data() + base : nullptr;
+                uint8_t* hp = guard ? ch.data() + base : nullptr;
+                base += rows_ * w;
+                if (pass == 0) {  // the weights and dp, and each row's delta
+                  attnkit::bf16::mm(rows_, w, De / 2, 1.0f, qb.data() + (r0 + i0) * De, De, kp.data() + k0 * 2, Lk,
+                                    false, pp, w);  // (rows, w) q k^T
+                  for (int64_t i = i0; i < i1; ++i) {
+                    float* row = pp + (i - i0) * w;
+                    modify(row, gp != nullptr ? gp + (i - i0) * w : nullptr, w, scale, cap, dist.row(b, h, r0 + i, k0),
+                           al.data ? al.at(b, h, i) + lo * al.sj : nullptr, al.sj,
+                           bi.data ? bi.at(b, h, i) + lo * bi.sj : nullptr, bi.sj);
+                    const float shift = la[i];
+                    if (hp != nullptr) {
+                      for (int64_t j = 0; j < w; ++j) hp[(i - i0) * w + j] = row[j] == -INF;
+                    }
+#pragma omp simd
+                    for (int64_t j = 0; j < w; ++j) row[j] = row[j] == -INF ? 0.0f : fast_exp(row[j] - shift);
+                  }
+                  attnkit::bf16::mm(rows_, w, Dve / 2, 1.0f, ob.data() + (r0 + i0) * Dve, Dve, vp.data() + k0 * 2, Lk,
+                                    false, dpp, w);  // (rows, w) dout v^T
+                  for (int64_t i = i0; i < i1; ++i) {  // (a hidden pair weighs 0, whatever dp holds there: inf, NaN)
+                    const float* pr = pp + (i - i0) * w;
+                    const float* dr = dpp + (i - i0) * w;
+                    float e = 0.0f;
+                    for (int64_t j = 0; j < w; ++j) e += pr[j] != 0.0f ? pr[j] * dr[j] : 0.0f;
+                    delta[i] += e;
+                  }
+                  continue;
+                }
+                const int64_t re = attnkit::bf16::even(rows_);
+                attnkit::bf16::pack_rows(pp, rows_, w, w, pb.data());  // (re / 2, w, 2) p
+                attnkit::bf16::mm(Dv, w, re / 2, 1.0f, ot.data() + i0, ne, pb.data(), w, true, dvt.data() + k0,
+                                  Lk);  // (Dv, w) += dout^T p
+                for (int64_t i = i0; i < i1; ++i) {
+                  float* pr = pp + (i - i0) * w;
+                  const float* dr = dpp + (i - i0) * w;
+                  const float e = delta[i];
+                  if (gp != nullptr) {
+                    const float* gr = gp + (i - i0) * w;
+#pragma omp simd
+                    for (int64_t j = 0; j < w; ++j) pr[j] = pr[j] * (dr[j] - e) * gr[j];
+                  } else {
+#pragma omp simd
+                    for (int64_t j = 0; j < w; ++j) pr[j] = pr[j] * (dr[j] - e);
+                  }
+                  if (hp != nullptr) {
+                    for (int64_t j = 0; j < w; ++j) pr[j] = hp[(i - i0) * w + j] ? 0.0f : pr[j];
+                  } else if (al.data != nullptr) {
+                    const bool* ar = al.at(b, h, i) + lo * al.sj;
+                    for (int64_t j = 0; j < w; ++j) pr[j] = ar[j * al.sj] ? pr[j] : 0.0f;
+                  }
+                  if (dist.data != nullptr) {
+                    double* du = drel.data_ptr<double>() + a * dist.R + (r0 + i) - k0 - dist.d0;
+#pragma omp simd
+                    for (int64_t j = 0; j < w; ++j) du[-j] += pr[j];
+                  }
+                }
+                float* dqp = dqa + i0 * D;
+                if (hp != nullptr) {  // (rows, D) += ds k over the pairs seen
+                  product_of_seen(pp, rows_, w, w, hp, ka + k0 * D, D, scale, dqp);
+                } else {  // (rows, D) += ds k, the pairs of keys from the even key at or before k0
+                  const int64_t lead = k0 & 1, wa = attnkit::bf16::even(lead + w);
+                  attnkit::bf16::rows(pp, rows_, w, w, lead, pb.data(), wa);  // (rows, wa)
+                  attnkit::bf16::mm(rows_, D, wa / 2, scale, pb.data(), wa, kr.data() + (k0 - lead) / 2 * D * 2, D,
+                                    true, dqp, D);
+                }
+                attnkit::bf16::pack_rows(pp, rows_, w, w, pb.data());  // (re / 2, w, 2) ds
+                attnkit::bf16::mm(D, w, re / 2, scale, qt.data() + i0, ne, pb.data(), w, true, dkt.data() + k0,
+                                  Lk);  // (D, w) += q^T ds
+              }
+            }
+            for (int64_t i = r; i < r1; ++i) rs[i] = delta[i];
+          }
+          continue;
+        }
         for (int64_t i = 0; i < n; ++i) {  // sum_j p_ij dp_ij = dout_i . out_i, the softmax Jacobian's row term
           float e = 0.0f;
 #pragma omp simd reduction(+ : e)
@@ -521,12 +635,7 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
           const int64_t rows_ = i1 - i0;
           float* pp = p.data() + i0 * c + lo;
           float* dpp = dp.data() + i0 * c + lo;
-          if (low) {  // (rows, w) q k^T (i0 is even: a piece starts at a multiple of SUB)
-            attnkit::bf16::mm(rows_, w, De / 2, 1.0f, qb.data() + (r0 + i0) * De, De, kp.data() + k0 * 2, Lk, false,
-                              pp, c);
-          } else {
-            mm(false, true, rows_, w, D, 1.0f, qa + i0 * D, D, ka + k0 * D, D, 0.0f, pp, c);  // (rows, w) q k^T
-          }
+          mm(false, true, rows_, w, D, 1.0f, qa + i0 * D, D, ka + k0 * D, D, 0.0f, pp, c);  // (rows, w) q k^T
           for (int64_t i = i0; i < i1; ++i) {
             float* row = p.data() + i * c + lo;
             modify(row, cap > 0 ? g.data() + i * c + lo : nullptr, w, scale, cap, dist.row(b, h, r0 + i, k0),
@@ -544,17 +653,8 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
           const float* kt = ka + k0 * D;
           const float* vt = va + k0 * Dv;
           const float* op = oa + i0 * Dv;
-          const int64_t re = attnkit::bf16::even(rows_);  // (the pairs of rows of the products over them)
-          if (low) {
-            attnkit::bf16::pack_rows(pp, rows_, w, c, pb.data());  // (re / 2, w, 2) p
-            attnkit::bf16::mm(Dv, w, re / 2, 1.0f, ot.data() + i0, ne, pb.data(), w, true, dvt.data() + k0,
-                              Lk);  // (Dv, w) += dout^T p
-            attnkit::bf16::mm(rows_, w, Dve / 2, 1.0f, ob.data() + (r0 + i0) * Dve, Dve, vp.data() + k0 * 2, Lk,
-                              false, dpp, c);  // (rows, w) dout v^T
-          } else {
-            mm(true, false, w, Dv, rows_, 1.0f, pp, c, op, Dv, 1.0f, dva + k0 * Dv, Dv);  // (w, Dv) += p^T dout
-            mm(false, true, rows_, w, Dv, 1.0f, op, Dv, vt, Dv, 0.0f, dpp, c);  // (rows, w) dout v^T
-          }
+          mm(true, false, w, Dv, rows_, 1.0f, pp, c, op, Dv, 1.0f, dva + k0 * Dv, Dv);  // (w, Dv) += p^T dout
+          mm(false, true, rows_, w, Dv, 1.0f, op, Dv, vt, Dv, 0.0f, dpp, c);  // (rows, w) dout v^T
           for (int64_t i = i0; i < i1; ++i) {
             float* pr = p.data() + i * c + lo;
             const float* dr = dp.data() + i * c + lo;
@@ -583,21 +683,10 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
           float* dqp = dqa + i0 * D;
           if (guard) {  // (dp is not finite where a hidden value is not: ds is 0 there, and k's hidden keys skipped)
             product_of_seen(pp, rows_, w, c, hidden.data() + i0 * c + lo, kt, D, scale, dqp);  // (rows, D) += ds k
-          } else if (low) {  // (rows, D) += ds k, the pairs of keys from the even key at or before k0
-            const int64_t lead = k0 & 1, wa = attnkit::bf16::even(lead + w);
-            attnkit::bf16::rows(pp, rows_, w, c, lead, pb.data(), wa);  // (rows, wa)
-            attnkit::bf16::mm(rows_, D, wa / 2, scale, pb.data(), wa, kr.data() + (k0 - lead) / 2 * D * 2, D, true,
-                              dqp, D);
           } else {
             mm(false, false, rows_, D, w, scale, pp, c, kt, D, 1.0f, dqp, D);  // (rows, D) += ds k
           }
-          if (low) {
-            attnkit::bf16::pack_rows(pp, rows_, w, c, pb.data());  // (re / 2, w, 2) ds
-            attnkit::bf16::mm(D, w, re / 2, scale, qt.data() + i0, ne, pb.data(), w, true, dkt.data() + k0,
-                              Lk);  // (D, w) += q^T ds
-          } else {
-            mm(true, false, w, D, rows_, scale, pp, c, qa + i0 * D, D, 1.0f, dka + k0 * D, D);  // (w, D) += ds^T q
-          }
+          mm(true, false, w, D, rows_, scale, pp, c, qa + i0 * D, D, 1.0f, dka + k0 * D, D);  // (w, D) += ds^T q
         });
       }
       if (low) {  // dk += dk^T's transpose, dv += dv^T's
@@ -619,12 +708,12 @@ TORCH_LIBRARY(attnkit_flash, m) {
   m.def("bf16_products() -> bool", bf16_products);
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor starts, Tensor spans, Tensor?[] allowed, "
-      "Tensor?[] bias, Tensor? sink, Tensor? rel, int d0, float scale, float cap, bool guard, int low, "
+      "Tensor?[] bias, Tensor? sink, Tensor? rel, int d0, float scale, float cap, bool guard, bool low, "
       "Tensor(a!) out, Tensor(b!) lse) -> ()");
   m.def(
       "backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, Tensor rows, Tensor starts, "
       "Tensor spans, Tensor?[] allowed, Tensor?[] bias, Tensor? rel, int d0, float scale, float cap, bool guard, "
-      "bool low, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor(d!) drel) -> ()");
+      "bool low, Tensor? dlse, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor(d!) drel, Tensor(e!) rowsum) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attnkit_flash, CPU, m) {

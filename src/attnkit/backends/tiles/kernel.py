@@ -218,15 +218,9 @@ class _Flash(torch.autograd.Function):
         # every row is in a block of the plan, which writes it (a call has at least one key: checked when it is made)
         out, lse = q.new_empty((B, H, Lq, v.shape[-1])), q.new_empty((B, H, Lq))  # (B, H, Lq, Dv), (B, H, Lq)
         rel = None if rel is None else rel.detach().contiguous()  # (B|1, H|1, R)
-        # the kernel's products: float32 (0), bfloat16 (1), bfloat16 with the weights of p v in two parts before a
-        # backward (2: its softmax gradient then sums to 0 in each row, as in float32; flash.cpp). Without autograd
-        # the weights are rounded once (0.64-0.78x float32's forward time against 0.83-0.93x with two parts): an
-        # output may then differ from the same call's with autograd by bfloat16's rounding, within the same bound
-        # (as inference and training kernels differ elsewhere)
-        mode = 0 if not low else 2 if any(ctx.needs_input_grad) else 1
         first: _Group | None = None  # the first group, while it is the only one (a later one drops it)
         for count, group in enumerate(_groups(mask)):
-            torch.ops.attnkit_flash.forward(q, k, v, *group.plan(), sink, rel, d0, scale, cap, guard, mode, out, lse)
+            torch.ops.attnkit_flash.forward(q, k, v, *group.plan(), sink, rel, d0, scale, cap, guard, low, out, lse)
             first = group if count == 0 else None
         ctx.save_for_backward(q, k, v, sinks, rel, out, lse)
         ctx.mask, ctx.cap, ctx.d0, ctx.scale, ctx.watched, ctx.guard, ctx.low = (
@@ -253,11 +247,17 @@ class _Flash(torch.autograd.Function):
         mask: Mask = ctx.mask
         dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)  # (B, H, Lq, Dv)
         Dv = v.shape[-1]
-        if dlse is not None:
+        B, H = q.shape[:2]
+        live = lse > -math.inf  # (B, H, Lq): a row with no key has no weight to pass dlse to
+        # bfloat16's products: the kernel sums each row's delta from the weights it recomputes, -dlse to start with
+        # (flash.cpp), and gives the deltas back for the sinks' gradient
+        low = ctx.low and bf16_products()
+        dl = None if dlse is None or not low else torch.where(live, dlse.float(), 0.0).contiguous()  # (B, H, Lq)
+        rowsum = q.new_zeros((B, H, q.shape[2]) if low else (0, 0, 0))  # (B, H, Lq)
+        if dlse is not None and not low:
             # d lse_i / d s_ij = p_ij: the softmax's backward ds = p (dp - delta) with delta - dlse in place of delta,
             # which the kernel, taking delta = dout . out, gets from a column of ones in out beside -dlse in dout
             # (and a column of zeros in v, so that dp is unchanged)
-            live = lse > -math.inf  # (B, H, Lq): a row with no key has no weight to pass it to
             g = torch.where(live, dlse.to(out.dtype), 0.0)[..., None]  # (B, H, Lq, 1)
             out = torch.cat([out, torch.ones_like(g)], dim=-1)  # (B, H, Lq, Dv + 1)
             dout = torch.cat([dout, -g], dim=-1)  # (B, H, Lq, Dv + 1)
@@ -265,15 +265,15 @@ class _Flash(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.empty_like(q)  # (B, H, Lq, D): every row written, as out's
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # added to by every block
-        B, H = q.shape[:2]
         drel = q.new_zeros((B, H, 0 if rel is None else rel.shape[-1]), dtype=torch.float64)  # (B, H, R)
-        args = (rel, ctx.d0, ctx.scale, ctx.cap, ctx.guard, ctx.low, dq, dk, dv, drel)
+        args = (rel, ctx.d0, ctx.scale, ctx.cap, ctx.guard, low, dl, dq, dk, dv, drel, rowsum)
         for group in ctx.groups or _groups(mask):  # dq (B, H, Lq, D) written; dk, dv, drel added to
             torch.ops.attnkit_flash.backward(q, k, v, out, dout, lse, *group.plan(), *args)
         dsinks = None
         dv = dv[..., :Dv]  # (B, H, Lk, Dv): the column of zeros' gradient dropped
         if sinks is not None and ctx.needs_input_grad[3]:
-            delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij (- dlse), the softmax Jacobian's row term
+            # (B, H, Lq): sum_j p_ij dp_ij (- dlse), the softmax Jacobian's row term
+            delta = rowsum if low else (dout * out).sum(dim=-1)
             dsinks = sinks_grad(sinks, mask, lse, delta)
         drel_ = None
         if rel is not None and ctx.needs_input_grad[4]:
