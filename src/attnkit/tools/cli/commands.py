@@ -8,6 +8,7 @@ import platform
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import suppress
+from pathlib import Path
 
 import torch
 
@@ -211,12 +212,20 @@ def cmd_view(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     require("demo", "numpy", "matplotlib")  # before training, not when the pictures are drawn
     from attnkit.tools import demo
+    from attnkit.tools.demo import smollm2
 
+    if args.smollm2 and not smollm2.installed():
+        from attnkit.integrations.smollm2 import INSTALL
+
+        raise UsageError(f"--smollm2: SmolLM2 is not installed here: {INSTALL}")
     out_dir = output_folder(args.out, "--out")
-    for name in demo.PICTURES:  # before training: a name taken by a folder would only fail at the end
+    for name in smollm2.PICTURES if args.smollm2 else demo.PICTURES:  # a name taken by a folder would fail at the end
         taken = out_dir / name
         if taken_by_other_than_a_file(taken):
             raise UsageError(f"--out {out_dir}: {str(taken)!r} exists and is not a file; the demo writes {name} there")
+    if args.smollm2:
+        _demo_smollm2(out_dir)
+        return
     demo.replay_book_examples(print)
     results = {}
     for kind in demo.KINDS:
@@ -229,6 +238,28 @@ def cmd_demo(args: argparse.Namespace) -> None:
     try:
         with filling(out_dir) as staging:
             names = [path.name for path in demo.draw(results, staging)]
+    except OSError as e:  # the disk filled up, the folder went away: filling left nothing new behind
+        raise UsageError(f"--out {out_dir}: cannot write the pictures ({e.strerror or one_line(e)})") from None
+    print("\nPictures:")
+    for name in names:
+        print(f"  {out_dir / name}")
+    if smollm2.installed():
+        print("\nSmolLM2-135M-Instruct is installed: `attnkit demo --smollm2` draws what a pretrained model attends to")
+
+
+def _demo_smollm2(out_dir: Path) -> None:
+    from attnkit.integrations import smollm2 as model_files
+    from attnkit.tools.demo import smollm2
+
+    print("Loading SmolLM2-135M-Instruct (converted once from the installed GGUF file) ...")
+    model, tokenizer = model_files.load()
+    print(f"Reading {smollm2.TEXT!r}, then a needle in {smollm2.NEEDLE_TOKENS} tokens ...")
+    seen = smollm2.read(model, tokenizer)
+    for line in smollm2.describe(seen):
+        print(f"  {line}")
+    try:
+        with filling(out_dir) as staging:
+            names = [path.name for path in smollm2.draw(seen, staging)]
     except OSError as e:  # the disk filled up, the folder went away: filling left nothing new behind
         raise UsageError(f"--out {out_dir}: cannot write the pictures ({e.strerror or one_line(e)})") from None
     print("\nPictures:")

@@ -149,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"{TORCH_SEEDS[0]} to {TORCH_SEEDS[1]}, as torch.manual_seed",
     )
     d.add_argument("--quick", action="store_true", help="a smaller version, for tests")
+    d.add_argument(
+        "--smollm2",
+        action="store_true",
+        help="instead: what SmolLM2-135M-Instruct, a pretrained model installed offline, attends to (no training)",
+    )
     b = commands.add_parser("bench", help="attnkit against torch.nn.MultiheadAttention and the book, one table")
     b.add_argument("--quick", action="store_true", help="a reduced grid (under a minute)")
     b.add_argument("--json", metavar="FILE", help="save the results (a .json file)")
