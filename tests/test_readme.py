@@ -64,9 +64,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# Sections whose block runs as a world of 1 in make test-all only: importing DeepSpeed into this process takes
-# about 30 s, and make test runs the block as written under torchrun on its 2 processes (below).
-SLOW_SECTIONS = {"With DeepSpeed Ulysses"}
+# Sections whose block runs in make test-all only. DeepSpeed's: importing DeepSpeed into this process takes about
+# 30 s, and make test runs the block as written under torchrun on its 2 processes (below). The interpretability
+# guide's walkthrough at 8,192 tokens: 1-3 minutes a block (a forward at that length is 40 s or more here); make
+# test runs the same calls at 228 tokens (its block before) and checks each against eager (test_relevance*.py,
+# test_ablation.py, test_transformers.py).
+SLOW_SECTIONS = {
+    "With DeepSpeed Ulysses",
+    "A walkthrough at 8,192 tokens",
+    "Which heads are sinks",
+    "What the answer attends to",
+    "Rollout from the answer",
+    "Which heads the answer needs",
+}
 
 
 @pytest.mark.parametrize(

@@ -686,3 +686,16 @@ def test_a_statistics_page_shows_a_rollout_and_a_head_sweep_when_given(browser, 
         assert [float(c) for c in cells] == pytest.approx(sweep.change.flatten().tolist(), rel=5e-3, abs=1e-3)
     with pytest.raises(ValueError, match="not of weights"):
         view(torch.softmax(torch.randn(2, 3, 3), -1), rollout=found)
+
+
+def test_smollm2s_demo_page_in_the_docs_opens_offline_on_its_induction_head(browser):
+    """docs/demo/smollm2-attention.html, as `attnkit demo --smollm2` wrote it (the guide's pictures): 30 layers of 9
+    heads, the sentence and its 10 generated tokens on the slider, lines drawn for layer 17's head 5 alone."""
+    page_file = Path(__file__).resolve().parents[1] / "docs" / "demo" / "smollm2-attention.html"
+    off = ",".join(str(h) for h in range(9) if h != 5)
+    with opened(browser, page_file, f"#layer=17&lines=heads&off={off}") as o:
+        page = o.page
+        assert page.locator("#layer option").count() == 30 and page.get_attribute("#step", "max") == "9"
+        assert o.tokens("k")[:3] == ["The", " cat", " sat"]  # as the tokenizer decodes them
+        lines = matplotlib.image.imread(io.BytesIO(page.locator("#hv-lines").screenshot()))[..., :3]
+        assert (lines.min(-1) < 0.9).mean() > 0.01  # head 5's lines are drawn
