@@ -25,17 +25,19 @@ CHROMIUM = "/usr/bin/chromium"
 WIDTH, HEIGHT = 1280, 900
 
 
-def shots(found: smollm2.Found) -> list[tuple[str, str, str, str]]:
-    """(page, file name, address (#...) of the view, what it shows) for each screenshot."""
+def shots(found: smollm2.Found, heads: int) -> list[tuple[str, str, str, str]]:
+    """(page, file name, address (#...) of the view, what it shows) for each screenshot, of a model of ``heads``
+    heads a layer."""
+    kind = "the induction head" if found.induction is not None else "the previous-token head"
     layer, head, _ = found.induction or found.previous
-    others = ",".join(str(h) for h in range(9) if h != head)
+    others = ",".join(str(h) for h in range(heads) if h != head)
     p_layer, p_head, _ = found.previous
     return [
         (
             "smollm2-attention.html",
             "viewer-heads.png",
             f"#layer={layer}&lines=heads&off={others}",
-            f"the head view of layer {layer}, its head {head} alone: the induction head",
+            f"the head view of layer {layer}, its head {head} alone: {kind}",
         ),
         (
             "smollm2-attention.html",
@@ -43,11 +45,11 @@ def shots(found: smollm2.Found) -> list[tuple[str, str, str, str]]:
             f"#view=matrix&layer={p_layer}&head={p_head}",
             f"the matrix view of layer {p_layer}, head {p_head}: the previous-token head",
         ),
-        ("smollm2-attention.html", "viewer-model.png", "#view=model", "the model view: 30 layers x 9 heads"),
+        ("smollm2-attention.html", "viewer-model.png", "#view=model", "the model view: every layer x head"),
         (
             "smollm2-attention.html",
             "viewer-decode.png",
-            "#view=model&step={last}",
+            f"#view=model&step={smollm2.STEPS}",
             "the model view at the last decoding step: the steps stacked",
         ),
         ("smollm2-stats.html", "viewer-stats.png", "", "the statistics page of the needle, with the rollout"),
@@ -84,14 +86,10 @@ def main(argv: list[str] | None = None) -> None:
             page.on("request", lambda r: requests.append(r.url))
             page.on("console", lambda m: errors.append(m.text) if m.type in ("error", "warning") else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
-            for html, name, fragment, caption in shots(seen["found"]):
-                url = (Path(tmp) / html).resolve().as_uri()
+            heads = seen["record"][seen["names"][0]][0].shape[1]
+            for html, name, fragment, caption in shots(seen["found"], heads):
                 page.goto("about:blank")  # a new address with only its fragment changed would not reload the page
-                page.goto(url)
-                page.wait_for_selector("html[data-ready]", state="attached")
-                last = int(page.get_attribute("#step", "max") or 0) if html == smollm2.PICTURES[0] else 0
-                page.goto("about:blank")
-                page.goto(url + fragment.format(last=last))
+                page.goto((Path(tmp) / html).resolve().as_uri() + fragment)
                 page.wait_for_selector("html[data-ready]", state="attached")
                 shoot(page, args.out / name)
                 print(f"{args.out / name}: {caption}")

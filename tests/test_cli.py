@@ -687,3 +687,33 @@ def test_demo_smollm2_that_fails_drawing_leaves_no_folder_behind(capsys, tmp_pat
     code, _, err = main(capsys, "demo", "--smollm2", "--out", tmp_path / "new" / "pictures")
     assert_one_line(code, err, "cannot write the pictures", "No space left on device")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"), [(["--seed", "3"], "--seed"), (["--quick"], "--quick"), (["--quick", "--seed", "0"], "--seed")]
+)
+def test_demo_smollm2_refuses_the_training_options(capsys, no_work, tmp_path, extra, named):
+    code, _, err = main(capsys, "demo", "--smollm2", *extra, "--out", tmp_path / "pictures")
+    assert_one_line(code, err, "--smollm2 trains nothing", named)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("error", "fragments"),
+    [
+        (ModuleNotFoundError("SmolLM2 needs accelerate: pip install ..."), ("--smollm2", "accelerate")),
+        (PermissionError(13, "Permission denied"), ("cannot convert the model into", "Permission denied")),
+    ],
+)
+def test_demo_smollm2_that_cannot_load_the_model_is_one_line(capsys, tmp_path, monkeypatch, error, fragments):
+    from attnkit.integrations import smollm2 as model_files
+    from attnkit.tools.demo import smollm2
+
+    def failing(**kwargs):
+        raise error
+
+    monkeypatch.setattr(smollm2, "installed", lambda: True)
+    monkeypatch.setattr(model_files, "load", failing)
+    code, _, err = main(capsys, "demo", "--smollm2", "--out", tmp_path / "pictures")
+    assert_one_line(code, err, *fragments)
+    assert list(tmp_path.iterdir()) == []

@@ -11,9 +11,9 @@ from attnkit.tools import cli
 from attnkit.tools.demo import smollm2
 
 
-def _built(L: int, ids: list[int]) -> list[torch.Tensor]:
-    """Two layers of 3 heads: (0, 1) looks at the previous token, (1, 0) at the first, (1, 2) at the token after the
-    query's token's earlier occurrence (else the first); every other head spreads evenly."""
+def _built(L: int, induction_pairs: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Two layers of 3 heads: (0, 1) looks at the previous token, (1, 0) at the first, (1, 2) at the keys given for
+    each query in ``induction_pairs`` (evenly), the first token otherwise; every other head spreads evenly."""
     causal = torch.tril(torch.ones(L, L, dtype=torch.float64))
     even = causal / causal.sum(-1, keepdim=True)  # (L, L)
     layers = [even.repeat(3, 1, 1).clone() for _ in range(2)]  # (3, L, L) each
@@ -23,32 +23,48 @@ def _built(L: int, ids: list[int]) -> list[torch.Tensor]:
     layers[1][0][:, 0] = 1.0
     induction = torch.zeros(L, L, dtype=torch.float64)
     induction[:, 0] = 1.0
-    earlier: dict[int, int] = {}
-    for i, token in enumerate(ids):
-        if token in earlier and earlier[token] + 1 < i:
-            induction[i] = 0.0
-            induction[i, earlier[token] + 1] = 1.0
-        earlier[token] = i
+    for i in {i for i, _ in induction_pairs}:
+        keys = [k for q, k in induction_pairs if q == i]
+        induction[i] = 0.0
+        induction[i, keys] = 1.0 / len(keys)
     layers[1][2] = induction
     return layers
 
 
 def test_find_heads_names_the_heads_built_to_be_each_kind():
-    ids = [5, 6, 7, 8, 5, 6, 7, 8]
-    found = smollm2.find_heads(_built(len(ids), ids), ids)
+    ids = [5, 6, 7, 8, 5, 6, 7, 8, 5]
+    # written out: each query whose token came before (not just before), and the keys that followed it those times
+    pairs = [(4, 1), (5, 2), (6, 3), (7, 4), (8, 1), (8, 5)]
+    found = smollm2.find_heads(_built(len(ids), pairs), ids)
     assert found.heads == 6
     assert found.sink[:2] == (1, 0) and found.sink[2] == pytest.approx(1.0)
     assert (1, 0) in found.sinks and (1, 2) not in found.sinks  # the induction head's repeats are off the first
     assert found.previous[:2] == (0, 1) and found.previous[2] == pytest.approx(1.0)
     assert found.induction is not None and found.induction[:2] == (1, 2)
     assert found.induction[2] == pytest.approx(1.0)
+    # query 8's weight on one of its two earlier successors counts whole; on the first token instead, nothing
+    found = smollm2.find_heads(_built(len(ids), pairs[:-1]), ids)
+    assert found.induction is not None and found.induction[2] == pytest.approx(1.0)
+    found = smollm2.find_heads(_built(len(ids), pairs[:4]), ids)
+    assert found.induction is not None and found.induction[2] == pytest.approx(4 / 5)
 
 
-def test_find_heads_without_a_repeat_names_no_induction_head_and_refuses_one_token():
-    ids = [1, 2, 3, 4]
-    assert smollm2.find_heads(_built(4, ids), ids).induction is None
+def test_a_previous_token_head_is_no_induction_head_and_without_repeats_there_is_none():
+    ids = [7, 8, 7, 9]  # query 2's token came before at 0, whose next token is query 2's previous one: left out
+    found = smollm2.find_heads(_built(4, []), ids)
+    assert found.induction is None and found.previous[:2] == (0, 1)
+    assert smollm2.find_heads(_built(4, []), [1, 2, 3, 4]).induction is None
+
+
+def test_find_heads_refuses_what_is_not_a_layer_of_weights_over_the_ids():
     with pytest.raises(ValueError, match="ids: 1 token"):
         smollm2.find_heads([torch.ones(1, 1, 1)], [3])
+    with pytest.raises(ValueError, match="weights: no layer"):
+        smollm2.find_heads([], [1, 2])
+    with pytest.raises(ValueError, match=r"weights\[0\]: \(1, 3, 4, 4\), expected \(H, 4, 4\)"):
+        smollm2.find_heads([torch.ones(1, 3, 4, 4)], [1, 2, 3, 4])  # a record's (1, H, L, L), not (H, L, L)
+    with pytest.raises(ValueError, match=r"weights\[1\]: \(3, 5, 5\), expected \(H, 4, 4\) for 4 ids"):
+        smollm2.find_heads([torch.ones(3, 4, 4), torch.ones(3, 5, 5)], [1, 2, 3, 4])
 
 
 @pytest.fixture(scope="module")

@@ -396,8 +396,11 @@ def test_each_panel_takes_its_own_title_and_wrong_titles_are_named():
     fig = plot.plot_attention(w, heads=[2, 0], head_titles=["sink: layer 2", "previous token: layer 0"])
     titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
     assert titles == ["sink: layer 2", "previous token: layer 0"]
-    one = plot.plot_attention(w[0], head_titles=["the only head"])  # (Lq, Lk): its one panel named too
+    one = plot.plot_attention(w[0], title="the figure", head_titles=["the only head"])  # (Lq, Lk): named too
     assert [ax.get_title() for ax in one.axes if ax.get_title()] == ["the only head"]
+    assert one._suptitle is not None and one._suptitle.get_text() == "the figure"  # the figure keeps its title
+    for figure in (fig, one):
+        plot._pyplot().close(figure)
     with pytest.raises(ValueError, match="head_titles has 1 titles for 2 panels"):
         plot.plot_attention(w, heads=[2, 0], head_titles=["one"])
     with pytest.raises(TypeError, match="head_titles must be a sequence"):

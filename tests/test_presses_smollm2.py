@@ -18,7 +18,7 @@ from attnkit.integrations import smollm2  # noqa: E402
 
 try:
     smollm2.gguf_path()
-    smollm2._check_packages()
+    smollm2.check_installed()
 except ModuleNotFoundError as err:
     if os.environ.get("CI"):  # CI runs make test, whose make venv installs the model: missing there is a failure
         raise
@@ -161,5 +161,22 @@ def test_the_needle_prompt_refuses_a_depth_outside_0_to_1_and_a_length_too_short
     for depth in (-0.1, 1.5):
         with pytest.raises(ValueError, match="depth="):
             smollm2.needle(tokenizer, 1024, depth)
-    with pytest.raises(ValueError, match="length=10"):
+    with pytest.raises(ValueError, match=r"length=10: .* at least \d+"):
         smollm2.needle(tokenizer, 10)
+
+
+@pytest.mark.parametrize(
+    ("length", "depth", "value", "n", "digest"),
+    [(1024, 0.5, "4817263", 1061, "6e1cff7b536b63f0"), (2048, 0.1, "1234567", 2086, "16de04dfe71ef03f")],
+)
+def test_the_needle_prompt_is_the_one_the_presses_benchmark_measured(length, depth, value, n, digest):
+    """The prompt of benchmarks/presses.py's measurements, pinned: its needle_prompt moved into the library (and
+    searches its sentences by halves instead of one by one), and gave these ids before the move (the same as the new
+    code's for every length from 48 to 1,100 tokens and depth from 0 to 1 tried then)."""
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2.converted(quiet=True))
+    ids = smollm2.needle(tokenizer, length, depth, value).ids[0].tolist()
+    assert len(ids) == n and hashlib.sha256(str(ids).encode()).hexdigest()[:16] == digest

@@ -23,6 +23,7 @@ import torch
 
 import attnkit
 from attnkit.tools import demo
+from attnkit.tools.demo import smollm2
 from attnkit.tools.plot import view
 from attnkit.tools.viewer import _data
 
@@ -695,7 +696,7 @@ def test_smollm2s_demo_page_in_the_docs_opens_offline_on_its_induction_head(brow
     off = ",".join(str(h) for h in range(9) if h != 5)
     with opened(browser, page_file, f"#layer=17&lines=heads&off={off}") as o:
         page = o.page
-        assert page.locator("#layer option").count() == 30 and page.get_attribute("#step", "max") == "9"
+        assert page.locator("#layer option").count() == 30 and page.get_attribute("#step", "max") == str(smollm2.STEPS)
         assert o.tokens("k")[:3] == ["The", " cat", " sat"]  # as the tokenizer decodes them
         lines = matplotlib.image.imread(io.BytesIO(page.locator("#hv-lines").screenshot()))[..., :3]
         assert (lines.min(-1) < 0.9).mean() > 0.01  # head 5's lines are drawn

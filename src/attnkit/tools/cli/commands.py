@@ -214,52 +214,62 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from attnkit.tools import demo
     from attnkit.tools.demo import smollm2
 
-    if args.smollm2 and not smollm2.installed():
-        from attnkit.integrations.smollm2 import INSTALL
+    if args.smollm2:
+        given = [flag for flag, used in (("--seed", args.seed is not None), ("--quick", args.quick)) if used]
+        if given:
+            raise UsageError(f"--smollm2 trains nothing: {' and '.join(given)} do not apply to it")
+        if not smollm2.installed():
+            from attnkit.integrations.smollm2 import INSTALL
 
-        raise UsageError(f"--smollm2: SmolLM2 is not installed here: {INSTALL}")
+            raise UsageError(f"--smollm2: SmolLM2 is not installed here: {INSTALL}")
     out_dir = output_folder(args.out, "--out")
     for name in smollm2.PICTURES if args.smollm2 else demo.PICTURES:  # a name taken by a folder would fail at the end
         taken = out_dir / name
         if taken_by_other_than_a_file(taken):
             raise UsageError(f"--out {out_dir}: {str(taken)!r} exists and is not a file; the demo writes {name} there")
     if args.smollm2:
-        _demo_smollm2(out_dir)
+        seen = _read_smollm2()
+        _write_pictures(out_dir, lambda staging: smollm2.draw(seen, staging))
         return
     demo.replay_book_examples(print)
-    results = {}
+    results, seed = {}, 0 if args.seed is None else args.seed
     for kind in demo.KINDS:
         print(f"\nTraining the {kind} encoder-decoder to reverse digit sequences ...")
         with progress(kind) as on_progress:
-            results[kind] = demo.train(kind, seed=args.seed, quick=args.quick, on_progress=on_progress)
+            results[kind] = demo.train(kind, seed=seed, quick=args.quick, on_progress=on_progress)
         r = results[kind]
         summary = f"{r.accuracy:.1%} exact-sequence accuracy on held-out sequences, {r.steps} steps"
         print(f"{kind}: {summary}, {r.seconds:.1f} s")
-    try:
-        with filling(out_dir) as staging:
-            names = [path.name for path in demo.draw(results, staging)]
-    except OSError as e:  # the disk filled up, the folder went away: filling left nothing new behind
-        raise UsageError(f"--out {out_dir}: cannot write the pictures ({e.strerror or one_line(e)})") from None
-    print("\nPictures:")
-    for name in names:
-        print(f"  {out_dir / name}")
+    _write_pictures(out_dir, lambda staging: demo.draw(results, staging))
     if smollm2.installed():
         print("\nSmolLM2-135M-Instruct is installed: `attnkit demo --smollm2` draws what a pretrained model attends to")
 
 
-def _demo_smollm2(out_dir: Path) -> None:
+def _read_smollm2() -> dict:
+    """SmolLM2 loaded (converted the first time) and its reading of the demo's text and needle, said as it goes."""
     from attnkit.integrations import smollm2 as model_files
     from attnkit.tools.demo import smollm2
 
     print("Loading SmolLM2-135M-Instruct (converted once from the installed GGUF file) ...")
-    model, tokenizer = model_files.load()
+    try:
+        model, tokenizer = model_files.load()
+    except ModuleNotFoundError as e:  # what installed() found was removed meanwhile
+        raise UsageError(f"--smollm2: {one_line(e)}") from None
+    except OSError as e:  # the cache folder cannot be written (the first load converts into it)
+        folder = model_files.cache_folder()
+        raise UsageError(f"--smollm2: cannot convert the model into {folder} ({e.strerror or one_line(e)})") from None
     print(f"Reading {smollm2.TEXT!r}, then a needle in {smollm2.NEEDLE_TOKENS} tokens ...")
     seen = smollm2.read(model, tokenizer)
     for line in smollm2.describe(seen):
         print(f"  {line}")
+    return seen
+
+
+def _write_pictures(out_dir: Path, draw: Callable[[Path], list[Path]]) -> None:
+    """``draw(staging)`` into a staging folder renamed into ``out_dir`` (:func:`filling`), then the pictures listed."""
     try:
         with filling(out_dir) as staging:
-            names = [path.name for path in smollm2.draw(seen, staging)]
+            names = [path.name for path in draw(staging)]
     except OSError as e:  # the disk filled up, the folder went away: filling left nothing new behind
         raise UsageError(f"--out {out_dir}: cannot write the pictures ({e.strerror or one_line(e)})") from None
     print("\nPictures:")

@@ -145,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--seed",
         type=_whole(*TORCH_SEEDS),
-        default=0,
-        help=f"{TORCH_SEEDS[0]} to {TORCH_SEEDS[1]}, as torch.manual_seed",
+        default=None,
+        help=f"{TORCH_SEEDS[0]} to {TORCH_SEEDS[1]}, as torch.manual_seed (default 0)",
     )
     d.add_argument("--quick", action="store_true", help="a smaller version, for tests")
     d.add_argument(

