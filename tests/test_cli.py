@@ -662,12 +662,17 @@ def test_the_demo_offers_smollm2_only_where_it_is_installed(capsys, tmp_path, mo
     assert ("attnkit demo --smollm2" in stdout) == installed, stdout
 
 
-def test_demo_smollm2_where_it_is_not_installed_is_one_line(capsys, no_work, tmp_path, monkeypatch):
-    from attnkit.tools.demo import smollm2
+def test_demo_smollm2_where_it_is_not_installed_is_one_line_naming_what_is_missing(
+    capsys, no_work, tmp_path, monkeypatch
+):
+    from attnkit.integrations import smollm2 as model_files
 
-    monkeypatch.setattr(smollm2, "installed", lambda: False)
+    def missing():
+        raise ModuleNotFoundError(f"SmolLM2 needs accelerate: {model_files.INSTALL}")
+
+    monkeypatch.setattr(model_files, "check_installed", missing)
     code, _, err = main(capsys, "demo", "--smollm2", "--out", tmp_path / "pictures")
-    assert_one_line(code, err, "--smollm2", "pip install")
+    assert_one_line(code, err, "--smollm2", "needs accelerate", "pip install")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -679,7 +684,7 @@ def test_demo_smollm2_that_fails_drawing_leaves_no_folder_behind(capsys, tmp_pat
         (folder / smollm2.PICTURES[0]).write_text("<html>half")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(smollm2, "installed", lambda: True)
+    monkeypatch.setattr(model_files, "check_installed", lambda: None)
     monkeypatch.setattr(model_files, "load", lambda **kwargs: (None, None))
     monkeypatch.setattr(smollm2, "read", lambda model, tokenizer: {})
     monkeypatch.setattr(smollm2, "describe", lambda seen: ["found"])
@@ -702,17 +707,17 @@ def test_demo_smollm2_refuses_the_training_options(capsys, no_work, tmp_path, ex
     ("error", "fragments"),
     [
         (ModuleNotFoundError("SmolLM2 needs accelerate: pip install ..."), ("--smollm2", "accelerate")),
-        (PermissionError(13, "Permission denied"), ("cannot convert the model into", "Permission denied")),
+        (PermissionError(13, "Permission denied"), ("cannot convert or load the model in", "Permission denied")),
+        (RuntimeError("Error while deserializing header: incomplete metadata"), ("remove a broken conversion",)),
     ],
 )
 def test_demo_smollm2_that_cannot_load_the_model_is_one_line(capsys, tmp_path, monkeypatch, error, fragments):
     from attnkit.integrations import smollm2 as model_files
-    from attnkit.tools.demo import smollm2
 
     def failing(**kwargs):
         raise error
 
-    monkeypatch.setattr(smollm2, "installed", lambda: True)
+    monkeypatch.setattr(model_files, "check_installed", lambda: None)
     monkeypatch.setattr(model_files, "load", failing)
     code, _, err = main(capsys, "demo", "--smollm2", "--out", tmp_path / "pictures")
     assert_one_line(code, err, *fragments)

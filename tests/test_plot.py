@@ -403,5 +403,6 @@ def test_each_panel_takes_its_own_title_and_wrong_titles_are_named():
         plot._pyplot().close(figure)
     with pytest.raises(ValueError, match="head_titles has 1 titles for 2 panels"):
         plot.plot_attention(w, heads=[2, 0], head_titles=["one"])
-    with pytest.raises(TypeError, match="head_titles must be a sequence"):
-        plot.plot_attention(w, head_titles="abc")
+    for wrong in ("abc", [None, None, None], (["a"], "b", "c")):
+        with pytest.raises(TypeError, match="head_titles must be a list or tuple of strings"):
+            plot.plot_attention(w, head_titles=wrong)

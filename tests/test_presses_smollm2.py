@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,7 +138,7 @@ def test_scores_equal_eager_float64_on_smollm2(layers, length):
             assert out.past_key_values.layers[i].keys.shape == (1, HKV, length // 2, 64)
 
 
-@pytest.mark.parametrize(("length", "depth"), [(300, 0.0), (1024, 0.5), (2048, 0.9), (8150, 0.5)])
+@pytest.mark.parametrize(("length", "depth"), [(300, 0.0), (300, 1.0), (1024, 0.5), (2048, 0.9), (8150, 0.5)])
 def test_the_needle_prompt_holds_its_value_at_its_depth_in_about_its_length(length, depth):
     from transformers import AutoTokenizer
 
@@ -147,9 +148,12 @@ def test_the_needle_prompt_holds_its_value_at_its_depth_in_about_its_length(leng
     assert length - 16 <= n <= length, n  # the haystack's whole sentences, up to `length`
     assert needle.ids.shape == (1, n + needle.question.shape[1] + needle.rest.shape[1])
     text = tokenizer.decode(needle.context[0])
-    at = text.index("One of the special magic numbers for lively-harbor is: 1234567.")
+    sentence = "One of the special magic numbers for lively-harbor is: 1234567."
+    at = text.index(sentence)
     haystack = text.index("<|im_start|>user\n") + len("<|im_start|>user\n")
-    assert abs((at - haystack) / (len(text) - haystack) - depth) < 0.02, (at, haystack, len(text))
+    assert abs((at - haystack) / (len(text) - haystack - len(sentence)) - depth) < 0.02, (at, haystack, len(text))
+    if depth in (0.0, 1.0):  # the needle the first or last sentence, nothing stray around it
+        assert text[haystack:].startswith("One of") if depth == 0 else text.endswith("is: 1234567.")
     assert tokenizer.decode(needle.question[0]).strip().startswith("What is the special magic number")
     assert tokenizer.decode(needle.rest[0]).endswith("mentioned in the provided text is")
 
@@ -163,6 +167,12 @@ def test_the_needle_prompt_refuses_a_depth_outside_0_to_1_and_a_length_too_short
             smollm2.needle(tokenizer, 1024, depth)
     with pytest.raises(ValueError, match=r"length=10: .* at least \d+"):
         smollm2.needle(tokenizer, 10)
+    for wrong in ({"length": 300.0}, {"length": True}, {"length": 300, "depth": "0.5"}, {"length": 300, "value": 7}):
+        with pytest.raises(TypeError, match="length|depth|value"):
+            smollm2.needle(tokenizer, **wrong)
+    with pytest.raises(ValueError, match="value: empty"):
+        smollm2.needle(tokenizer, 300, value="")
+    assert torch.equal(smollm2.needle(tokenizer, np.int64(300)).ids, smollm2.needle(tokenizer, 300).ids)
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import numbers
+import operator
 import os
 import shutil
 import sys
@@ -191,7 +193,8 @@ def needle(tokenizer: Any, length: int, depth: float = 0.5, value: str = "481726
 
     Args:
         tokenizer: SmolLM2's (:func:`load`), with its chat template.
-        length: the context's tokens, at least what the template and the needle take (about 50).
+        length: the context's tokens, at least what the template and the needle take (about 50); SmolLM2 has
+            8,192 positions for the context, the question (about 20 tokens), the answer's start and the answer.
         depth: where the needle goes, a share of the haystack's sentences.
         value: what the needle holds and the answer should give (RULER's: 7 digits).
 
@@ -200,8 +203,14 @@ def needle(tokenizer: Any, length: int, depth: float = 0.5, value: str = "481726
             outside [0, 1], an empty ``value``.
         TypeError: ``length`` not a whole number, ``value`` not a string.
     """
-    if isinstance(length, bool) or not isinstance(length, int):
+    if isinstance(length, bool):
         raise TypeError(f"length must be a whole number of tokens, got {length!r}")
+    try:
+        length = operator.index(length)
+    except TypeError:
+        raise TypeError(f"length must be a whole number of tokens, got {length!r}") from None
+    if isinstance(depth, bool) or not isinstance(depth, numbers.Real):
+        raise TypeError(f"depth must be a number from 0 to 1, got {depth!r}")
     if not isinstance(value, str):
         raise TypeError(f"value must be a string (the needle's digits), got {type(value).__name__}")
     if not value:
@@ -233,7 +242,9 @@ def needle(tokenizer: Any, length: int, depth: float = 0.5, value: str = "481726
             lo = mid + 1
     words = noise[:lo]
     at = int(len(words) * depth)
-    haystack = ". ".join(words[:at]) + ". " + sentence + ". ".join(words[at:]) + "."
+    before = ". ".join(words[:at]) + ". " if at else ""  # (at depth 0 and 1 the needle is the first or last sentence)
+    after = ". ".join(words[at:]) + "." if at < len(words) else ""
+    haystack = (before + sentence + after).rstrip()
     context, asked, rest = (
         tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
         for text in (start + haystack, question, end + prefix)

@@ -213,9 +213,13 @@ def plot_attention(
     if not chosen:
         raise ValueError("heads: no head chosen")
     _check_panels(len(chosen), f"weights {w.shape}", "choose some with heads=, e.g. heads=range(8)")
-    if head_titles is not None and (isinstance(head_titles, (str, bytes)) or not isinstance(head_titles, Sequence)):
-        raise TypeError(f"head_titles must be a sequence of titles (a list or tuple), got {type(head_titles).__name__}")
-    names = [f"head {h}" for h in chosen] if head_titles is None else [str(t) for t in head_titles]
+    if head_titles is not None and (
+        isinstance(head_titles, (str, bytes))
+        or not isinstance(head_titles, Sequence)
+        or not all(isinstance(t, str) for t in head_titles)
+    ):
+        raise TypeError(f"head_titles must be a list or tuple of strings, got {head_titles!r}"[:300])
+    names = [f"head {h}" for h in chosen] if head_titles is None else list(head_titles)
     if len(names) != len(chosen):
         raise ValueError(f"head_titles has {len(names)} titles for {len(chosen)} panels")
     w = w[chosen]  # (n, Lq, Lk), n = len(chosen)

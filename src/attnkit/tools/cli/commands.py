@@ -217,11 +217,14 @@ def cmd_demo(args: argparse.Namespace) -> None:
     if args.smollm2:
         given = [flag for flag, used in (("--seed", args.seed is not None), ("--quick", args.quick)) if used]
         if given:
-            raise UsageError(f"--smollm2 trains nothing: {' and '.join(given)} do not apply to it")
-        if not smollm2.installed():
-            from attnkit.integrations.smollm2 import INSTALL
+            verb = "does" if len(given) == 1 else "do"
+            raise UsageError(f"--smollm2 trains nothing: {' and '.join(given)} {verb} not apply to it")
+        from attnkit.integrations.smollm2 import check_installed
 
-            raise UsageError(f"--smollm2: SmolLM2 is not installed here: {INSTALL}")
+        try:
+            check_installed()
+        except ModuleNotFoundError as e:  # what is missing, and how to install it
+            raise UsageError(f"--smollm2: {one_line(e)}") from None
     out_dir = output_folder(args.out, "--out")
     for name in smollm2.PICTURES if args.smollm2 else demo.PICTURES:  # a name taken by a folder would fail at the end
         taken = out_dir / name
@@ -253,12 +256,17 @@ def _read_smollm2() -> dict:
     print("Loading SmolLM2-135M-Instruct (converted once from the installed GGUF file) ...")
     try:
         model, tokenizer = model_files.load()
-    except ModuleNotFoundError as e:  # what installed() found was removed meanwhile
+    except ModuleNotFoundError as e:  # what check_installed() found was removed meanwhile
         raise UsageError(f"--smollm2: {one_line(e)}") from None
-    except OSError as e:  # the cache folder cannot be written (the first load converts into it)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # the cache cannot be written, or holds a broken conversion (a truncated file, ...)
         folder = model_files.cache_folder()
-        raise UsageError(f"--smollm2: cannot convert the model into {folder} ({e.strerror or one_line(e)})") from None
-    print(f"Reading {smollm2.TEXT!r}, then a needle in {smollm2.NEEDLE_TOKENS} tokens ...")
+        reason = getattr(e, "strerror", None) or one_line(e)
+        raise UsageError(
+            f"--smollm2: cannot convert or load the model in {folder} ({reason}); remove a broken conversion there"
+        ) from None
+    print(f"Reading {smollm2.TEXT!r}, then a needle question after {smollm2.NEEDLE_TOKENS} tokens of context ...")
     seen = smollm2.read(model, tokenizer)
     for line in smollm2.describe(seen):
         print(f"  {line}")
@@ -332,9 +340,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
         COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handlers, not at exit
     except UsageError as e:

@@ -136,6 +136,7 @@ def read(model: Any, tokenizer: Any) -> dict[str, Any]:
         "stats": stats,
         "rollout": flow,
         "needle": needle,
+        "needle_tokens": [tokenizer.decode(t) for t in needle.ids[0]],
     }
 
 
@@ -180,6 +181,7 @@ def draw(seen: dict[str, Any], out_dir: Path) -> list[Path]:
     )
     viewer.view(
         seen["stats"],
+        seen["needle_tokens"],
         rollout=seen["rollout"],
         title=f"SmolLM2-135M-Instruct: a needle in {seen['needle'].ids.shape[1]} tokens",
         path=paths[2],
