@@ -65,6 +65,9 @@ def test_find_heads_refuses_what_is_not_a_layer_of_weights_over_the_ids():
         smollm2.find_heads([torch.ones(1, 3, 4, 4)], [1, 2, 3, 4])  # a record's (1, H, L, L), not (H, L, L)
     with pytest.raises(ValueError, match=r"weights\[1\]: \(3, 5, 5\), expected \(H, 4, 4\) for 4 ids"):
         smollm2.find_heads([torch.ones(3, 4, 4), torch.ones(3, 5, 5)], [1, 2, 3, 4])
+    for wrong in (float("nan"), float("inf"), -0.5):
+        with pytest.raises(ValueError, match=r"weights\[0\]: attention weights are finite and at least 0"):
+            smollm2.find_heads([torch.full((2, 3, 3), wrong)], [1, 2, 1])
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,17 @@ def check_whole(name: str, value: object, *, minimum: int = 1) -> int:
     return number
 
 
+def indices(value: object) -> list[int] | None:
+    """``value`` as a list of whole numbers: one (an ``int``) or a sequence of them (``True`` is none); ``None``
+    when it is neither, for the caller to say so in its own words. An empty sequence gives ``[]``."""
+    items = [value] if isinstance(value, int) else value
+    if isinstance(value, bool) or not isinstance(items, Sequence) or isinstance(items, str):
+        return None
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+        return None
+    return list(items)
+
+
 def check_sizes(**sizes: object) -> None:
     """Each size given is a positive whole number (``None``: inferred at the first call)."""
     for name, value in sizes.items():

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from attnkit import _scoped_state
 from attnkit._validate import describe
+from attnkit._validate import indices as as_indices
 
 __all__ = ["HeadSweep", "ablate_heads", "ablated", "chooses", "head_sweep"]
 
@@ -217,20 +218,15 @@ def _chosen_heads(model: object, heads: object, what: str) -> list[tuple[nn.Modu
     if not heads:
         raise ValueError(f"{what}(heads=...) must name at least one module; the model's are: {_listed(found)}")
     chosen: dict[int, tuple[nn.Module, list[int]]] = {}
-    for pattern, indices in heads.items():
+    for pattern, given in heads.items():
         if not isinstance(pattern, str):
             raise TypeError(f"{what}(heads=...): a key is a module name, got {describe(pattern)}")
         matched = [(n, m) for n, m in found if fnmatch.fnmatchcase(n, pattern)]
         if not matched:
             raise ValueError(f"{what}(heads=...): {pattern!r} names no attention module; they are: {_listed(found)}")
-        items = [indices] if isinstance(indices, int) else indices
-        if (
-            isinstance(indices, bool)
-            or not isinstance(items, Sequence)
-            or isinstance(items, str)
-            or not all(isinstance(i, int) and not isinstance(i, bool) for i in items)
-        ):
-            raise TypeError(f"{what}(heads=...): {pattern!r} maps to a head index or a list of them, got {indices!r}")
+        items = as_indices(given)
+        if items is None:
+            raise TypeError(f"{what}(heads=...): {pattern!r} maps to a head index or a list of them, got {given!r}")
         if not items:
             raise ValueError(f"{what}(heads=...): {pattern!r} maps to no head")
         for name, module in matched:

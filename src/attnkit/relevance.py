@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit import recording, stats
-from attnkit._validate import describe
+from attnkit._validate import describe, indices
 from attnkit.stats.blocks import Parts, blocks
 
 __all__ = ["KEEP_BYTES", "Rollout", "rollout"]
@@ -166,14 +166,8 @@ def rollout(
         >>> found.relevance.shape  # doctest: +SKIP
         torch.Size([1, 1, 1024])
     """
-    chosen = [targets] if isinstance(targets, int) else targets
-    if (
-        isinstance(targets, bool)
-        or not isinstance(chosen, Sequence)
-        or isinstance(chosen, str)
-        or not chosen
-        or not all(isinstance(t, int) and not isinstance(t, bool) for t in chosen)
-    ):
+    chosen = indices(targets)
+    if not chosen:  # (None: not positions; []: none)
         raise TypeError(f"rollout(targets=...) takes a position or a non-empty list of them, got {describe(targets)}")
     if heads not in ("mean", "max"):
         raise ValueError(f"rollout(heads=...) is 'mean' or 'max', got {heads!r}")
@@ -182,7 +176,7 @@ def rollout(
     if isinstance(keep_bytes, bool) or not isinstance(keep_bytes, int) or keep_bytes < 0:
         raise ValueError(f"rollout(keep_bytes=...) is a number of bytes, 0 or more, got {keep_bytes!r}")
     with tempfile.TemporaryDirectory(prefix="attnkit-rollout-") as spill:
-        found = Rollout(list(chosen), heads, float(residual), keep_bytes, Path(spill))
+        found = Rollout(chosen, heads, float(residual), keep_bytes, Path(spill))
         try:
             with recording.observe(model, found, "rollout"):
                 yield found

@@ -245,7 +245,7 @@ def needle(tokenizer: Any, length: int, depth: float = 0.5, value: str = "481726
     before = ". ".join(words[:at]) + ". " if at else ""  # (at depth 0 and 1 the needle is the first or last sentence)
     after = ". ".join(words[at:]) + "." if at < len(words) else ""
     haystack = (before + sentence + after).rstrip()
-    context, asked, rest = (
+    context, asked, rest = (  # (1, n) token ids each
         tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
         for text in (start + haystack, question, end + prefix)
     )

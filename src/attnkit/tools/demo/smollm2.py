@@ -77,7 +77,7 @@ def find_heads(weights: list[Tensor], ids: list[int]) -> Found:
 
     Raises:
         ValueError: no layer, fewer than 2 tokens, or a layer whose weights are not ``(H, L, L)`` for ``L = len(ids)``
-            (naming the layer and its shape).
+            (naming the layer and its shape), or are negative or not finite.
     """
     L = len(ids)
     if not weights:
@@ -87,10 +87,12 @@ def find_heads(weights: list[Tensor], ids: list[int]) -> Found:
     for layer, w in enumerate(weights):
         if w.dim() != 3 or w.shape[1:] != (L, L):
             raise ValueError(f"weights[{layer}]: {tuple(w.shape)}, expected (H, {L}, {L}) for {L} ids")
+        if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+            raise ValueError(f"weights[{layer}]: attention weights are finite and at least 0")
     pairs = []  # (query, key): the token after an earlier occurrence of the query's token, not the query's previous
     for i in range(L):
         pairs += [(i, e + 1) for e in range(i - 2) if ids[e] == ids[i]]
-    queries = torch.arange(1, L)
+    queries = torch.arange(1, L)  # (L - 1,): every query but the first
     sinks, best_sink, best_previous, best_induction = [], (0, 0, -1.0), (0, 0, -1.0), None
     for layer, w in enumerate(weights):
         w = w.double()  # (H, L, L)
@@ -122,7 +124,9 @@ def read(model: Any, tokenizer: Any) -> dict[str, Any]:
 
     ids = tokenizer(TEXT, return_tensors="pt").input_ids  # (1, L)
     with torch.no_grad(), attnkit.record_weights(model) as steps:  # (the last token generated is never read)
-        out = model.generate(ids, max_new_tokens=STEPS + 1, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            ids, max_new_tokens=STEPS + 1, do_sample=False, pad_token_id=tokenizer.eos_token_id
+        )  # (1, L + STEPS + 1)
     record = {name: steps.calls(name) for name in steps}  # {layer: [(1, H, L, L), then (1, H, 1, L + t) per step]}
     found = find_heads([calls[0][0] for calls in record.values()], ids[0].tolist())
     needle = smollm2.needle(tokenizer, NEEDLE_TOKENS)
