@@ -584,6 +584,39 @@ def test_bfloat16_inputs_run_on_bfloat16_products_not_float32():
     assert not torch.equal(out[torch.bfloat16][2], out[torch.float32][2].bfloat16())  # dk
 
 
+@needs_bf16
+@pytest.mark.parametrize("Lq, Lk, Dh, Dv", [(300, 513, 7, 5), (129, 130, 64, 64)], ids=["odd", "D64"])
+def test_bfloat16_inputs_read_as_they_are_give_the_bits_their_float32_copies_give(monkeypatch, Lq, Lk, Dh, Dv):
+    """Finite bfloat16 inputs go to the kernel as they are, without float32 copies, and its output comes back in
+    bfloat16: the same bits as from float32 copies (the packing rounds those to the same values), output and every
+    gradient, at odd lengths and head dims (the packing's pairs and its vectors of 16 columns), grouped heads, sinks
+    and a window."""
+    g = torch.Generator().manual_seed(Lq + Dh)
+    q = torch.randn(B, H, Lq, Dh, generator=g).bfloat16()
+    k = torch.randn(B, HKV, Lk, Dh, generator=g).bfloat16()
+    v = torch.randn(B, HKV, Lk, Dv, generator=g).bfloat16()
+    sinks, dout = torch.randn(H, generator=g), torch.randn(B, H, Lq, Dv, generator=g).bfloat16()
+    decided = []
+    as_they_are = kernel._as_they_are
+
+    def run(copies: bool) -> list[torch.Tensor]:
+        def decide(low: bool, guard: bool) -> bool:
+            decided.append(as_they_are(low, guard))
+            return decided[-1] and not copies
+
+        monkeypatch.setattr(kernel, "_as_they_are", decide)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        out = attnkit.scaled_dot_product_attention(
+            *leaves[:3], sinks=leaves[3], mask_mod=mods.sliding_window(40), backend="tiles:kernel"
+        ).output
+        return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
+
+    raw, copied = run(copies=False), run(copies=True)
+    assert decided == [True, True]  # (the kernel reads these as they are: finite, bfloat16 products here)
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dsinks"], raw, copied, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 def test_the_kernel_says_it_computes_bfloat16_on_the_cpus_dot_products_where_pytorch_sees_them():
     """The kernel's check (its own, of the CPU) and the dispatcher's (PyTorch's CPU information) agree, so that
     ``auto`` sends bfloat16 calls to the kernel exactly where its products run in bfloat16."""

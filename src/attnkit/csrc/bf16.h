@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 // (GCC 10 and Clang 9 brought the AVX512-BF16 intrinsics; an older compiler builds the kernel without them)
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 9) || \
@@ -52,42 +53,55 @@ inline uint16_t round(float x) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// A value as bfloat16's bits: a float rounded (round), a bfloat16's bits as they are. The packing below reads either:
+// float32 inputs, or a call's bfloat16 inputs themselves, without float32 copies.
+inline uint16_t bits(float x) { return round(x); }
+inline uint16_t bits(uint16_t x) { return x; }
+
 inline int64_t even(int64_t n) { return n + (n & 1); }
 
 // dst (rows, even(lead + w)), rows ldd apart = src (rows, w), rows lds apart, each row shifted right by lead (0 or 1)
 // with a 0 in front and one at its end where the length is odd: the A side of a product whose pairs start at an
 // even column lead before the source's first.
+template <typename S>
 #if ATTNKIT_BF16
 ATTNKIT_BF16_TARGET
 #endif
-inline void rows(const float* src, int64_t n, int64_t w, int64_t lds, int64_t lead, uint16_t* dst, int64_t ldd) {
+inline void rows(const S* src, int64_t n, int64_t w, int64_t lds, int64_t lead, uint16_t* dst, int64_t ldd) {
   const int64_t len = even(lead + w);
   for (int64_t i = 0; i < n; ++i) {
-    const float* s = src + i * lds;
+    const S* s = src + i * lds;
     uint16_t* d = dst + i * ldd;
     if (lead) d[0] = 0;
     int64_t j = 0;
+    if constexpr (std::is_same_v<S, uint16_t>) {
+      std::memcpy(d + lead, s, w * sizeof(uint16_t));
+      j = w;
+    }
 #if ATTNKIT_BF16
-    for (; j + 16 <= w; j += 16) {
-      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + lead + j), rounded);
+    if constexpr (std::is_same_v<S, float>) {
+      for (; j + 16 <= w; j += 16) {
+        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + lead + j), rounded);
+      }
     }
 #endif
-    for (; j < w; ++j) d[lead + j] = round(s[j]);
+    for (; j < w; ++j) d[lead + j] = bits(s[j]);
     if (lead + w < len) d[len - 1] = 0;
   }
 }
 
 // dst (w, even(n)), rows ldd apart = the transpose of src (n, w), rows lds apart, each row ending with 0 where n is
 // odd: the A side of a product that reduces over src's rows.
-inline void transposed(const float* src, int64_t n, int64_t w, int64_t lds, uint16_t* dst, int64_t ldd) {
+template <typename S>
+inline void transposed(const S* src, int64_t n, int64_t w, int64_t lds, uint16_t* dst, int64_t ldd) {
   constexpr int64_t T = 16;  // in squares, so that both sides are read and written a line at a time
   for (int64_t i0 = 0; i0 < n; i0 += T) {
     const int64_t i1 = std::min(i0 + T, n);
     for (int64_t j0 = 0; j0 < w; j0 += T) {
       const int64_t j1 = std::min(j0 + T, w);
       for (int64_t i = i0; i < i1; ++i) {
-        for (int64_t j = j0; j < j1; ++j) dst[j * ldd + i] = round(src[i * lds + j]);
+        for (int64_t j = j0; j < j1; ++j) dst[j * ldd + i] = bits(src[i * lds + j]);
       }
     }
   }
@@ -98,37 +112,47 @@ inline void transposed(const float* src, int64_t n, int64_t w, int64_t lds, uint
 
 // B packed from X (K, N), rows ldx apart, reducing over its rows: out[(p * N + j) * 2 + e] = X[2p + e][j] (0 past K):
 // two rows rounded at once and interleaved, 16 columns at a time.
+template <typename S>
 #if ATTNKIT_BF16
 ATTNKIT_BF16_TARGET
 #endif
-inline void pack_rows(const float* X, int64_t K, int64_t N, int64_t ldx, uint16_t* out) {
+inline void pack_rows(const S* X, int64_t K, int64_t N, int64_t ldx, uint16_t* out) {
 #if ATTNKIT_BF16
   static const uint16_t ORDER[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i order = _mm512_loadu_si512(ORDER);  // lane 2j: the first row's column j; 2j + 1: the second's
 #endif
   for (int64_t p = 0; p < (K + 1) / 2; ++p) {
-    const float* x0 = X + 2 * p * ldx;
-    const float* x1 = 2 * p + 1 < K ? x0 + ldx : nullptr;
+    const S* x0 = X + 2 * p * ldx;
+    const S* x1 = 2 * p + 1 < K ? x0 + ldx : nullptr;
     uint16_t* o = out + p * N * 2;
     int64_t j = 0;
 #if ATTNKIT_BF16
     for (; j + 16 <= N; j += 16) {
-      const __m512 second = x1 != nullptr ? _mm512_loadu_ps(x1 + j) : _mm512_setzero_ps();
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(second, _mm512_loadu_ps(x0 + j));  // x0's 16, then x1's
+      __m512i both;  // x0's 16 columns, then x1's
+      if constexpr (std::is_same_v<S, float>) {
+        const __m512 second = x1 != nullptr ? _mm512_loadu_ps(x1 + j) : _mm512_setzero_ps();
+        both = (__m512i)_mm512_cvtne2ps_pbh(second, _mm512_loadu_ps(x0 + j));
+      } else {
+        const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0 + j));
+        const __m256i second = x1 != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x1 + j))
+                                             : _mm256_setzero_si256();
+        both = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+      }
       _mm512_storeu_si512(o + 2 * j, _mm512_permutexvar_epi16(order, both));
     }
 #endif
     for (; j < N; ++j) {
-      o[2 * j] = round(x0[j]);
-      o[2 * j + 1] = x1 != nullptr ? round(x1[j]) : 0;
+      o[2 * j] = bits(x0[j]);
+      o[2 * j + 1] = x1 != nullptr ? bits(x1[j]) : 0;
     }
   }
 }
 
 // B packed from the transpose of X (N, K), rows ldx apart, reducing over its columns: out[(p * N + j) * 2 + e] =
 // X[j][2p + e] (0 past K). 16 rows at a time, so that each pair's 16 columns are written as one line.
-inline void pack_columns(const float* X, int64_t N, int64_t K, int64_t ldx, uint16_t* out) {
+template <typename S>
+inline void pack_columns(const S* X, int64_t N, int64_t K, int64_t ldx, uint16_t* out) {
   const int64_t K2 = (K + 1) / 2;
   for (int64_t j0 = 0; j0 < N; j0 += 16) {
     const int64_t j1 = std::min(j0 + 16, N);
@@ -136,9 +160,9 @@ inline void pack_columns(const float* X, int64_t N, int64_t K, int64_t ldx, uint
       uint16_t* o = out + (p * N) * 2;
       const bool pair = 2 * p + 1 < K;
       for (int64_t j = j0; j < j1; ++j) {
-        const float* x = X + j * ldx + 2 * p;
-        o[2 * j] = round(x[0]);
-        o[2 * j + 1] = pair ? round(x[1]) : 0;
+        const S* x = X + j * ldx + 2 * p;
+        o[2 * j] = bits(x[0]);
+        o[2 * j + 1] = pair ? bits(x[1]) : 0;
       }
     }
   }

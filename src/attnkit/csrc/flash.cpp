@@ -1,5 +1,6 @@
-// Flash attention on the CPU, float32 (and bfloat16 inputs, given in float32, with `low`: their products on the CPU's
-// bfloat16 dot products where it has them, bf16.h, the softmax and every sum in float32), forward and backward,
+// Flash attention on the CPU, float32 (and bfloat16 inputs with `low`: their products on the CPU's bfloat16 dot
+// products where it has them, bf16.h, the softmax and every sum in float32; given as they are where every key and
+// value is finite, else in float32), forward and backward,
 // over the blocks of queries of a plan, with a built-in
 // score_mod: soft-capping (cap * tanh(score / cap), as FlashAttention's own `softcap`) or a bias on the distance
 // q_idx - kv_idx (score + f(b, h, q_idx - kv_idx): a learned table of relative-position biases, read as one vector
@@ -26,9 +27,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "bf16.h"
@@ -202,6 +206,29 @@ void check(const at::Tensor& t, const char* name, int64_t dim) {
               ": a contiguous float32 tensor of ", dim, " dimensions");
 }
 
+// q, k, v, out and dout come in float32, or all in bfloat16 (`raw`) where the products are in bfloat16 (`low`) and
+// every key and value is finite (no `guard`, whose products read float32 values): the packing for the products then
+// reads them as they are, and out is written rounded to bfloat16, without float32 copies of any of them.
+bool raw_inputs(std::initializer_list<std::pair<const at::Tensor*, const char*>> ts, bool low, bool guard) {
+  const bool raw = ts.begin()->first->scalar_type() == at::kBFloat16;
+  for (const auto& [t, name] : ts) {
+    TORCH_CHECK(t->dim() == 4 && t->is_contiguous() && t->scalar_type() == (raw ? at::kBFloat16 : at::kFloat), name,
+                ": a contiguous tensor of 4 dimensions, float32, or bfloat16 as q is");
+  }
+  TORCH_CHECK(!raw || (low && !guard), "bfloat16 inputs: only with low (and the CPU's bfloat16 products), not guard");
+  return raw;
+}
+
+// A tensor's data as the packing reads it: float32's, or bfloat16's bits.
+template <typename S>
+const S* data(const at::Tensor& t) {
+  if constexpr (std::is_same_v<S, uint16_t>) {
+    return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+  } else {
+    return t.data_ptr<float>();
+  }
+}
+
 // The modified, masked scores of row i of a tile, in place: s (c,) the raw products; g (c,), where not null, the
 // score_mod's derivative (1 - tanh^2); rel, where not null, the distance bias of key j at rel[-j]; returns the
 // row's largest.
@@ -312,7 +339,9 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
              const c10::List<c10::optional<at::Tensor>>& bias, const c10::optional<at::Tensor>& sink,
              const c10::optional<at::Tensor>& rel, int64_t d0, double scale_, double cap_, bool guard, bool low_,
              at::Tensor out, at::Tensor lse) {
-  check(q, "q", 4), check(k, "k", 4), check(v, "v", 4), check(out, "out", 4), check(lse, "lse", 3);
+  const bool low = low_ && attnkit::bf16::available();
+  const bool raw = raw_inputs({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}}, low, guard);
+  check(lse, "lse", 3);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.size(2), Dv = v.size(3);
   TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.size(0) == B && v.size(1) == H &&
                   v.size(2) == Lk,
@@ -331,23 +360,30 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   const float scale = static_cast<float>(scale_), cap = static_cast<float>(cap_);
   const int64_t c_max = std::max<int64_t>(P.widest, 1), n_max = P.tallest, NB = P.blocks();
   const float* sink_data = has_sink ? sink->data_ptr<float>() : nullptr;
-  // bfloat16 inputs (in float32 here, exactly), where the CPU has its dot products: the products in bfloat16 with
-  // float32 sums (the weights rounded to bfloat16 for p v, as FlashAttention's), the softmax in float32. Each
-  // (example, head) packed once: q's rows (Lq, De), k for q k^T (D2, Lk, 2), v for p v (Lk2, Dv, 2) (bf16.h).
-  const bool low = low_ && attnkit::bf16::available();
+  // bfloat16 inputs (as they are with `raw`, else in float32, exactly), where the CPU has its dot products: the
+  // products in bfloat16 with float32 sums (the weights rounded to bfloat16 for p v, as FlashAttention's), the
+  // softmax in float32. Each (example, head) packed once: q's rows (Lq, De), k for q k^T (D2, Lk, 2), v for p v
+  // (Lk2, Dv, 2) (bf16.h).
   const int64_t De = attnkit::bf16::even(D), D2 = De / 2, Lk2 = (Lk + 1) / 2;
   // (left uninitialized: every element is written by the packing below, in parallel, before it is read)
   std::unique_ptr<uint16_t[]> qb_(new uint16_t[low ? B * H * Lq * De : 0]),
       kt_(new uint16_t[low ? B * H * D2 * Lk * 2 : 0]), vr_(new uint16_t[low ? B * H * Lk2 * Dv * 2 : 0]);
   uint16_t *qb = qb_.get(), *kt = kt_.get(), *vr = vr_.get();
-  if (low) {
+  auto pack = [&](auto source) {  // (source: float or uint16_t, the inputs' type)
+    using S = decltype(source);
+    const S *qd = data<S>(q), *kd = data<S>(k), *vd = data<S>(v);
     at::parallel_for(0, B * H, 1, [&](int64_t a0, int64_t a1) {
       for (int64_t a = a0; a < a1; ++a) {
-        attnkit::bf16::rows(q.data_ptr<float>() + a * Lq * D, Lq, D, D, 0, qb + a * Lq * De, De);
-        attnkit::bf16::pack_columns(k.data_ptr<float>() + a * Lk * D, Lk, D, D, kt + a * D2 * Lk * 2);
-        attnkit::bf16::pack_rows(v.data_ptr<float>() + a * Lk * Dv, Lk, Dv, Dv, vr + a * Lk2 * Dv * 2);
+        attnkit::bf16::rows(qd + a * Lq * D, Lq, D, D, 0, qb + a * Lq * De, De);
+        attnkit::bf16::pack_columns(kd + a * Lk * D, Lk, D, D, kt + a * D2 * Lk * 2);
+        attnkit::bf16::pack_rows(vd + a * Lk * Dv, Lk, Dv, Dv, vr + a * Lk2 * Dv * 2);
       }
     });
+  };
+  if (raw) {
+    pack(uint16_t{});
+  } else if (low) {
+    pack(float{});
   }
   at::parallel_for(0, B * H * NB, 1, [&](int64_t x0, int64_t x1) {
     std::vector<float> s(n_max * c_max), acc(n_max * Dv), m(n_max), l(n_max);
@@ -357,9 +393,10 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
     for (int64_t x = x0; x < x1; ++x) {
       const int64_t a = x / NB, blk = x % NB, b = a / H, h = a % H;
       const int64_t r0 = P.r0[blk], n = P.r1[blk] - r0;
-      const float* qa = q.data_ptr<float>() + (a * Lq + r0) * D;
-      const float* ka = k.data_ptr<float>() + a * Lk * D;
-      const float* va = v.data_ptr<float>() + a * Lk * Dv;
+      // (float32 inputs: read by the products in float32 and by guard's; bfloat16 ones only through the packing)
+      const float* qa = raw ? nullptr : q.data_ptr<float>() + (a * Lq + r0) * D;
+      const float* ka = raw ? nullptr : k.data_ptr<float>() + a * Lk * D;
+      const float* va = raw ? nullptr : v.data_ptr<float>() + a * Lk * Dv;
       std::fill(acc.begin(), acc.begin() + n * Dv, 0.0f);
       for (int64_t i = 0; i < n; ++i) {
         m[i] = has_sink ? sink_data[a * Lq + r0 + i] : -INF;
@@ -414,13 +451,19 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
           mm(false, false, rows_, Dv, w, 1.0f, sp, c, va + k0 * Dv, Dv, 1.0f, ap, Dv);  // (rows, Dv) += p v
         }
       });
-      float* oa = out.data_ptr<float>() + (a * Lq + r0) * Dv;
       float* la = lse.data_ptr<float>() + a * Lq + r0;
       for (int64_t i = 0; i < n; ++i) {
         const bool empty = l[i] == 0.0f;
         const float li = std::max(l[i], std::numeric_limits<float>::min());
-        for (int64_t d = 0; d < Dv; ++d) oa[i * Dv + d] = empty ? 0.0f : acc[i * Dv + d] / li;
+        float* o = acc.data() + i * Dv;
+        for (int64_t d = 0; d < Dv; ++d) o[d] = empty ? 0.0f : o[d] / li;
         la[i] = empty ? -INF : m[i] + std::log(li);  // (-inf: no key; the backward gives such a row no weight)
+      }
+      if (raw) {  // rounded once, to bfloat16
+        uint16_t* oa = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + (a * Lq + r0) * Dv;
+        for (int64_t e = 0; e < n * Dv; ++e) oa[e] = attnkit::bf16::round(acc[e]);
+      } else {
+        std::copy(acc.begin(), acc.begin() + n * Dv, out.data_ptr<float>() + (a * Lq + r0) * Dv);
       }
     }
   });
@@ -436,7 +479,8 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
               const c10::List<c10::optional<at::Tensor>>& bias, const c10::optional<at::Tensor>& rel, int64_t d0,
               double scale_, double cap_, bool guard, bool low_, const c10::optional<at::Tensor>& dlse, at::Tensor dq,
               at::Tensor dk, at::Tensor dv, at::Tensor drel, at::Tensor rowsum) {
-  check(q, "q", 4), check(k, "k", 4), check(v, "v", 4), check(out, "out", 4), check(dout, "dout", 4);
+  const bool low = low_ && attnkit::bf16::available();
+  const bool raw = raw_inputs({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&dout, "dout"}}, low, guard);
   check(lse, "lse", 3), check(dq, "dq", 4), check(dk, "dk", 4), check(dv, "dv", 4);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), Lk = k.size(2), Dv = v.size(3);
   TORCH_CHECK(dq.sizes() == q.sizes() && dk.sizes() == k.sizes() && dv.sizes() == v.sizes(), "dq, dk, dv as q, k, v");
@@ -467,8 +511,8 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   // own sum by that rounding leaves each row's ds a sum, which the gradients of sinks and of a distance bias (ALiBi's
   // slopes) add up (10x the bfloat16 math's error: the tester's finding). So each 64 rows of a block run twice over
   // their tiles: the weights and dp kept (chunk buffers, SUB x the block's keys), delta summed; then the products.
-  // The rows' deltas go to rowsum (B, H, Lq), for the sinks' gradient.
-  const bool low = low_ && attnkit::bf16::available();
+  // The rows' deltas go to rowsum (B, H, Lq), for the sinks' gradient. bfloat16 inputs (`raw`) are packed as they
+  // are.
   const int64_t De = attnkit::bf16::even(D), Dve = attnkit::bf16::even(Dv), Lk2 = (Lk + 1) / 2;
   const int64_t ne = attnkit::bf16::even(n_max);
   int64_t row_keys = 1;  // the most keys a block's tiles hold in all
@@ -500,28 +544,36 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
     std::vector<Piece> pieces;
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t b = a / H, h = a % H;
-      const float* ka = k.data_ptr<float>() + a * Lk * D;
-      const float* va = v.data_ptr<float>() + a * Lk * Dv;
+      // (float32 inputs: read by the products in float32 and by guard's; bfloat16 ones only through the packing)
+      const float* ka = raw ? nullptr : k.data_ptr<float>() + a * Lk * D;
+      const float* va = raw ? nullptr : v.data_ptr<float>() + a * Lk * Dv;
       float* dka = dk.data_ptr<float>() + a * Lk * D;
       float* dva = dv.data_ptr<float>() + a * Lk * Dv;
+      auto pack_head = [&](auto source) {  // (source: float or uint16_t, the inputs' type)
+        using S = decltype(source);
+        const S *kd = data<S>(k) + a * Lk * D, *vd = data<S>(v) + a * Lk * Dv;
+        attnkit::bf16::rows(data<S>(q) + a * Lq * D, Lq, D, D, 0, qb.data(), De);
+        attnkit::bf16::rows(data<S>(dout) + a * Lq * Dv, Lq, Dv, Dv, 0, ob.data(), Dve);
+        attnkit::bf16::pack_columns(kd, Lk, D, D, kp.data());
+        attnkit::bf16::pack_rows(kd, Lk, D, D, kr.data());
+        attnkit::bf16::pack_columns(vd, Lk, Dv, Dv, vp.data());
+      };
       if (low) {
-        attnkit::bf16::rows(q.data_ptr<float>() + a * Lq * D, Lq, D, D, 0, qb.data(), De);
-        attnkit::bf16::rows(dout.data_ptr<float>() + a * Lq * Dv, Lq, Dv, Dv, 0, ob.data(), Dve);
-        attnkit::bf16::pack_columns(ka, Lk, D, D, kp.data());
-        attnkit::bf16::pack_rows(ka, Lk, D, D, kr.data());
-        attnkit::bf16::pack_columns(va, Lk, Dv, Dv, vp.data());
+        raw ? pack_head(uint16_t{}) : pack_head(float{});
         std::fill(dkt.begin(), dkt.end(), 0.0f);
         std::fill(dvt.begin(), dvt.end(), 0.0f);
       }
       for (int64_t blk = 0; blk < NB; ++blk) {
         const int64_t r0 = P.r0[blk], n = P.r1[blk] - r0;
-        const float* qa = q.data_ptr<float>() + (a * Lq + r0) * D;
-        const float* oa = dout.data_ptr<float>() + (a * Lq + r0) * Dv;
-        if (low) {
-          attnkit::bf16::transposed(qa, n, D, D, qt.data(), ne);  // (D, ne) q^T
-          attnkit::bf16::transposed(oa, n, Dv, Dv, ot.data(), ne);  // (Dv, ne) dout^T
-        }
-        const float* outa = out.data_ptr<float>() + (a * Lq + r0) * Dv;
+        const float* qa = raw ? nullptr : q.data_ptr<float>() + (a * Lq + r0) * D;
+        const float* oa = raw ? nullptr : dout.data_ptr<float>() + (a * Lq + r0) * Dv;
+        auto pack_block = [&](auto source) {
+          using S = decltype(source);
+          attnkit::bf16::transposed(data<S>(q) + (a * Lq + r0) * D, n, D, D, qt.data(), ne);  // (D, ne) q^T
+          attnkit::bf16::transposed(data<S>(dout) + (a * Lq + r0) * Dv, n, Dv, Dv, ot.data(), ne);  // (Dv, ne)
+        };
+        if (low) raw ? pack_block(uint16_t{}) : pack_block(float{});
+        const float* outa = raw ? nullptr : out.data_ptr<float>() + (a * Lq + r0) * Dv;
         const float* la = lse.data_ptr<float>() + a * Lq + r0;
         float* dqa = dq.data_ptr<float>() + (a * Lq + r0) * D;
         std::fill(dqa, dqa + n * D, 0.0f);

@@ -95,17 +95,15 @@ def _run(call: Call) -> tuple[Tensor, Tensor]:
     H = q.shape[1]
     plan = plan_of(mask)  # first: looking at the tiles, it learns which keys and rows are live (zero_dead's question)
     q, k, v = zero_dead(q, k, v, mask, call.zeros_past)
-    # bfloat16 and float16 come in float32, as the kernel takes them (the copies are linear in L, the gradients go
-    # back through them in the inputs' dtype), the softmax and every sum in float32, the output rounded once.
-    # bfloat16's products run on the CPU's bfloat16 dot products where it has them (`low`; the weights and their
-    # gradients rounded to bfloat16 for the products that read them, as FlashAttention's), float16's in float32
+    # The softmax and every sum in float32, the output rounded once. bfloat16's products run on the CPU's bfloat16
+    # dot products where it has them (`low`; the weights and their gradients rounded to bfloat16 for the products
+    # that read them, as FlashAttention's), float16's in float32.
     low = q.dtype == torch.bfloat16
-    q, k, v = q.float(), k.float(), v.float()  # (B, H|Hkv, L, D|Dv) each
     # Some key or value may not be finite (one read of each key/value head, before repeat_kv): the kernel's products
     # then skip the pairs a row may not see, so that none reaches a row that may not see it (0 * inf is NaN)
     guard = not (all_finite(k) and all_finite(v))
-    kf = repeat_kv(k, H)  # (B, H, Lk, D): repeated outside the Function, autograd sums the groups back
-    vf = repeat_kv(v, H)  # (B, H, Lk, Dv)
+    if not _as_they_are(low, guard):  # float32 copies, linear in L (the gradients go back through them)
+        q, k, v = q.float(), k.float(), v.float()  # (B, H|Hkv, L, D|Dv) each
     cap, rel, d0 = 0.0, None, 0  # (SUPPORTS: softcap, a bias on the distance, or none)
     if isinstance(call.score_mod, mods.softcap):
         cap = call.score_mod.cap
@@ -115,8 +113,15 @@ def _run(call: Call) -> tuple[Tensor, Tensor]:
         rel = mods.distance_bias(call.score_mod, batch=q.shape[0], heads=H, distances=(d0, d1), device=q.device)
         rel = rel.float()  # (B|1, H|1, R), as the kernel takes it
     watched = Watched.of(call) if call.needs_grad else None
-    out, lse = _Flash.apply(q, kf, vf, call.sinks, rel, mask, cap, d0, call.scale, guard, low, watched)
+    out, lse = _Flash.apply(q, k, v, call.sinks, rel, mask, cap, d0, call.scale, guard, low, watched)
     return out, lse  # (B, H, Lq, Dv), (B, H, Lq)
+
+
+def _as_they_are(low: bool, guard: bool) -> bool:
+    """Whether the kernel reads bfloat16 inputs as they are, without float32 copies, and writes the output in
+    bfloat16 (``low``: the inputs are bfloat16): where its products run in bfloat16 and none of them skips pairs
+    (``guard``'s products read float32 values)."""
+    return low and not guard and bf16_products()
 
 
 def _spans(mask: Mask, rows: Rows) -> tuple[list[tuple[int, int]], list[Tensor | None], list[Tensor | None]]:
@@ -213,10 +218,14 @@ class _Flash(torch.autograd.Function):
         watched: Watched | None,
     ) -> tuple[Tensor, Tensor]:
         B, H, Lq, _ = q.shape
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        sink = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype).contiguous()  # (B, H, Lq)
-        # every row is in a block of the plan, which writes it (a call has at least one key: checked when it is made)
-        out, lse = q.new_empty((B, H, Lq, v.shape[-1])), q.new_empty((B, H, Lq))  # (B, H, Lq, Dv), (B, H, Lq)
+        ctx.kv_heads = k.shape[1]
+        # each query head's key/value head (the backward sums the groups' gradients in float32, then rounds them)
+        q, k, v = q.contiguous(), repeat_kv(k, H).contiguous(), repeat_kv(v, H).contiguous()  # (B, H, L, D|Dv)
+        sink = None if sinks is None else row_sinks(sinks, mask, q.shape, torch.float32).contiguous()  # (B, H, Lq)
+        # every row is in a block of the plan, which writes it (a call has at least one key: checked when it is made);
+        # the output in the inputs' dtype (float32, or bfloat16 read as it is), lse in float32
+        out = q.new_empty((B, H, Lq, v.shape[-1]))  # (B, H, Lq, Dv)
+        lse = q.new_empty((B, H, Lq), dtype=torch.float32)  # (B, H, Lq)
         rel = None if rel is None else rel.detach().contiguous()  # (B|1, H|1, R)
         first: _Group | None = None  # the first group, while it is the only one (a later one drops it)
         for count, group in enumerate(_groups(mask)):
@@ -253,7 +262,7 @@ class _Flash(torch.autograd.Function):
         # (flash.cpp), and gives the deltas back for the sinks' gradient
         low = ctx.low and bf16_products()
         dl = None if dlse is None or not low else torch.where(live, dlse.float(), 0.0).contiguous()  # (B, H, Lq)
-        rowsum = q.new_zeros((B, H, q.shape[2]) if low else (0, 0, 0))  # (B, H, Lq)
+        rowsum = q.new_zeros((B, H, q.shape[2]) if low else (0, 0, 0), dtype=torch.float32)  # (B, H, Lq)
         if dlse is not None and not low:
             # d lse_i / d s_ij = p_ij: the softmax's backward ds = p (dp - delta) with delta - dlse in place of delta,
             # which the kernel, taking delta = dout . out, gets from a column of ones in out beside -dlse in dout
@@ -263,8 +272,10 @@ class _Flash(torch.autograd.Function):
             dout = torch.cat([dout, -g], dim=-1)  # (B, H, Lq, Dv + 1)
             v = torch.cat([v, v.new_zeros((*v.shape[:-1], 1))], dim=-1)  # (B, H, Lk, Dv + 1)
         dout = dout.contiguous()
-        dq = torch.empty_like(q)  # (B, H, Lq, D): every row written, as out's
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # added to by every block
+        # (in float32 whatever the inputs' dtype: summed over tiles; autograd rounds them to the inputs')
+        dq = torch.empty_like(q, dtype=torch.float32)  # (B, H, Lq, D): every row written, as out's
+        dk = torch.zeros_like(k, dtype=torch.float32)  # (B, H, Lk, D): added to by every block
+        dv = torch.zeros_like(v, dtype=torch.float32)  # (B, H, Lk, Dv)
         drel = q.new_zeros((B, H, 0 if rel is None else rel.shape[-1]), dtype=torch.float64)  # (B, H, R)
         args = (rel, ctx.d0, ctx.scale, ctx.cap, ctx.guard, low, dl, dq, dk, dv, drel, rowsum)
         for group in ctx.groups or _groups(mask):  # dq (B, H, Lq, D) written; dk, dv, drel added to
@@ -279,4 +290,8 @@ class _Flash(torch.autograd.Function):
         if rel is not None and ctx.needs_input_grad[4]:
             broadcast = [d for d in (0, 1) if rel.shape[d] == 1]
             drel_ = (drel.sum(broadcast, keepdim=True) if broadcast else drel).to(rel.dtype)  # (B|1, H|1, R)
+        groups = (ctx.kv_heads, H // ctx.kv_heads)
+        dk = dk.unflatten(1, groups).sum(dim=2)  # (B, Hkv, Lk, D)
+        dv = dv.unflatten(1, groups).sum(dim=2)  # (B, Hkv, Lk, Dv)
+        dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         return dq, dk, dv, dsinks, drel_, None, None, None, None, None, None, None
