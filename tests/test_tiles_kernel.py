@@ -617,6 +617,21 @@ def test_bfloat16_inputs_read_as_they_are_give_the_bits_their_float32_copies_giv
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
+@needs_bf16
+def test_a_bfloat16_output_changed_in_place_still_has_its_gradients():
+    """The output of bfloat16 inputs, written by the kernel in bfloat16, may be changed in place before the backward
+    (``out += residual``), as the other backends allow: the backward of bfloat16 products reads no output (the
+    tester's finding: it was saved, and autograd refused)."""
+    q, k, v = (t.detach().bfloat16() for t in _inputs(5, 40, 40))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attnkit.scaled_dot_product_attention(*leaves, is_causal=True, backend="tiles:kernel").output
+    want = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    out = attnkit.scaled_dot_product_attention(*leaves, is_causal=True, backend="tiles:kernel").output
+    out += 1.0
+    got = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_the_kernel_says_it_computes_bfloat16_on_the_cpus_dot_products_where_pytorch_sees_them():
     """The kernel's check (its own, of the CPU) and the dispatcher's (PyTorch's CPU information) agree, so that
     ``auto`` sends bfloat16 calls to the kernel exactly where its products run in bfloat16."""

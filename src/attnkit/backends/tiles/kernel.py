@@ -231,7 +231,10 @@ class _Flash(torch.autograd.Function):
         for count, group in enumerate(_groups(mask)):
             torch.ops.attnkit_flash.forward(q, k, v, *group.plan(), sink, rel, d0, scale, cap, guard, low, out, lse)
             first = group if count == 0 else None
-        ctx.save_for_backward(q, k, v, sinks, rel, out, lse)
+        # The backward of bfloat16 products reads no output (each row's delta summed from the weights it recomputes):
+        # not saved then, so that a caller may change the output in place before the backward, as with float32 copies
+        reads_out = not (low and bf16_products())
+        ctx.save_for_backward(q, k, v, sinks, rel, out if reads_out else None, lse)
         ctx.mask, ctx.cap, ctx.d0, ctx.scale, ctx.watched, ctx.guard, ctx.low = (
             mask,
             cap,
@@ -254,7 +257,8 @@ class _Flash(torch.autograd.Function):
         if ctx.watched is not None:
             ctx.watched.check(NAME)
         mask: Mask = ctx.mask
-        dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)  # (B, H, Lq, Dv)
+        shape = (*q.shape[:3], v.shape[-1])  # out's (B, H, Lq, Dv), in q's dtype
+        dout = q.new_zeros(shape) if dout is None else dout.to(q.dtype)  # (B, H, Lq, Dv)
         Dv = v.shape[-1]
         B, H = q.shape[:2]
         live = lse > -math.inf  # (B, H, Lq): a row with no key has no weight to pass dlse to
@@ -272,6 +276,7 @@ class _Flash(torch.autograd.Function):
             dout = torch.cat([dout, -g], dim=-1)  # (B, H, Lq, Dv + 1)
             v = torch.cat([v, v.new_zeros((*v.shape[:-1], 1))], dim=-1)  # (B, H, Lk, Dv + 1)
         dout = dout.contiguous()
+        out = dout if out is None else out  # (unsaved where the kernel does not read it: any tensor of its shape)
         # (in float32 whatever the inputs' dtype: summed over tiles; autograd rounds them to the inputs')
         dq = torch.empty_like(q, dtype=torch.float32)  # (B, H, Lq, D): every row written, as out's
         dk = torch.zeros_like(k, dtype=torch.float32)  # (B, H, Lk, D): added to by every block
