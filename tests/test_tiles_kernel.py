@@ -585,34 +585,43 @@ def test_bfloat16_inputs_run_on_bfloat16_products_not_float32():
 
 
 @needs_bf16
-@pytest.mark.parametrize("Lq, Lk, Dh, Dv", [(300, 513, 7, 5), (129, 130, 64, 64)], ids=["odd", "D64"])
-def test_bfloat16_inputs_read_as_they_are_give_the_bits_their_float32_copies_give(monkeypatch, Lq, Lk, Dh, Dv):
+@pytest.mark.parametrize(
+    "Lq, Lk, Dh, Dv, score", [(300, 513, 7, 5, "none"), (129, 131, 64, 33, "softcap")], ids=["odd", "D64 Dv33 softcap"]
+)
+def test_bfloat16_inputs_read_as_they_are_give_the_bits_their_float32_copies_give(monkeypatch, Lq, Lk, Dh, Dv, score):
     """Finite bfloat16 inputs go to the kernel as they are, without float32 copies, and its output comes back in
     bfloat16: the same bits as from float32 copies (the packing rounds those to the same values), output and every
-    gradient, at odd lengths and head dims (the packing's pairs and its vectors of 16 columns), grouped heads, sinks
-    and a window."""
+    gradient, at odd lengths and head dims (the packing's pairs, its vectors of 16 columns and their tails), grouped
+    heads, sinks, a window and softcap."""
     g = torch.Generator().manual_seed(Lq + Dh)
     q = torch.randn(B, H, Lq, Dh, generator=g).bfloat16()
     k = torch.randn(B, HKV, Lk, Dh, generator=g).bfloat16()
     v = torch.randn(B, HKV, Lk, Dv, generator=g).bfloat16()
     sinks, dout = torch.randn(H, generator=g), torch.randn(B, H, Lq, Dv, generator=g).bfloat16()
-    decided = []
+    score_mod = mods.softcap(CAP) if score == "softcap" else None
     as_they_are = kernel._as_they_are
 
-    def run(copies: bool) -> list[torch.Tensor]:
-        def decide(low: bool, guard: bool) -> bool:
-            decided.append(as_they_are(low, guard))
-            return decided[-1] and not copies
+    def run(copies: bool) -> tuple[list[torch.Tensor], set[torch.dtype]]:
+        monkeypatch.setattr(kernel, "_as_they_are", lambda low, guard: as_they_are(low, guard) and not copies)
+        saved: set[torch.dtype] = set()  # the dtypes of what the kernel's Function keeps for its backward
 
-        monkeypatch.setattr(kernel, "_as_they_are", decide)
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.add(t.dtype)
+            return t
+
         leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-        out = attnkit.scaled_dot_product_attention(
-            *leaves[:3], sinks=leaves[3], mask_mod=mods.sliding_window(40), backend="tiles:kernel"
-        ).output
-        return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = attnkit.scaled_dot_product_attention(
+                *leaves[:3],
+                sinks=leaves[3],
+                mask_mod=mods.sliding_window(40),
+                score_mod=score_mod,
+                backend="tiles:kernel",
+            ).output
+        return [out.detach(), *torch.autograd.grad(out, leaves, dout)], saved
 
-    raw, copied = run(copies=False), run(copies=True)
-    assert decided == [True, True]  # (the kernel reads these as they are: finite, bfloat16 products here)
+    (raw, saved_raw), (copied, saved_copies) = run(copies=False), run(copies=True)
+    assert torch.bfloat16 in saved_raw and torch.bfloat16 not in saved_copies  # (each arm ran as it says)
     for name, a, b in zip(["out", "dq", "dk", "dv", "dsinks"], raw, copied, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), name
 

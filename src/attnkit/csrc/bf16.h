@@ -75,7 +75,7 @@ inline void rows(const S* src, int64_t n, int64_t w, int64_t lds, int64_t lead, 
     if (lead) d[0] = 0;
     int64_t j = 0;
     if constexpr (std::is_same_v<S, uint16_t>) {
-      std::memcpy(d + lead, s, w * sizeof(uint16_t));
+      if (w > 0) std::memcpy(d + lead, s, w * sizeof(uint16_t));  // (an empty tensor's pointer may be null)
       j = w;
     }
 #if ATTNKIT_BF16

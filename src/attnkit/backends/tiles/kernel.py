@@ -295,8 +295,9 @@ class _Flash(torch.autograd.Function):
         if rel is not None and ctx.needs_input_grad[4]:
             broadcast = [d for d in (0, 1) if rel.shape[d] == 1]
             drel_ = (drel.sum(broadcast, keepdim=True) if broadcast else drel).to(rel.dtype)  # (B|1, H|1, R)
-        groups = (ctx.kv_heads, H // ctx.kv_heads)
-        dk = dk.unflatten(1, groups).sum(dim=2)  # (B, Hkv, Lk, D)
-        dv = dv.unflatten(1, groups).sum(dim=2)  # (B, Hkv, Lk, Dv)
+        if ctx.kv_heads != H:  # each group's gradients summed in float32
+            groups = (ctx.kv_heads, H // ctx.kv_heads)
+            dk = dk.unflatten(1, groups).sum(dim=2)  # (B, Hkv, Lk, D)
+            dv = dv.unflatten(1, groups).sum(dim=2)  # (B, Hkv, Lk, Dv)
         dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         return dq, dk, dv, dsinks, drel_, None, None, None, None, None, None, None
