@@ -219,8 +219,9 @@ class _Flash(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         B, H, Lq, _ = q.shape
         ctx.kv_heads = k.shape[1]
+        q, kv = q.contiguous(), (k, v)  # (kept as they come: one key/value head per group, until the backward)
         # each query head's key/value head (the backward sums the groups' gradients in float32, then rounds them)
-        q, k, v = q.contiguous(), repeat_kv(k, H).contiguous(), repeat_kv(v, H).contiguous()  # (B, H, L, D|Dv)
+        k, v = repeat_kv(k, H).contiguous(), repeat_kv(v, H).contiguous()  # (B, H, Lk, D|Dv)
         sink = None if sinks is None else row_sinks(sinks, mask, q.shape, torch.float32).contiguous()  # (B, H, Lq)
         # every row is in a block of the plan, which writes it (a call has at least one key: checked when it is made);
         # the output in the inputs' dtype (float32, or bfloat16 read as it is), lse in float32
@@ -234,7 +235,7 @@ class _Flash(torch.autograd.Function):
         # The backward of bfloat16 products reads no output (each row's delta summed from the weights it recomputes):
         # not saved then, so that a caller may change the output in place before the backward, as with float32 copies
         reads_out = not (low and bf16_products())
-        ctx.save_for_backward(q, k, v, sinks, rel, out if reads_out else None, lse)
+        ctx.save_for_backward(q, *kv, sinks, rel, out if reads_out else None, lse)
         ctx.mask, ctx.cap, ctx.d0, ctx.scale, ctx.watched, ctx.guard, ctx.low = (
             mask,
             cap,
@@ -254,6 +255,8 @@ class _Flash(torch.autograd.Function):
     def backward(ctx, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         first_order_only(NAME)
         q, k, v, sinks, rel, out, lse = ctx.saved_tensors
+        H = q.shape[1]
+        k, v = repeat_kv(k, H).contiguous(), repeat_kv(v, H).contiguous()  # (B, H, Lk, D|Dv)
         if ctx.watched is not None:
             ctx.watched.check(NAME)
         mask: Mask = ctx.mask
