@@ -1,5 +1,6 @@
 """The tile engine's C++ kernel (``tiles:kernel``, ``attnkit/csrc/flash.cpp``): flash attention on the CPU in float32
-(bfloat16's products in bfloat16 where the CPU has AVX512-BF16: :func:`bf16_products`), forward and backward, with
+(bfloat16's products in bfloat16 where the CPU has AVX512-BF16: :func:`bf16_products`, its inputs then read as they
+are: ``_as_they_are``), forward and backward, with
 every mask, sinks, and two score_mods built in: soft-capping (:class:`attnkit.mods.softcap`, as FlashAttention's own
 ``softcap``) and a bias on the distance, ``score + f(b, h, q_idx - kv_idx)`` (ALiBi, a learned table of relative-
 position biases, T5-like buckets: proved from the function's graph by ``attnkit.mods.relative``). The bias is
