@@ -452,18 +452,19 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
         }
       });
       float* la = lse.data_ptr<float>() + a * Lq + r0;
+      // the output in float32, or with `raw` rounded once to bfloat16
+      float* oa = raw ? nullptr : out.data_ptr<float>() + (a * Lq + r0) * Dv;
+      uint16_t* ob = raw ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + (a * Lq + r0) * Dv : nullptr;
       for (int64_t i = 0; i < n; ++i) {
         const bool empty = l[i] == 0.0f;
         const float li = std::max(l[i], std::numeric_limits<float>::min());
-        float* o = acc.data() + i * Dv;
-        for (int64_t d = 0; d < Dv; ++d) o[d] = empty ? 0.0f : o[d] / li;
+        const float* o = acc.data() + i * Dv;
+        if (raw) {
+          for (int64_t d = 0; d < Dv; ++d) ob[i * Dv + d] = attnkit::bf16::round(empty ? 0.0f : o[d] / li);
+        } else {
+          for (int64_t d = 0; d < Dv; ++d) oa[i * Dv + d] = empty ? 0.0f : o[d] / li;
+        }
         la[i] = empty ? -INF : m[i] + std::log(li);  // (-inf: no key; the backward gives such a row no weight)
-      }
-      if (raw) {  // rounded once, to bfloat16
-        uint16_t* oa = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + (a * Lq + r0) * Dv;
-        for (int64_t e = 0; e < n * Dv; ++e) oa[e] = attnkit::bf16::round(acc[e]);
-      } else {
-        std::copy(acc.begin(), acc.begin() + n * Dv, out.data_ptr<float>() + (a * Lq + r0) * Dv);
       }
     }
   });

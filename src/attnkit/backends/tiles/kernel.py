@@ -219,7 +219,6 @@ class _Flash(torch.autograd.Function):
         watched: Watched | None,
     ) -> tuple[Tensor, Tensor]:
         B, H, Lq, _ = q.shape
-        ctx.kv_heads = k.shape[1]
         q, kv = q.contiguous(), (k, v)  # (kept as they come: one key/value head per group, until the backward)
         # each query head's key/value head (the backward sums the groups' gradients in float32, then rounds them)
         k, v = repeat_kv(k, H).contiguous(), repeat_kv(v, H).contiguous()  # (B, H, Lk, D|Dv)
@@ -233,10 +232,10 @@ class _Flash(torch.autograd.Function):
         for count, group in enumerate(_groups(mask)):
             torch.ops.attnkit_flash.forward(q, k, v, *group.plan(), sink, rel, d0, scale, cap, guard, low, out, lse)
             first = group if count == 0 else None
-        # The backward of bfloat16 products reads no output (each row's delta summed from the weights it recomputes):
-        # not saved then, so that a caller may change the output in place before the backward, as with float32 copies
-        reads_out = not (low and bf16_products())
-        ctx.save_for_backward(q, *kv, sinks, rel, out if reads_out else None, lse)
+        # bfloat16's products (where the CPU has them): the backward sums each row's delta from the weights it
+        # recomputes and reads no output, which is not saved then, so that a caller may change it in place
+        products_low = low and bf16_products()
+        ctx.save_for_backward(q, *kv, sinks, rel, None if products_low else out, lse)
         ctx.mask, ctx.cap, ctx.d0, ctx.scale, ctx.watched, ctx.guard, ctx.low = (
             mask,
             cap,
@@ -244,7 +243,7 @@ class _Flash(torch.autograd.Function):
             scale,
             watched,
             guard,
-            low,
+            products_low,
         )
         # the masks, kept for the backward when they are one group within KEEP_BYTES, else made again
         keep = first is not None and first.nbytes <= KEEP_BYTES and any(ctx.needs_input_grad)
@@ -256,19 +255,19 @@ class _Flash(torch.autograd.Function):
     def backward(ctx, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         first_order_only(NAME)
         q, k, v, sinks, rel, out, lse = ctx.saved_tensors
-        H = q.shape[1]
-        k, v = repeat_kv(k, H).contiguous(), repeat_kv(v, H).contiguous()  # (B, H, Lk, D|Dv)
+        B, H = q.shape[:2]
+        Hkv = k.shape[1]
+        k, v = repeat_kv(k, H).contiguous(), repeat_kv(v, H).contiguous()  # (B, Hkv, Lk, D|Dv) -> (B, H, Lk, D|Dv)
         if ctx.watched is not None:
             ctx.watched.check(NAME)
         mask: Mask = ctx.mask
         shape = (*q.shape[:3], v.shape[-1])  # out's (B, H, Lq, Dv), in q's dtype
         dout = q.new_zeros(shape) if dout is None else dout.to(q.dtype)  # (B, H, Lq, Dv)
         Dv = v.shape[-1]
-        B, H = q.shape[:2]
         live = lse > -math.inf  # (B, H, Lq): a row with no key has no weight to pass dlse to
         # bfloat16's products: the kernel sums each row's delta from the weights it recomputes, -dlse to start with
         # (flash.cpp), and gives the deltas back for the sinks' gradient
-        low = ctx.low and bf16_products()
+        low = ctx.low
         dl = None if dlse is None or not low else torch.where(live, dlse.float(), 0.0).contiguous()  # (B, H, Lq)
         rowsum = q.new_zeros((B, H, q.shape[2]) if low else (0, 0, 0), dtype=torch.float32)  # (B, H, Lq)
         if dlse is not None and not low:
@@ -299,8 +298,8 @@ class _Flash(torch.autograd.Function):
         if rel is not None and ctx.needs_input_grad[4]:
             broadcast = [d for d in (0, 1) if rel.shape[d] == 1]
             drel_ = (drel.sum(broadcast, keepdim=True) if broadcast else drel).to(rel.dtype)  # (B|1, H|1, R)
-        if ctx.kv_heads != H:  # each group's gradients summed in float32
-            groups = (ctx.kv_heads, H // ctx.kv_heads)
+        if Hkv != H:  # each group's gradients summed in float32
+            groups = (Hkv, H // Hkv)
             dk = dk.unflatten(1, groups).sum(dim=2)  # (B, Hkv, Lk, D)
             dv = dv.unflatten(1, groups).sum(dim=2)  # (B, Hkv, Lk, Dv)
         dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
