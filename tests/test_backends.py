@@ -99,6 +99,40 @@ def test_padding_never_leaks(backend, lens_dims):
     torch.testing.assert_close(dirty_grads[0], clean_grads[0], rtol=0, atol=0)
 
 
+SINK_ENGINES = [e for e in BACKENDS if e in ("reference", "tiles:online", "tiles:kernel")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sinks", [False, True])
+def test_the_output_gradient_of_a_row_that_sees_no_key_reaches_nothing(backend, sinks, dtype):
+    """A row with no key is zeros whatever the inputs hold: NaN in its output gradient (``torch.where``'s backward
+    through a ``sqrt`` at 0 gives it) reaches no gradient (a tester's finding: dv and dsinks were NaN on reference
+    and tiles), and the others are those of a finite gradient there."""
+    if sinks and backend not in SINK_ENGINES:
+        pytest.skip(f"{backend} takes no sinks")
+    if not runs_dtype(backend, dtype):
+        pytest.skip(f"{backend} does not run {dtype}")
+    q, k, v, g = make_inputs(9, 40, 16, 2, seed=11)  # (2, 8, 9, 16), (2, 4, 40, 16), (2, 4, 40, 19)
+    lens = torch.randint(1, 41, (2, 9), generator=g)
+    lens[0, :3] = 0  # queries 0-2 of the first example see no key
+    leaves = [t.to(dtype).detach().requires_grad_() for t in (q, k, v)]
+    kw = {"valid_lens": lens}
+    if sinks:
+        leaves.append(torch.randn(8, generator=g).requires_grad_())
+        kw["sinks"] = leaves[3]
+    grad_out = torch.randn(2, 8, 9, v.shape[-1], generator=g).to(dtype)  # (2, 8, 9, Dv)
+    dirty = grad_out.clone()
+    dirty[0, :, :3] = float("nan")
+    found = []
+    for gout in (grad_out, dirty):
+        out = attnkit.scaled_dot_product_attention(*leaves[:3], backend=backend, **kw).output
+        found.append(torch.autograd.grad(out, leaves, gout))
+    for name, clean, got in zip(["q", "k", "v", "sinks"], *found, strict=False):
+        assert torch.isfinite(got).all(), f"d{name} on {backend}"
+        torch.testing.assert_close(got, clean, rtol=0, atol=0, msg=f"d{name} on {backend}")
+
+
 def test_padding_never_leaks_into_additive_attention():
     q, k, v, g = make_inputs(7, 203, 16, 1, seed=8, heads=False)
     w_v = torch.randn(16, generator=g)

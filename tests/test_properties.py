@@ -100,14 +100,16 @@ def _forward_backward(fn, tensors, grad_out):
 @settings(max_examples=150, deadline=None)
 @given(calls(), st.booleans())
 def test_nan_where_no_query_may_see_never_leaks(call, additive):
-    """NaN in every key and value no query may see and in every query that may see no key, under any combination
-    of valid_lens, boolean or float (-inf) mask and causal: outputs, weights and all gradients stay finite, equal
-    those of clean inputs exactly, and the poisoned positions get zero gradients, in every backend."""
+    """NaN in every key and value no query may see, in every query that may see no key and in its output's
+    gradient, under any combination of valid_lens, boolean or float (-inf) mask and causal: outputs, weights and all
+    gradients stay finite, equal those of clean inputs exactly, and the poisoned positions get zero gradients, in
+    every backend."""
     q, k, v, kw, block, layout = call
     dead_keys, dead_rows = _dead_positions(q, k, kw)
     assume(bool(dead_keys.any() or dead_rows.any()))
     dirty = _poisoned(q, k, v, dead_keys, dead_rows, layout)
     grad_out = torch.randn(*q.shape[:3], v.shape[-1])
+    dirty_grad_out = grad_out.masked_fill(dead_rows[..., None], float("nan"))  # (B, H, Lq, Dv)
     w_v = torch.randn(q.shape[-1])
     for backend in ("reference", "tiles:online") if additive else (*BACKENDS, *NATIVE):
 
@@ -118,7 +120,7 @@ def test_nan_where_no_query_may_see_never_leaks(call, additive):
 
         with online.settings(block_size=block, additive_block_bytes=4 * block * q.numel()):
             clean_out, clean_grads = _forward_backward(fn, (q, k, v), grad_out)
-            out, grads = _forward_backward(fn, dirty, grad_out)
+            out, grads = _forward_backward(fn, dirty, dirty_grad_out)
         where = f"{backend}, additive={additive}"
         assert torch.isfinite(out).all(), where
         torch.testing.assert_close(out, clean_out, rtol=0, atol=0, msg=where)
