@@ -138,6 +138,8 @@ def _check_case(case: Case, seed: int, group: object | None = None) -> list[tupl
         q[~allowed.any(dim=-1)] = float("nan")  # (B, H, Lq) dead rows
         dead_keys = ~allowed.any(dim=-2).unflatten(1, (case.Hkv, -1)).any(dim=2)  # (B, Hkv, Lk)
         k[dead_keys], v[dead_keys] = float("nan"), float("nan")
+    # and in the output gradient of every row that sees no key (its output is zeros whatever it holds)
+    dout = dout.masked_fill(q.isnan().any(dim=-1, keepdim=True), float("nan"))  # (B, H, Lq, Dv)
 
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     want = attnkit.scaled_dot_product_attention(*full, **masks).output

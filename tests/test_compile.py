@@ -132,8 +132,8 @@ def test_compiles_whole_and_equals_eager(name: str, backend: str) -> None:
 
 
 def test_no_leak_from_padding_under_compile() -> None:
-    """NaN in the keys and values no query may see and in a query that sees no key: the output and every gradient
-    stay finite and equal the eager ones."""
+    """NaN in the keys and values no query may see, in a query that sees no key and in that row's output gradient:
+    the output and every gradient stay finite and equal the eager ones."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, 4, L, 8, dtype=torch.float64) for _ in range(3))
     lens = torch.tensor([L, 7])
@@ -149,10 +149,12 @@ def test_no_leak_from_padding_under_compile() -> None:
     compiled = torch.compile(call, fullgraph=True)
     for n, queries in ((lens, q), (causal_lens, q_nan)):
         results = []
+        dead = (n == 0).view(B, 1, -1, 1) if n.dim() == 2 else torch.zeros(B, 1, 1, 1, dtype=torch.bool)
+        grad = torch.ones(B, 4, L, 8, dtype=torch.float64).masked_fill(dead, float("nan"))  # (B, H, L, Dv)
         for fn in (call, compiled):
             leaves = [t.clone().requires_grad_() for t in (queries, k, v)]
             out = fn(*leaves, n)
-            out.backward(torch.ones_like(out))
+            out.backward(grad)
             results.append([out, *(t.grad for t in leaves)])
         for got, want in zip(*results, strict=True):
             assert torch.isfinite(got).all()

@@ -20,6 +20,7 @@ from attnkit import _compile, _context_parallel, dispatch, mods, trace, varlen
 from attnkit._validate import check_qkv, check_same_kind, check_scale, describe
 from attnkit._value_checks import checked, value_check
 from attnkit.backends import reference
+from attnkit.backends.common import no_gradient_from_empty_rows
 from attnkit.backends.contract import Call, Unavailable
 from attnkit.masks import Mask, compute_dtype
 from attnkit.plan import Plan, plan_of
@@ -383,23 +384,8 @@ def _run(backend: str, call: Call, need_lse: bool) -> tuple[str, varlen.Result]:
                 ) from None
             continue
         dispatch.ran(chosen)
-        return chosen.NAME, _no_gradient_from_empty_rows(call, result)
-
-
-def _no_gradient_from_empty_rows(call: Call, result: varlen.Result) -> varlen.Result:
-    """The output, its rows that the mask lets see no key passing no gradient back. Those rows are zeros whatever
-    q, k, v and the sinks hold, so their output gradient must reach none of them; an engine's backward would
-    multiply it by their zero weights, and NaN there (``torch.where``'s backward through a ``sqrt`` at 0 gives it)
-    would fill dv and dsinks (a tester's finding: reference and tiles; sdpa and graph skip such rows). The forward's
-    values are unchanged. Inside a traced graph the graph backend runs, which skips such rows itself."""
-    out = result.output
-    if not (torch.is_grad_enabled() and out.requires_grad) or torch.compiler.is_compiling():
-        return result
-    live_rows = call.mask.liveness[1]  # (B|1, H|1, Lq) or None when every row sees some key
-    if live_rows is None:
-        return result
-    zero = torch.zeros((), dtype=out.dtype, device=out.device)
-    return result._replace(output=torch.where(live_rows[..., None], out, zero))  # (B, H, Lq, Dv)
+        out = no_gradient_from_empty_rows(call.mask, result.output)  # (B, H, Lq, Dv)
+        return chosen.NAME, result._replace(output=out)
 
 
 def _planned(call: Call) -> Call:

@@ -82,6 +82,21 @@ def zero_dead(
     return q, k, v
 
 
+def no_gradient_from_empty_rows(mask: Mask, out: Tensor) -> Tensor:
+    """``out (B, H, Lq, Dv)``, its rows that the mask lets see no key passing no gradient back. Those rows are zeros
+    whatever q, k, v and the sinks hold, so their output gradient must reach none of them; an engine's backward
+    multiplies it by their zero weights, and NaN there (``torch.where``'s backward through a ``sqrt`` at 0 gives
+    it) would fill dv and dsinks (a tester's finding: reference and tiles). The values are unchanged. Called on every
+    engine's output (:func:`attnkit.functional.attend`), outside a traced graph: the graph backend, which runs
+    there, zeroes such rows itself. Rows a score_mod's -inf empties are not the mask's: not covered here."""
+    if not (torch.is_grad_enabled() and out.requires_grad) or torch.compiler.is_compiling():
+        return out
+    live_rows = mask.liveness[1]  # (B|1, H|1, Lq) or None when every row sees some key
+    if live_rows is None:
+        return out
+    return torch.where(live_rows[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
 def _finite_suffixes(mask: Mask, k: Tensor, v: Tensor, zeros_past: Tensor | None) -> bool:
     """True when the dead keys form a suffix of each example (only ``valid_lens`` and ``is_causal`` hide keys:
     padding, a cache past each row's length) and hold only finite keys and values: then they need no zeroing

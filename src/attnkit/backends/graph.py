@@ -113,8 +113,9 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     dropped = F.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
     grouped = dropped.reshape(B, Hk, H // Hk * Lq, Lk)  # (B, Hk, H/Hk * Lq, Lk)
     out = (grouped @ vf).view(B, H, Lq, vf.shape[-1])  # (B, H, Lq, Dv)
-    if cached:  # rows that see nothing, whatever the keys they did not see hold
-        out = torch.where(seen.any(dim=-1, keepdim=True), out, 0.0)  # (B, H, Lq, Dv)
+    # rows that see nothing: zeros whatever the keys they did not see hold, and their output gradient, NaN
+    # included, passes back to nothing (a reviewer's finding: it filled dv under torch.compile)
+    out = torch.where(seen.any(dim=-1, keepdim=True), out, 0.0)  # (B, H, Lq, Dv)
     return out.to(q.dtype), (weights.to(q.dtype) if call.need_weights else None)
 
 

@@ -169,7 +169,8 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan: Plan = ctx.plan
         ring = plan.ring
-        qf, dout = _zero_dead_rows(q.to(out.dtype), plan, ctx.live_rows), dout.to(out.dtype)  # (B, H, Lq_r, D|Dv)
+        # (B, H, Lq_r, D|Dv): a dead row's output gradient, NaN included, reaches nothing (its output is zeros)
+        qf, dout = (_zero_dead_rows(t.to(out.dtype), plan, ctx.live_rows) for t in (q, dout))
         delta = (dout * out).sum(dim=-1)  # (B, H, Lq_r): sum_j p_ij dp_ij, the softmax Jacobian's row term
         dq = torch.zeros_like(qf)  # (B, H, Lq_r, D)
         pending: tuple[list, Tensor, Tensor] | None = None  # the gradient exchange under way: works, sent, received
@@ -225,11 +226,11 @@ def _gradient_step(plan: Plan, step: int) -> str:
 
 
 def _zero_dead_rows(q: Tensor, plan: Plan, live: Tensor | None = None) -> Tensor:
-    """``q`` with the queries that may see no key zeroed (an example with ``valid_lens`` 0, a causal query
-    before the first key, and with ``live`` ``(B, H, Lq_r)`` given, the rows it calls dead: those that summed no
-    key in the forward pass), so that what they hold, NaN included, never reaches ``dk`` through ``0 * NaN``;
-    their own outputs and gradients are zero anyway. (In the forward pass such a row is harmless: its scores are
-    all replaced by the fill value and its weights are exactly 0.)"""
+    """``q`` (the queries, or the output's gradient) with the rows that may see no key zeroed (an example with
+    ``valid_lens`` 0, a causal query before the first key, and with ``live`` ``(B, H, Lq_r)`` given, the rows it
+    calls dead: those that summed no key in the forward pass), so that what they hold, NaN included, never reaches
+    ``dk`` or ``dv`` through ``0 * NaN``; their own outputs and gradients are zero anyway. (In the forward pass
+    such a row is harmless: its scores are all replaced by the fill value and its weights are exactly 0.)"""
     if live is not None:
         live = live[..., None]  # (B, H, Lq_r, 1)
     if plan.valid_lens is not None:
