@@ -76,7 +76,7 @@ test: $(STAMP) browser compiler
 	$(BIN)/python -m pytest -q $(PARALLEL)
 
 test-all: $(STAMP) browser compiler
-	$(BIN)/python -m pytest -q -m '' $(PARALLEL)
+	ATTNKIT_TESTS_ON_INDUCTOR=1 $(BIN)/python -m pytest -q -m '' $(PARALLEL)
 
 # The API reference, from the docstrings: static HTML in site/api/ (open site/api/index.html, offline). -n -W: a
 # cross-reference that resolves to nothing, or any other warning, fails the build.

@@ -25,5 +25,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 @pytest.fixture(autouse=True)
+def _compiled_tiles_compiler(request, monkeypatch):
+    """The compiled tile engine (``tiles:compiled``) gives its steps to Inductor, whose C++ costs about 2 s of CPU a
+    graph in a clean clone: in ``make test`` the calls of tests not marked ``inductor`` compile them with
+    "aot_eager_decomp_partition" (dynamo's graphs and AOTAutograd's forward and backward, decomposed and partitioned
+    as for Inductor, run by PyTorch's eager kernels), so that the engine's tiles, masks and gradients are checked on
+    every test and Inductor's code on the tests marked ``inductor``; ``make test-all`` runs all of them on Inductor."""
+    if request.node.get_closest_marker("inductor") is None and not os.environ.get("ATTNKIT_TESTS_ON_INDUCTOR"):
+        from attnkit.backends.tiles import compiled_steps
+
+        monkeypatch.setattr(compiled_steps, "COMPILER", "aot_eager_decomp_partition")
+
+
+@pytest.fixture(autouse=True)
 def _doctest_torch(doctest_namespace):
     doctest_namespace["torch"] = torch

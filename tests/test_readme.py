@@ -84,6 +84,7 @@ SLOW_SECTIONS = {
     [pytest.param(*b, marks=[pytest.mark.slow] if b[1] in SLOW_SECTIONS else []) for b in BLOCKS],
     ids=[f"{d.name}: {s} (line {n})" for d, s, n, _, _ in BLOCKS],
 )
+@pytest.mark.inductor  # as written: a call the compiled tile engine runs gets Inductor's code, as a reader's does
 def test_readme_python_block_runs_as_written(document, section, line, code, shown, tmp_path, monkeypatch, capsys):
     """...and prints what the ```text block after it shows, when there is one."""
     monkeypatch.chdir(tmp_path)

@@ -76,7 +76,17 @@ COVERING = [
 ]
 
 
-@pytest.mark.parametrize("case", COVERING, ids=[c["mask"] for c in COVERING])
+# Inductor's code for two of them (the closure step's graphs, softcap's, sinks, a mask per example; a bias: in
+# test_tiles_compiled_additive.py), the others' steps on aot_eager_decomp_partition (tests/conftest.py): make
+# test-all runs all on Inductor
+ON_INDUCTOR = {"causal", "valid_lens"}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=[pytest.mark.inductor] if c["mask"] in ON_INDUCTOR else []) for c in COVERING],
+    ids=[c["mask"] for c in COVERING],
+)
 def test_compiled_equals_the_math_on_each_way_of_masking(case):
     _compiled_equals_the_math(case)
 
@@ -138,9 +148,12 @@ def masking(
         names.append("sinks")
 
 
-def test_nan_where_no_query_may_see_and_in_keys_the_score_mod_hides_reaches_nothing():
+@pytest.mark.inductor
+def test_nan_where_no_query_may_see_and_in_keys_the_score_mod_hides_reaches_nothing(monkeypatch):
     """NaN in the keys and values past each example's length (no query may see them), and in a key the score_mod
-    hides from every query with -inf: outputs and gradients are those of the call with zeros there."""
+    hides from every query with -inf: outputs and gradients of Inductor's steps are those of the call with zeros
+    there (its steps run by aot_eager_decomp_partition: Inductor compiles only the steps that guard against keys that
+    are not finite)."""
     Lq = Lk = 20
     q, k, v = (t.detach() for t in _inputs(7, Lq, Lk))
     lens = torch.tensor([20, 11])
@@ -157,8 +170,15 @@ def test_nan_where_no_query_may_see_and_in_keys_the_score_mod_hides_reaches_noth
         out.backward(torch.ones_like(out))
         return [out.detach()] + [t.grad for t in leaves]
 
+    def run_eagerly(k, v):
+        with monkeypatch.context() as patched:
+            patched.setattr(compiled_steps, "COMPILER", "aot_eager_decomp_partition")
+            return run(q, k, v)
+
     unseen = [(1, slice(None), slice(11, None)), (slice(None), slice(None), hidden_key)]
-    mathref.assert_unseen_nan_reaches_nothing(lambda k, v: run(q, k, v), k, v, unseen, ["out", "dq", "dk", "dv"])
+    mathref.assert_unseen_nan_reaches_nothing(
+        lambda k, v: run(q, k, v), k, v, unseen, ["out", "dq", "dk", "dv"], zeros_run=run_eagerly
+    )
 
 
 def test_a_score_mod_that_raises_or_returns_the_wrong_shape_is_one_error_naming_it():
@@ -396,3 +416,16 @@ def test_softcap_runs_in_its_compiled_form():
     keys = {key[1] for key in compiled_steps._KEPT}
     assert compiled_steps._key(SOFTCAP.compiled()) in keys
     assert compiled_steps._key(SOFTCAP) not in keys
+
+
+@pytest.mark.inductor
+def test_the_tests_marked_inductor_give_the_steps_to_inductor():
+    """tests/conftest.py: Inductor for the tests marked ``inductor`` (and every test in make test-all)."""
+    assert compiled_steps.COMPILER == "inductor"
+
+
+def test_the_other_tests_give_the_steps_to_aot_eager_in_make_test():
+    import os
+
+    want = "inductor" if os.environ.get("ATTNKIT_TESTS_ON_INDUCTOR") else "aot_eager_decomp_partition"
+    assert compiled_steps.COMPILER == want

@@ -206,6 +206,10 @@ _STEPS: dict[str, Callable[..., Any]] = {"forward": _forward_step, "backward": _
 # object, 8, would otherwise send a model's ninth variant to eager code, silently: checked on torch 2.13 by
 # tests/test_compiled.py, which counts the graphs).
 KEPT_STEPS = 64
+# The torch.compile backend the steps are given to: Inductor, whose C++ code is what this engine is for. (The test
+# suite gives most of its calls to "aot_eager_decomp_partition", dynamo's and AOTAutograd's graphs without Inductor's
+# C++, and its tests marked ``inductor`` to Inductor: tests/conftest.py.)
+COMPILER = "inductor"
 _KEPT: collections.OrderedDict[object, Callable[..., Any]] = collections.OrderedDict()
 # score_mods whose compiled steps failed: they run eagerly from then on, after one warning each.
 _FAILED: set[object] = set()
@@ -250,11 +254,11 @@ def _variant(args: tuple[Any, ...]) -> tuple[object, ...]:
 
 
 def _compiled(step: str, key: object, args: tuple[Any, ...]) -> Callable[..., Any]:
-    full_key = (step, key, _variant(args))
+    full_key = (step, key, _variant(args), COMPILER)
     with _LOCK:
         fn = _KEPT.get(full_key)
         if fn is None:
-            fn = _KEPT[full_key] = torch.compile(_copy(_STEPS[step]), dynamic=False)
+            fn = _KEPT[full_key] = torch.compile(_copy(_STEPS[step]), backend=COMPILER, dynamic=False)
             while len(_KEPT) > KEPT_STEPS:
                 _KEPT.popitem(last=False)
         _KEPT.move_to_end(full_key)
