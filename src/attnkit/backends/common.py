@@ -88,7 +88,8 @@ def no_gradient_from_empty_rows(mask: Mask, out: Tensor) -> Tensor:
     multiplies it by their zero weights, and NaN there (``torch.where``'s backward through a ``sqrt`` at 0 gives
     it) would fill dv and dsinks (a tester's finding: reference and tiles). The values are unchanged. Called on every
     engine's output (:func:`attnkit.functional.attend`), outside a traced graph: the graph backend, which runs
-    there, zeroes such rows itself. Rows a score_mod's -inf empties are not the mask's: not covered here."""
+    there, zeroes such rows itself. Rows a score_mod's -inf empties are not the mask's: each engine that takes a
+    score_mod keeps their output gradient from its backward itself (it knows them once it has summed the row)."""
     if not (torch.is_grad_enabled() and out.requires_grad) or torch.compiler.is_compiling():
         return out
     live_rows = mask.liveness[1]  # (B|1, H|1, Lq) or None when every row sees some key

@@ -54,14 +54,16 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     protected = None
     if call.score_mod is not None:
         protected = mods.protected_storages(call.score_mod, call.tensors_read(call.score_mod))
-    weights, unseen = _weights(
+    weights, unseen, emptied = _weights(
         q, k, mask, w_v=call.w_v, scale=call.scale, score_mod=call.score_mod, sinks=call.sinks, protected=protected
-    )  # (B, H, Lq, Lk) in `dtype`, (B, H, Lk) or None
+    )  # (B, H, Lq, Lk) in `dtype`, (B, H, Lk) or None, (B, H, Lq) or None
     dropped = torch.nn.functional.dropout(weights, call.dropout_p) if call.dropout_p > 0 else weights
     vf = repeat_kv(v, H).to(dtype)  # (B, H, Lk, Dv)
     if unseen is not None:  # keys the score_mod hides from every query: nothing they hold reaches the output
         vf = torch.where(unseen[..., None], 0.0, vf)  # (B, H, Lk, Dv)
     out = dropped @ vf  # (B, H, Lq, Dv)
+    if emptied is not None and out.requires_grad:  # rows the score_mod leaves no key: zeros, no gradient back
+        out = torch.where(emptied[..., None], 0.0, out)  # (B, H, Lq, Dv)
     return out.to(q.dtype), (weights.to(q.dtype) if call.need_weights else None)
 
 
@@ -80,7 +82,7 @@ def attention_weights(
     Without autograd, the scores are written once (scale folded into the matmul) and the softmax runs in place."""
     q, k, _ = zero_dead(q, k, k, mask)
     protected = None if score_mod is None else mods.protected_storages(score_mod)
-    weights, _ = _weights(q, k, mask, w_v=w_v, scale=scale, score_mod=score_mod, sinks=sinks, protected=protected)
+    weights, _, _ = _weights(q, k, mask, w_v=w_v, scale=scale, score_mod=score_mod, sinks=sinks, protected=protected)
     return weights  # (B, H, Lq, Lk)
 
 
@@ -94,11 +96,12 @@ def _weights(
     score_mod: mods.ScoreFn | None,
     sinks: Tensor | None,
     protected: frozenset[int] | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """The weights ``(B, H, Lq, Lk)`` of queries and keys whose dead rows and keys are zeroed, and the keys a
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The weights ``(B, H, Lq, Lk)`` of queries and keys whose dead rows and keys are zeroed; the keys a
     score_mod hides from every query, ``(B, H, Lk)`` (or ``None``): keys no query may see, like the mask's dead
     ones, so they are scored again as zeros (``0 * NaN`` would reach ``dq`` through a hidden score) and the caller
-    zeroes their values."""
+    zeroes their values; and the rows a score_mod leaves with no key, ``(B, H, Lq)`` (or ``None``): zeros, whose
+    output gradient the caller keeps from reaching anything (``0 * NaN`` again, in ``dv``)."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     dtype = compute_dtype(q.dtype)
@@ -123,7 +126,7 @@ def _weights(
     scores = scores_of(kf)  # (B, H, Lq, Lk)
     allowed, bias = mask.full(dtype)
     empty_rows = mask.liveness[1] is not None  # some query may see no key
-    unseen = None
+    unseen = emptied = None
     if score_mod is not None:
         idx = mods.indices(B, H, (0, Lq), (0, Lk), q.device)  # b (B,1,1,1), h (1,H,1,1), q_idx, kv_idx
         raw = scores
@@ -141,13 +144,15 @@ def _weights(
                 unseen = None
             allowed = ~hidden if allowed is None else allowed & ~hidden  # (B, H, Lq, Lk)
             empty_rows = True
+            emptied = ~allowed.any(dim=-1)  # (B, H, Lq)
+            emptied = emptied if bool(emptied.any()) else None
         if raw.requires_grad and allowed is not None:
             # as FlexAttention: hidden pairs pass no gradient back through the score_mod (one singular there,
             # 1 / (i - j) on a hidden diagonal, would give 0 * inf)
             hidden_pairs = ~allowed
             raw.register_hook(lambda g: None if g is None else g.masked_fill(hidden_pairs, 0.0))  # (gradcheck: None)
     if sinks is not None:
-        return _softmax_with_sinks(scores, allowed, bias, mask.sink_logits(sinks.to(dtype))), unseen
+        return _softmax_with_sinks(scores, allowed, bias, mask.sink_logits(sinks.to(dtype))), unseen, emptied
     # a score of -inf (infinite inputs, or an overflow) hides its key as the mask does; the inputs' bound spares the
     # softmax its look at the scores where no score can reach half the range (a bias stays within the other half)
     finite = w_v is None and score_mod is None and scores_bounded(q, k, scale, dtype) or None  # (None: look)
@@ -160,7 +165,7 @@ def _weights(
         empty_rows=empty_rows,
         finite=finite,
     )  # (B, H, Lq, Lk)
-    return weights, unseen
+    return weights, unseen, emptied
 
 
 def _softmax_with_sinks(scores: Tensor, allowed: Tensor | None, bias: Tensor | None, sink: Tensor) -> Tensor:

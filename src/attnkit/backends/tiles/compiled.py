@@ -240,16 +240,18 @@ def _forward(
     scale: float,
     exp: bool,
     guard: bool,
-) -> tuple[Tensor, Tensor]:
-    """The output ``(B, H, Lq, Dv)`` and each row's log-sum-exp ``(B, H, Lq)`` of ``q (B, H, Lq, D)`` over
-    ``k (B, H, Lk, D)`` and ``v (B, H, Lk, Dv)``, tile by tile; ``w (D,)`` for additive scoring, ``exp`` its form,
-    ``guard``: some key or value is not finite (:func:`~attnkit.backends.tiles.compiled_steps._forward_step`)."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The output ``(B, H, Lq, Dv)``, each row's log-sum-exp ``(B, H, Lq)`` and which rows saw some key ``(B, H,
+    Lq)``, of ``q (B, H, Lq, D)`` over ``k (B, H, Lk, D)`` and ``v (B, H, Lk, Dv)``, tile by tile; ``w (D,)`` for
+    additive scoring, ``exp`` its form, ``guard``: some key or value is not finite
+    (:func:`~attnkit.backends.tiles.compiled_steps._forward_step`)."""
     B, H, Lq, _ = q.shape
     Dv, T = v.shape[-1], plans.BLOCK
     out = q.new_zeros((B, H, Lq, Dv))  # (B, H, Lq, Dv)
     sink = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype)  # (B, H, Lq)
     # 0 in rows that see no key; the sink's logit where there is one (no keys at all: no block of queries below)
     lse = q.new_zeros((B, H, Lq)) if sink is None else sink.clone()  # (B, H, Lq)
+    saw = torch.zeros((B, H, Lq), dtype=torch.bool, device=q.device)  # (B, H, Lq)
     grid = _Grid(mask, B, H, q.device)
     qs, ks, vs = _blocked(q), _blocked(k), _blocked(v)  # (nq, B, H, T, D), (nk, B, H, T, D), (nk, B, H, T, Dv)
     for r0, r1, row_tiles in grid.blocks():
@@ -259,15 +261,17 @@ def _forward(
         if sink is not None:  # the sink first (its value is 0)
             m[:, :, :n], l[:, :, :n] = sink[:, :, r0:r1], 1.0
         acc = q.new_zeros((B, H, T, Dv))  # (B, H, T, Dv) running unnormalised output
+        saw_key = torch.zeros((B, H, T), dtype=torch.bool, device=q.device)  # (B, H, T)
         for j0, j1, every in row_tiles:
             allowed, bias = grid.masks(r0, r1, j0, j1, every, q.dtype)  # (B|1, H|1, T, T) each, or None
             idx = grid.indices(r0, j0)
             kb, vb = ks[j0 // T], vs[j0 // T]  # (B, H, T, D), (B, H, T, Dv)
-            args = (qs[r0 // T], kb, vb, w, m, l, acc, idx, allowed, bias, scale, exp, guard)
-            m, l, acc = steps.run("forward", score_mod, *args)  # noqa: E741
+            args = (qs[r0 // T], kb, vb, w, m, l, acc, saw_key, idx, allowed, bias, scale, exp, guard)
+            m, l, acc, saw_key = steps.run("forward", score_mod, *args)  # noqa: E741
         state = RunningSoftmax(m[:, :, :n], l[:, :, :n], acc[:, :, :n])  # (B, H, n), (B, H, n), (B, H, n, Dv)
         out[:, :, r0:r1], lse[:, :, r0:r1] = state.result()  # 0 and 0 in rows that summed nothing
-    return out, lse
+        saw[:, :, r0:r1] = saw_key[:, :, :n]
+    return out, lse, saw
 
 
 class _Compiled(torch.autograd.Function):
@@ -289,7 +293,9 @@ class _Compiled(torch.autograd.Function):
         found = None if w is None else steps.exp_form(q, k)  # additive, shifted and clamped: (B, H, L, D) each
         if found is not None:
             q, k = found
-        out, lse = _forward(q, k, v, w, sinks, mask, score_mod, scale, found is not None, guard)
+        out, lse, saw = _forward(q, k, v, w, sinks, mask, score_mod, scale, found is not None, guard)
+        # rows that saw no key (the mask's, a score_mod's -inf) are zeros: their output gradient must reach nothing
+        ctx.emptied = None if bool(saw.all()) else ~saw  # (B, H, Lq) or None
         ctx.save_for_backward(q, k, v, w, sinks, out, lse, *closed_over)
         ctx.mask, ctx.score_mod, ctx.scale, ctx.watched, ctx.guard = mask, score_mod, scale, watched, guard
         ctx.exp = found is not None
@@ -305,6 +311,8 @@ class _Compiled(torch.autograd.Function):
         score_mod, scale = ctx.score_mod, ctx.scale
         B, H, Lq, _ = q.shape
         dout = dout.to(out.dtype)
+        if ctx.emptied is not None:
+            dout = dout.masked_fill(ctx.emptied[..., None], 0.0)  # (B, H, Lq, Dv)
         delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
         closed_grads = [torch.zeros_like(t) for t in closed_over]
         keep = bool(closed_over)

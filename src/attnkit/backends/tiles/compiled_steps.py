@@ -108,16 +108,18 @@ def _forward_step(
     m: Tensor,
     l: Tensor,  # noqa: E741
     acc: Tensor,
+    saw_key: Tensor,
     idx: tuple[Tensor, Tensor, Tensor, Tensor],
     allowed: Tensor | None,
     bias: Tensor | None,
     scale: float,
     exp: bool,
     guard: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One tile folded into the running softmax ``m, l (B, H, n)``, ``acc (B, H, n, Dv)`` of its queries (scored as
-    ``_scores`` says); ``guard``: the keys or values hold a value that is not finite, which must not reach a row
-    through a weight of 0 (the values of keys no row of the tile sees are zeroed, as in ``tiles:online``)."""
+    ``_scores`` says), and ``saw_key (B, H, n)``: the rows that saw some key so far (with a sink, ``l`` cannot tell);
+    ``guard``: the keys or values hold a value that is not finite, which must not reach a row through a weight of 0
+    (the values of keys no row of the tile sees are zeroed, as in ``tiles:online``)."""
     s = _scores(q, k, w, scale, exp)  # (B, H, n, c)
     if score_mod is not None:
         s = score_mod(s, *idx).to(s.dtype).expand_as(s)  # (B, H, n, c)
@@ -132,7 +134,8 @@ def _forward_step(
     m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
     alpha = torch.exp(m - m_safe)  # rescales what was summed so far
     p = torch.exp(s - m_safe[..., None])  # (B, H, n, c); 0 where hidden
-    return m_new, l * alpha + p.sum(dim=-1), acc * alpha[..., None] + p @ v
+    saw_key = saw_key | ~torch.isneginf(s).all(dim=-1)  # (B, H, n)
+    return m_new, l * alpha + p.sum(dim=-1), acc * alpha[..., None] + p @ v, saw_key
 
 
 def _backward_step(

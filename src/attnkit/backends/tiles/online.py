@@ -152,14 +152,22 @@ def _prepared(call: Call) -> tuple[tuple, tuple[Tensor, ...]]:
 
 
 def _forward(
-    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, mask: Mask, scorer: Scorer, block: int
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sinks: Tensor | None,
+    mask: Mask,
+    scorer: Scorer,
+    block: int,
+    saw_key: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, list[Span], Tensor]:
     """The output ``(B, H, Lq, Dv)``, each row's log-sum-exp ``(B, H, Lq)`` (0 in a row with no key), the spans of
-    keys visited, and which rows had no key ``(B, H, Lq)``."""
+    keys visited, and which rows summed nothing ``(B, H, Lq)`` (no key, nor a sink); ``saw_key``: as
+    :func:`~attnkit.backends.tiles.softmax.accumulate`'s."""
     sink_logits = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype)  # (B, H, Lq)
     state = RunningSoftmax.start(q, v.shape[-1], sink_logits)
     spans = plan_of(mask).spans(mask, (0, mask.num_keys), block)
-    accumulate(state, q, k, v, mask, scorer, spans)
+    accumulate(state, q, k, v, mask, scorer, spans, saw_key)
     out, lse = state.result()  # (B, H, Lq, Dv), (B, H, Lq)
     return out, lse, spans, state.l == 0
 
@@ -179,7 +187,13 @@ class _OnlineSoftmax(torch.autograd.Function):
         watched: Watched | None,
         *closed_over: Tensor,
     ) -> Tensor:
-        out, lse, spans, _ = _forward(q, k, v, sinks, mask, scorer, block)  # (B, H, Lq, Dv), (B, H, Lq), ...
+        # which rows see some key, where a score can hide one (a score_mod's or an infinite input's -inf): a row left
+        # with none is zeros, and its output gradient must reach nothing (the mask's empty rows: functional's rule)
+        saw_key = None
+        if any(ctx.needs_input_grad) and (scorer.score_mod is not None or not scorer.finite):
+            saw_key = torch.zeros(q.shape[:3], dtype=torch.bool, device=q.device)  # (B, H, Lq)
+        out, lse, spans, _ = _forward(q, k, v, sinks, mask, scorer, block, saw_key)  # (B, H, Lq, Dv), (B, H, Lq), ..
+        ctx.emptied = None if saw_key is None or bool(saw_key.all()) else ~saw_key  # (B, H, Lq) or None
         ctx.save_for_backward(q, k, v, w_v, sinks, out, lse, *closed_over)
         ctx.mask, ctx.scorer, ctx.spans, ctx.watched = mask, scorer, spans, watched
         return out
@@ -192,6 +206,8 @@ class _OnlineSoftmax(torch.autograd.Function):
             ctx.watched.check(NAME)
         mask: Mask = ctx.mask
         dout = dout.to(out.dtype)
+        if ctx.emptied is not None:
+            dout = dout.masked_fill(ctx.emptied[..., None], 0.0)  # (B, H, Lq, Dv)
         delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
         grads = Grads(torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), _zeros_or_none(w_v))
         closed_grads = [torch.zeros_like(t) for t in closed_over]

@@ -133,7 +133,14 @@ class Grads(NamedTuple):
 
 
 def accumulate(
-    state: RunningSoftmax, q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, scorer: Scorer, spans: list[Span]
+    state: RunningSoftmax,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: BlockMask,
+    scorer: Scorer,
+    spans: list[Span],
+    saw_key: Tensor | None = None,
 ) -> None:
     """Fold the key blocks ``spans`` of ``k, v`` into ``state``, each into the rows that may see it.
 
@@ -142,6 +149,9 @@ def accumulate(
         q: ``(B, H, Lq, D)``; k: ``(B, H, Lk, D)``; v: ``(B, H, Lk, Dv)``, in the compute dtype.
         mask: ``mask.tile(r0, r1, j0, j1)`` says which rows may see which keys of ``k``.
         scorer: makes a block's scores; spans: from :func:`attnkit.plan.key_blocks`.
+        saw_key: ``(B, H, Lq)`` booleans, where given: set in the rows that see some key (one whose score is not
+            ``-inf``), in place (with sinks, ``state`` cannot tell a row that saw no key from one whose keys'
+            weights underflowed).
     """
     for span in spans:
         seen = _block_mask(mask, span, q.dtype)
@@ -151,6 +161,12 @@ def accumulate(
         rows = state.rows(r0, r1)  # (B, H, n, ...) views
         s, _ = scorer(q[:, :, r0:r1], k[:, :, j0:j1], (r0, r1), (j0, j1))  # (B, H, n, blk)
         allowed, unseen = _hidden_by_score(s, allowed, scorer)
+        if saw_key is not None:
+            rows_saw = saw_key[:, :, r0:r1]  # (B, H, n) view
+            if allowed is None:
+                rows_saw.fill_(True)
+            else:
+                rows_saw |= allowed.any(dim=-1)  # (B|1, H|1, n|1), broadcast
         vb = v[:, :, j0:j1]  # (B, H, blk, Dv)
         if unseen is not None:  # keys the score_mod hides from every query: their values never reach the output
             vb = torch.where(unseen[..., None], 0.0, vb)  # (B, H, blk, Dv)
