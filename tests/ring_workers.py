@@ -250,7 +250,8 @@ def die_or_hang_mid_run(rank: int, world_size: int, how: str, timeout: float) ->
             calls[0] += 1
             if calls[0] == world_size + 2:
                 if how == "hang":
-                    time.sleep(3 * timeout)  # silent well past the others' timeout, then gone
+                    # silent past the others' timeout and past the test's bound on their time (timeout + 2 s), then gone
+                    time.sleep(2 * timeout)
                 os._exit(3)
             real(state, q, kv, src, plan)
 
