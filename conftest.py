@@ -9,6 +9,7 @@ two threads each on a 2-core machine took 10.9 CPU minutes against 7.4 for one p
 """
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -31,10 +32,17 @@ def _compiled_tiles_compiler(request, monkeypatch):
     "aot_eager_decomp_partition" (dynamo's graphs and AOTAutograd's forward and backward, decomposed and partitioned
     as for Inductor, run by PyTorch's eager kernels), so that the engine's tiles, masks and gradients are checked on
     every test and Inductor's code on the tests marked ``inductor``; ``make test-all`` runs all of them on Inductor."""
-    if request.node.get_closest_marker("inductor") is None and not os.environ.get("ATTNKIT_TESTS_ON_INDUCTOR"):
+    marked = request.node.get_closest_marker("inductor") is not None
+    if not marked and not os.environ.get("ATTNKIT_TESTS_ON_INDUCTOR"):
         from attnkit.backends.tiles import compiled_steps
 
         monkeypatch.setattr(compiled_steps, "COMPILER", "aot_eager_decomp_partition")
+    with warnings.catch_warnings():
+        if marked:  # Inductor's code, never the steps run eagerly after a failure to compile them
+            warnings.filterwarnings(
+                "error", message="attnkit: the blocks of .* cannot be compiled", category=RuntimeWarning
+            )
+        yield
 
 
 @pytest.fixture(autouse=True)

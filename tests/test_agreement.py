@@ -88,7 +88,7 @@ def test_every_engine_agrees_with_float64_math_on_every_size(Lq, Lk, D, group):
     _agree(EAGER + COMPILED, Lq, Lk, D, group)
 
 
-@pytest.mark.inductor  # at the engine's own tile size, Inductor's code (tests/conftest.py)
+@pytest.mark.inductor  # at the engine's own tile size, Inductor's code (conftest.py at the root)
 @pytest.mark.parametrize(
     ("Lq", "Lk", "D", "group"),
     [  # (each about 12 s in a clean clone: one in make test, beside test_tiles_compiled.py's cases)

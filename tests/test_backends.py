@@ -106,15 +106,19 @@ def _first_rows_of_example_0_hidden(score, b, h, q_idx, kv_idx):
     return torch.where((b == 0) & (q_idx < 3), float("-inf"), score)
 
 
+def _three_or_more_back(score, b, h, q_idx, kv_idx):  # a bias on the distance (the C++ kernel takes it): rows 0-2
+    return score + torch.where(q_idx - kv_idx < 3, float("-inf"), 0.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", [e for e in ENGINES_HERE if has_autograd(e)])
 @pytest.mark.parametrize("sinks", [False, True])
-@pytest.mark.parametrize("emptied_by", ["valid_lens", "score_mod"])
+@pytest.mark.parametrize("emptied_by", ["valid_lens", "score_mod", "distance bias"])
 def test_the_output_gradient_of_a_row_that_sees_no_key_reaches_nothing(backend, sinks, dtype, emptied_by):
     """A row with no key is zeros whatever the inputs hold: NaN in its output gradient (``torch.where``'s backward
     through a ``sqrt`` at 0 gives it) reaches no gradient (a tester's finding: dv and dsinks were NaN on reference
     and tiles), and the others are those of a finite gradient there; so too where a score_mod's -inf hides every key
-    from the row."""
+    from the row (a function of the call's indices, or a bias on the distance, which the C++ kernel takes)."""
     if sinks and backend not in SINK_ENGINES:
         pytest.skip(f"{backend} takes no sinks")
     if not runs_dtype(backend, dtype):
@@ -124,24 +128,58 @@ def test_the_output_gradient_of_a_row_that_sees_no_key_reaches_nothing(backend, 
     lens = torch.randint(1, 41, (2, 6), generator=g)
     leaves = [t.to(dtype).detach().requires_grad_() for t in (q, k, v)]
     kw: dict = {"valid_lens": lens}
+    dead = (0, slice(None), slice(0, 3))  # queries 0-2 of the first example see no key
     if emptied_by == "valid_lens":
-        lens[0, :3] = 0  # queries 0-2 of the first example see no key
-    else:
+        lens[0, :3] = 0
+    elif emptied_by == "score_mod":
         kw["score_mod"] = _first_rows_of_example_0_hidden
+    else:
+        kw["score_mod"] = _three_or_more_back
+        dead = (slice(None), slice(None), slice(0, 3))  # queries 0-2 of each example
     if sinks:
         leaves.append(torch.randn(8, generator=g).requires_grad_())
         kw["sinks"] = leaves[3]
     grad_out = torch.randn(2, 8, 6, v.shape[-1], generator=g).to(dtype)  # (2, 8, 6, Dv)
     dirty = grad_out.clone()
-    dirty[0, :, :3] = float("nan")
+    dirty[dead] = float("nan")
     found = []
     for gout in (grad_out, dirty):
         try:
             out = attnkit.scaled_dot_product_attention(*leaves[:3], backend=backend, **kw).output
         except ValueError as error:
-            if emptied_by == "score_mod" and "cannot run this call" in str(error):
+            if emptied_by != "valid_lens" and "cannot run this call" in str(error):
                 pytest.skip(f"{backend} takes no such score_mod")
             raise
+        found.append(torch.autograd.grad(out, leaves, gout))
+    for name, clean, got in zip(["q", "k", "v", "sinks"], *found, strict=False):
+        assert torch.isfinite(got).all(), f"d{name} on {backend}"
+        torch.testing.assert_close(got, clean, rtol=0, atol=0, msg=f"d{name} on {backend}")
+
+
+@pytest.mark.parametrize("backend", ["auto", *(e for e in ENGINES_HERE if has_autograd(e))])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_the_output_gradient_of_a_row_whose_scores_overflow_to_minus_infinity_reaches_nothing(backend, sinks):
+    """Finite inputs whose products overflow to -inf for every key of one row: the row sees no key (as a mask's -inf
+    would hide them) and NaN in its output gradient reaches nothing (a reviewer's finding: reference, sdpa and the
+    C++ kernel passed it on)."""
+    if sinks and backend not in (*SINK_ENGINES, "auto"):
+        pytest.skip(f"{backend} takes no sinks")
+    g = torch.Generator().manual_seed(3)
+    q, v = torch.randn(1, 2, 6, 4, generator=g), torch.randn(1, 2, 6, 4, generator=g)
+    k = torch.randn(1, 2, 6, 4, generator=g).abs() + 0.5
+    q[0, 0, 2] = -1e38  # (every score of row 2, head 0: -inf in float32)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    kw = {}
+    if sinks:
+        leaves.append(torch.zeros(2, requires_grad=True))
+        kw["sinks"] = leaves[3]
+    grad_out = torch.randn(1, 2, 6, 4, generator=g)
+    dirty = grad_out.clone()
+    dirty[0, 0, 2] = float("nan")
+    found = []
+    for gout in (grad_out, dirty):
+        out = attnkit.scaled_dot_product_attention(*leaves[:3], backend=backend, **kw).output
+        assert (out[0, 0, 2] == 0).all(), backend
         found.append(torch.autograd.grad(out, leaves, gout))
     for name, clean, got in zip(["q", "k", "v", "sinks"], *found, strict=False):
         assert torch.isfinite(got).all(), f"d{name} on {backend}"

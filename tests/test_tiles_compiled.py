@@ -77,7 +77,7 @@ COVERING = [
 
 
 # Inductor's code for two of them (the closure step's graphs, softcap's, sinks, a mask per example; a bias: in
-# test_tiles_compiled_additive.py), the others' steps on aot_eager_decomp_partition (tests/conftest.py): make
+# test_tiles_compiled_additive.py), the others' steps on aot_eager_decomp_partition (conftest.py at the root): make
 # test-all runs all on Inductor
 ON_INDUCTOR = {"causal", "valid_lens"}
 
@@ -312,7 +312,7 @@ def test_a_failing_compiler_falls_back_to_the_same_steps_eagerly_with_one_warnin
         return fail
 
     monkeypatch.setattr(compiled_steps, "_compiled", broken_compiler)
-    compiled_steps._FAILED.discard(compiled_steps._key(doubled))
+    compiled_steps._FAILED.discard((compiled_steps.COMPILER, compiled_steps._key(doubled)))
     with pytest.warns(RuntimeWarning, match="doubled cannot be compiled.*C\\+\\+ compile error") as caught:
         out = attnkit.scaled_dot_product_attention(
             q, k, v, score_mod=doubled, is_causal=True, backend="tiles:compiled"
@@ -347,7 +347,7 @@ def test_a_failure_compiling_the_closure_steps_backward_falls_back_with_one_warn
     monkeypatch.setattr(compiled_steps, "_compiled", compiled_but_broken)
     q, k, v = _inputs(6, 13, 13)
     table, relative, math_relative = _table(13)
-    compiled_steps._FAILED.discard(compiled_steps._key(relative))
+    compiled_steps._FAILED.discard((compiled_steps.COMPILER, compiled_steps._key(relative)))
     with pytest.warns(RuntimeWarning, match="relative cannot be compiled.*C\\+\\+ compile error in the backward"):
         out = attnkit.scaled_dot_product_attention(q, k, v, score_mod=relative, backend="tiles:compiled").output
         (got,) = torch.autograd.grad(out.sum(), [table])
@@ -420,7 +420,7 @@ def test_softcap_runs_in_its_compiled_form():
 
 @pytest.mark.inductor
 def test_the_tests_marked_inductor_give_the_steps_to_inductor():
-    """tests/conftest.py: Inductor for the tests marked ``inductor`` (and every test in make test-all)."""
+    """conftest.py at the root: Inductor for the tests marked ``inductor`` (and every test in make test-all)."""
     assert compiled_steps.COMPILER == "inductor"
 
 

@@ -61,7 +61,7 @@ COVERING = [
 
 
 # Inductor's code for the tanh form (wide) with softcap, sinks and a bias (the exp form's: the float32 test below);
-# the others' steps on aot_eager_decomp_partition (tests/conftest.py): make test-all runs all on Inductor
+# the others' steps on aot_eager_decomp_partition (conftest.py at the root): make test-all runs all on Inductor
 ON_INDUCTOR = {"float mask"}
 
 
@@ -255,7 +255,7 @@ def test_auto_sends_additive_calls_to_chunked_once_the_steps_failed_to_compile(m
     monkeypatch.setattr(dispatch, "ADDITIVE_CHUNK_ELEMENTS", 1)
     monkeypatch.setattr(dispatch, "ADDITIVE_FROM", 1)
     monkeypatch.setattr(dispatch, "FEWEST_QUERIES", 8)
-    monkeypatch.setattr(compiled_steps, "_FAILED", {compiled_steps._key(None)})
+    monkeypatch.setattr(compiled_steps, "_FAILED", {(compiled_steps.COMPILER, compiled_steps._key(None))})
     with dispatch.watch(implementations=True) as chosen:
         attnkit.additive_attention(q, k, v, w_v)
     assert chosen == ["tiles:online"]

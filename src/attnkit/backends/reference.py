@@ -127,6 +127,8 @@ def _weights(
     allowed, bias = mask.full(dtype)
     empty_rows = mask.liveness[1] is not None  # some query may see no key
     unseen = emptied = None
+    # no score can reach half the range (a bias stays within the other half): none is -inf, none need be looked for
+    bounded = w_v is None and score_mod is None and scores_bounded(q, k, scale, dtype)
     if score_mod is not None:
         idx = mods.indices(B, H, (0, Lq), (0, Lk), q.device)  # b (B,1,1,1), h (1,H,1,1), q_idx, kv_idx
         raw = scores
@@ -151,11 +153,21 @@ def _weights(
             # 1 / (i - j) on a hidden diagonal, would give 0 * inf)
             hidden_pairs = ~allowed
             raw.register_hook(lambda g: None if g is None else g.masked_fill(hidden_pairs, 0.0))  # (gradcheck: None)
+    elif grad and not bounded:
+        # a score of -inf from the inputs (an infinite one, a product that overflows) hides its key too: a row it
+        # leaves with none is zeros whose output gradient the caller keeps from reaching anything, and the sinks'
+        # softmax must see such a pair as hidden (its 0 weight times a NaN from the row's other products)
+        hidden = torch.isneginf(scores.detach())  # (B, H, Lq, Lk)
+        if bool(hidden.any()):
+            allowed = ~hidden if allowed is None else allowed & ~hidden  # (B, H, Lq, Lk)
+            empty_rows = True
+            emptied = ~allowed.any(dim=-1)  # (B, H, Lq)
+            emptied = emptied if bool(emptied.any()) else None
     if sinks is not None:
         return _softmax_with_sinks(scores, allowed, bias, mask.sink_logits(sinks.to(dtype))), unseen, emptied
     # a score of -inf (infinite inputs, or an overflow) hides its key as the mask does; the inputs' bound spares the
-    # softmax its look at the scores where no score can reach half the range (a bias stays within the other half)
-    finite = w_v is None and score_mod is None and scores_bounded(q, k, scale, dtype) or None  # (None: look)
+    # softmax its look at the scores
+    finite = bounded or None  # (None: look)
     weights = softmax_with_mask(
         scores,
         allowed,

@@ -22,9 +22,10 @@ from attnkit.backends.common import (
     first_order_only,
     kernel_backward_safe,
     nan_rows_stay_nan,
+    repeat_kv,
     zero_dead,
 )
-from attnkit.backends.contract import DOT, Call, Supports
+from attnkit.backends.contract import DOT, Call, Supports, scores_bounded
 from attnkit.backends.tiles.softmax import Scorer, exact_grads
 from attnkit.masks import Mask, compute_dtype
 from attnkit.mods import ScoreFn
@@ -86,7 +87,33 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
     out, _ = _attention(call)  # (B, H, Lq, Dv)
     if call.q.device.type != "cpu":
         return out, None
-    return nan_rows_stay_nan(call, out), None
+    return nan_rows_stay_nan(call, _no_gradient_from_overflowed_rows(call, out)), None
+
+
+# keys scored at a time by _no_gradient_from_overflowed_rows
+_ROWS_CHECK_BLOCK = 1024
+
+
+def _no_gradient_from_overflowed_rows(call: Call, out: Tensor) -> Tensor:
+    """``out (B, H, Lq, Dv)``, its rows whose every score overflows to ``-inf`` (finite inputs near the dtype's
+    largest number) passing no gradient back: they see no key and are zeros, and NaN in their output gradient would
+    reach ``dq``, ``dk`` and ``dv`` through PyTorch's backward (the mask's empty rows: functional's rule). Only where
+    autograd records and the inputs do not bound the scores (one read of each): then the scores again, a block of
+    keys at a time. A row whose visible keys overflow while a hidden one does not is not found."""
+    if not (torch.is_grad_enabled() and out.requires_grad) or torch.compiler.is_compiling():
+        return out
+    q, k, scale = call.q.detach(), call.k.detach(), call.scale
+    dtype = compute_dtype(q.dtype)
+    if call.score_mod is not None or scores_bounded(q, k, scale, dtype):
+        return out
+    qf, kf = q.to(dtype), repeat_kv(k, q.shape[1]).to(dtype)  # (B, H, Lq, D), (B, H, Lk, D)
+    empty = torch.ones(q.shape[:3], dtype=torch.bool, device=q.device)  # (B, H, Lq)
+    for j0 in range(0, kf.shape[2], _ROWS_CHECK_BLOCK):
+        s = (qf @ kf[:, :, j0 : j0 + _ROWS_CHECK_BLOCK].transpose(-2, -1)) * scale  # (B, H, Lq, blk)
+        empty &= torch.isneginf(s).all(dim=-1)
+    if not bool(empty.any()):
+        return out
+    return torch.where(empty[..., None], torch.zeros((), dtype=out.dtype, device=out.device), out)
 
 
 def _attention(call: Call) -> tuple[Tensor, Tensor | None]:

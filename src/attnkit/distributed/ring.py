@@ -157,8 +157,9 @@ class RingAttention(torch.autograd.Function):
         out, lse = state.result()  # (B, H, Lq_r, Dv), (B, H, Lq_r)
         # Rows that summed no key (a mask_mod may leave any row empty): exactly 0, as every allowed key adds a
         # positive weight to the normaliser; NaN (a live row's NaN query) is not 0 and stays live.
-        # rows a mask_mod or a score_mod's -inf hides from every key: dead, as rows past valid_lens
-        live_rows = None if plan.mask_mod is None and plan.score_mod is None else state.l != 0  # (B, H, Lq_r)
+        # rows a mask_mod, a score_mod's -inf or a score that overflows to -inf hides from every key: dead, as rows
+        # past valid_lens
+        live_rows = state.l != 0  # (B, H, Lq_r)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.live_keys, ctx.live_rows = plan, live_keys, live_rows
         return out.to(q.dtype)

@@ -211,10 +211,11 @@ _STEPS: dict[str, Callable[..., Any]] = {"forward": _forward_step, "backward": _
 KEPT_STEPS = 64
 # The torch.compile backend the steps are given to: Inductor, whose C++ code is what this engine is for. (The test
 # suite gives most of its calls to "aot_eager_decomp_partition", dynamo's and AOTAutograd's graphs without Inductor's
-# C++, and its tests marked ``inductor`` to Inductor: tests/conftest.py.)
+# C++, and its tests marked ``inductor`` to Inductor: conftest.py.)
 COMPILER = "inductor"
 _KEPT: collections.OrderedDict[object, Callable[..., Any]] = collections.OrderedDict()
-# score_mods whose compiled steps failed: they run eagerly from then on, after one warning each.
+# (COMPILER, score_mod's key) of the score_mods whose compiled steps failed: they run eagerly from then on, after one
+# warning each.
 _FAILED: set[object] = set()
 _LOCK = threading.Lock()
 
@@ -257,11 +258,12 @@ def _variant(args: tuple[Any, ...]) -> tuple[object, ...]:
 
 
 def _compiled(step: str, key: object, args: tuple[Any, ...]) -> Callable[..., Any]:
-    full_key = (step, key, _variant(args), COMPILER)
+    compiler = COMPILER
+    full_key = (step, key, _variant(args), compiler)
     with _LOCK:
         fn = _KEPT.get(full_key)
         if fn is None:
-            fn = _KEPT[full_key] = torch.compile(_copy(_STEPS[step]), backend=COMPILER, dynamic=False)
+            fn = _KEPT[full_key] = torch.compile(_copy(_STEPS[step]), backend=compiler, dynamic=False)
             while len(_KEPT) > KEPT_STEPS:
                 _KEPT.popitem(last=False)
         _KEPT.move_to_end(full_key)
@@ -281,7 +283,7 @@ def run(step: str, score_mod: ScoreFn | None, *args: Any) -> Any:
         ValueError: the score_mod raised, naming it.
     """
     key = _key(score_mod)
-    if key in _FAILED or torch.compiler.is_compiling():
+    if (COMPILER, key) in _FAILED or torch.compiler.is_compiling():
         return _eager(step, score_mod, *args)
     try:
         return _compiled(step, key, args)(score_mod, *args)
@@ -312,7 +314,7 @@ def closure_grads(
     try:  # (AOTAutograd compiles the backward graph here, at its first use)
         return torch.autograd.grad(term, closed_over, allow_unused=True)
     except Exception as error:
-        if _key(score_mod) in _FAILED:
+        if (COMPILER, _key(score_mod)) in _FAILED:
             raise
         warn_once(score_mod, f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}")
         with torch.enable_grad():
@@ -322,12 +324,12 @@ def closure_grads(
 
 def failed(score_mod: ScoreFn | None) -> bool:
     """Whether this score_mod's steps failed to compile before (they run eagerly now)."""
-    return _key(score_mod) in _FAILED
+    return (COMPILER, _key(score_mod)) in _FAILED
 
 
 def warn_once(score_mod: ScoreFn | None, why: str) -> None:
     """This score_mod runs eagerly from now on: say so, the first time."""
-    key = _key(score_mod)
+    key = (COMPILER, _key(score_mod))
     with _LOCK:
         first = key not in _FAILED
         _FAILED.add(key)

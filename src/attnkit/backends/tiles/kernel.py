@@ -32,7 +32,7 @@ from torch import Tensor
 
 from attnkit import csrc, mods
 from attnkit.backends.common import Watched, first_order_only, repeat_kv, row_sinks, sinks_grad, zero_dead
-from attnkit.backends.contract import DOT, Call, Supports, Unavailable
+from attnkit.backends.contract import DOT, Call, Supports, Unavailable, scores_bounded
 from attnkit.masks import Mask, all_finite
 from attnkit.plan import FULL, Rows, plan_of
 
@@ -201,6 +201,33 @@ def _group(blocks: list[_Block], nbytes: int) -> _Group:
     )
 
 
+def _no_gradient_from_rows_without_keys(
+    dout: Tensor,
+    live: Tensor,
+    lse: Tensor,
+    sinks: Tensor | None,
+    rel: Tensor | None,
+    mask: Mask,
+    q: Tensor,
+    k: Tensor,
+    scale: float,
+) -> Tensor:
+    """``dout (B, H, Lq, Dv)`` zeroed in the rows that summed no key (a distance bias's ``-inf``, a score that
+    overflows to ``-inf``; the mask's empty rows are zeroed before, by the caller): their outputs are zeros, and NaN in
+    their output gradient would reach ``dv`` through their zero weights. Without sinks such a row's ``lse`` is
+    ``-inf`` (``live`` False). With sinks it is the row's sink logit exactly, where a key can be hidden at all; a
+    live row's lse is too only where every key's weight underflows beside the sink, and its output gradient then
+    moves nothing above float32's smallest numbers."""
+    emptied = ~live  # (B, H, Lq)
+    if sinks is not None:
+        can_hide = (rel is not None and bool(torch.isneginf(rel).any())) or not scores_bounded(q, k, scale, q.dtype)
+        if can_hide:
+            emptied = emptied | (lse == row_sinks(sinks, mask, q.shape, torch.float32))  # (B, H, Lq)
+    if not bool(emptied.any()):
+        return dout
+    return dout.masked_fill(emptied[..., None], 0.0)  # (B, H, Lq, Dv)
+
+
 class _Flash(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -265,6 +292,7 @@ class _Flash(torch.autograd.Function):
         dout = q.new_zeros(shape) if dout is None else dout.to(q.dtype)  # (B, H, Lq, Dv)
         Dv = v.shape[-1]
         live = lse > -math.inf  # (B, H, Lq): a row with no key has no weight to pass dlse to
+        dout = _no_gradient_from_rows_without_keys(dout, live, lse, sinks, rel, mask, q, k, ctx.scale)
         # bfloat16's products: the kernel sums each row's delta from the weights it recomputes, -dlse to start with
         # (flash.cpp), and gives the deltas back for the sinks' gradient
         low = ctx.low
