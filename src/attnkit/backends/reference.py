@@ -128,7 +128,8 @@ def _weights(
     empty_rows = mask.liveness[1] is not None  # some query may see no key
     unseen = emptied = None
     # no score can reach half the range (a bias stays within the other half): none is -inf, none need be looked for
-    bounded = w_v is None and score_mod is None and scores_bounded(q, k, scale, dtype)
+    # (asked where a gradient or the softmax below would look)
+    bounded = w_v is None and score_mod is None and (grad or sinks is None) and scores_bounded(q, k, scale, dtype)
     if score_mod is not None:
         idx = mods.indices(B, H, (0, Lq), (0, Lk), q.device)  # b (B,1,1,1), h (1,H,1,1), q_idx, kv_idx
         raw = scores
@@ -144,10 +145,8 @@ def _weights(
                 hidden = hidden | unseen[..., None, :]  # hidden by the first verdict, whatever zeros score now
             else:
                 unseen = None
-            allowed = ~hidden if allowed is None else allowed & ~hidden  # (B, H, Lq, Lk)
+            allowed, emptied = _hidden_joins(allowed, hidden)  # (B, H, Lq, Lk), (B, H, Lq) or None
             empty_rows = True
-            emptied = ~allowed.any(dim=-1)  # (B, H, Lq)
-            emptied = emptied if bool(emptied.any()) else None
         if raw.requires_grad and allowed is not None:
             # as FlexAttention: hidden pairs pass no gradient back through the score_mod (one singular there,
             # 1 / (i - j) on a hidden diagonal, would give 0 * inf)
@@ -159,10 +158,8 @@ def _weights(
         # softmax must see such a pair as hidden (its 0 weight times a NaN from the row's other products)
         hidden = torch.isneginf(scores.detach())  # (B, H, Lq, Lk)
         if bool(hidden.any()):
-            allowed = ~hidden if allowed is None else allowed & ~hidden  # (B, H, Lq, Lk)
+            allowed, emptied = _hidden_joins(allowed, hidden)  # (B, H, Lq, Lk), (B, H, Lq) or None
             empty_rows = True
-            emptied = ~allowed.any(dim=-1)  # (B, H, Lq)
-            emptied = emptied if bool(emptied.any()) else None
     if sinks is not None:
         return _softmax_with_sinks(scores, allowed, bias, mask.sink_logits(sinks.to(dtype))), unseen, emptied
     # a score of -inf (infinite inputs, or an overflow) hides its key as the mask does; the inputs' bound spares the
@@ -178,6 +175,14 @@ def _weights(
         finite=finite,
     )  # (B, H, Lq, Lk)
     return weights, unseen, emptied
+
+
+def _hidden_joins(allowed: Tensor | None, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``allowed`` (broadcastable to ``(B, H, Lq, Lk)``, or ``None``) with the pairs ``hidden (B, H, Lq, Lk)``
+    hides taken out, and the rows it leaves with no key, ``(B, H, Lq)``, or ``None`` where there are none."""
+    allowed = ~hidden if allowed is None else allowed & ~hidden  # (B, H, Lq, Lk)
+    emptied = ~allowed.any(dim=-1)  # (B, H, Lq)
+    return allowed, (emptied if bool(emptied.any()) else None)
 
 
 def _softmax_with_sinks(scores: Tensor, allowed: Tensor | None, bias: Tensor | None, sink: Tensor) -> Tensor:

@@ -295,7 +295,7 @@ class _Compiled(torch.autograd.Function):
             q, k = found
         out, lse, saw = _forward(q, k, v, w, sinks, mask, score_mod, scale, found is not None, guard)
         # rows that saw no key (the mask's, a score_mod's -inf) are zeros: their output gradient must reach nothing
-        ctx.emptied = None if bool(saw.all()) else ~saw  # (B, H, Lq) or None
+        ctx.emptied = None if not any(ctx.needs_input_grad) or bool(saw.all()) else ~saw  # (B, H, Lq) or None
         ctx.save_for_backward(q, k, v, w, sinks, out, lse, *closed_over)
         ctx.mask, ctx.score_mod, ctx.scale, ctx.watched, ctx.guard = mask, score_mod, scale, watched, guard
         ctx.exp = found is not None
