@@ -152,7 +152,7 @@ def _weights(
             # 1 / (i - j) on a hidden diagonal, would give 0 * inf)
             hidden_pairs = ~allowed
             raw.register_hook(lambda g: None if g is None else g.masked_fill(hidden_pairs, 0.0))  # (gradcheck: None)
-    elif grad and not bounded:
+    elif grad and w_v is None and not bounded:  # (additive scores are sums of w_v's entries times tanh's: finite)
         # a score of -inf from the inputs (an infinite one, a product that overflows) hides its key too: a row it
         # leaves with none is zeros whose output gradient the caller keeps from reaching anything, and the sinks'
         # softmax must see such a pair as hidden (its 0 weight times a NaN from the row's other products)
