@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attnkit
-from agreement import ENGINES_HERE, bounds, has_autograd, runs_dtype
+from agreement import ENGINES_HERE, Run, assert_agrees, bounds, has_autograd, runs_dtype
 from attnkit.backends.tiles import online
 from cases import make_inputs, make_masking
 from mathref import attention as math_attention
@@ -184,6 +184,44 @@ def test_the_output_gradient_of_a_row_whose_scores_overflow_to_minus_infinity_re
     for name, clean, got in zip(["q", "k", "v", "sinks"], *found, strict=False):
         assert torch.isfinite(got).all(), f"d{name} on {backend}"
         torch.testing.assert_close(got, clean, rtol=0, atol=0, msg=f"d{name} on {backend}")
+
+
+FAR_BELOW = -(2.0**100)  # about -1.3e30, the same number in float32 and float64
+
+
+def _far_below(score, b, h, q_idx, kv_idx):  # every score about -1.3e30: a row's log-sum-exp less its largest score
+    return score * 1e-3 + FAR_BELOW  # is lost in a float32 sum (max + log l), but not in its weights
+
+
+@pytest.mark.parametrize("backend", ["auto", *(e for e in ENGINES_HERE if has_autograd(e))])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_gradients_when_every_score_of_a_row_is_far_below_zero(backend, sinks):
+    """A score_mod that shifts every score to about -1.3e30: softmax is as without the shift, and so is each gradient
+    (a reviewer's finding: the online softmax's backward made its weights from ``m + log l`` in float32, which rounds
+    to ``m``, and gave gradients 23 times too large)."""
+    if sinks and backend not in (*SINK_ENGINES, "auto"):
+        pytest.skip(f"{backend} takes no sinks")
+    q, k, v, g = make_inputs(6, 40, 16, 2, seed=12)
+    leaves = [q, k, v] + ([torch.randn(8, generator=g) * 1e-3 + FAR_BELOW] if sinks else [])  # sinks far below too
+    names = ["q", "k", "v", "sinks"][: len(leaves)]
+    grad_out = torch.randn(2, 8, 6, v.shape[-1], generator=g)  # (2, 8, 6, Dv)
+
+    def ran(engine: str, dtype: torch.dtype) -> Run:
+        typed = [t.to(dtype).detach().requires_grad_() for t in leaves]
+        extra = {"sinks": typed[3]} if sinks else {}
+        try:
+            out = attnkit.scaled_dot_product_attention(
+                *typed[:3], score_mod=_far_below, backend=engine, **extra
+            ).output  # (2, 8, 6, Dv)
+        except ValueError as error:
+            if "cannot run this call" in str(error):
+                pytest.skip(f"{engine} takes no such score_mod")
+            raise
+        return Run(out, None, torch.autograd.grad(out, typed, grad_out.to(dtype)), tuple(names))
+
+    truth, ours = ran("reference", torch.float64), ran(backend, torch.float32)
+    # (auto: held to the reference's bounds, which every engine declares for float32)
+    assert_agrees("reference" if backend == "auto" else backend, ours, truth, torch.float32, "scores at -1.3e30")
 
 
 def test_padding_never_leaks_into_additive_attention():

@@ -52,7 +52,7 @@ from torch import Tensor
 
 from attnkit import mods
 from attnkit.backends.common import first_order_only, repeat_kv
-from attnkit.backends.tiles.softmax import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads
+from attnkit.backends.tiles.softmax import Grads, LogSumExp, RunningSoftmax, Scorer, accumulate, accumulate_grads
 from attnkit.distributed import comm
 from attnkit.distributed.agree import Request, agree
 from attnkit.distributed.plan import Plan, StepMask, seen_keys, step_span
@@ -154,20 +154,21 @@ class RingAttention(torch.autograd.Function):
         state = RunningSoftmax.start(qf, v.shape[-1])
         for _, src, kv in _around(plan, packed, "forward"):
             _forward_block(state, qf, kv, src, plan)
-        out, lse = state.result()  # (B, H, Lq_r, Dv), (B, H, Lq_r)
+        out, lse = state.result()  # (B, H, Lq_r, Dv), (B, H, Lq_r) x 2
         # Rows that summed no key (a mask_mod may leave any row empty): exactly 0, as every allowed key adds a
         # positive weight to the normaliser; NaN (a live row's NaN query) is not 0 and stays live.
         # rows a mask_mod, a score_mod's -inf or a score that overflows to -inf hides from every key: dead, as rows
         # past valid_lens
         live_rows = state.l != 0  # (B, H, Lq_r)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, *lse)
         ctx.plan, ctx.live_keys, ctx.live_rows = plan, live_keys, live_rows
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         first_order_only("ring")
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, top, rest = ctx.saved_tensors
+        lse = LogSumExp(top, rest)  # (B, H, Lq_r) x 2
         plan: Plan = ctx.plan
         ring = plan.ring
         # (B, H, Lq_r, D|Dv): a dead row's output gradient, NaN included, reaches nothing (its output is zeros)
@@ -282,7 +283,7 @@ def _backward_block(
     kv: Tensor,
     src: int,
     plan: Plan,
-    lse: Tensor,
+    lse: LogSumExp,
     dout: Tensor,
     delta: Tensor,
 ) -> None:
@@ -309,7 +310,7 @@ def _backward_block(
         mask,
         _scorer(plan, mask),
         spans,
-        lse[:, :, rows],
+        lse.rows(r0, r1),
         dout[:, :, rows],
         delta[:, :, rows],
     )

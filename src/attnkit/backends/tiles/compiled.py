@@ -36,7 +36,7 @@ from attnkit import plan as plans
 from attnkit.backends.common import Watched, first_order_only, probe, repeat_kv, row_sinks, sinks_grad, zero_dead
 from attnkit.backends.contract import ADDITIVE, DOT, Call, Supports
 from attnkit.backends.tiles import compiled_steps as steps
-from attnkit.backends.tiles.softmax import RunningSoftmax
+from attnkit.backends.tiles.softmax import LogSumExp, RunningSoftmax
 from attnkit.masks import Mask, all_finite, compute_dtype
 
 NAME = "tiles:compiled"
@@ -240,17 +240,17 @@ def _forward(
     scale: float,
     exp: bool,
     guard: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The output ``(B, H, Lq, Dv)``, each row's log-sum-exp ``(B, H, Lq)`` and which rows saw some key ``(B, H,
-    Lq)``, of ``q (B, H, Lq, D)`` over ``k (B, H, Lk, D)`` and ``v (B, H, Lk, Dv)``, tile by tile; ``w (D,)`` for
-    additive scoring, ``exp`` its form, ``guard``: some key or value is not finite
+) -> tuple[Tensor, LogSumExp, Tensor]:
+    """The output ``(B, H, Lq, Dv)``, each row's log-sum-exp and which rows saw some key ``(B, H, Lq)``, of
+    ``q (B, H, Lq, D)`` over ``k (B, H, Lk, D)`` and ``v (B, H, Lk, Dv)``, tile by tile; ``w (D,)`` for additive
+    scoring, ``exp`` its form, ``guard``: some key or value is not finite
     (:func:`~attnkit.backends.tiles.compiled_steps._forward_step`)."""
     B, H, Lq, _ = q.shape
     Dv, T = v.shape[-1], plans.BLOCK
     out = q.new_zeros((B, H, Lq, Dv))  # (B, H, Lq, Dv)
     sink = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype)  # (B, H, Lq)
     # 0 in rows that see no key; the sink's logit where there is one (no keys at all: no block of queries below)
-    lse = q.new_zeros((B, H, Lq)) if sink is None else sink.clone()  # (B, H, Lq)
+    lse = LogSumExp(q.new_zeros((B, H, Lq)) if sink is None else sink.clone(), q.new_zeros((B, H, Lq)))
     saw = torch.zeros((B, H, Lq), dtype=torch.bool, device=q.device)  # (B, H, Lq)
     grid = _Grid(mask, B, H, q.device)
     qs, ks, vs = _blocked(q), _blocked(k), _blocked(v)  # (nq, B, H, T, D), (nk, B, H, T, D), (nk, B, H, T, Dv)
@@ -269,7 +269,7 @@ def _forward(
             args = (qs[r0 // T], kb, vb, w, m, l, acc, saw_key, idx, allowed, bias, scale, exp, guard)
             m, l, acc, saw_key = steps.run("forward", score_mod, *args)  # noqa: E741
         state = RunningSoftmax(m[:, :, :n], l[:, :, :n], acc[:, :, :n])  # (B, H, n), (B, H, n), (B, H, n, Dv)
-        out[:, :, r0:r1], lse[:, :, r0:r1] = state.result()  # 0 and 0 in rows that summed nothing
+        out[:, :, r0:r1], (lse.top[:, :, r0:r1], lse.rest[:, :, r0:r1]) = state.result()  # 0s where nothing summed
         saw[:, :, r0:r1] = saw_key[:, :, :n]
     return out, lse, saw
 
@@ -296,7 +296,7 @@ class _Compiled(torch.autograd.Function):
         out, lse, saw = _forward(q, k, v, w, sinks, mask, score_mod, scale, found is not None, guard)
         # rows that saw no key (the mask's, a score_mod's -inf) are zeros: their output gradient must reach nothing
         ctx.emptied = None if not any(ctx.needs_input_grad) or bool(saw.all()) else ~saw  # (B, H, Lq) or None
-        ctx.save_for_backward(q, k, v, w, sinks, out, lse, *closed_over)
+        ctx.save_for_backward(q, k, v, w, sinks, out, *lse, *closed_over)
         ctx.mask, ctx.score_mod, ctx.scale, ctx.watched, ctx.guard = mask, score_mod, scale, watched, guard
         ctx.exp = found is not None
         return out
@@ -304,7 +304,8 @@ class _Compiled(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         first_order_only(NAME)
-        q, k, v, w, sinks, out, lse, *closed_over = ctx.saved_tensors  # q, k in the exp form where ctx.exp
+        q, k, v, w, sinks, out, top, rest, *closed_over = ctx.saved_tensors  # q, k in the exp form where ctx.exp
+        lse = LogSumExp(top, rest)  # (B, H, Lq) x 2
         if ctx.watched is not None:
             ctx.watched.check(NAME)
         mask: Mask = ctx.mask
@@ -319,7 +320,7 @@ class _Compiled(torch.autograd.Function):
         grid, guard = _Grid(mask, B, H, q.device), ctx.guard
         T = plans.BLOCK
         qs, ks, vs, douts = _blocked(q), _blocked(k), _blocked(v), _blocked(dout)  # (nq|nk, B, H, T, D|Dv)
-        lses, deltas = _blocked(lse), _blocked(delta)  # (nq, B, H, T)
+        tops, rests, deltas = _blocked(top), _blocked(rest), _blocked(delta)  # (nq, B, H, T)
         dqs, dks, dvs = torch.zeros_like(qs), torch.zeros_like(ks), torch.zeros_like(vs)  # as qs, ks, vs
         wanted = w is not None and ctx.needs_input_grad[3]
         dws = torch.zeros_like(qs) if wanted else None  # (nq, B, H, T, D): each query's share of dw
@@ -329,7 +330,20 @@ class _Compiled(torch.autograd.Function):
                 allowed, bias = grid.masks(r0, r1, j0, j1, every, q.dtype)  # (B|1, H|1, T, T) or None
                 idx = grid.indices(r0, j0)
                 j = j0 // T
-                args = (qs[i], ks[j], vs[j], w, douts[i], lses[i], deltas[i], idx, allowed, bias, scale, ctx.exp)
+                args = (
+                    qs[i],
+                    ks[j],
+                    vs[j],
+                    w,
+                    douts[i],
+                    (tops[i], rests[i]),
+                    deltas[i],
+                    idx,
+                    allowed,
+                    bias,
+                    scale,
+                    ctx.exp,
+                )
                 g = steps.run("backward", score_mod, *args, guard, keep)
                 dqs[i] += g[0]  # (B, H, T, D)
                 dks[j] += g[1]  # (B, H, T, D)

@@ -145,7 +145,7 @@ def _backward_step(
     v: Tensor,
     w: Tensor | None,
     dout: Tensor,
-    lse: Tensor,
+    lse: tuple[Tensor, Tensor],
     delta: Tensor,
     idx: tuple[Tensor, Tensor, Tensor, Tensor],
     allowed: Tensor | None,
@@ -156,7 +156,8 @@ def _backward_step(
     keep: bool,
 ) -> tuple[Tensor | None, ...]:
     """One tile's gradients ``dq (B, H, n, D)``, ``dk (B, H, c, D)``, ``dv (B, H, c, Dv)``, ``dw (B, H, n, D)`` (its
-    queries' shares; None without ``w``), its weights recomputed from ``lse`` (``exp``, ``guard`` as in
+    queries' shares; None without ``w``), its weights recomputed from ``lse``, the rows' log-sum-exp as two terms
+    ``(B, H, n)`` (:class:`~attnkit.backends.tiles.softmax.LogSumExp`; ``exp``, ``guard`` as in
     :func:`_forward_step`); with ``keep``, also the raw scores and the gradient of the modified ones, for the
     tensors the score_mod closes over."""
     raw = _scores(q, k, w, scale, exp)  # (B, H, n, c)
@@ -172,7 +173,8 @@ def _backward_step(
         s = s.masked_fill(~allowed, float("-inf"))
     # (B, H, n, c): the weights again; 0 where hidden, whatever the row's lse (NaN in a row whose query is: its
     # output gradient of 0 then keeps dv finite past the keys it sees, as the reference's)
-    p = torch.where(torch.isneginf(s), 0.0, torch.exp(s - lse[..., None]))
+    top, rest = lse
+    p = torch.where(torch.isneginf(s), 0.0, torch.exp((s - top[..., None]) - rest[..., None]))
     hidden = torch.isneginf(s) if guard else None  # (B, H, n, c)
     if hidden is not None:
         unseen = hidden.all(dim=-2)[..., None]  # (B, H, c, 1): keys no row of the tile sees

@@ -34,7 +34,7 @@ from torch import Tensor
 from attnkit import mods
 from attnkit.backends.common import Watched, first_order_only, probe, repeat_kv, row_sinks, sinks_grad, zero_dead
 from attnkit.backends.contract import Call, Supports, scores_bounded
-from attnkit.backends.tiles.softmax import Grads, RunningSoftmax, Scorer, accumulate, accumulate_grads
+from attnkit.backends.tiles.softmax import Grads, LogSumExp, RunningSoftmax, Scorer, accumulate, accumulate_grads
 from attnkit.masks import Mask, compute_dtype
 from attnkit.plan import Span, plan_of
 
@@ -113,8 +113,8 @@ def attention_with_lse(call: Call) -> tuple[Tensor, Tensor] | None:
     if call.needs_grad:
         return None
     (q, k, v, _, sinks, mask, scorer, block, _), _ = _prepared(call)
-    out, lse, _, empty = _forward(q, k, v, sinks, mask, scorer, block)  # (B, H, Lq, Dv), (B, H, Lq) x 2
-    return out.to(call.q.dtype), lse.masked_fill(empty, -math.inf)
+    out, lse, _, empty = _forward(q, k, v, sinks, mask, scorer, block)  # (B, H, Lq, Dv), (B, H, Lq) x 3
+    return out.to(call.q.dtype), lse.total().masked_fill(empty, -math.inf)
 
 
 def _prepared(call: Call) -> tuple[tuple, tuple[Tensor, ...]]:
@@ -160,7 +160,7 @@ def _forward(
     scorer: Scorer,
     block: int,
     saw_key: Tensor | None = None,
-) -> tuple[Tensor, Tensor, list[Span], Tensor]:
+) -> tuple[Tensor, LogSumExp, list[Span], Tensor]:
     """The output ``(B, H, Lq, Dv)``, each row's log-sum-exp ``(B, H, Lq)`` (0 in a row with no key), the spans of
     keys visited, and which rows summed nothing ``(B, H, Lq)`` (no key, nor a sink); ``saw_key``: as
     :func:`~attnkit.backends.tiles.softmax.accumulate`'s."""
@@ -168,7 +168,7 @@ def _forward(
     state = RunningSoftmax.start(q, v.shape[-1], sink_logits)
     spans = plan_of(mask).spans(mask, (0, mask.num_keys), block)
     accumulate(state, q, k, v, mask, scorer, spans, saw_key)
-    out, lse = state.result()  # (B, H, Lq, Dv), (B, H, Lq)
+    out, lse = state.result()  # (B, H, Lq, Dv), (B, H, Lq) x 2
     return out, lse, spans, state.l == 0
 
 
@@ -192,16 +192,17 @@ class _OnlineSoftmax(torch.autograd.Function):
         saw_key = None
         if any(ctx.needs_input_grad) and (scorer.score_mod is not None or not scorer.finite):
             saw_key = torch.zeros(q.shape[:3], dtype=torch.bool, device=q.device)  # (B, H, Lq)
-        out, lse, spans, _ = _forward(q, k, v, sinks, mask, scorer, block, saw_key)  # (B, H, Lq, Dv), (B, H, Lq), ..
+        out, lse, spans, _ = _forward(q, k, v, sinks, mask, scorer, block, saw_key)  # (B, H, Lq, Dv), (B, H, Lq) x 2
         ctx.emptied = None if saw_key is None or bool(saw_key.all()) else ~saw_key  # (B, H, Lq) or None
-        ctx.save_for_backward(q, k, v, w_v, sinks, out, lse, *closed_over)
+        ctx.save_for_backward(q, k, v, w_v, sinks, out, *lse, *closed_over)
         ctx.mask, ctx.scorer, ctx.spans, ctx.watched = mask, scorer, spans, watched
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         first_order_only(NAME)
-        q, k, v, w_v, sinks, out, lse, *closed_over = ctx.saved_tensors
+        q, k, v, w_v, sinks, out, top, rest, *closed_over = ctx.saved_tensors
+        lse = LogSumExp(top, rest)  # (B, H, Lq) x 2
         if ctx.watched is not None:
             ctx.watched.check(NAME)
         mask: Mask = ctx.mask

@@ -28,6 +28,7 @@ __all__ = [
     "EXP_FLOOR",
     "BlockMask",
     "Grads",
+    "LogSumExp",
     "RunningSoftmax",
     "Scorer",
     "accumulate",
@@ -92,6 +93,29 @@ class BlockMask(Protocol):
     def opaque(self) -> bool: ...
 
 
+class LogSumExp(NamedTuple):
+    """Each row's log-sum-exp as two terms, ``top + rest``: its running maximum (a score, or the sink's logit) and
+    the log of its normaliser; both 0 in a row that summed nothing. The backward pass subtracts one, then the other,
+    from a block's scores: their float sum can lose ``rest``, as in a row whose scores are all about -1e30 in
+    float32, and weights made from the sum would then be up to ``Lk`` times too large."""
+
+    top: Tensor  # (B, H, Lq)
+    rest: Tensor  # (B, H, Lq)
+
+    def total(self) -> Tensor:
+        """The log-sum-exp ``(B, H, Lq)`` as one tensor (a float may round ``rest`` away)."""
+        return self.top + self.rest
+
+    def rows(self, r0: int, r1: int) -> LogSumExp:
+        """Rows ``[r0, r1)``."""
+        return LogSumExp(self.top[:, :, r0:r1], self.rest[:, :, r0:r1])
+
+    def weights(self, s: Tensor) -> Tensor:
+        """``exp(s - lse)`` of scores ``s (B, H, n, blk)`` of these rows, in ``s``'s memory (at least
+        ``exp(EXP_FLOOR)``: the caller zeroes hidden pairs)."""
+        return s.sub_(self.top[..., None]).sub_(self.rest[..., None]).clamp_min_(EXP_FLOOR).exp_()
+
+
 class RunningSoftmax(NamedTuple):
     """The state of an online softmax over the rows of ``q``, updated in place block after block."""
 
@@ -112,14 +136,14 @@ class RunningSoftmax(NamedTuple):
         """A view of rows ``[r0, r1)``; updating it updates this state."""
         return RunningSoftmax(self.m[:, :, r0:r1], self.l[:, :, r0:r1], self.acc[:, :, r0:r1])
 
-    def result(self) -> tuple[Tensor, Tensor]:
-        """The output ``(B, H, Lq, Dv)`` and the row log-sum-exp ``(B, H, Lq)``; both 0 in rows with no key (a row
-        whose sum is NaN, from NaN in its own query, stays NaN, as in the reference: it is no row without keys)."""
+    def result(self) -> tuple[Tensor, LogSumExp]:
+        """The output ``(B, H, Lq, Dv)`` and the row log-sum-exp; both 0 in rows with no key (a row whose sum is
+        NaN, from NaN in its own query, stays NaN, as in the reference: it is no row without keys)."""
         empty = self.l == 0  # (B, H, Lq): rows that summed no key
         l = self.l.clamp_min(torch.finfo(self.l.dtype).tiny)  # noqa: E741  (NaN stays NaN)
         out = torch.where(empty[..., None], 0.0, self.acc / l[..., None])  # (B, H, Lq, Dv)
         # 0 for empty rows keeps exp(s - lse) at exactly 0 there in the backward pass.
-        lse = torch.where(empty, 0.0, self.m + torch.log(l))  # (B, H, Lq)
+        lse = LogSumExp(torch.where(empty, 0.0, self.m), torch.where(empty, 0.0, torch.log(l)))  # (B, H, Lq) each
         return out, lse
 
 
@@ -189,7 +213,7 @@ def accumulate_grads(
     mask: BlockMask,
     scorer: Scorer,
     spans: list[Span],
-    lse: Tensor,
+    lse: LogSumExp,
     dout: Tensor,
     delta: Tensor,
     closed_over: Sequence[Tensor] = (),
@@ -201,7 +225,7 @@ def accumulate_grads(
     Args:
         grads: ``dq (B, H, Lq, D)``, ``dk (B, H, Lk, D)``, ``dv (B, H, Lk, Dv)``, ``dw (D,)``, added to in place.
         q, k, v, mask, scorer, spans: as in :func:`accumulate`.
-        lse: ``(B, H, Lq)``, the row log-sum-exp over *all* keys (from :meth:`RunningSoftmax.result`).
+        lse: the row log-sum-exp over *all* keys (from :meth:`RunningSoftmax.result`).
         dout: ``(B, H, Lq, Dv)``, the gradient of the output; delta: ``(B, H, Lq)``, ``(dout * out).sum(-1)``.
         closed_over: tensors the score_mod reads that need gradients; closed_grads: theirs, added to in place.
     """
@@ -236,7 +260,7 @@ def accumulate_grads(
             if features is not None:
                 features = features.masked_fill(unseen[..., None, :, None], 0.0)  # (B, H, n, blk, D)
         s = _masked(s, allowed, bias)
-        p = s.sub_(lse[:, :, r0:r1, None]).clamp_min_(EXP_FLOOR).exp_()  # (B, H, n, blk): the weights again
+        p = lse.rows(r0, r1).weights(s)  # (B, H, n, blk): the weights again
         if allowed is not None:
             p = p.masked_fill_(~allowed, 0.0)
         grads.dv[:, :, j0:j1] += p.transpose(-2, -1) @ dout_r  # (B, H, blk, Dv)
@@ -344,7 +368,7 @@ def exact_grads(
     grads = Grads(torch.zeros_like(q), torch.zeros_like(kf), torch.zeros_like(vf), None)
     delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
     spans = key_blocks(mask, Lq, (0, Lk), EXACT_BLOCK)
-    accumulate_grads(grads, q, kf, vf, mask, scorer, spans, lse, dout, delta)
+    accumulate_grads(grads, q, kf, vf, mask, scorer, spans, LogSumExp(lse, torch.zeros_like(lse)), dout, delta)
     dk = grads.dk.unflatten(1, (Hkv, H // Hkv)).sum(dim=2)  # (B, Hkv, Lk, D): each group's heads summed
     dv = grads.dv.unflatten(1, (Hkv, H // Hkv)).sum(dim=2)  # (B, Hkv, Lk, Dv)
     return grads.dq, dk, dv
