@@ -15,6 +15,11 @@ export DEEPSPEED_OP
 
 .PHONY: venv browser compiler demo test test-all lint docs bench memory ring ray clean
 
+# Python's cache of compiled modules, where an environment turns it off (PYTHONDONTWRITEBYTECODE, as on this
+# project's CI machines): without it each process of the tests (two workers, and every command line, torchrun rank
+# and fork server they start) compiles attnkit's modules again, and pytest rewrites every test module again.
+unexport PYTHONDONTWRITEBYTECODE
+
 venv: $(STAMP)
 
 # DeepSpeed builds its CPU communication op (shm.cpp, about 25 s) the first time a process group starts, in one

@@ -120,9 +120,7 @@ def test_compiles_whole_and_equals_eager(name: str, backend: str) -> None:
     x0 = torch.randn(B, L, E, dtype=torch.float64)
     eager_out, eager_grads = _run(lambda x: _call(model, x, kw), model, kw, x0)
     _fresh()
-    explained = torch._dynamo.explain(lambda x: _call(model, x, kw))(x0.clone().requires_grad_())
-    assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
-    _fresh()
+    # fullgraph=True: a graph break is an error that names its reason (torch._dynamo.explain would trace it again)
     compiled = torch.compile(lambda x: _call(model, x, kw), fullgraph=True, backend=backend)
     out, grads = _run(compiled, model, kw, x0)
     assert torch.isfinite(out).all()
