@@ -158,6 +158,44 @@ def test_the_output_gradient_of_a_row_that_sees_no_key_reaches_nothing(backend, 
 
 @pytest.mark.parametrize("backend", ["auto", *(e for e in ENGINES_HERE if has_autograd(e))])
 @pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("additive", [False, True])
+def test_a_nan_query_in_a_row_a_score_mod_leaves_no_key_reaches_nothing(backend, sinks, additive):
+    """A row whose every key a score_mod hides is zeros, whatever its query holds: NaN there reaches no gradient
+    (as in a row the mask empties, whose query is zeroed), and the gradients are those of a finite query (a
+    reviewer's finding: ``0 * NaN`` reached dk through the hidden scores on every engine)."""
+    if sinks and (additive or backend not in (*SINK_ENGINES, "auto")):
+        pytest.skip(f"{backend} takes no sinks" + (" with additive scores" if additive else ""))
+    # (2, 8, 6, 16), (2, 4, 40, 16), (2, 4, 40, 19); additive: (2, 6, 16), (2, 40, 16), (2, 40, 19)
+    q, k, v, g = make_inputs(6, 40, 16, 2, seed=13, heads=not additive)
+    extra = [torch.randn(16, generator=g)] if additive else [torch.randn(8, generator=g)] if sinks else []
+    grad_out = torch.randn(*q.shape[:-1], v.shape[-1], generator=g)  # (2, 8, 6, Dv) or (2, 6, Dv)
+    dirty = q.clone()
+    dirty[0, ..., :3, :] = float("nan")  # the rows _first_rows_of_example_0_hidden empties
+    found = []
+    for query in (q, dirty):
+        leaves = [t.detach().requires_grad_() for t in (query, k, v, *extra)]
+        kw: dict = {"backend": backend, "score_mod": _first_rows_of_example_0_hidden}
+        try:
+            if additive:
+                out = attnkit.additive_attention(*leaves, **kw).output  # (2, 6, Dv)
+            else:
+                out = attnkit.scaled_dot_product_attention(*leaves[:3], sinks=leaves[3] if sinks else None, **kw)
+                out = out.output  # (2, 8, 6, Dv)
+        except ValueError as error:
+            if "cannot run this call" in str(error):
+                pytest.skip(f"{backend} takes no such call")
+            raise
+        found.append(torch.autograd.grad(out, leaves, grad_out))
+    # (additive: the compiled engine picks its form of tanh by the range of the queries, which NaN changes; the
+    # same gradients then within float32's rounding)
+    tol = {"rtol": 1.3e-6, "atol": 1e-5} if additive else {"rtol": 0, "atol": 0}
+    for name, clean, got in zip(["q", "k", "v", "w_v" if additive else "sinks"], *found, strict=False):
+        assert torch.isfinite(got).all(), f"d{name} on {backend}"
+        torch.testing.assert_close(got, clean, **tol, msg=f"d{name} on {backend}")
+
+
+@pytest.mark.parametrize("backend", ["auto", *(e for e in ENGINES_HERE if has_autograd(e))])
+@pytest.mark.parametrize("sinks", [False, True])
 def test_the_output_gradient_of_a_row_whose_scores_overflow_to_minus_infinity_reaches_nothing(backend, sinks):
     """Finite inputs whose products overflow to -inf for every key of one row: the row sees no key (as a mask's -inf
     would hide them) and NaN in its output gradient reaches nothing (a reviewer's finding: reference, sdpa and the

@@ -84,8 +84,10 @@ def attention(call: Call) -> tuple[Tensor, Tensor | None]:
             hidden = torch.isneginf(_modified(call.score_mod, scores.detach(), idx))  # (B, H, Lq, Lk)
         seen = ~hidden if allowed is None else allowed & ~hidden  # (B, H, Lq, Lk)
         unseen = ~seen.any(dim=-2, keepdim=True)  # (B, H, 1, Lk): keys the score_mod hides from every query
+        emptied = ~seen.any(dim=-1, keepdim=True)  # (B, H, Lq, 1): rows it leaves no key
         kf = torch.where(unseen.transpose(-2, -1), 0.0, kf)  # (B, H, Lk, D): scored again as zeros (0 * NaN)
         vf = torch.where(unseen.transpose(-2, -1), 0.0, vf)  # (B, H, Lk, Dv)
+        qf = torch.where(emptied, 0.0, qf)  # (B, H, Lq, D): so are those rows' queries
         raw = scores_of(kf)  # (B, H, Lq, Lk)
         # as FlexAttention: hidden pairs pass no gradient back through the score_mod (1 / (i - j) on a hidden
         # diagonal would give 0 * inf): where() selects, so what reaches `raw` there is exactly 0

@@ -138,14 +138,17 @@ def _weights(
         if bool(hidden.any()):
             seen = ~hidden if allowed is None else allowed & ~hidden  # (B, H, Lq, Lk)
             unseen = ~seen.any(dim=-2)  # (B, H, Lk)
-            if bool(unseen.any()):
-                kf = torch.where(unseen[..., None], 0.0, kf)  # (B, H, Lk, D)
+            unseen = unseen if bool(unseen.any()) else None
+            allowed, emptied = _hidden_joins(allowed, hidden)  # (B, H, Lq, Lk), (B, H, Lq) or None
+            if unseen is not None or emptied is not None:
+                # keys no query sees and rows that see no key are scored again as zeros, hidden by the first
+                # verdict whatever zeros score now: 0 * NaN would reach dq or dk through a hidden score
+                if unseen is not None:
+                    kf = torch.where(unseen[..., None], 0.0, kf)  # (B, H, Lk, D)
+                if emptied is not None:
+                    qf = torch.where(emptied[..., None], 0.0, qf)  # (B, H, Lq, D)
                 raw = scores_of(kf)
                 scores = mods.evaluate_score(score_mod, raw, *idx, protected=protected)  # (B, H, Lq, Lk)
-                hidden = hidden | unseen[..., None, :]  # hidden by the first verdict, whatever zeros score now
-            else:
-                unseen = None
-            allowed, emptied = _hidden_joins(allowed, hidden)  # (B, H, Lq, Lk), (B, H, Lq) or None
             empty_rows = True
         if raw.requires_grad and allowed is not None:
             # as FlexAttention: hidden pairs pass no gradient back through the score_mod (one singular there,

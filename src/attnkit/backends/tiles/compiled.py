@@ -312,8 +312,11 @@ class _Compiled(torch.autograd.Function):
         score_mod, scale = ctx.score_mod, ctx.scale
         B, H, Lq, _ = q.shape
         dout = dout.to(out.dtype)
-        if ctx.emptied is not None:
+        gones = None
+        if ctx.emptied is not None:  # their queries too, hidden below: 0 * NaN would reach dk through their scores
             dout = dout.masked_fill(ctx.emptied[..., None], 0.0)  # (B, H, Lq, Dv)
+            q = q.masked_fill(ctx.emptied[..., None], 0.0)  # (B, H, Lq, D)
+            gones = _blocked(ctx.emptied)  # (nq, B, H, T)
         delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
         closed_grads = [torch.zeros_like(t) for t in closed_over]
         keep = bool(closed_over)
@@ -328,6 +331,9 @@ class _Compiled(torch.autograd.Function):
             i = r0 // T
             for j0, j1, every in row_tiles:
                 allowed, bias = grid.masks(r0, r1, j0, j1, every, q.dtype)  # (B|1, H|1, T, T) or None
+                if gones is not None:  # rows the forward found with no key, whatever their scores are now
+                    gone = gones[i][..., None].expand(B, H, T, T)  # (B, H, T, T)
+                    allowed = ~gone if allowed is None else allowed & ~gone  # (B, H, T, T)
                 idx = grid.indices(r0, j0)
                 j = j0 // T
                 args = (

@@ -207,12 +207,15 @@ class _OnlineSoftmax(torch.autograd.Function):
             ctx.watched.check(NAME)
         mask: Mask = ctx.mask
         dout = dout.to(out.dtype)
-        if ctx.emptied is not None:
+        if ctx.emptied is not None:  # their queries too: 0 * NaN would reach dk through their hidden scores
             dout = dout.masked_fill(ctx.emptied[..., None], 0.0)  # (B, H, Lq, Dv)
+            q = q.masked_fill(ctx.emptied[..., None], 0.0)  # (B, H, Lq, D)
         delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
         grads = Grads(torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), _zeros_or_none(w_v))
         closed_grads = [torch.zeros_like(t) for t in closed_over]
-        accumulate_grads(grads, q, k, v, mask, ctx.scorer, ctx.spans, lse, dout, delta, closed_over, closed_grads)
+        accumulate_grads(
+            grads, q, k, v, mask, ctx.scorer, ctx.spans, lse, dout, delta, closed_over, closed_grads, ctx.emptied
+        )
         dsinks = sinks_grad(sinks, mask, lse, delta) if sinks is not None and ctx.needs_input_grad[4] else None
         return (grads.dq, grads.dk, grads.dv, grads.dw, dsinks, None, None, None, None, *closed_grads)
 

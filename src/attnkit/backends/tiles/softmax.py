@@ -218,6 +218,7 @@ def accumulate_grads(
     delta: Tensor,
     closed_over: Sequence[Tensor] = (),
     closed_grads: Sequence[Tensor] = (),
+    emptied: Tensor | None = None,
 ) -> None:
     """Add the gradients through the key blocks ``spans`` to ``grads``, recomputing each block's weights from
     ``lse``.
@@ -228,6 +229,8 @@ def accumulate_grads(
         lse: the row log-sum-exp over *all* keys (from :meth:`RunningSoftmax.result`).
         dout: ``(B, H, Lq, Dv)``, the gradient of the output; delta: ``(B, H, Lq)``, ``(dout * out).sum(-1)``.
         closed_over: tensors the score_mod reads that need gradients; closed_grads: theirs, added to in place.
+        emptied: ``(B, H, Lq)``, the rows the forward found with no key (a score's ``-inf`` hid every one): hidden
+            here whatever their scores are now (the caller zeroes their queries and output gradients).
     """
     w_v, scale = scorer.w_v, scorer.scale
     # dout . v of a pair a row may not see could overflow (a huge value another row sees), and so could the row's
@@ -239,6 +242,9 @@ def accumulate_grads(
         if seen is None:
             continue
         j0, j1, r0, r1, allowed, bias = seen
+        if emptied is not None:
+            gone = emptied[:, :, r0:r1, None]  # (B, H, n, 1)
+            allowed = ~gone if allowed is None else allowed & ~gone  # (B, H, n, blk)
         qr, dq_r, dout_r = q[:, :, r0:r1], grads.dq[:, :, r0:r1], dout[:, :, r0:r1]  # (B, H, n, D|Dv)
         kb, vb = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, H, blk, D), (B, H, blk, Dv)
         raw, features = _scores(qr, kb, w_v, scale)  # (B, H, n, blk)
