@@ -32,7 +32,7 @@ def truth(w: torch.Tensor, k: int, sink_keys: int = 4, qpos=None, kpos=None) -> 
     dist = (qpos[:, None, :, None] - kpos[:, None, None, :]).abs().double()  # (B, 1, Lq, Lk)
     mass = w.sum(-1)
     padded = torch.nn.functional.pad(w, (0, max(0, k - Lk)))
-    values = padded.sort(dim=-1, descending=True).values[..., :k]
+    values = padded.topk(k, dim=-1).values  # (B, H, Lq, k), largest first
     return {
         "topk_values": values,
         "entropy": -torch.special.xlogy(w, w).sum(-1),
