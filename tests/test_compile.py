@@ -97,8 +97,9 @@ def _run(fn: Callable, model: nn.Module, kw: dict, x0: torch.Tensor) -> tuple[to
 
 # Inductor's code for every case is make test-all's: in a new environment its C++ cache is cold and each case's
 # kernels take 5-8 s to build (128 s for the 17 cases against 32 s warm, measured), which make test spends on two:
-# a mask_mod and sinks (the unmasked layer on Inductor, forward and backward, is docs/guide/compile.md's example,
-# which tests/test_readme.py runs as written, with valid_lens and a score_mod). Every case runs on
+# a mask_mod and sinks. (The unmasked case goes through the same fused call as the mask_mod's, the graph backend's,
+# without a mask tensor; the README's and docs/guide/compile.md's examples, which make test runs as written, compile
+# the layer on Inductor with valid_lens.) Every case runs on
 # "aot_eager_decomp_partition" in make test: dynamo's whole graph, and AOTAutograd's forward and backward graphs
 # with Inductor's decompositions and partitioner, run by torch's eager kernels (what Inductor's lowering then takes
 # is torch's).

@@ -140,7 +140,7 @@ def _weights(
             unseen = ~seen.any(dim=-2)  # (B, H, Lk)
             unseen = unseen if bool(unseen.any()) else None
             allowed, emptied = _hidden_joins(allowed, hidden)  # (B, H, Lq, Lk), (B, H, Lq) or None
-            if unseen is not None or emptied is not None:
+            if grad and (unseen is not None or emptied is not None):
                 # keys no query sees and rows that see no key are scored again as zeros, hidden by the first
                 # verdict whatever zeros score now: 0 * NaN would reach dq or dk through a hidden score
                 if unseen is not None:

@@ -175,10 +175,12 @@ class RingAttention(torch.autograd.Function):
         qf, dout = (_zero_dead_rows(t.to(out.dtype), plan, ctx.live_rows) for t in (q, dout))
         delta = (dout * out).sum(dim=-1)  # (B, H, Lq_r): sum_j p_ij dp_ij, the softmax Jacobian's row term
         dq = torch.zeros_like(qf)  # (B, H, Lq_r, D)
+        # rows that summed no key stay hidden whatever their zeroed queries score now (a score_mod that hides by value)
+        emptied = None if bool(ctx.live_rows.all()) else ~ctx.live_rows  # (B, H, Lq_r) or None
         pending: tuple[list, Tensor, Tensor] | None = None  # the gradient exchange under way: works, sent, received
         for step, src, kv in _around(plan, _pack(k, v, plan, ctx.live_keys), "backward"):
             part = kv.new_zeros(kv.shape, dtype=out.dtype)  # (B, Hkv, Lb, D + Dv): this rank's share of dk, dv
-            _backward_block(dq, part, qf, kv, src, plan, lse, dout, delta)
+            _backward_block(dq, part, qf, kv, src, plan, lse, dout, delta, emptied)
             if pending is not None:  # what the previous ranks summed for this block so far
                 comm.wait(pending[0], plan.timeout, _gradient_step(plan, step - 1), ring.parts())
                 part += pending[2]
@@ -286,8 +288,10 @@ def _backward_block(
     lse: LogSumExp,
     dout: Tensor,
     delta: Tensor,
+    emptied: Tensor | None,
 ) -> None:
-    """Add this rank's gradients through block ``src`` to ``dq`` and to ``part`` (``dk, dv`` packed)."""
+    """Add this rank's gradients through block ``src`` to ``dq`` and to ``part`` (``dk, dv`` packed); ``emptied``:
+    ``(B, H, Lq_r)``, the rows that summed no key in the forward, or ``None``."""
     span = step_span(plan, src)
     if span is None:
         return
@@ -313,6 +317,7 @@ def _backward_block(
         lse.rows(r0, r1),
         dout[:, :, rows],
         delta[:, :, rows],
+        emptied=None if emptied is None else emptied[:, :, rows],
     )
     if Hkv != H:
         part[:, :, c0:c1, :D] += dk.unflatten(1, (Hkv, H // Hkv)).sum(dim=2)  # (B, Hkv, Lb', D)

@@ -250,7 +250,9 @@ def _forward(
     out = q.new_zeros((B, H, Lq, Dv))  # (B, H, Lq, Dv)
     sink = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype)  # (B, H, Lq)
     # 0 in rows that see no key; the sink's logit where there is one (no keys at all: no block of queries below)
-    lse = LogSumExp(q.new_zeros((B, H, Lq)) if sink is None else sink.clone(), q.new_zeros((B, H, Lq)))
+    lse = LogSumExp(
+        q.new_zeros((B, H, Lq)) if sink is None else sink.clone(), q.new_zeros((B, H, Lq))
+    )  # (B, H, Lq) x 2
     saw = torch.zeros((B, H, Lq), dtype=torch.bool, device=q.device)  # (B, H, Lq)
     grid = _Grid(mask, B, H, q.device)
     qs, ks, vs = _blocked(q), _blocked(k), _blocked(v)  # (nq, B, H, T, D), (nk, B, H, T, D), (nk, B, H, T, Dv)

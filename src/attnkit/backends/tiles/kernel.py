@@ -33,6 +33,7 @@ from torch import Tensor
 from attnkit import csrc, mods
 from attnkit.backends.common import Watched, first_order_only, repeat_kv, row_sinks, sinks_grad, zero_dead
 from attnkit.backends.contract import DOT, Call, Supports, Unavailable, scores_bounded
+from attnkit.backends.tiles import online
 from attnkit.masks import Mask, all_finite
 from attnkit.plan import FULL, Rows, plan_of
 
@@ -70,8 +71,18 @@ SUPPORTS = Supports(
 # B batch, H heads, Lq/Lk query/key length, D head dim, Dv value head dim, n a block's queries, c a span's keys
 
 
+# A row's log-sum-exp at least this far from 0: float32 rounds m + log(l), from which the kernel's backward makes the
+# row's weights, by up to 2^-8 there (0.4% of every weight), and by more further out: where every score is about
+# -1e30 (a finite bias used as a mask) log(l) is lost and the weights come out up to Lk times too large. Closer to 0
+# that rounding is at most half an ulp of the row's largest score, which the forward's scores carry too.
+FAR_LSE = 2.0**16
+
+
 def attention(call: Call) -> tuple[Tensor, Tensor | None]:
-    return _run(call)[0].to(call.q.dtype), None
+    out, lse = _run(call)
+    if call.needs_grad and bool((lse.detach().abs() >= FAR_LSE).logical_and_(lse.detach() > -math.inf).any()):
+        return online.attention(call)  # (rare: again on the online softmax, which keeps m and log l apart)
+    return out.to(call.q.dtype), None
 
 
 def attention_with_lse(call: Call) -> tuple[Tensor, Tensor] | None:

@@ -161,7 +161,7 @@ def _forward(
     block: int,
     saw_key: Tensor | None = None,
 ) -> tuple[Tensor, LogSumExp, list[Span], Tensor]:
-    """The output ``(B, H, Lq, Dv)``, each row's log-sum-exp ``(B, H, Lq)`` (0 in a row with no key), the spans of
+    """The output ``(B, H, Lq, Dv)``, each row's log-sum-exp (two terms, 0 in a row with no key), the spans of
     keys visited, and which rows summed nothing ``(B, H, Lq)`` (no key, nor a sink); ``saw_key``: as
     :func:`~attnkit.backends.tiles.softmax.accumulate`'s."""
     sink_logits = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype)  # (B, H, Lq)

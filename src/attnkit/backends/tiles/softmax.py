@@ -244,7 +244,7 @@ def accumulate_grads(
         j0, j1, r0, r1, allowed, bias = seen
         if emptied is not None:
             gone = emptied[:, :, r0:r1, None]  # (B, H, n, 1)
-            allowed = ~gone if allowed is None else allowed & ~gone  # (B, H, n, blk)
+            allowed = ~gone if allowed is None else allowed & ~gone  # (B, H, n, blk|1)
         qr, dq_r, dout_r = q[:, :, r0:r1], grads.dq[:, :, r0:r1], dout[:, :, r0:r1]  # (B, H, n, D|Dv)
         kb, vb = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, H, blk, D), (B, H, blk, Dv)
         raw, features = _scores(qr, kb, w_v, scale)  # (B, H, n, blk)
