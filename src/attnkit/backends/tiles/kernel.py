@@ -13,7 +13,9 @@ keys go in spans of up to ``SPAN`` keys without a mask, and partly visible ones 
 ``bias`` tiles (:meth:`attnkit.masks.Mask.tile`). A row's output and log-sum-exp come from one pass over its spans,
 each tile's scores kept in cache from the product that makes them to the products that read them (where compiled steps
 write each step's tile to memory: :mod:`attnkit.backends.tiles.compiled`); the backward pass recomputes each span's
-weights from the log-sum-exp, as FlashAttention's does.
+weights from the log-sum-exp, as FlashAttention's does. That sum holds ``m + log l`` in one float32: a call that
+records a gradient and has a row whose log-sum-exp lies ``FAR_LSE`` or more from 0 runs again on the online softmax
+(:mod:`attnkit.backends.tiles.online`), which keeps the two apart.
 
 Built ahead of time by ``pip install``, or on first use (:func:`attnkit.csrc.ensure`: said once, then cached); where it
 cannot be built, the tile engine runs these calls in torch ops and the warning says so once (choosing an
