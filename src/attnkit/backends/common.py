@@ -201,12 +201,13 @@ def row_sinks(sinks: Tensor, mask: Mask, shape: torch.Size, dtype: torch.dtype) 
     return mask.sink_logits(sinks.to(dtype))[..., 0].expand(B, H, Lq)  # (B|1, H, Lq|1, 1) -> (B, H, Lq)
 
 
-def sinks_grad(sinks: Tensor, mask: Mask, lse: Tensor | Sequence[Tensor], delta: Tensor) -> Tensor:
+def sinks_grad(sinks: Tensor, mask: Mask, lse: Tensor | Sequence[Tensor | None], delta: Tensor) -> Tensor:
     """The gradient of the sinks ``(H,)`` from each row's log-sum-exp ``lse`` and ``delta = sum(dout * out)``
     ``(B, H, Lq)``: d lse / d sink is the sink's weight, ``exp(sink - lse)``, and d out / d sink is minus that weight
     times the output, so each row adds ``-weight * delta`` (the backends that recompute the weights share this).
-    ``lse``: one tensor, or terms to subtract in turn (:class:`~attnkit.backends.tiles.softmax.LogSumExp`)."""
-    terms = (lse,) if isinstance(lse, Tensor) else tuple(lse)
+    ``lse``: one tensor, or terms to subtract in turn (:class:`~attnkit.backends.tiles.softmax.LogSumExp`; ``None``
+    is none)."""
+    terms = (lse,) if isinstance(lse, Tensor) else tuple(t for t in lse if t is not None)
     logit = row_sinks(sinks, mask, delta.shape, delta.dtype)  # (B, H, Lq)
     for term in terms:
         logit = logit - term  # (B, H, Lq)

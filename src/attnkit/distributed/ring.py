@@ -155,6 +155,7 @@ class RingAttention(torch.autograd.Function):
         for _, src, kv in _around(plan, packed, "forward"):
             _forward_block(state, qf, kv, src, plan)
         out, lse = state.result()  # (B, H, Lq_r, Dv), (B, H, Lq_r) x 2
+        lse = lse.folded()  # (B, H, Lq_r) and (B, H, Lq_r) or None
         # Rows that summed no key (a mask_mod may leave any row empty): exactly 0, as every allowed key adds a
         # positive weight to the normaliser; NaN (a live row's NaN query) is not 0 and stays live.
         # rows a mask_mod, a score_mod's -inf or a score that overflows to -inf hides from every key: dead, as rows

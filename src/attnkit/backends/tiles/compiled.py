@@ -250,9 +250,8 @@ def _forward(
     out = q.new_zeros((B, H, Lq, Dv))  # (B, H, Lq, Dv)
     sink = None if sinks is None else row_sinks(sinks, mask, q.shape, q.dtype)  # (B, H, Lq)
     # 0 in rows that see no key; the sink's logit where there is one (no keys at all: no block of queries below)
-    lse = LogSumExp(
-        q.new_zeros((B, H, Lq)) if sink is None else sink.clone(), q.new_zeros((B, H, Lq))
-    )  # (B, H, Lq) x 2
+    top = q.new_zeros((B, H, Lq)) if sink is None else sink.clone()  # (B, H, Lq)
+    rest = q.new_zeros((B, H, Lq))  # (B, H, Lq)
     saw = torch.zeros((B, H, Lq), dtype=torch.bool, device=q.device)  # (B, H, Lq)
     grid = _Grid(mask, B, H, q.device)
     qs, ks, vs = _blocked(q), _blocked(k), _blocked(v)  # (nq, B, H, T, D), (nk, B, H, T, D), (nk, B, H, T, Dv)
@@ -271,9 +270,11 @@ def _forward(
             args = (qs[r0 // T], kb, vb, w, m, l, acc, saw_key, idx, allowed, bias, scale, exp, guard)
             m, l, acc, saw_key = steps.run("forward", score_mod, *args)  # noqa: E741
         state = RunningSoftmax(m[:, :, :n], l[:, :, :n], acc[:, :, :n])  # (B, H, n), (B, H, n), (B, H, n, Dv)
-        out[:, :, r0:r1], (lse.top[:, :, r0:r1], lse.rest[:, :, r0:r1]) = state.result()  # 0s where nothing summed
+        found, lse = state.result()  # (B, H, n, Dv), (B, H, n) x 2: 0s where nothing summed
+        assert lse.rest is not None  # (result() keeps the two terms apart)
+        out[:, :, r0:r1], top[:, :, r0:r1], rest[:, :, r0:r1] = found, lse.top, lse.rest
         saw[:, :, r0:r1] = saw_key[:, :, :n]
-    return out, lse, saw
+    return out, LogSumExp(top, rest), saw
 
 
 class _Compiled(torch.autograd.Function):

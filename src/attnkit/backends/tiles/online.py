@@ -169,7 +169,7 @@ def _forward(
     spans = plan_of(mask).spans(mask, (0, mask.num_keys), block)
     accumulate(state, q, k, v, mask, scorer, spans, saw_key)
     out, lse = state.result()  # (B, H, Lq, Dv), (B, H, Lq) x 2
-    return out, lse, spans, state.l == 0
+    return out, lse.folded(), spans, state.l == 0
 
 
 class _OnlineSoftmax(torch.autograd.Function):

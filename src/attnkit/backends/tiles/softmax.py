@@ -93,27 +93,42 @@ class BlockMask(Protocol):
     def opaque(self) -> bool: ...
 
 
+# Every row's log-sum-exp within this of 0: one term holds it (:meth:`LogSumExp.folded`), rounded by at most half an
+# ulp of 2^8 (2^-16 in float32, below the 3e-5 the engines declare for a gradient), and each block of the backward
+# pass is spared a subtraction.
+FOLD = 2.0**8
+
+
 class LogSumExp(NamedTuple):
     """Each row's log-sum-exp as two terms, ``top + rest``: its running maximum (a score, or the sink's logit) and
     the log of its normaliser; both 0 in a row that summed nothing. The backward pass subtracts one, then the other,
     from a block's scores: their float sum can lose ``rest``, as in a row whose scores are all about -1e30 in
-    float32, and weights made from the sum would then be up to ``Lk`` times too large."""
+    float32, and weights made from the sum would then be up to ``Lk`` times too large. ``rest`` ``None``: the sum is
+    ``top`` (:meth:`folded`)."""
 
     top: Tensor  # (B, H, Lq)
-    rest: Tensor  # (B, H, Lq)
+    rest: Tensor | None  # (B, H, Lq)
 
     def total(self) -> Tensor:
         """The log-sum-exp ``(B, H, Lq)`` as one tensor (a float may round ``rest`` away)."""
-        return self.top + self.rest
+        return self.top if self.rest is None else self.top + self.rest
+
+    def folded(self) -> LogSumExp:
+        """The two terms as one where every row's sum lies within ``FOLD`` of 0 (NaN rows aside), else as they are."""
+        total = self.total()  # (B, H, Lq)
+        return LogSumExp(total, None) if not bool((total.abs() >= FOLD).any()) else self
 
     def rows(self, r0: int, r1: int) -> LogSumExp:
         """Rows ``[r0, r1)``."""
-        return LogSumExp(self.top[:, :, r0:r1], self.rest[:, :, r0:r1])
+        return LogSumExp(self.top[:, :, r0:r1], None if self.rest is None else self.rest[:, :, r0:r1])
 
     def weights(self, s: Tensor) -> Tensor:
         """``exp(s - lse)`` of scores ``s (B, H, n, blk)`` of these rows, in ``s``'s memory (at least
         ``exp(EXP_FLOOR)``: the caller zeroes hidden pairs)."""
-        return s.sub_(self.top[..., None]).sub_(self.rest[..., None]).clamp_min_(EXP_FLOOR).exp_()
+        s = s.sub_(self.top[..., None])
+        if self.rest is not None:
+            s = s.sub_(self.rest[..., None])
+        return s.clamp_min_(EXP_FLOOR).exp_()
 
 
 class RunningSoftmax(NamedTuple):
@@ -374,7 +389,7 @@ def exact_grads(
     grads = Grads(torch.zeros_like(q), torch.zeros_like(kf), torch.zeros_like(vf), None)
     delta = (dout * out).sum(dim=-1)  # (B, H, Lq): sum_j p_ij dp_ij, the softmax Jacobian's row term
     spans = key_blocks(mask, Lq, (0, Lk), EXACT_BLOCK)
-    accumulate_grads(grads, q, kf, vf, mask, scorer, spans, LogSumExp(lse, torch.zeros_like(lse)), dout, delta)
+    accumulate_grads(grads, q, kf, vf, mask, scorer, spans, LogSumExp(lse, None), dout, delta)
     dk = grads.dk.unflatten(1, (Hkv, H // Hkv)).sum(dim=2)  # (B, Hkv, Lk, D): each group's heads summed
     dv = grads.dv.unflatten(1, (Hkv, H // Hkv)).sum(dim=2)  # (B, Hkv, Lk, Dv)
     return grads.dq, dk, dv
